@@ -1,0 +1,40 @@
+"""The embedded corpus: the Python standard-library sources of the running interpreter.
+
+Every machine that runs specdistill has these files, so the embedded default needs no
+download. Test suites (folders named `test` / `tests`) and site-packages are excluded.
+The held-out split is by top-level module (``email/*`` all land on one side), chosen by a
+stable hash of the module name, so it is the same on every machine with the same Python.
+"""
+
+import sysconfig
+import zlib
+from pathlib import Path
+
+HELDOUT_PERCENT = 5
+_EXCLUDED_DIRS = {"test", "tests", "site-packages", "dist-packages", "__pycache__", "idlelib"}
+
+
+def stdlib_root() -> Path:
+    return Path(sysconfig.get_paths()["stdlib"])
+
+
+def _is_heldout(relpath: Path) -> bool:
+    module = relpath.parts[0].removesuffix(".py")
+    return zlib.crc32(module.encode()) % 100 < HELDOUT_PERCENT
+
+
+def stdlib_files(split: str = "train") -> list[Path]:
+    """Sorted `.py` files of the standard library for `split` in {"train", "heldout", "all"}."""
+    if split not in ("train", "heldout", "all"):
+        raise ValueError(f"split must be 'train', 'heldout' or 'all', got {split!r}")
+    root = stdlib_root()
+    files = []
+    for path in sorted(root.rglob("*.py")):
+        rel = path.relative_to(root)
+        if _EXCLUDED_DIRS.intersection(rel.parts[:-1]):
+            continue
+        if split == "all" or (split == "heldout") == _is_heldout(rel):
+            files.append(path)
+    if not files:
+        raise FileNotFoundError(f"no standard-library sources for split {split!r} under {root}")
+    return files

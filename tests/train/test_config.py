@@ -1,0 +1,94 @@
+from pathlib import Path
+
+import pytest
+
+from train.config import Recipe, RecipeError, dump_recipe, load_recipe, parse_override
+
+RECIPES = sorted((Path(__file__).parents[2] / "recipes").glob("*.yaml"))
+
+
+def write(tmp_path, text: str) -> Path:
+    path = tmp_path / "r.yaml"
+    path.write_text(text)
+    return path
+
+
+def test_defaults_without_file():
+    recipe = load_recipe(None)
+    assert recipe == Recipe()
+    assert recipe.target.model == "embedded:code"
+
+
+@pytest.mark.parametrize("path", RECIPES, ids=[p.name for p in RECIPES])
+def test_every_shipped_recipe_is_valid(path):
+    recipe = load_recipe(path)
+    assert recipe.train.max_steps >= 1
+    assert recipe.target.model and recipe.draft.model
+
+
+def test_shipped_recipes_found():
+    names = {p.name for p in RECIPES}
+    assert {"code.yaml", "qwen2.5-coder-7b.yaml"} <= names
+
+
+def test_overrides_are_typed_and_nested(tmp_path):
+    path = write(tmp_path, "train:\n  max_steps: 10\nloss:\n  name: tv\n")
+    recipe = load_recipe(
+        path,
+        ["train.max_steps=50", "loss.name=lk_lambda", "loss.eta=5", "data.train=a.jsonl",
+         "eval.temperature=0", "wandb.project=null", "draft.lora.r=8"],
+    )
+    assert recipe.train.max_steps == 50
+    assert recipe.loss.name == "lk_lambda" and recipe.loss.params == {"eta": 5}
+    assert recipe.data.train == ["a.jsonl"]
+    assert recipe.eval.temperature == 0.0 and isinstance(recipe.eval.temperature, float)
+    assert recipe.draft.lora.r == 8
+
+
+def test_loss_params_nested_or_flat_are_the_same(tmp_path):
+    flat = load_recipe(write(tmp_path, "loss:\n  name: lk_lambda\n  eta: 2.0\n"))
+    nested = load_recipe(None, ["loss.name=lk_lambda", "loss.params.eta=2.0"])
+    assert flat.loss == nested.loss
+
+
+def test_unknown_key_names_it_and_suggests(tmp_path):
+    with pytest.raises(RecipeError, match=r"unknown recipe key 'train.max_step'; did you mean 'train.max_steps'"):
+        load_recipe(None, ["train.max_step=5"])
+    with pytest.raises(RecipeError, match=r"unknown recipe key 'trian'"):
+        load_recipe(write(tmp_path, "trian:\n  max_steps: 5\n"))
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("train.max_steps=0", r"train.max_steps must be >= 1, got 0"),
+        ("train.max_steps=ten", r"train.max_steps must be an integer, got 'ten'"),
+        ("train.lr=-1", r"train.lr must be > 0"),
+        ("train.global_batch_size=12", r"must be a multiple of train.micro_batch_size"),
+        ("train.mixed_precision=fp8", r"train.mixed_precision must be no, bf16 or fp16"),
+        ("eval.temperature=-0.5", r"eval.temperature must be >= 0"),
+        ("data.pack=maybe", r"data.pack must be true or false"),
+        ("loss.name=nope", r"loss: .*nope"),
+        ("loss.eta=-1", r"loss: .*eta"),
+        ("loss.beta=0.5", r"loss: .*beta"),  # lk_lambda takes no beta
+        ("target.dtype=float8", r"target.dtype must be float32, bfloat16 or float16"),
+    ],
+)
+def test_bad_values_name_the_key(override, message):
+    with pytest.raises(RecipeError, match=message):
+        load_recipe(None, [override])
+
+
+def test_malformed_override_and_missing_file(tmp_path):
+    with pytest.raises(RecipeError, match="must look like key.sub=value"):
+        parse_override("train.max_steps")
+    with pytest.raises(RecipeError, match="recipe file not found"):
+        load_recipe(tmp_path / "missing.yaml")
+    with pytest.raises(RecipeError, match="must be a mapping"):
+        load_recipe(write(tmp_path, "- a\n- b\n"))
+
+
+def test_dump_round_trip(tmp_path):
+    recipe = load_recipe(None, ["loss.name=lk_lambda", "loss.eta=4.0", "train.max_steps=7"])
+    dump_recipe(recipe, tmp_path / "out.yaml")
+    assert load_recipe(tmp_path / "out.yaml") == recipe

@@ -1,0 +1,309 @@
+"""Recipes: YAML files mapped onto typed dataclasses, with `key.sub=value` overrides.
+
+    recipe = load_recipe("recipes/code.yaml", ["train.max_steps=50", "loss.name=tv"])
+
+Unknown keys and bad values raise `RecipeError` with a message that names the key and the fix.
+"""
+
+import dataclasses
+import difflib
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+
+class RecipeError(ValueError):
+    """A recipe key is unknown or its value is invalid."""
+
+
+@dataclass
+class LoraConfig:
+    r: int = 0  # 0 = full fine-tuning of the draft; > 0 wraps it in a peft LoRA adapter
+    alpha: int = 16
+    dropout: float = 0.0
+    target_modules: list[str] = field(
+        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"]
+    )
+
+
+@dataclass
+class TargetConfig:
+    model: str = "embedded:code"  # HF id, local dir, or embedded:<name>
+    dtype: str = "float32"
+    revision: str | None = None
+
+
+@dataclass
+class DraftConfig:
+    model: str = "embedded:code-draft"
+    dtype: str = "float32"  # master weights; compute precision comes from train.mixed_precision
+    revision: str | None = None
+    lora: LoraConfig = field(default_factory=LoraConfig)
+
+
+@dataclass
+class DataConfig:
+    train: list[str] = field(default_factory=lambda: ["embedded:code"])
+    eval: list[str] | None = None  # None: a held-out split of `train`
+    max_length: int = 256
+    pack: bool = True
+    eval_fraction: float = 0.05
+    skip_malformed: bool = False
+
+
+@dataclass
+class LossConfig:
+    name: str = "lk_lambda"
+    temperature: float = 1.0  # both distributions are compared at this temperature
+    params: dict[str, Any] = field(default_factory=dict)  # loss-specific, e.g. {eta: 3.0}
+
+
+@dataclass
+class TrainConfig:
+    max_steps: int = 200
+    global_batch_size: int = 16  # sequences per optimiser step, over all processes
+    micro_batch_size: int = 8  # sequences per forward on one process
+    lr: float = 1e-3
+    weight_decay: float = 0.0
+    warmup_steps: int = 20
+    min_lr_ratio: float = 0.1  # cosine decay ends at lr * min_lr_ratio
+    max_grad_norm: float = 1.0
+    mixed_precision: str = "no"  # no | bf16 | fp16
+    seed: int = 0
+    output_dir: str = "runs/code"
+    save_every: int = 100  # 0 = only the final draft
+    keep_checkpoints: int = 2
+    resume: str = "no"  # no | auto | path to a checkpoint directory
+    log_every: int = 10
+
+
+@dataclass
+class EvalConfig:
+    every: int = 100  # 0 = only before and after training
+    temperature: float = 1.0
+    max_sequences: int = 64  # held-out sequences per evaluation
+    max_gamma: int = 8  # tau_pred is reported for gamma = 1..max_gamma
+
+
+@dataclass
+class WandbConfig:
+    project: str | None = None  # None disables wandb
+    mode: str = "offline"  # offline | online | disabled
+    entity: str | None = None
+    name: str | None = None
+
+
+@dataclass
+class Recipe:
+    target: TargetConfig = field(default_factory=TargetConfig)
+    draft: DraftConfig = field(default_factory=DraftConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    loss: LossConfig = field(default_factory=LossConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    wandb: WandbConfig = field(default_factory=WandbConfig)
+
+
+_LOSS_FIELDS = {f.name for f in dataclasses.fields(LossConfig)} - {"params"}
+
+
+def _is_dataclass_type(tp) -> bool:
+    return isinstance(tp, type) and dataclasses.is_dataclass(tp)
+
+
+def _type_name(tp) -> str:
+    return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
+
+
+def _coerce(value: Any, tp, key: str) -> Any:
+    """Check `value` against the annotation `tp`; convert where the meaning is unambiguous."""
+    origin = typing.get_origin(tp)
+    if origin in (types.UnionType, typing.Union):
+        args = typing.get_args(tp)
+        if value is None and type(None) in args:
+            return None
+        for arg in args:
+            if arg is type(None):
+                continue
+            try:
+                return _coerce(value, arg, key)
+            except RecipeError:
+                pass
+        raise RecipeError(f"{key} must be {_type_name(tp)}, got {value!r}")
+    if origin is list:
+        (item,) = typing.get_args(tp)
+        if isinstance(value, str | int | float) and not isinstance(value, bool):
+            value = [value]  # a single path is a one-element list
+        if not isinstance(value, list):
+            raise RecipeError(f"{key} must be a list, got {value!r}")
+        return [_coerce(v, item, f"{key}[{i}]") for i, v in enumerate(value)]
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise RecipeError(f"{key} must be a mapping, got {value!r}")
+        return dict(value)
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        raise RecipeError(f"{key} must be true or false, got {value!r}")
+    if tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        raise RecipeError(f"{key} must be an integer, got {value!r}")
+    if tp is float:
+        if isinstance(value, int | float) and not isinstance(value, bool):
+            return float(value)
+        raise RecipeError(f"{key} must be a number, got {value!r}")
+    if tp is str:
+        if isinstance(value, str):
+            return value
+        raise RecipeError(f"{key} must be a string, got {value!r}")
+    if tp is Any:
+        return value
+    raise TypeError(f"unsupported recipe field type {tp} at {key}")
+
+
+def _unknown_key(key: str, valid: list[str]) -> RecipeError:
+    close = difflib.get_close_matches(key.rsplit(".", 1)[-1], valid, n=1)
+    prefix = key.rsplit(".", 1)[0] + "." if "." in key else ""
+    hint = f"did you mean '{prefix}{close[0]}'?" if close else f"valid keys: {', '.join(valid)}"
+    return RecipeError(f"unknown recipe key '{key}'; {hint}")
+
+
+def _build(cls, raw: dict, prefix: str):
+    if not isinstance(raw, dict):
+        raise RecipeError(f"{prefix or 'recipe'} must be a mapping, got {raw!r}")
+    hints = typing.get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    kwargs = {}
+    if cls is LossConfig:  # loss parameters may be written flat: loss: {name: lk_lambda, eta: 3}
+        raw = dict(raw)
+        params = dict(raw.pop("params", None) or {})
+        params.update({k: raw.pop(k) for k in list(raw) if k not in _LOSS_FIELDS})
+        raw["params"] = params
+    for key, value in raw.items():
+        full = f"{prefix}.{key}" if prefix else key
+        if key not in names:
+            raise _unknown_key(full, names)
+        tp = hints[key]
+        kwargs[key] = _build(tp, value, full) if _is_dataclass_type(tp) else _coerce(value, tp, full)
+    return cls(**kwargs)
+
+
+def recipe_to_dict(recipe: Recipe) -> dict:
+    d = dataclasses.asdict(recipe)
+    d["loss"] = {**{k: v for k, v in d["loss"].items() if k != "params"}, **d["loss"]["params"]}
+    return d
+
+
+def _set_dotted(tree: dict, key: str, value: Any) -> None:
+    parts = key.split(".")
+    node = tree
+    for part in parts[:-1]:
+        node = node.setdefault(part, {})
+        if not isinstance(node, dict):
+            raise RecipeError(f"cannot set '{key}': '{part}' is not a section")
+    node[parts[-1]] = value
+
+
+def parse_override(text: str) -> tuple[str, Any]:
+    """`train.max_steps=50` -> ("train.max_steps", 50); the value is parsed as YAML."""
+    key, sep, value = text.partition("=")
+    if not sep or not key:
+        raise RecipeError(f"override {text!r} must look like key.sub=value (e.g. train.max_steps=50)")
+    try:
+        return key.strip(), yaml.safe_load(value) if value.strip() else None
+    except yaml.YAMLError as e:
+        raise RecipeError(f"override {text!r}: value is not valid YAML ({e})") from None
+
+
+def validate(recipe: Recipe) -> None:
+    """Value checks beyond types. Each message names the key and what to do."""
+    t, e, d, lo = recipe.train, recipe.eval, recipe.data, recipe.loss
+    checks = [
+        (t.max_steps >= 1, f"train.max_steps must be >= 1, got {t.max_steps}"),
+        (t.micro_batch_size >= 1, f"train.micro_batch_size must be >= 1, got {t.micro_batch_size}"),
+        (
+            t.global_batch_size >= t.micro_batch_size
+            and t.global_batch_size % t.micro_batch_size == 0,
+            f"train.global_batch_size ({t.global_batch_size}) must be a multiple of "
+            f"train.micro_batch_size ({t.micro_batch_size})",
+        ),
+        (t.lr > 0, f"train.lr must be > 0, got {t.lr}"),
+        (t.weight_decay >= 0, f"train.weight_decay must be >= 0, got {t.weight_decay}"),
+        (t.warmup_steps >= 0, f"train.warmup_steps must be >= 0, got {t.warmup_steps}"),
+        (0 <= t.min_lr_ratio <= 1, f"train.min_lr_ratio must be in [0, 1], got {t.min_lr_ratio}"),
+        (t.max_grad_norm > 0, f"train.max_grad_norm must be > 0, got {t.max_grad_norm}"),
+        (
+            t.mixed_precision in ("no", "bf16", "fp16"),
+            f"train.mixed_precision must be no, bf16 or fp16, got {t.mixed_precision!r}",
+        ),
+        (t.save_every >= 0, f"train.save_every must be >= 0 (0 = final only), got {t.save_every}"),
+        (t.keep_checkpoints >= 1, f"train.keep_checkpoints must be >= 1, got {t.keep_checkpoints}"),
+        (t.log_every >= 1, f"train.log_every must be >= 1, got {t.log_every}"),
+        (e.every >= 0, f"eval.every must be >= 0 (0 = before/after only), got {e.every}"),
+        (e.temperature >= 0, f"eval.temperature must be >= 0, got {e.temperature}"),
+        (e.max_sequences >= 1, f"eval.max_sequences must be >= 1, got {e.max_sequences}"),
+        (e.max_gamma >= 1, f"eval.max_gamma must be >= 1, got {e.max_gamma}"),
+        (d.max_length >= 2, f"data.max_length must be >= 2, got {d.max_length}"),
+        (len(d.train) >= 1, "data.train must name at least one source"),
+        (0 < d.eval_fraction < 1, f"data.eval_fraction must be in (0, 1), got {d.eval_fraction}"),
+        (lo.temperature > 0, f"loss.temperature must be > 0, got {lo.temperature}"),
+        (recipe.draft.lora.r >= 0, f"draft.lora.r must be >= 0, got {recipe.draft.lora.r}"),
+        (
+            recipe.wandb.mode in ("offline", "online", "disabled"),
+            f"wandb.mode must be offline, online or disabled, got {recipe.wandb.mode!r}",
+        ),
+    ]
+    for dtype_key, dtype in (("target.dtype", recipe.target.dtype), ("draft.dtype", recipe.draft.dtype)):
+        checks.append(
+            (
+                dtype in ("float32", "bfloat16", "float16"),
+                f"{dtype_key} must be float32, bfloat16 or float16, got {dtype!r}",
+            )
+        )
+    for ok, message in checks:
+        if not ok:
+            raise RecipeError(message)
+    _validate_loss(lo)
+
+
+def _validate_loss(lo: LossConfig) -> None:
+    """Ask the loss library itself: it knows each loss's parameters."""
+    import torch
+
+    import losses
+
+    logits = torch.zeros(1, 1, 2)
+    try:
+        losses.compute_loss(lo.name, logits, logits, temperature=lo.temperature, **lo.params)
+    except (ValueError, TypeError) as e:
+        raise RecipeError(f"loss: {e}") from None
+
+
+def load_recipe(path: str | Path | None, overrides: list[str] = ()) -> Recipe:
+    """Read a YAML recipe (or start from defaults when `path` is None) and apply overrides."""
+    raw: dict = {}
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise RecipeError(f"recipe file not found: {path}")
+        try:
+            raw = yaml.safe_load(path.read_text()) or {}
+        except yaml.YAMLError as e:
+            raise RecipeError(f"{path}: not valid YAML ({e})") from None
+        if not isinstance(raw, dict):
+            raise RecipeError(f"{path}: a recipe must be a mapping of sections, got {type(raw).__name__}")
+    for text in overrides:
+        key, value = parse_override(text)
+        _set_dotted(raw, key, value)
+    recipe = _build(Recipe, raw, "")
+    validate(recipe)
+    return recipe
+
+
+def dump_recipe(recipe: Recipe, path: str | Path) -> None:
+    Path(path).write_text(yaml.safe_dump(recipe_to_dict(recipe), sort_keys=False))

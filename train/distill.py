@@ -1,0 +1,38 @@
+"""Distil a draft model to a frozen target with an acceptance-optimising loss.
+
+    accelerate launch train/distill.py --recipe recipes/code.yaml
+    accelerate launch --cpu --num_processes 2 train/distill.py --recipe recipes/code.yaml \
+        train.max_steps=50 loss.name=tv
+    python train/distill.py --recipe recipes/code.yaml train.resume=auto   # single process
+
+Overrides are `key.sub=value` (values parsed as YAML). Outputs in `train.output_dir`:
+recipe.yaml, metrics.jsonl, eval.json, checkpoints/, final/ (the trained draft).
+"""
+
+import argparse
+import os
+import sys
+
+from train.config import RecipeError, load_recipe
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--recipe", help="YAML recipe (e.g. recipes/code.yaml); defaults if omitted")
+    parser.add_argument("overrides", nargs="*", help="key.sub=value overrides")
+    args = parser.parse_args(argv)
+    os.environ.setdefault("WANDB_SILENT", "true")
+    try:
+        recipe = load_recipe(args.recipe, args.overrides)
+    except RecipeError as e:
+        print(f"recipe error: {e}", file=sys.stderr)
+        return 2
+
+    from train.trainer import Trainer  # heavy imports after the recipe is known to be valid
+
+    Trainer(recipe).run()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,365 @@
+"""The distillation loop: a frozen target, a trainable draft, an acceptance-optimising loss.
+
+One optimiser step consumes `train.global_batch_size` sequences, split over processes and
+micro-batches. The loss of a step is Σ(per-position loss) / (valid positions in the whole
+global batch), so gradient accumulation and the number of processes do not change it.
+The order of sequences is a function of (seed, step) alone, which makes a resumed run
+replay exactly what an uninterrupted one would have seen.
+"""
+
+import json
+from contextlib import nullcontext
+import math
+import shutil
+import time
+from pathlib import Path
+
+import torch
+from accelerate import Accelerator
+from accelerate.utils import set_seed
+from tqdm.auto import tqdm
+
+import losses
+from data import build_datasets, collate
+from eval.offline import acceptance_sums, shifted_logits, summarise, target_mask
+from train import models
+from train.config import Recipe, RecipeError, dump_recipe, recipe_to_dict
+
+CHECKPOINT_PREFIX = "step-"
+
+
+def lr_lambda(step: int, warmup: int, total: int, min_ratio: float) -> float:
+    """Linear warmup to 1, then cosine decay to `min_ratio` at `total`."""
+    if step < warmup:
+        return (step + 1) / warmup
+    progress = min(1.0, (step - warmup) / max(1, total - warmup))
+    return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+class Trainer:
+    def __init__(self, recipe: Recipe):
+        self.recipe = recipe
+        r = recipe
+        self.accelerator = Accelerator(mixed_precision=r.train.mixed_precision)
+        acc = self.accelerator
+        set_seed(r.train.seed)
+        self.out = Path(r.train.output_dir)
+        world = acc.num_processes
+        per_step = r.train.micro_batch_size * world
+        if r.train.global_batch_size % per_step:
+            raise RecipeError(
+                f"train.global_batch_size ({r.train.global_batch_size}) must be a multiple of "
+                f"train.micro_batch_size × processes ({r.train.micro_batch_size} × {world})"
+            )
+        self.accum = r.train.global_batch_size // per_step
+
+        # Only the main process builds an embedded model; the others wait, then load it.
+        with acc.main_process_first():
+            self.tokenizer = models.load_tokenizer(r.target.model, r.target.revision)
+            draft_tok = models.load_tokenizer(r.draft.model, r.draft.revision)
+            models.check_tokenizers(self.tokenizer, draft_tok, r.target.model, r.draft.model)
+            self.target = models.load_model(
+                r.target.model, dtype=r.target.dtype, revision=r.target.revision
+            )
+            draft = models.load_model(r.draft.model, dtype=r.draft.dtype, revision=r.draft.revision)
+            self.train_data, self.eval_data = build_datasets(
+                self.tokenizer,
+                r.data.train,
+                r.data.eval,
+                max_length=r.data.max_length,
+                pack=r.data.pack,
+                eval_fraction=r.data.eval_fraction,
+                skip_malformed=r.data.skip_malformed,
+                seed=r.train.seed,
+            )
+        self.vocab_size = models.shared_vocab_size(self.target, draft, self.tokenizer)
+        if self.tokenizer.pad_token_id is None:
+            self.tokenizer.pad_token = self.tokenizer.eos_token
+        self.target.eval().requires_grad_(False).to(acc.device)
+        if r.draft.lora.r > 0:
+            draft = self._wrap_lora(draft)
+        draft.train()
+
+        params = [p for p in draft.parameters() if p.requires_grad]
+        optimizer = torch.optim.AdamW(
+            params, lr=r.train.lr, weight_decay=r.train.weight_decay, betas=(0.9, 0.95)
+        )
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            optimizer,
+            lambda s: lr_lambda(s, r.train.warmup_steps, r.train.max_steps, r.train.min_lr_ratio),
+        )
+        self.draft, self.optimizer = acc.prepare(draft, optimizer)
+        acc.register_for_checkpointing(self.scheduler)
+
+        self.step = 0
+        self.alpha_before: dict | None = None
+        self.history: list[dict] = []
+        self._perms: dict[int, torch.Tensor] = {}
+        self._wandb = None
+
+    def _wrap_lora(self, draft):
+        from peft import LoraConfig, get_peft_model
+
+        lora = self.recipe.draft.lora
+        config = LoraConfig(
+            r=lora.r,
+            lora_alpha=lora.alpha,
+            lora_dropout=lora.dropout,
+            target_modules=lora.target_modules,
+            task_type="CAUSAL_LM",
+        )
+        return get_peft_model(draft, config)
+
+    # ----------------------------------------------------------------------------- data
+    def _permutation(self, epoch: int) -> torch.Tensor:
+        if epoch not in self._perms:
+            g = torch.Generator().manual_seed(self.recipe.train.seed * 100_003 + epoch)
+            self._perms = {epoch: torch.randperm(len(self.train_data), generator=g)}
+        return self._perms[epoch]
+
+    def micro_batches(self, step: int) -> list[dict]:
+        """This process's micro-batches for optimiser step `step` (a pure function of step)."""
+        g = self.recipe.train.global_batch_size
+        n = len(self.train_data)
+        indices = [int(self._permutation(i // n)[i % n]) for i in range(step * g, (step + 1) * g)]
+        acc = self.accelerator
+        share = g // acc.num_processes
+        mine = indices[acc.process_index * share : (acc.process_index + 1) * share]
+        mb = self.recipe.train.micro_batch_size
+        return [self._collate(mine[i : i + mb]) for i in range(0, share, mb)]
+
+    def _collate(self, indices: list[int]) -> dict:
+        batch = collate([self.train_data[i] for i in indices], self.tokenizer.pad_token_id)
+        return {k: v.to(self.accelerator.device) for k, v in batch.items()}
+
+    def eval_batches(self) -> list[dict]:
+        acc = self.accelerator
+        n = min(len(self.eval_data), self.recipe.eval.max_sequences)
+        mine = list(range(acc.process_index, n, acc.num_processes))
+        mb = self.recipe.train.micro_batch_size
+        batches = []
+        for i in range(0, len(mine), mb):
+            batch = collate([self.eval_data[j] for j in mine[i : i + mb]], self.tokenizer.pad_token_id)
+            batches.append({k: v.to(acc.device) for k, v in batch.items()})
+        return batches
+
+    # ----------------------------------------------------------------------------- steps
+    def train_step(self, step: int) -> dict:
+        acc, r = self.accelerator, self.recipe
+        batches = self.micro_batches(step)
+        n_local = sum(int(target_mask(b).sum()) for b in batches)
+        n_global = acc.reduce(torch.tensor(n_local, device=acc.device), "sum").item()
+        # DDP averages gradients over processes; scale by the world size so the step's
+        # gradient is Σ loss / n_global exactly.
+        scale = acc.num_processes / max(n_global, 1)
+        stats = torch.zeros(2, dtype=torch.float64, device=acc.device)  # [Σ loss, Σ α]
+        for i, batch in enumerate(batches):
+            mask = target_mask(batch)
+            with torch.no_grad(), acc.autocast():
+                t_logits = shifted_logits(self.target, batch, self.vocab_size)
+            sync = i == len(batches) - 1
+            with acc.no_sync(self.draft) if not sync else nullcontext(), acc.autocast():
+                d_logits = shifted_logits(self.draft, batch, self.vocab_size)
+                loss_sum, _ = losses.compute_loss(
+                    r.loss.name,
+                    d_logits,
+                    t_logits,
+                    mask,
+                    temperature=r.loss.temperature,
+                    **r.loss.params,
+                )
+                acc.backward(loss_sum * scale)
+            with torch.no_grad():
+                alpha = losses.acceptance(d_logits, t_logits, temperature=r.loss.temperature)
+                stats[0] += loss_sum.detach().double()
+                stats[1] += alpha[mask].double().sum()
+        grad_norm = acc.clip_grad_norm_(self.draft.parameters(), r.train.max_grad_norm)
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        stats = acc.reduce(stats, "sum")
+        denom = max(n_global, 1)
+        return {
+            "step": step + 1,
+            "loss": stats[0].item() / denom,
+            "alpha": stats[1].item() / denom,
+            "lr": self.scheduler.get_last_lr()[0],
+            "grad_norm": float(grad_norm),
+            "tokens": n_global,
+        }
+
+    def evaluate(self) -> dict:
+        acc, e = self.accelerator, self.recipe.eval
+        self.draft.eval()
+        sums = acceptance_sums(
+            self.target,
+            self.draft,
+            self.eval_batches(),
+            vocab_size=self.vocab_size,
+            temperature=e.temperature,
+        )
+        self.draft.train()
+        sums = acc.reduce(sums.to(acc.device), "sum").cpu()
+        return summarise(sums, temperature=e.temperature, max_gamma=e.max_gamma)
+
+    # ----------------------------------------------------------------------------- state
+    def checkpoints(self) -> list[Path]:
+        root = self.out / "checkpoints"
+        if not root.is_dir():
+            return []
+        done = [p for p in root.glob(f"{CHECKPOINT_PREFIX}*") if (p / "trainer_state.json").is_file()]
+        return sorted(done, key=lambda p: int(p.name.removeprefix(CHECKPOINT_PREFIX)))
+
+    def save_checkpoint(self) -> None:
+        """Written to a temporary folder and renamed, so a kill never leaves half a checkpoint."""
+        acc = self.accelerator
+        root = self.out / "checkpoints"
+        final = root / f"{CHECKPOINT_PREFIX}{self.step:07d}"
+        tmp = root / f".tmp-{CHECKPOINT_PREFIX}{self.step:07d}"
+        if acc.is_main_process:
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir(parents=True)
+        acc.wait_for_everyone()
+        acc.save_state(str(tmp), safe_serialization=True)
+        acc.wait_for_everyone()
+        if acc.is_main_process:
+            state = {"step": self.step, "alpha_before": self.alpha_before, "history": self.history}
+            (tmp / "trainer_state.json").write_text(json.dumps(state, indent=1))
+            dump_recipe(self.recipe, tmp / "recipe.yaml")
+            shutil.rmtree(final, ignore_errors=True)
+            tmp.rename(final)
+            for old in self.checkpoints()[: -self.recipe.train.keep_checkpoints]:
+                shutil.rmtree(old)
+        acc.wait_for_everyone()
+
+    def resume(self) -> None:
+        spec = self.recipe.train.resume
+        if spec == "no":
+            return
+        if spec == "auto":
+            found = self.checkpoints()
+            if not found:
+                self.accelerator.print(f"resume=auto: no checkpoint in {self.out}, starting fresh")
+                return
+            path = found[-1]
+        else:
+            path = Path(spec)
+            if not (path / "trainer_state.json").is_file():
+                raise RecipeError(f"train.resume: {path} is not a checkpoint directory")
+        self.accelerator.load_state(str(path))
+        state = json.loads((path / "trainer_state.json").read_text())
+        self.step = state["step"]
+        self.alpha_before = state["alpha_before"]
+        self.history = state["history"]
+        self.accelerator.print(f"resumed from {path} at step {self.step}")
+
+    # ----------------------------------------------------------------------------- logging
+    def log(self, record: dict) -> None:
+        if not self.accelerator.is_main_process:
+            return
+        with open(self.out / "metrics.jsonl", "a") as f:
+            f.write(json.dumps(record) + "\n")
+        if self._wandb is not None:
+            self._wandb.log({k: v for k, v in record.items() if isinstance(v, int | float)}, step=record["step"])
+
+    def _start_wandb(self) -> None:
+        w = self.recipe.wandb
+        if w.project is None or w.mode == "disabled" or not self.accelerator.is_main_process:
+            return
+        import wandb
+
+        self._wandb = wandb.init(
+            project=w.project,
+            entity=w.entity,
+            name=w.name,
+            mode=w.mode,
+            dir=str(self.out),
+            config=recipe_to_dict(self.recipe),
+        )
+
+    def _eval_record(self, metrics: dict) -> dict:
+        record = {"step": self.step, **{f"eval/{k}": v for k, v in metrics.items() if k != "tau_pred"}}
+        record.update({f"eval/tau_pred_{g}": t for g, t in metrics["tau_pred"].items()})
+        return record
+
+    # ----------------------------------------------------------------------------- run
+    def run(self) -> dict:
+        acc, r = self.accelerator, self.recipe
+        if acc.is_main_process:
+            self.out.mkdir(parents=True, exist_ok=True)
+            dump_recipe(r, self.out / "recipe.yaml")
+        acc.wait_for_everyone()
+        self.resume()
+        self._start_wandb()
+        acc.print(
+            f"target {r.target.model} | draft {r.draft.model} | loss {r.loss.name} | "
+            f"{len(self.train_data)} train / {len(self.eval_data)} eval sequences | "
+            f"{acc.num_processes} process(es) × {self.accum} accumulation step(s)"
+        )
+        if self.alpha_before is None:
+            self.alpha_before = self.evaluate()
+            self.log(self._eval_record(self.alpha_before))
+        acc.print(
+            f"alpha before: {self.alpha_before['alpha']:.4f} (T={r.eval.temperature}), "
+            f"greedy {self.alpha_before['alpha_greedy']:.4f}"
+        )
+        bar = tqdm(
+            total=r.train.max_steps,
+            initial=self.step,
+            disable=not acc.is_local_main_process,
+            desc="distill",
+            dynamic_ncols=True,
+        )
+        start = time.perf_counter()
+        while self.step < r.train.max_steps:
+            record = self.train_step(self.step)
+            self.step += 1
+            bar.update(1)
+            bar.set_postfix(loss=f"{record['loss']:.4f}", alpha=f"{record['alpha']:.3f}")
+            if self.step % r.train.log_every == 0 or self.step == r.train.max_steps:
+                record["elapsed_s"] = time.perf_counter() - start
+                self.log(record)
+            if r.eval.every and self.step % r.eval.every == 0 and self.step < r.train.max_steps:
+                metrics = self.evaluate()
+                self.history.append({"step": self.step, "alpha": metrics["alpha"]})
+                self.log(self._eval_record(metrics))
+                bar.write(f"step {self.step}: held-out alpha {metrics['alpha']:.4f}")
+            if r.train.save_every and self.step % r.train.save_every == 0:
+                self.save_checkpoint()
+        bar.close()
+        final = self.evaluate()
+        self.history.append({"step": self.step, "alpha": final["alpha"]})
+        self.log(self._eval_record(final))
+        result = {
+            **final,
+            "alpha_before": self.alpha_before["alpha"],
+            "alpha_greedy_before": self.alpha_before["alpha_greedy"],
+            "tau_pred_before": self.alpha_before["tau_pred"],
+            "steps": self.step,
+            "loss": r.loss.name,
+            "history": self.history,
+        }
+        self.save_final(result)
+        acc.print(
+            f"alpha after:  {final['alpha']:.4f} (T={r.eval.temperature}), greedy "
+            f"{final['alpha_greedy']:.4f} | tau_pred(gamma=5) "
+            f"{self.alpha_before['tau_pred'].get(5, float('nan')):.3f} -> "
+            f"{final['tau_pred'].get(5, float('nan')):.3f} | outputs in {self.out}"
+        )
+        if self._wandb is not None:
+            self._wandb.finish()
+        acc.end_training()
+        return result
+
+    def save_final(self, result: dict) -> None:
+        acc = self.accelerator
+        acc.wait_for_everyone()
+        if not acc.is_main_process:
+            return
+        draft = acc.unwrap_model(self.draft)
+        if self.recipe.draft.lora.r > 0:
+            draft = draft.merge_and_unload()
+        final = self.out / "final"
+        draft.save_pretrained(final, safe_serialization=True)
+        self.tokenizer.save_pretrained(final)
+        (self.out / "eval.json").write_text(json.dumps(result, indent=1))
