@@ -6,6 +6,7 @@ The held-out split is by top-level module (``email/*`` all land on one side), ch
 stable hash of the module name, so it is the same on every machine with the same Python.
 """
 
+import os
 import sysconfig
 import zlib
 from pathlib import Path
@@ -29,12 +30,19 @@ def stdlib_files(split: str = "train") -> list[Path]:
         raise ValueError(f"split must be 'train', 'heldout' or 'all', got {split!r}")
     root = stdlib_root()
     files = []
-    for path in sorted(root.rglob("*.py")):
+    for path in sorted(_python_files(root)):
         rel = path.relative_to(root)
-        if _EXCLUDED_DIRS.intersection(rel.parts[:-1]):
-            continue
         if split == "all" or (split == "heldout") == _is_heldout(rel):
             files.append(path)
     if not files:
         raise FileNotFoundError(f"no standard-library sources for split {split!r} under {root}")
     return files
+
+
+def _python_files(root: Path) -> list[Path]:
+    """`.py` files under `root`, not descending into excluded folders (site-packages is big)."""
+    found = []
+    for folder, subdirs, names in os.walk(root):
+        subdirs[:] = [d for d in subdirs if d not in _EXCLUDED_DIRS]
+        found.extend(Path(folder, name) for name in names if name.endswith(".py"))
+    return found

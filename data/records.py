@@ -1,0 +1,134 @@
+"""Records: what a source yields before tokenisation, and the checks that make one.
+
+A record is either a document (`TextRecord`) or a conversation (`ChatRecord`). A row from
+JSONL, a JSON list, parquet or a Hub dataset becomes one through `record_from_row`, which
+accepts three shapes:
+
+    {"text": "..."}                                             a document
+    {"messages": [{"role": "user", "content": "..."}, ...]}     OpenAI chat
+    {"conversations": [{"from": "human", "value": "..."}, ...]} ShareGPT chat
+
+`origin` says where a record came from (`path`, `path:line`, `org/name:train[i]`) so that
+every later error can point at it.
+"""
+
+from dataclasses import dataclass
+from typing import Any
+
+
+class DataError(ValueError):
+    """A problem with the data. The message names where (file:line or record) and what."""
+
+
+@dataclass
+class TextRecord:
+    text: str
+    origin: str
+
+
+@dataclass
+class ChatRecord:
+    messages: list[dict[str, str]]  # [{"role": system|user|assistant, "content": str}, ...]
+    origin: str
+
+
+Record = TextRecord | ChatRecord
+
+ROLES = ("system", "user", "assistant")
+SHAREGPT_ROLES = {"system": "system", "human": "user", "gpt": "assistant"}
+
+
+def record_from_row(row: Any, origin: str) -> Record | None:
+    """The record in `row`, or None for an empty document (nothing to learn, not an error).
+
+    Raises DataError naming `origin` if the row is malformed. A field whose value is None
+    counts as absent (tabular sources have every column in every row).
+    """
+    if not isinstance(row, dict):
+        raise DataError(f"{origin}: expected a JSON object, got {_type_name(row)}")
+    if row.get("messages") is not None:
+        return ChatRecord(_openai_messages(row["messages"], origin), origin)
+    if row.get("conversations") is not None:
+        return ChatRecord(_sharegpt_messages(row["conversations"], origin), origin)
+    if row.get("text") is not None:
+        text = row["text"]
+        if not isinstance(text, str):
+            raise DataError(f"{origin}: 'text' must be a string, got {_type_name(text)}")
+        return TextRecord(text, origin) if text else None
+    raise DataError(
+        f"{origin}: missing field: expected 'text', 'messages' or 'conversations' "
+        f"(keys: {', '.join(map(str, row)) or 'none'})"
+    )
+
+
+def _openai_messages(messages: Any, origin: str) -> list[dict[str, str]]:
+    _check_turn_list(messages, "messages", origin)
+    out = []
+    for i, message in enumerate(messages):
+        where = f"{origin}: messages[{i}]"
+        if not isinstance(message, dict):
+            raise DataError(f"{where} must be an object, got {_type_name(message)}")
+        for key in ("role", "content"):
+            if key not in message:
+                raise DataError(f"{where}: missing field '{key}'")
+        role = message["role"]
+        if role not in ROLES:
+            raise DataError(f"{where}: unknown role {role!r} (expected one of {', '.join(ROLES)})")
+        out.append({"role": role, "content": _content(message["content"], where)})
+    return out
+
+
+def _sharegpt_messages(turns: Any, origin: str) -> list[dict[str, str]]:
+    _check_turn_list(turns, "conversations", origin)
+    out = []
+    for i, turn in enumerate(turns):
+        where = f"{origin}: conversations[{i}]"
+        if not isinstance(turn, dict):
+            raise DataError(f"{where} must be an object, got {_type_name(turn)}")
+        for key in ("from", "value"):
+            if key not in turn:
+                raise DataError(f"{where}: missing field '{key}'")
+        speaker = turn["from"]
+        if speaker not in SHAREGPT_ROLES:
+            raise DataError(
+                f"{where}: unknown role {speaker!r} in 'from' "
+                f"(expected one of {', '.join(SHAREGPT_ROLES)})"
+            )
+        value = turn["value"]
+        if not isinstance(value, str):
+            raise DataError(f"{where}: 'value' must be a string, got {_type_name(value)}")
+        out.append({"role": SHAREGPT_ROLES[speaker], "content": value})
+    return out
+
+
+def _check_turn_list(turns: Any, field: str, origin: str) -> None:
+    if not isinstance(turns, list):
+        raise DataError(f"{origin}: '{field}' must be a list, got {_type_name(turns)}")
+    if not turns:
+        raise DataError(f"{origin}: '{field}' is an empty list")
+
+
+def _content(content: Any, where: str) -> str:
+    """A message's text: a string, or OpenAI content parts [{"type": "text", "text": ...}]."""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise DataError(
+            f"{where}: 'content' must be a string or a list of text parts, "
+            f"got {_type_name(content)}"
+        )
+    if not content:
+        raise DataError(f"{where}: 'content' is an empty list")
+    texts = []
+    for j, part in enumerate(content):
+        if not (isinstance(part, dict) and part.get("type") == "text"):
+            kind = part.get("type") if isinstance(part, dict) else _type_name(part)
+            raise DataError(f"{where}: content[{j}] is not a text part (type {kind!r})")
+        if not isinstance(part.get("text"), str):
+            raise DataError(f"{where}: content[{j}]['text'] must be a string")
+        texts.append(part["text"])
+    return "".join(texts)
+
+
+def _type_name(value: Any) -> str:
+    return "null" if value is None else type(value).__name__

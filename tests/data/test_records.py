@@ -1,0 +1,84 @@
+import pytest
+
+from data.records import ChatRecord, DataError, TextRecord, record_from_row
+
+
+def test_text_row():
+    assert record_from_row({"text": "abc", "id": 3}, "f:1") == TextRecord("abc", "f:1")
+
+
+def test_empty_text_is_no_record():
+    assert record_from_row({"text": ""}, "f:1") is None
+
+
+def test_openai_messages_keep_role_and_content_only():
+    row = {
+        "messages": [
+            {"role": "system", "content": "s", "name": "x"},
+            {
+                "role": "user",
+                "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}],
+            },
+            {"role": "assistant", "content": ""},
+        ]
+    }
+    assert record_from_row(row, "f:1") == ChatRecord(
+        [
+            {"role": "system", "content": "s"},
+            {"role": "user", "content": "ab"},
+            {"role": "assistant", "content": ""},
+        ],
+        "f:1",
+    )
+
+
+def test_sharegpt_maps_roles():
+    row = {
+        "conversations": [
+            {"from": "system", "value": "s"},
+            {"from": "human", "value": "q"},
+            {"from": "gpt", "value": "a"},
+        ]
+    }
+    record = record_from_row(row, "f:1")
+    assert [m["role"] for m in record.messages] == ["system", "user", "assistant"]
+    assert [m["content"] for m in record.messages] == ["s", "q", "a"]
+
+
+def test_null_field_counts_as_absent():
+    # Tabular sources carry every column in every row.
+    assert record_from_row({"text": "t", "messages": None}, "r") == TextRecord("t", "r")
+
+
+@pytest.mark.parametrize(
+    ("row", "problem"),
+    [
+        ([1, 2], "expected a JSON object, got list"),
+        (
+            {"body": "x"},
+            "missing field: expected 'text', 'messages' or 'conversations' (keys: body)",
+        ),
+        ({"text": 5}, "'text' must be a string, got int"),
+        ({"messages": "hi"}, "'messages' must be a list, got str"),
+        ({"messages": []}, "'messages' is an empty list"),
+        ({"messages": ["hi"]}, "messages[0] must be an object, got str"),
+        ({"messages": [{"role": "user"}]}, "messages[0]: missing field 'content'"),
+        ({"messages": [{"role": "tool", "content": "x"}]}, "messages[0]: unknown role 'tool'"),
+        ({"messages": [{"role": "user", "content": []}]}, "'content' is an empty list"),
+        ({"messages": [{"role": "user", "content": 3}]}, "'content' must be a string or a list"),
+        (
+            {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
+            "content[0] is not a text part (type 'image_url')",
+        ),
+        ({"conversations": []}, "'conversations' is an empty list"),
+        ({"conversations": [{"from": "bot", "value": "x"}]}, "unknown role 'bot' in 'from'"),
+        ({"conversations": [{"from": "gpt"}]}, "conversations[0]: missing field 'value'"),
+        ({"conversations": [{"from": "gpt", "value": 1}]}, "'value' must be a string, got int"),
+    ],
+)
+def test_malformed_rows_name_origin_and_problem(row, problem):
+    with pytest.raises(DataError) as info:
+        record_from_row(row, "chats.jsonl:7")
+    message = str(info.value)
+    assert message.startswith("chats.jsonl:7: ")
+    assert problem in message
