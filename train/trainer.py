@@ -40,7 +40,11 @@ class Trainer:
     def __init__(self, recipe: Recipe):
         self.recipe = recipe
         r = recipe
-        self.accelerator = Accelerator(mixed_precision=r.train.mixed_precision)
+        # cpu=True without a GPU: processes started by torchrun / `accelerate launch --multi_gpu`
+        # then form a gloo group (accelerate only does that when told it is on the CPU).
+        self.accelerator = Accelerator(
+            mixed_precision=r.train.mixed_precision, cpu=not torch.cuda.is_available()
+        )
         acc = self.accelerator
         set_seed(r.train.seed)
         self.out = Path(r.train.output_dir)

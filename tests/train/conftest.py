@@ -1,0 +1,78 @@
+"""A tiny target/draft pair saved as ordinary Hugging Face directories, plus text data.
+
+Loaded by the trainer through the same `from_pretrained` path as real models.
+"""
+
+import pytest
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+CHATML = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+TEXT = [
+    "def add(a, b):\n    return a + b\n",
+    "class Point:\n    def __init__(self, x, y):\n        self.x = x\n        self.y = y\n",
+    "for i in range(10):\n    print(i * i)\n",
+    "import os\nimport sys\n\nprint(os.getcwd(), sys.argv)\n",
+]
+
+
+def make_tokenizer(vocab_size: int = 320, corpus: list[str] = TEXT) -> PreTrainedTokenizerFast:
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    tok.train_from_iterator(corpus * 4, trainer)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, eos_token="<|endoftext|>", pad_token="<|endoftext|>", chat_template=CHATML
+    )
+
+
+def make_model(tokenizer, *, hidden: int, layers: int, seed: int) -> LlamaForCausalLM:
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    return LlamaForCausalLM(config)
+
+
+@pytest.fixture(scope="session")
+def tiny_pair(tmp_path_factory):
+    """(target_dir, draft_dir, data_dir): models of the same tokenizer; 24 small text files."""
+    root = tmp_path_factory.mktemp("tiny_pair")
+    tokenizer = make_tokenizer()
+    for name, hidden, layers, seed in (("target", 32, 2, 1), ("draft", 16, 1, 2)):
+        model = make_model(tokenizer, hidden=hidden, layers=layers, seed=seed)
+        model.save_pretrained(root / name)
+        tokenizer.save_pretrained(root / name)
+    data = root / "data"
+    data.mkdir()
+    for i in range(24):
+        (data / f"f{i:02d}.py").write_text(TEXT[i % len(TEXT)] * (1 + i % 3) + f"# file {i}\n")
+    return root / "target", root / "draft", data
+
+
+@pytest.fixture(scope="session")
+def other_tokenizer_draft(tmp_path_factory):
+    """A draft whose tokenizer was trained on different text: same size, different ids."""
+    root = tmp_path_factory.mktemp("other_draft")
+    tokenizer = make_tokenizer(corpus=["SELECT * FROM t WHERE x = 1;\n", "<html><body></body></html>\n"])
+    model = make_model(tokenizer, hidden=16, layers=1, seed=3)
+    model.save_pretrained(root)
+    tokenizer.save_pretrained(root)
+    return root

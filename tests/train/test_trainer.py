@@ -1,0 +1,163 @@
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from accelerate.state import AcceleratorState, GradientState
+from safetensors.torch import load_file
+
+from train.config import load_recipe
+from train.models import TokenizerMismatchError, check_tokenizers, load_tokenizer
+from train.trainer import Trainer
+
+REPO = Path(__file__).parents[2]
+
+
+@pytest.fixture(autouse=True)
+def fresh_accelerate_state():
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+    yield
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+
+
+def overrides(tiny_pair, out: Path, **extra) -> list[str]:
+    target, draft, data = tiny_pair
+    base = {
+        "target.model": str(target),
+        "draft.model": str(draft),
+        "data.train": str(data / "*.py"),
+        "data.max_length": 32,
+        "data.eval_fraction": 0.25,
+        "train.max_steps": 8,
+        "train.global_batch_size": 4,
+        "train.micro_batch_size": 2,
+        "train.warmup_steps": 2,
+        "train.lr": 3e-3,
+        "train.output_dir": str(out),
+        "train.save_every": 0,
+        "train.log_every": 1,
+        "eval.every": 0,
+        "eval.max_sequences": 16,
+        "loss.name": "fkl",
+    }
+    base.update(extra)
+    return [f"{k}={v}" for k, v in base.items()]
+
+
+def metrics(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def draft_weights(out: Path) -> dict[str, torch.Tensor]:
+    return load_file(out / "final" / "model.safetensors")
+
+
+def test_distillation_raises_alpha_and_writes_outputs(tiny_pair, tmp_path):
+    out = tmp_path / "run"
+    recipe = load_recipe(None, overrides(tiny_pair, out, **{"train.max_steps": 30}))
+    result = Trainer(recipe).run()
+    assert result["alpha"] > result["alpha_before"] + 0.02
+    report = json.loads((out / "eval.json").read_text())
+    for key in ("alpha", "alpha_greedy", "alpha_before", "tau_pred", "steps"):
+        assert key in report
+    assert report["steps"] == 30
+    assert set(report["tau_pred"]) == {str(g) for g in range(1, 9)}
+    assert 1.0 <= report["tau_pred"]["5"] <= 6.0
+    assert load_recipe(out / "recipe.yaml") == recipe
+    train_records = [m for m in metrics(out) if "loss" in m]
+    assert [m["step"] for m in train_records] == list(range(1, 31))
+    assert train_records[-1]["loss"] < train_records[0]["loss"]
+    # the final draft is an ordinary HF directory with its tokenizer
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    AutoModelForCausalLM.from_pretrained(out / "final")
+    assert len(AutoTokenizer.from_pretrained(out / "final")) == 320
+
+
+def test_tokenizer_mismatch_is_an_error_before_training(tiny_pair, other_tokenizer_draft, tmp_path):
+    target = tiny_pair[0]
+    with pytest.raises(TokenizerMismatchError, match="do not share a tokenizer: vocabularies differ"):
+        check_tokenizers(load_tokenizer(str(target)), load_tokenizer(str(other_tokenizer_draft)), "t", "d")
+    recipe = load_recipe(
+        None, overrides(tiny_pair, tmp_path / "run", **{"draft.model": str(other_tokenizer_draft)})
+    )
+    with pytest.raises(TokenizerMismatchError):
+        Trainer(recipe)
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+class Killed(RuntimeError):
+    pass
+
+
+def test_resume_gives_the_same_draft_as_an_uninterrupted_run(tiny_pair, tmp_path, monkeypatch):
+    extra = {"train.max_steps": 10, "train.save_every": 4, "loss.name": "lk_lambda"}
+    full = tmp_path / "full"
+    Trainer(load_recipe(None, overrides(tiny_pair, full, **extra))).run()
+
+    killed = tmp_path / "killed"
+    original = Trainer.train_step
+
+    def dies_at_step_6(self, step):
+        if step == 6:
+            raise Killed
+        return original(self, step)
+
+    monkeypatch.setattr(Trainer, "train_step", dies_at_step_6)
+    with pytest.raises(Killed):
+        Trainer(load_recipe(None, overrides(tiny_pair, killed, **extra))).run()
+    monkeypatch.setattr(Trainer, "train_step", original)
+    assert [p.name for p in (killed / "checkpoints").iterdir()] == ["step-0000004"]
+
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+    resumed = Trainer(load_recipe(None, overrides(tiny_pair, killed, **extra, **{"train.resume": "auto"})))
+    resumed.run()
+    assert resumed.step == 10
+    a, b = draft_weights(full), draft_weights(killed)
+    assert a.keys() == b.keys()
+    for name in a:
+        torch.testing.assert_close(a[name], b[name], rtol=1e-5, atol=1e-6, msg=name)
+    full_loss = [m["loss"] for m in metrics(full) if "loss" in m]
+    # the killed run logged steps 1..6, the resumed one 5..10 (later lines win)
+    resumed_loss = {m["step"]: m["loss"] for m in metrics(killed) if "loss" in m}
+    assert [resumed_loss[s] for s in range(1, 11)] == pytest.approx(full_loss, rel=1e-5)
+
+
+def run_cli(args: list[str], out: Path, processes: int) -> list[dict]:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
+    if processes == 1:
+        cmd = [sys.executable, str(REPO / "train" / "distill.py")]
+    else:
+        cmd = [
+            sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes",
+            str(processes), "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend",
+            "no", str(REPO / "train" / "distill.py"),
+        ]
+    proc = subprocess.run(cmd + args, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return metrics(out)
+
+
+def test_two_processes_match_one_process_at_equal_global_batch(tiny_pair, tmp_path):
+    one, two = tmp_path / "one", tmp_path / "two"
+    extra = {"train.max_steps": 6, "loss.name": "tv"}
+    m1 = run_cli(overrides(tiny_pair, one, **extra), one, processes=1)
+    m2 = run_cli(overrides(tiny_pair, two, **extra), two, processes=2)
+    loss1 = [m["loss"] for m in m1 if "loss" in m]
+    loss2 = [m["loss"] for m in m2 if "loss" in m]
+    assert len(loss1) == 6
+    assert loss2 == pytest.approx(loss1, rel=1e-4, abs=1e-6)
+    assert [m["tokens"] for m in m2 if "loss" in m] == [m["tokens"] for m in m1 if "loss" in m]
+    # Adam hides a constant gradient scale from the weights: compare the gradient itself
+    grad1 = [m["grad_norm"] for m in m1 if "loss" in m]
+    grad2 = [m["grad_norm"] for m in m2 if "loss" in m]
+    assert grad2 == pytest.approx(grad1, rel=1e-4)
+    a, b = draft_weights(one), draft_weights(two)
+    for name in a:
+        torch.testing.assert_close(a[name], b[name], rtol=1e-4, atol=1e-5, msg=name)
