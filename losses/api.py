@@ -1,0 +1,333 @@
+"""Loss and acceptance on (draft logits, target) pairs: masking, sampling parameters,
+truncated draft vocabulary and sparse targets, done once for every divergence.
+
+Shapes: ``draft_logits: [..., V_d]``; the target is one of
+- dense logits ``[..., V]`` (log-probabilities are logits too: pass ``probs.log()`` for a
+  target given as probabilities; p = 0 entries become ``-inf``, which is supported);
+- a :class:`SparseTarget` (top-N indices and probabilities);
+and ``mask: [...]`` bool (True = valid). ``V = V_d`` unless ``d2t`` maps the draft
+vocabulary into a larger target vocabulary.
+"""
+
+from typing import NamedTuple
+
+import torch
+from torch import Tensor
+
+from losses.divergences import LOG_P_FLOOR, LOSSES, check_params, log_acceptance
+
+
+class SparseTarget(NamedTuple):
+    """Target kept as its top-N entries: ``indices: [..., N]`` (int64 target-vocab ids),
+    ``probs: [..., N]``. The probabilities are renormalised over the N entries, so
+    α = Σ min(p, q) is exact for that truncated target. Temperature and top-p/top-k act on
+    the N entries only (the dropped tail is unknown)."""
+
+    indices: Tensor
+    probs: Tensor
+
+
+Target = Tensor | SparseTarget
+
+
+class Prepared(NamedTuple):
+    """Inputs of a divergence: ``draft_logp, target_logp: [..., V_d]``, ``mask: [...]``.
+
+    target_logp is the raw target on the draft vocabulary: with d2t it sums to the target's
+    mass on V_d (< 1). Masked rows of both hold finite placeholders."""
+
+    draft_logp: Tensor
+    target_logp: Tensor
+    mask: Tensor
+
+
+def compute_loss(
+    name: str,
+    draft_logits: Tensor,
+    target_logits: Target,
+    mask: Tensor | None = None,
+    *,
+    temperature: float = 1.0,
+    top_p: float | None = None,
+    top_k: int | None = None,
+    d2t: Tensor | None = None,
+    mask_out_of_vocab: bool = False,
+    **params,
+) -> tuple[Tensor, Tensor]:
+    """Summed per-position loss over the valid positions.
+
+    Args:
+        name: a key of ``LOSSES`` (fkl, rkl, jsd, tv, lk_alpha, lk_lambda, ce, topk_ce, mix).
+        draft_logits: [..., V_d], any float dtype; computed in fp32 (fp64 stays fp64).
+        target_logits: [..., V] logits or a SparseTarget; treated as constant (detached).
+        mask: [...] bool, True = valid; None = all valid. Masked positions contribute
+            exactly 0 whatever their logits (NaN included).
+        temperature: > 0, applied to both sides (logits / T).
+        top_p, top_k: filter the target (after temperature) as the verifier does at serving.
+            The draft is left unfiltered: its own filter is not differentiable, and KL-style
+            losses would be infinite wherever p has mass outside the draft's nucleus.
+        d2t: [V_d] int64, target_id = i + d2t[i] for a draft over a truncated vocabulary.
+            α-style losses use the raw target p on V_d (the true acceptance); KL-style
+            losses use p renormalised over V_d.
+        mask_out_of_vocab: with d2t, also mask positions whose target argmax is not in V_d.
+        **params: the loss's own params (``eta``, ``lambda_mode``, ``beta``, ``k``, ``parts``).
+
+    Returns:
+        loss_sum: 0-dim fp32 tensor with grad to draft_logits.
+        n_valid: 0-dim int64 tensor, the number of valid positions (after
+            mask_out_of_vocab). Divide once by the global count: loss_sum / n_valid.
+    """
+    check_params(name, params)
+    _check_sampling(temperature, top_p, top_k)
+    prepared = prepare(
+        draft_logits,
+        target_logits,
+        mask,
+        temperature=temperature,
+        top_p=top_p,
+        top_k=top_k,
+        d2t=d2t,
+        mask_out_of_vocab=mask_out_of_vocab,
+    )
+    return masked_loss(name, prepared, params).sum(), prepared.mask.sum()
+
+
+def acceptance(
+    draft_logits: Tensor,
+    target_logits: Target,
+    temperature: float = 1.0,
+    mask: Tensor | None = None,
+    *,
+    top_p: float | None = None,
+    top_k: int | None = None,
+    d2t: Tensor | None = None,
+) -> Tensor:
+    """Acceptance probability α per position: [..., V_d], [..., V] -> [...] (fp32, fp64
+    for fp64 draft logits).
+
+    α = Σ_x min(p(x), q(x)) at ``temperature`` (target filtered by top_p/top_k, raw target
+    mass on V_d with d2t, as in :func:`compute_loss`). Temperature 0 gives greedy agreement:
+    1.0 if argmax q = argmax p else 0.0 (filters do not move the argmax). Masked positions
+    give 0. Differentiable for temperature > 0.
+    """
+    if temperature == 0:
+        _check_sampling(1.0, top_p, top_k)
+        draft_ids = _draft_ids(d2t, draft_logits.shape[-1])
+        vocab_size = _target_vocab(target_logits, draft_logits.shape[-1], draft_ids)
+        target = target_logp(
+            target_logits, mask, temperature=1.0, dtype=_dtype(draft_logits), vocab_size=vocab_size
+        )
+        draft_argmax = _valid_rows(draft_logits, mask).argmax(-1)
+        if draft_ids is not None:
+            draft_argmax = draft_ids[draft_argmax]
+        alpha = (draft_argmax == target.argmax(-1)).to(_dtype(draft_logits))
+    else:
+        _check_sampling(temperature, top_p, top_k)
+        prepared = prepare(
+            draft_logits,
+            target_logits,
+            mask,
+            temperature=temperature,
+            top_p=top_p,
+            top_k=top_k,
+            d2t=d2t,
+            mask_out_of_vocab=False,
+        )
+        alpha = log_acceptance(prepared.draft_logp, prepared.target_logp).exp()
+    return alpha if mask is None else torch.where(mask, alpha, 0.0)
+
+
+def masked_loss(name: str, prepared: Prepared, params: dict) -> Tensor:
+    """Per-position loss [...] with exactly 0 at masked positions.
+
+    For lk_lambda in batch mode without an ``alpha_bar``, ᾱ is the mean α over the valid
+    positions given here (0 when none are valid).
+    """
+    if needs_alpha_bar(name, params):
+        alpha_sum = alpha_sum_of(prepared)
+        params = {**params, "alpha_bar": alpha_sum / prepared.mask.sum().clamp_min(1)}
+    loss = LOSSES[name](prepared.draft_logp, prepared.target_logp, **params)
+    return torch.where(prepared.mask, loss, 0.0)
+
+
+def needs_alpha_bar(name: str, params: dict) -> bool:
+    """Whether the loss uses lk_lambda's batch-mean ᾱ and it is not given yet."""
+    uses_lk_lambda = name == "lk_lambda" or (name == "mix" and "lk_lambda" in params["parts"])
+    return (
+        uses_lk_lambda
+        and params.get("lambda_mode", "batch") == "batch"
+        and params.get("alpha_bar") is None
+    )
+
+
+def alpha_sum_of(prepared: Prepared) -> Tensor:
+    """Σ α over the valid positions, detached: 0-dim."""
+    with torch.no_grad():
+        alpha = torch.minimum(prepared.draft_logp, prepared.target_logp).exp_().sum(-1)
+        return torch.where(prepared.mask, alpha, 0.0).sum()
+
+
+def prepare(
+    draft_logits: Tensor,
+    target: Target,
+    mask: Tensor | None,
+    *,
+    temperature: float,
+    top_p: float | None,
+    top_k: int | None,
+    d2t: Tensor | None,
+    mask_out_of_vocab: bool,
+) -> Prepared:
+    """Log-probabilities of both sides on the draft vocabulary, and the final mask.
+
+    draft_logits: [..., V_d]; target: [..., V] or SparseTarget; mask: [...] or None.
+    Raises ValueError for non-finite target logits at valid positions, and (with d2t) for
+    valid positions where the target has no mass on the draft vocabulary.
+    """
+    vocab_size = draft_logits.shape[-1]
+    draft_ids = _draft_ids(d2t, vocab_size)
+    if mask_out_of_vocab and d2t is None:
+        raise ValueError("mask_out_of_vocab needs d2t (the draft-to-target vocabulary map)")
+    if mask is None:
+        mask = torch.ones(draft_logits.shape[:-1], dtype=torch.bool, device=draft_logits.device)
+        full_mask = None
+    else:
+        full_mask = mask = mask.to(torch.bool)
+    if mask.shape != draft_logits.shape[:-1]:
+        raise ValueError(
+            f"mask shape {list(mask.shape)} must equal draft_logits.shape[:-1] "
+            f"= {list(draft_logits.shape[:-1])}"
+        )
+    dtype = _dtype(draft_logits)
+    target = target_logp(
+        target,
+        full_mask,
+        temperature=temperature,
+        top_p=top_p,
+        top_k=top_k,
+        dtype=dtype,
+        vocab_size=_target_vocab(target, vocab_size, draft_ids),
+    )
+    if target.shape[:-1] != draft_logits.shape[:-1]:
+        raise ValueError(
+            f"target shape {list(target.shape)} and draft_logits shape "
+            f"{list(draft_logits.shape)} must agree on all but the last dim"
+        )
+    if draft_ids is not None:
+        in_draft_vocab = torch.zeros(target.shape[-1], dtype=torch.bool, device=target.device)
+        in_draft_vocab[draft_ids] = True
+        if mask_out_of_vocab:
+            mask = mask & in_draft_vocab[target.argmax(-1)]
+        target = target.index_select(-1, draft_ids)
+        no_mass = mask & (target.amax(-1) < LOG_P_FLOOR)
+        if no_mass.any():
+            raise ValueError(
+                f"target has no probability mass (max p < 1e-38) on the draft vocabulary at "
+                f"{int(no_mass.sum())} valid positions; mask them (mask_out_of_vocab=True)"
+            )
+    elif target.shape[-1] != vocab_size:
+        raise ValueError(
+            f"target vocab {target.shape[-1]} != draft vocab {vocab_size}; pass d2t to map a "
+            "truncated draft vocabulary into the target's"
+        )
+    draft = _valid_rows(draft_logits, full_mask).to(dtype)
+    if temperature != 1.0:
+        draft = draft / temperature
+    draft_logp = draft.log_softmax(-1)
+    return Prepared(draft_logp, target, mask)
+
+
+def target_logp(
+    target: Target,
+    mask: Tensor | None,
+    *,
+    temperature: float,
+    dtype: torch.dtype,
+    top_p: float | None = None,
+    top_k: int | None = None,
+    vocab_size: int | None = None,
+) -> Tensor:
+    """Processed target log-probabilities over the target vocabulary, detached:
+    [..., V] (or SparseTarget, scattered into ``vocab_size``) -> [..., V].
+
+    Order as in vLLM / HF samplers: temperature, then top-k, then top-p, then renormalise.
+    """
+    if isinstance(target, SparseTarget):
+        logits = _dense(target, mask, vocab_size, dtype)
+    else:
+        logits = target.detach().to(dtype)
+    row_max = logits.amax(-1)  # NaN if any NaN, +inf if any +inf, -inf if all -inf
+    bad = ~torch.isfinite(row_max)
+    if mask is not None:
+        bad &= mask
+    if bad.any():
+        raise ValueError(
+            f"target logits are non-finite at {int(bad.sum())} valid positions (NaN, +inf, "
+            "or every entry -inf); fix the target or mask those positions"
+        )
+    if temperature != 1.0:
+        logits = logits / temperature
+    if top_k is not None and top_k < logits.shape[-1]:
+        kth_largest = logits.topk(top_k, dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth_largest, float("-inf"))
+    if top_p is not None and top_p < 1.0:
+        sorted_logits, order = logits.sort(-1, descending=True)
+        sorted_probs = sorted_logits.softmax(-1)
+        drop_sorted = sorted_probs.cumsum(-1) - sorted_probs >= top_p  # mass before >= top_p
+        drop = torch.empty_like(drop_sorted).scatter_(-1, order, drop_sorted)
+        logits = logits.masked_fill(drop, float("-inf"))
+    target_logp = logits.log_softmax(-1)
+    if mask is not None:  # finite placeholders in masked rows, whatever they held
+        target_logp.masked_fill_(~mask[..., None], 0.0)
+    return target_logp
+
+
+def _dense(target: SparseTarget, mask: Tensor | None, vocab_size: int, dtype) -> Tensor:
+    """SparseTarget -> dense log-probability logits [..., vocab_size], −inf off the top N."""
+    indices, probs = target.indices, target.probs.detach().to(dtype)
+    if mask is not None:  # masked rows may hold any index
+        indices = torch.where(mask[..., None], indices, 0)
+    dense = probs.new_full((*probs.shape[:-1], vocab_size), float("-inf"))
+    return dense.scatter(-1, indices, probs.log())
+
+
+def _draft_ids(d2t: Tensor | None, vocab_size: int) -> Tensor | None:
+    """Target-vocab id of each draft token, [V_d] (target_id = i + d2t[i]); None without d2t."""
+    if d2t is None:
+        return None
+    if d2t.shape != (vocab_size,):
+        raise ValueError(f"d2t must have shape [V_d]=[{vocab_size}], got {list(d2t.shape)}")
+    return torch.arange(vocab_size, device=d2t.device) + d2t
+
+
+def _target_vocab(target: Target, draft_vocab: int, draft_ids: Tensor | None) -> int | None:
+    """Size of the dense vocabulary a SparseTarget is scattered into (None for dense)."""
+    if not isinstance(target, SparseTarget):
+        return None
+    if draft_ids is None:
+        return draft_vocab
+    return int(torch.maximum(draft_ids.max(), target.indices.max())) + 1
+
+
+def _valid_rows(x: Tensor, mask: Tensor | None) -> Tensor:
+    """Zero the rows of masked positions, so NaN/inf there cannot reach the gradient.
+    Values there are dropped by the final torch.where, so without grad x is returned as is."""
+    if mask is None or not (torch.is_grad_enabled() and x.requires_grad):
+        return x
+    return torch.where(mask[..., None], x, 0)
+
+
+def _dtype(x: Tensor) -> torch.dtype:
+    return torch.promote_types(x.dtype, torch.float32)
+
+
+def _check_sampling(temperature: float, top_p: float | None, top_k: int | None) -> None:
+    if not temperature > 0:
+        raise ValueError(
+            f"temperature must be > 0 for losses, got {temperature} "
+            "(temperature 0 only exists for acceptance(), as greedy agreement)"
+        )
+    if top_p is not None and not 0.0 < top_p <= 1.0:
+        raise ValueError(f"top_p must be in (0, 1], got {top_p}")
+    if top_k is not None and top_k < 1:
+        raise ValueError(f"top_k must be >= 1, got {top_k}")

@@ -1,0 +1,166 @@
+"""Memory-bounded loss from the draft's hidden states and LM head, chunk by chunk.
+
+The [positions, vocab] logits never exist whole: each chunk of positions computes its
+logits, its loss and that loss's gradient, and frees them. The gradients with respect to
+the hidden states and the head weight are computed during the forward pass (one
+``autograd.grad`` per chunk) and kept, at the size of those inputs; backward only scales
+them. This does the work of one forward and one backward, with no recomputation, and
+extra memory O(chunk_size × vocab) instead of O(positions × vocab). (Recomputing each
+chunk in backward, e.g. torch.utils.checkpoint, would also bound memory but redo the
+forward: ~1.3× the matmul work.) The gradient buffers make backward single-order: no
+double backward through this loss.
+"""
+
+import torch
+from torch import Tensor
+
+from losses.api import (
+    SparseTarget,
+    Target,
+    _check_sampling,
+    alpha_sum_of,
+    masked_loss,
+    needs_alpha_bar,
+    prepare,
+)
+from losses.divergences import check_params
+
+
+def chunked_loss(
+    name: str,
+    draft_hidden: Tensor,
+    draft_head_weight: Tensor,
+    target_logits: Target | tuple[Tensor, Tensor],
+    mask: Tensor | None = None,
+    *,
+    chunk_size: int = 1024,
+    temperature: float = 1.0,
+    top_p: float | None = None,
+    top_k: int | None = None,
+    d2t: Tensor | None = None,
+    mask_out_of_vocab: bool = False,
+    **params,
+) -> tuple[Tensor, Tensor]:
+    """``compute_loss(name, draft_hidden @ draft_head_weight.T, target, mask, ...)``, with
+    the same values and gradients, O(chunk_size × vocab) extra memory.
+
+    Args:
+        draft_hidden: [..., H] (e.g. [N, H] or [B, S, H]).
+        draft_head_weight: [V_d, H], the draft's LM head (no bias).
+        target_logits: [..., V] logits, a SparseTarget with [..., N] fields, or
+            ``(target_hidden [..., H_t], target_head_weight [V, H_t])``, whose logits are
+            then also computed per chunk. Treated as constant.
+        mask: [...] bool, True = valid; None = all valid.
+        chunk_size: positions per chunk; lk_lambda's temporaries take about ten
+            [chunk_size, V] fp32 buffers at once.
+        temperature, top_p, top_k, d2t, mask_out_of_vocab, **params: as in compute_loss.
+            For lk_lambda's batch ᾱ, a first no-grad pass over the chunks computes ᾱ over
+            all valid positions, so the value matches the direct computation.
+
+    Returns:
+        (loss_sum, n_valid) as compute_loss: 0-dim fp32 (grad to draft_hidden and
+        draft_head_weight), 0-dim int64.
+    """
+    check_params(name, params)
+    _check_sampling(temperature, top_p, top_k)
+    if chunk_size < 1:
+        raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+    lead = draft_hidden.shape[:-1]
+    hidden = draft_hidden.reshape(-1, draft_hidden.shape[-1])
+    if mask is not None:
+        if mask.shape != lead:
+            raise ValueError(f"mask shape {list(mask.shape)} must equal {list(lead)}")
+        mask = mask.reshape(-1)
+    target = _flat_target(target_logits, lead)
+
+    def prepare_chunk(rows: slice, draft_logits: Tensor):
+        return prepare(
+            draft_logits,
+            _target_rows(target, rows),
+            None if mask is None else mask[rows],
+            temperature=temperature,
+            top_p=top_p,
+            top_k=top_k,
+            d2t=d2t,
+            mask_out_of_vocab=mask_out_of_vocab,
+        )
+
+    chunks = [slice(s, s + chunk_size) for s in range(0, hidden.shape[0], chunk_size)]
+    if needs_alpha_bar(name, params):
+        alpha_sum, count = 0.0, 0
+        with torch.no_grad():
+            for rows in chunks:
+                prepared = prepare_chunk(rows, hidden[rows] @ draft_head_weight.T)
+                alpha_sum = alpha_sum + alpha_sum_of(prepared)
+                count = count + prepared.mask.sum()
+        params = {**params, "alpha_bar": alpha_sum / max(int(count), 1)}
+
+    def chunk_loss(rows: slice, draft_logits: Tensor) -> tuple[Tensor, Tensor]:
+        prepared = prepare_chunk(rows, draft_logits)
+        return masked_loss(name, prepared, params).sum(), prepared.mask.sum()
+
+    needs_grad = torch.is_grad_enabled() and (
+        hidden.requires_grad or draft_head_weight.requires_grad
+    )
+    return _ChunkedHeadLoss.apply(hidden, draft_head_weight, chunks, chunk_loss, needs_grad)
+
+
+class _ChunkedHeadLoss(torch.autograd.Function):
+    """loss_sum = Σ_chunks chunk_loss(rows, hidden[rows] @ weight.T); grads computed in
+    forward. hidden: [N, H], weight: [V, H] -> (loss_sum 0-dim, n_valid 0-dim int64)."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, chunks, chunk_loss, needs_grad):
+        need_hidden = needs_grad and hidden.requires_grad
+        need_weight = needs_grad and weight.requires_grad
+        hidden, weight = hidden.detach(), weight.detach()
+        grad_hidden = torch.zeros_like(hidden) if need_hidden else None
+        accumulate = torch.promote_types(weight.dtype, torch.float32)
+        grad_weight = torch.zeros_like(weight, dtype=accumulate) if need_weight else None
+        loss_sum = torch.zeros((), dtype=accumulate, device=hidden.device)
+        n_valid = torch.zeros((), dtype=torch.int64, device=hidden.device)
+        for rows in chunks:
+            logits = (hidden[rows] @ weight.T).requires_grad_(needs_grad)
+            with torch.set_grad_enabled(needs_grad):
+                loss, n = chunk_loss(rows, logits)
+            if needs_grad:
+                (grad_logits,) = torch.autograd.grad(loss, logits)
+                if need_hidden:
+                    grad_hidden[rows] = grad_logits @ weight
+                if need_weight:
+                    grad_weight.addmm_(grad_logits.T.to(accumulate), hidden[rows].to(accumulate))
+            loss_sum += loss.detach()
+            n_valid += n
+        ctx.weight_dtype = weight.dtype
+        ctx.save_for_backward(grad_hidden, grad_weight)
+        ctx.mark_non_differentiable(n_valid)
+        return loss_sum, n_valid
+
+    @staticmethod
+    def backward(ctx, grad_loss, _grad_n_valid):
+        grad_hidden, grad_weight = ctx.saved_tensors
+        if grad_hidden is not None:
+            grad_hidden = grad_hidden * grad_loss.to(grad_hidden.dtype)
+        if grad_weight is not None:
+            grad_weight = (grad_weight * grad_loss).to(ctx.weight_dtype)
+        return grad_hidden, grad_weight, None, None, None
+
+
+def _flat_target(target: Target | tuple[Tensor, Tensor], lead: torch.Size):
+    """Target with its leading dims flattened to one: rows line up with the hidden rows."""
+    n = len(lead)
+    if isinstance(target, SparseTarget):
+        return SparseTarget(target.indices.flatten(0, n - 1), target.probs.flatten(0, n - 1))
+    if isinstance(target, tuple):
+        target_hidden, target_head_weight = target
+        return target_hidden.detach().flatten(0, n - 1), target_head_weight.detach()
+    return target.flatten(0, n - 1)
+
+
+def _target_rows(target, rows: slice) -> Target:
+    if isinstance(target, SparseTarget):
+        return SparseTarget(target.indices[rows], target.probs[rows])
+    if isinstance(target, tuple):
+        target_hidden, target_head_weight = target
+        return target_hidden[rows] @ target_head_weight.T
+    return target[rows]
