@@ -277,7 +277,7 @@ def _validate_loss(lo: LossConfig) -> None:
 
     import losses
 
-    logits = torch.zeros(1, 1, 2)
+    logits = torch.zeros(1, 1, 1024)  # wide enough for top-k style parameters
     try:
         losses.compute_loss(lo.name, logits, logits, temperature=lo.temperature, **lo.params)
     except (ValueError, TypeError) as e:

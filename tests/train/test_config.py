@@ -45,6 +45,15 @@ def test_overrides_are_typed_and_nested(tmp_path):
     assert recipe.draft.lora.r == 8
 
 
+def test_every_loss_of_the_library_is_accepted():
+    import losses
+
+    for name in sorted(set(losses.LOSSES) - {"mix"}):
+        assert load_recipe(None, [f"loss.name={name}"]).loss.name == name
+    mix = load_recipe(None, ["loss.name=mix", "loss.parts={tv: 0.9, fkl: 0.1}"])
+    assert mix.loss.params == {"parts": {"tv": 0.9, "fkl": 0.1}}
+
+
 def test_loss_params_nested_or_flat_are_the_same(tmp_path):
     flat = load_recipe(write(tmp_path, "loss:\n  name: lk_lambda\n  eta: 2.0\n"))
     nested = load_recipe(None, ["loss.name=lk_lambda", "loss.params.eta=2.0"])
@@ -71,6 +80,7 @@ def test_unknown_key_names_it_and_suggests(tmp_path):
         ("loss.name=nope", r"loss: .*nope"),
         ("loss.eta=-1", r"loss: .*eta"),
         ("loss.beta=0.5", r"loss: .*beta"),  # lk_lambda takes no beta
+        ("loss.lambda_mode=sometimes", r"loss: .*lambda_mode"),
         ("target.dtype=float8", r"target.dtype must be float32, bfloat16 or float16"),
     ],
 )
