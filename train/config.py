@@ -189,7 +189,9 @@ def _build(cls, raw: dict, prefix: str):
         if key not in names:
             raise _unknown_key(full, names)
         tp = hints[key]
-        kwargs[key] = _build(tp, value, full) if _is_dataclass_type(tp) else _coerce(value, tp, full)
+        kwargs[key] = (
+            _build(tp, value, full) if _is_dataclass_type(tp) else _coerce(value, tp, full)
+        )
     return cls(**kwargs)
 
 
@@ -213,7 +215,9 @@ def parse_override(text: str) -> tuple[str, Any]:
     """`train.max_steps=50` -> ("train.max_steps", 50); the value is parsed as YAML."""
     key, sep, value = text.partition("=")
     if not sep or not key:
-        raise RecipeError(f"override {text!r} must look like key.sub=value (e.g. train.max_steps=50)")
+        raise RecipeError(
+            f"override {text!r} must look like key.sub=value (e.g. train.max_steps=50)"
+        )
     try:
         return key.strip(), yaml.safe_load(value) if value.strip() else None
     except yaml.YAMLError as e:
@@ -258,7 +262,10 @@ def validate(recipe: Recipe) -> None:
             f"wandb.mode must be offline, online or disabled, got {recipe.wandb.mode!r}",
         ),
     ]
-    for dtype_key, dtype in (("target.dtype", recipe.target.dtype), ("draft.dtype", recipe.draft.dtype)):
+    for dtype_key, dtype in (
+        ("target.dtype", recipe.target.dtype),
+        ("draft.dtype", recipe.draft.dtype),
+    ):
         checks.append(
             (
                 dtype in ("float32", "bfloat16", "float16"),
@@ -296,7 +303,9 @@ def load_recipe(path: str | Path | None, overrides: list[str] = ()) -> Recipe:
         except yaml.YAMLError as e:
             raise RecipeError(f"{path}: not valid YAML ({e})") from None
         if not isinstance(raw, dict):
-            raise RecipeError(f"{path}: a recipe must be a mapping of sections, got {type(raw).__name__}")
+            raise RecipeError(
+                f"{path}: a recipe must be a mapping of sections, got {type(raw).__name__}"
+            )
     for text in overrides:
         key, value = parse_override(text)
         _set_dotted(raw, key, value)

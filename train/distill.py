@@ -23,13 +23,19 @@ def single_process_despite_request() -> bool:
     return (
         env.get("ACCELERATE_USE_CPU", "").lower() == "true"
         and "MASTER_ADDR" in env
-        and not any(k in env for k in ("WORLD_SIZE", "LOCAL_RANK", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE"))
+        and not any(
+            k in env for k in ("WORLD_SIZE", "LOCAL_RANK", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE")
+        )
     )
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--recipe", help="YAML recipe (e.g. recipes/code.yaml); defaults if omitted")
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--recipe", help="YAML recipe (e.g. recipes/code.yaml); defaults if omitted"
+    )
     parser.add_argument("overrides", nargs="*", help="key.sub=value overrides")
     args = parser.parse_args(argv)
     os.environ.setdefault("WANDB_SILENT", "true")

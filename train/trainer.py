@@ -143,7 +143,9 @@ class Trainer:
         mb = self.recipe.train.micro_batch_size
         batches = []
         for i in range(0, len(mine), mb):
-            batch = collate([self.eval_data[j] for j in mine[i : i + mb]], self.tokenizer.pad_token_id)
+            batch = collate(
+                [self.eval_data[j] for j in mine[i : i + mb]], self.tokenizer.pad_token_id
+            )
             batches.append({k: v.to(acc.device) for k, v in batch.items()})
         return batches
 
@@ -211,7 +213,9 @@ class Trainer:
         root = self.out / "checkpoints"
         if not root.is_dir():
             return []
-        done = [p for p in root.glob(f"{CHECKPOINT_PREFIX}*") if (p / "trainer_state.json").is_file()]
+        done = [
+            p for p in root.glob(f"{CHECKPOINT_PREFIX}*") if (p / "trainer_state.json").is_file()
+        ]
         return sorted(done, key=lambda p: int(p.name.removeprefix(CHECKPOINT_PREFIX)))
 
     def save_checkpoint(self) -> None:
@@ -264,7 +268,9 @@ class Trainer:
         with open(self.out / "metrics.jsonl", "a") as f:
             f.write(json.dumps(record) + "\n")
         if self._wandb is not None:
-            self._wandb.log({k: v for k, v in record.items() if isinstance(v, int | float)}, step=record["step"])
+            self._wandb.log(
+                {k: v for k, v in record.items() if isinstance(v, int | float)}, step=record["step"]
+            )
 
     def _start_wandb(self) -> None:
         w = self.recipe.wandb
@@ -282,7 +288,10 @@ class Trainer:
         )
 
     def _eval_record(self, metrics: dict) -> dict:
-        record = {"step": self.step, **{f"eval/{k}": v for k, v in metrics.items() if k != "tau_pred"}}
+        record = {
+            "step": self.step,
+            **{f"eval/{k}": v for k, v in metrics.items() if k != "tau_pred"},
+        }
         record.update({f"eval/tau_pred_{g}": t for g, t in metrics["tau_pred"].items()})
         return record
 

@@ -16,7 +16,9 @@ def test_tau_pred_closed_form():
 
 
 def test_summarise_and_empty():
-    out = summarise(torch.tensor([3.0, 2.0, 4.0], dtype=torch.float64), temperature=1.0, max_gamma=3)
+    out = summarise(
+        torch.tensor([3.0, 2.0, 4.0], dtype=torch.float64), temperature=1.0, max_gamma=3
+    )
     assert out["alpha"] == 0.75 and out["alpha_greedy"] == 0.5 and out["n_positions"] == 4
     assert math.isclose(out["tau_pred"][3], tau_pred(0.75, 3))
     with pytest.raises(ValueError, match="no valid positions"):

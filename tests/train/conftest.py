@@ -31,7 +31,10 @@ def make_tokenizer(vocab_size: int = 320, corpus: list[str] = TEXT) -> PreTraine
     )
     tok.train_from_iterator(corpus * 4, trainer)
     return PreTrainedTokenizerFast(
-        tokenizer_object=tok, eos_token="<|endoftext|>", pad_token="<|endoftext|>", chat_template=CHATML
+        tokenizer_object=tok,
+        eos_token="<|endoftext|>",
+        pad_token="<|endoftext|>",
+        chat_template=CHATML,
     )
 
 
@@ -71,7 +74,9 @@ def tiny_pair(tmp_path_factory):
 def other_tokenizer_draft(tmp_path_factory):
     """A draft whose tokenizer was trained on different text: same size, different ids."""
     root = tmp_path_factory.mktemp("other_draft")
-    tokenizer = make_tokenizer(corpus=["SELECT * FROM t WHERE x = 1;\n", "<html><body></body></html>\n"])
+    tokenizer = make_tokenizer(
+        corpus=["SELECT * FROM t WHERE x = 1;\n", "<html><body></body></html>\n"]
+    )
     model = make_model(tokenizer, hidden=16, layers=1, seed=3)
     model.save_pretrained(root)
     tokenizer.save_pretrained(root)

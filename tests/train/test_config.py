@@ -35,8 +35,15 @@ def test_overrides_are_typed_and_nested(tmp_path):
     path = write(tmp_path, "train:\n  max_steps: 10\nloss:\n  name: tv\n")
     recipe = load_recipe(
         path,
-        ["train.max_steps=50", "loss.name=lk_lambda", "loss.eta=5", "data.train=a.jsonl",
-         "eval.temperature=0", "wandb.project=null", "draft.lora.r=8"],
+        [
+            "train.max_steps=50",
+            "loss.name=lk_lambda",
+            "loss.eta=5",
+            "data.train=a.jsonl",
+            "eval.temperature=0",
+            "wandb.project=null",
+            "draft.lora.r=8",
+        ],
     )
     assert recipe.train.max_steps == 50
     assert recipe.loss.name == "lk_lambda" and recipe.loss.params == {"eta": 5}
@@ -61,7 +68,9 @@ def test_loss_params_nested_or_flat_are_the_same(tmp_path):
 
 
 def test_unknown_key_names_it_and_suggests(tmp_path):
-    with pytest.raises(RecipeError, match=r"unknown recipe key 'train.max_step'; did you mean 'train.max_steps'"):
+    with pytest.raises(
+        RecipeError, match=r"unknown recipe key 'train.max_step'; did you mean 'train.max_steps'"
+    ):
         load_recipe(None, ["train.max_step=5"])
     with pytest.raises(RecipeError, match=r"unknown recipe key 'trian'"):
         load_recipe(write(tmp_path, "trian:\n  max_steps: 5\n"))

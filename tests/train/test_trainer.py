@@ -81,8 +81,12 @@ def test_distillation_raises_alpha_and_writes_outputs(tiny_pair, tmp_path):
 
 def test_tokenizer_mismatch_is_an_error_before_training(tiny_pair, other_tokenizer_draft, tmp_path):
     target = tiny_pair[0]
-    with pytest.raises(TokenizerMismatchError, match="do not share a tokenizer: vocabularies differ"):
-        check_tokenizers(load_tokenizer(str(target)), load_tokenizer(str(other_tokenizer_draft)), "t", "d")
+    with pytest.raises(
+        TokenizerMismatchError, match="do not share a tokenizer: vocabularies differ"
+    ):
+        check_tokenizers(
+            load_tokenizer(str(target)), load_tokenizer(str(other_tokenizer_draft)), "t", "d"
+        )
     recipe = load_recipe(
         None, overrides(tiny_pair, tmp_path / "run", **{"draft.model": str(other_tokenizer_draft)})
     )
@@ -116,7 +120,9 @@ def test_resume_gives_the_same_draft_as_an_uninterrupted_run(tiny_pair, tmp_path
 
     AcceleratorState._reset_state(True)
     GradientState._reset_state()
-    resumed = Trainer(load_recipe(None, overrides(tiny_pair, killed, **extra, **{"train.resume": "auto"})))
+    resumed = Trainer(
+        load_recipe(None, overrides(tiny_pair, killed, **extra, **{"train.resume": "auto"}))
+    )
     resumed.run()
     assert resumed.step == 10
     a, b = draft_weights(full), draft_weights(killed)
@@ -135,9 +141,19 @@ def run_cli(args: list[str], out: Path, processes: int) -> list[dict]:
         cmd = [sys.executable, str(REPO / "train" / "distill.py")]
     else:
         cmd = [
-            sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes",
-            str(processes), "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend",
-            "no", str(REPO / "train" / "distill.py"),
+            sys.executable,
+            "-m",
+            "accelerate.commands.launch",
+            "--multi_gpu",
+            "--num_processes",
+            str(processes),
+            "--num_machines",
+            "1",
+            "--mixed_precision",
+            "no",
+            "--dynamo_backend",
+            "no",
+            str(REPO / "train" / "distill.py"),
         ]
     proc = subprocess.run(cmd + args, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -1,7 +1,7 @@
 """Chunked vs direct loss: peak extra memory and forward+backward time, as ratios.
 
-    python -m benchmarks.losses                                   # V = 32k and 128k
-    python -m benchmarks.losses --vocab 128000 --positions 1024 --chunk-size 128
+    python -m benchmarks.loss_memory                                   # V = 32k and 128k
+    python -m benchmarks.loss_memory --vocab 128000 --positions 1024 --chunk-size 128
 
 Run it as a module from the repo root: as a script, this file would shadow ``losses``.
 
@@ -88,7 +88,7 @@ def _status_kib(field: str) -> int:
     return int(line.split()[1])
 
 
-CASE = [sys.executable, "-m", "benchmarks.losses", "--case"]
+CASE = [sys.executable, "-m", "benchmarks.loss_memory", "--case"]
 
 
 def _run(command: list[str]) -> dict:

@@ -1,0 +1,210 @@
+"""This engine's speculative decoding against transformers' assisted generation.
+
+    python -m benchmarks.vs_hf_assisted     # embedded:code + embedded:code-draft on HumanEval
+    python -m benchmarks.vs_hf_assisted --gamma 4 --temperatures 0,1 --num-prompts 8 --threads 1
+    python -m benchmarks.vs_hf_assisted --target Qwen/Qwen2.5-1.5B --draft Qwen/Qwen2.5-0.5B \\
+        --prompts ../shared/data/spec_bench_questions.jsonl --device cuda --dtype bfloat16
+
+(`-m` from the repository root: run as `python benchmarks/vs_hf_assisted.py`, the folder's
+own modules, e.g. benchmarks/losses.py, would shadow the project's packages.)
+
+Batch size 1 (assisted generation supports no more), every request generates exactly
+`--max-new-tokens` tokens (EOS ignored on both sides), requests run one after another after
+a warm-up. HF assisted generation runs with a constant γ (`num_assistant_tokens`, schedule
+"constant", no confidence-threshold early stop) so both sides draft the same number of
+tokens; its dynamic schedule ("heuristic_transient" from γ, confidence threshold 0.4) is
+timed too. Printed per temperature:
+
+- tokens/s of target-only decoding (engine and `generate()`), of this engine's speculative
+  decoding and of assisted generation, and the ratio engine ÷ assisted (goal ≥ 1.0);
+- engine efficiency = measured speedup ÷ ideal speedup, ideal = τ/(γc + 1) (Leviathan et al.
+  Thm 3.8 at the α that reproduces the measured τ; c = draft time per drafted token ÷ target
+  time per decoding step, both measured in this run) (goal ≥ 0.8). v = one verification pass
+  ÷ one target decoding step: the ideal assumes v = 1, so on hardware where scoring γ + 1
+  tokens costs more than one (CPU GEMM vs GEMV kernels) efficiency < 1 without any overhead.
+"""
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import torch
+
+from eval import speculative as spec
+from eval.prompts import encode_prompts, load_prompts
+from train.models import check_tokenizers, load_model, load_tokenizer
+
+HUMANEVAL = Path(__file__).resolve().parents[2] / "shared" / "data" / "HumanEval.jsonl.gz"
+
+
+def clock(device: torch.device) -> float:
+    spec._sync(device)
+    return time.perf_counter()
+
+
+def hf_generate(target, draft, ids: list[int], *, temperature, gamma, max_new_tokens, schedule):
+    """One request through `generate()`; with a draft, assisted generation."""
+    kwargs = dict(max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens)
+    if temperature > 0:
+        kwargs.update(do_sample=True, temperature=temperature, top_p=1.0, top_k=0)
+    else:
+        kwargs.update(do_sample=False)
+    if draft is not None:
+        config = draft.generation_config
+        config.num_assistant_tokens = gamma
+        config.num_assistant_tokens_schedule = schedule
+        config.assistant_confidence_threshold = 0.0 if schedule == "constant" else 0.4
+        kwargs["assistant_model"] = draft
+    input_ids = torch.tensor([ids], device=target.device)
+    out = target.generate(
+        input_ids,
+        attention_mask=torch.ones_like(input_ids),
+        pad_token_id=target.generation_config.eos_token_id,
+        **kwargs,
+    )
+    assert out.shape[1] - len(ids) == max_new_tokens
+    return out[0, len(ids) :].tolist()
+
+
+def engine_runs(target, draft, prompt_ids, **kwargs) -> tuple[float, list[spec.Generation]]:
+    start = clock(target.device)
+    runs = [
+        spec.generate(target, draft, [ids], seed=i, **kwargs) for i, ids in enumerate(prompt_ids)
+    ]
+    return clock(target.device) - start, runs
+
+
+def hf_runs(target, draft, prompt_ids, **kwargs) -> float:
+    torch.manual_seed(0)
+    start = clock(target.device)
+    for ids in prompt_ids:
+        hf_generate(target, draft, ids, **kwargs)
+    return clock(target.device) - start
+
+
+def compare(target, draft, prompt_ids, *, temperature: float, gamma: int, max_new_tokens: int):
+    """Both engines on the same requests at one temperature: tokens/s, ratios and efficiency."""
+    common = dict(temperature=temperature, max_new_tokens=max_new_tokens)
+    # Warm-up: first calls pay for allocator growth and lazy initialisation.
+    spec.generate(
+        target, draft, prompt_ids[:1], gamma=gamma, temperature=temperature, max_new_tokens=8
+    )
+    hf_generate(
+        target,
+        draft,
+        prompt_ids[0],
+        temperature=temperature,
+        gamma=gamma,
+        max_new_tokens=8,
+        schedule="constant",
+    )
+    t_engine_base, base_runs = engine_runs(target, None, prompt_ids, **common)
+    t_engine_spec, spec_runs = engine_runs(target, draft, prompt_ids, gamma=gamma, **common)
+    t_hf_base = hf_runs(target, None, prompt_ids, gamma=gamma, schedule="constant", **common)
+    t_hf_assisted = hf_runs(target, draft, prompt_ids, gamma=gamma, schedule="constant", **common)
+    t_hf_dynamic = hf_runs(
+        target, draft, prompt_ids, gamma=gamma, schedule="heuristic_transient", **common
+    )
+    if temperature == 0:
+        # Greedy speculative decoding must reproduce the target's greedy text.
+        assert [g.sequences for g in spec_runs] == [g.sequences for g in base_runs]
+
+    rounds = [r for g in spec_runs for r in g.rounds]
+    tau = spec.acceptance_stats(rounds)["tau"]
+    c, v = spec.cost_ratios(rounds, [r for g in base_runs for r in g.rounds])
+    speedup = t_engine_base / t_engine_spec
+    ideal = tau / (gamma * c + 1.0)
+    n_tokens = len(prompt_ids) * max_new_tokens
+    return {
+        "tokens": n_tokens,
+        "engine_target_tok_s": n_tokens / t_engine_base,
+        "engine_spec_tok_s": n_tokens / t_engine_spec,
+        "hf_target_tok_s": n_tokens / t_hf_base,
+        "hf_assisted_tok_s": n_tokens / t_hf_assisted,
+        "hf_assisted_dynamic_tok_s": n_tokens / t_hf_dynamic,
+        "engine_vs_hf_assisted": t_hf_assisted / t_engine_spec,
+        "engine_vs_hf_assisted_dynamic": t_hf_dynamic / t_engine_spec,
+        "tau": tau,
+        "alpha_measured": spec.alpha_for_tau(tau, gamma),
+        "cost_ratio_c": c,
+        "verify_cost_ratio": v,
+        "speedup": speedup,
+        "ideal_speedup": ideal,
+        "engine_efficiency": speedup / ideal,
+    }
+
+
+def run(args) -> dict:
+    tokenizer = load_tokenizer(args.target)
+    check_tokenizers(tokenizer, load_tokenizer(args.draft), args.target, args.draft)
+    target = load_model(args.target, dtype=args.dtype).to(args.device).eval()
+    draft = load_model(args.draft, dtype=args.dtype).to(args.device).eval()
+    prompts = load_prompts(args.prompts, limit=args.num_prompts)
+    prompt_ids = encode_prompts(prompts, tokenizer, max_tokens=args.max_prompt_tokens)
+    return {
+        f"{t:g}": compare(
+            target,
+            draft,
+            prompt_ids,
+            temperature=t,
+            gamma=args.gamma,
+            max_new_tokens=args.max_new_tokens,
+        )
+        for t in args.temperatures
+    }
+
+
+COLUMNS = [  # (printed name, result key, decimals)
+    ("engine target tok/s", "engine_target_tok_s", 1),
+    ("HF target tok/s", "hf_target_tok_s", 1),
+    ("engine spec tok/s", "engine_spec_tok_s", 1),
+    ("HF assisted tok/s", "hf_assisted_tok_s", 1),
+    ("HF dynamic tok/s", "hf_assisted_dynamic_tok_s", 1),
+    ("engine/assisted", "engine_vs_hf_assisted", 2),
+    ("engine/dynamic", "engine_vs_hf_assisted_dynamic", 2),
+    ("τ", "tau", 2),
+    ("α", "alpha_measured", 2),
+    ("c", "cost_ratio_c", 2),
+    ("v", "verify_cost_ratio", 2),
+    ("speedup", "speedup", 2),
+    ("ideal", "ideal_speedup", 2),
+    ("efficiency", "engine_efficiency", 2),
+]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--target", default="embedded:code")
+    parser.add_argument("--draft", default="embedded:code-draft")
+    parser.add_argument("--prompts", default=str(HUMANEVAL))
+    parser.add_argument("--num-prompts", type=int, default=8)
+    parser.add_argument("--max-prompt-tokens", type=int, default=512)
+    parser.add_argument("--max-new-tokens", type=int, default=96)
+    parser.add_argument("--gamma", type=int, default=4)
+    parser.add_argument("--temperatures", default="0,1", help="comma-separated; 0 = greedy")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    parser.add_argument("--threads", type=int, default=None, help="torch intra-op CPU threads")
+    parser.add_argument("--json", default=None, help="also write the results here")
+    args = parser.parse_args()
+    args.temperatures = [float(t) for t in args.temperatures.split(",")]
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    results = run(args)
+    print(
+        f"target {args.target}, draft {args.draft}, γ={args.gamma}, {args.num_prompts} prompts × "
+        f"{args.max_new_tokens} tokens, batch 1, {args.device} {args.dtype}, "
+        f"{torch.get_num_threads()} threads"
+    )
+    print(" | ".join(["T", *(name for name, _, _ in COLUMNS)]))
+    for t, r in results.items():
+        print(" | ".join([t, *(f"{r[key]:.{digits}f}" for _, key, digits in COLUMNS)]))
+    if args.json:
+        Path(args.json).write_text(json.dumps({"args": vars(args), "results": results}, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,215 @@
+"""The embedded model builder, on the micro "tiny" / "tiny-draft" pair (seconds to build)."""
+
+import json
+import multiprocessing
+import os
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from data.stdlib import stdlib_files
+from train import embedded
+
+
+@pytest.fixture(scope="module")
+def tiny_cache(tmp_path_factory):
+    """A cache with "tiny" and "tiny-draft" built once, shared by the read-only tests."""
+    root = tmp_path_factory.mktemp("embedded_cache")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("SPECDISTILL_CACHE", str(root))
+        paths = {
+            name: embedded.resolve_model(f"embedded:{name}") for name in ("tiny", "tiny-draft")
+        }
+        yield root, paths
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("SPECDISTILL_CACHE", str(tmp_path))
+    return tmp_path
+
+
+def test_cache_root_follows_env(cache, monkeypatch):
+    assert embedded.cache_root() == cache
+    monkeypatch.delenv("SPECDISTILL_CACHE")
+    assert embedded.cache_root() == Path.home() / ".cache" / "specdistill"
+
+
+def test_resolve_builds_hf_dirs_that_load_with_from_pretrained(tiny_cache):
+    root, paths = tiny_cache
+    for name in ("tiny", "tiny-draft"):
+        assert paths[name] == str(root / "embedded" / name)
+        spec = embedded.EMBEDDED[name]
+        model = AutoModelForCausalLM.from_pretrained(paths[name])
+        tokenizer = AutoTokenizer.from_pretrained(paths[name])
+        assert model.config.model_type == "llama"
+        assert model.config.hidden_size == spec.hidden_size
+        assert model.config.num_hidden_layers == spec.num_layers
+        assert model.config.vocab_size == len(tokenizer) == spec.corpus.vocab_size
+        eos = tokenizer.convert_tokens_to_ids("<|endoftext|>")
+        assert tokenizer.eos_token_id == tokenizer.pad_token_id == eos
+        assert model.config.eos_token_id == model.config.pad_token_id == eos
+        assert model.generation_config.eos_token_id == eos
+        ids = tokenizer("def f(x):\n    return x\n", return_tensors="pt").input_ids
+        logits = model(input_ids=ids).logits
+        assert logits.shape == (1, ids.shape[1], len(tokenizer))
+        assert torch.isfinite(logits).all()
+
+
+def test_build_record(tiny_cache):
+    _, paths = tiny_cache
+    record = json.loads((Path(paths["tiny"]) / embedded.BUILD_RECORD).read_text())
+    assert record["build_version"] == embedded.BUILD_VERSION
+    assert record["spec"] == embedded._record_spec(embedded.EMBEDDED["tiny"])
+    assert record["train_steps"] == embedded.EMBEDDED["tiny"].steps
+    assert 0 < record["heldout_loss"] < 10
+    assert record["seed"] == 0
+
+
+def test_second_resolve_does_not_rebuild(tiny_cache, monkeypatch):
+    root, paths = tiny_cache
+    monkeypatch.setenv("SPECDISTILL_CACHE", str(root))
+
+    def fail(*args, **kwargs):
+        raise AssertionError("rebuilt a current model")
+
+    monkeypatch.setattr(embedded, "_train_model", fail)
+    before = os.stat(Path(paths["tiny"]) / "model.safetensors").st_mtime_ns
+    assert embedded.resolve_model("embedded:tiny") == paths["tiny"]
+    assert embedded.build("tiny") == Path(paths["tiny"])
+    assert os.stat(Path(paths["tiny"]) / "model.safetensors").st_mtime_ns == before
+
+
+def test_outdated_build_is_rebuilt(cache, monkeypatch):
+    path = embedded.build("tiny-draft")
+    monkeypatch.setattr(embedded, "BUILD_VERSION", embedded.BUILD_VERSION + 1)
+    built = []
+    original = embedded._train_model
+    monkeypatch.setattr(embedded, "_train_model", lambda *a: built.append(a[0]) or original(*a))
+    assert embedded.resolve_model("embedded:tiny-draft") == str(path)
+    assert built == ["tiny-draft"]
+    record = json.loads((path / embedded.BUILD_RECORD).read_text())
+    assert record["build_version"] == embedded.BUILD_VERSION
+    assert not list((cache / "embedded").glob(".*-*"))  # no temp or replaced dirs left
+
+
+def test_target_and_draft_share_the_tokenizer(tiny_cache):
+    _, paths = tiny_cache
+    target = AutoTokenizer.from_pretrained(paths["tiny"])
+    draft = AutoTokenizer.from_pretrained(paths["tiny-draft"])
+    assert target.get_vocab() == draft.get_vocab()
+    for file in ("tokenizer.json", "tokenizer_config.json"):
+        a = (Path(paths["tiny"]) / file).read_bytes()
+        assert a == (Path(paths["tiny-draft"]) / file).read_bytes()
+
+
+def test_chat_template_renders_chatml(tiny_cache):
+    _, paths = tiny_cache
+    tokenizer = AutoTokenizer.from_pretrained(paths["tiny"])
+    messages = [{"role": "user", "content": "Write a loop."}]
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert text == "<|im_start|>user\nWrite a loop.<|im_end|>\n<|im_start|>assistant\n"
+    ids = tokenizer(text).input_ids
+    assert ids[0] == tokenizer.convert_tokens_to_ids("<|im_start|>")
+    assert tokenizer.convert_tokens_to_ids("<|im_end|>") in ids
+
+
+def test_byte_level_round_trip_on_stdlib_source(tiny_cache):
+    _, paths = tiny_cache
+    tokenizer = AutoTokenizer.from_pretrained(paths["tiny"])
+    source = stdlib_files("heldout")[0].read_text(encoding="utf-8")[:3000]
+    source += "\n\t# tabs, trailing spaces   \n\n\n# ünïcödé → 字 🐍\r\n"
+    ids = tokenizer(source).input_ids
+    assert tokenizer.eos_token_id not in ids  # no special tokens added by default
+    assert tokenizer.decode(ids) == source
+
+
+def test_builds_are_deterministic(cache, tmp_path_factory, monkeypatch):
+    """Two forced builds, and a build in a fresh cache (tokenizer retrained): same bytes."""
+    first = load_file(embedded.build("tiny", force=True) / "model.safetensors")
+    second = load_file(embedded.build("tiny", force=True) / "model.safetensors")
+    monkeypatch.setenv("SPECDISTILL_CACHE", str(tmp_path_factory.mktemp("other_cache")))
+    fresh_dir = embedded.build("tiny")
+    fresh = load_file(fresh_dir / "model.safetensors")
+    assert first.keys() == second.keys() == fresh.keys()
+    for key in first:
+        assert torch.equal(first[key], second[key]), key
+        assert torch.equal(first[key], fresh[key]), key
+    tokenizer_json = (cache / "embedded" / "tiny" / "tokenizer.json").read_bytes()
+    assert (fresh_dir / "tokenizer.json").read_bytes() == tokenizer_json
+    norm = first["model.norm.weight"]
+    assert not torch.equal(norm, torch.ones_like(norm))  # it trained away from the init
+
+
+def test_interrupted_build_leaves_no_final_dir(cache, monkeypatch):
+    calls = []
+
+    def crash(*args):
+        calls.append(1)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return 1.0
+
+    monkeypatch.setattr(embedded, "_train_step", crash)
+    with pytest.raises(KeyboardInterrupt):
+        embedded.resolve_model("embedded:tiny-draft")
+    assert not (cache / "embedded" / "tiny-draft").exists()
+    assert not list((cache / "embedded").glob(".tmp-*"))
+    monkeypatch.undo()
+    monkeypatch.setenv("SPECDISTILL_CACHE", str(cache))
+    path = embedded.resolve_model("embedded:tiny-draft")
+    AutoModelForCausalLM.from_pretrained(path)
+
+
+def test_leftovers_of_a_killed_build_are_removed(cache):
+    stale = cache / "embedded" / ".tmp-tiny-draft-killed"
+    stale.mkdir(parents=True)
+    (stale / "model.safetensors").write_bytes(b"partial")
+    embedded.build("tiny-draft")
+    assert not stale.exists()
+
+
+def _resolve_in_child(name, barrier, results):
+    """Runs in a spawned process: resolve `name` once both processes are ready."""
+    built = []
+    original = embedded._train_model
+    embedded._train_model = lambda *args: built.append(args[0]) or original(*args)
+    barrier.wait()
+    path = embedded.resolve_model(name)
+    model = AutoModelForCausalLM.from_pretrained(path)
+    AutoTokenizer.from_pretrained(path)
+    results.put((built, path, float(model.model.norm.weight.sum())))
+
+
+def test_concurrent_processes_build_once(cache):
+    context = multiprocessing.get_context("spawn")
+    barrier, results = context.Barrier(2), context.Queue()
+    children = [
+        context.Process(target=_resolve_in_child, args=("embedded:tiny-draft", barrier, results))
+        for _ in range(2)
+    ]
+    for child in children:
+        child.start()
+    outcomes = [results.get(timeout=120) for _ in children]
+    for child in children:
+        child.join(timeout=60)
+        assert child.exitcode == 0
+    assert sorted(len(built) for built, _, _ in outcomes) == [0, 1]
+    assert {path for _, path, _ in outcomes} == {str(cache / "embedded" / "tiny-draft")}
+    assert outcomes[0][2] == outcomes[1][2]
+
+
+def test_unknown_embedded_name(cache):
+    with pytest.raises(ValueError, match="embedded:code-draft"):
+        embedded.resolve_model("embedded:nope")
+    with pytest.raises(ValueError, match="unknown embedded model 'embedded:nope'"):
+        embedded.build("nope")
+
+
+@pytest.mark.parametrize("name", ["Qwen/Qwen2.5-0.5B", "/models/target", "./embedded:code"])
+def test_other_names_pass_through(cache, name):
+    assert embedded.resolve_model(name) == name
+    assert not (cache / "embedded").exists()
