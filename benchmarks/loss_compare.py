@@ -26,8 +26,14 @@ def run(recipe_path: str, loss: str, seed: int, out: Path, overrides: list[str])
     GradientState._reset_state()
     recipe = load_recipe(
         recipe_path,
-        [*overrides, f"loss.name={loss}", f"train.seed={seed}",
-         f"train.output_dir={out / f'{loss}-seed{seed}'}", "train.save_every=0", "eval.every=0"],
+        [
+            *overrides,
+            f"loss.name={loss}",
+            f"train.seed={seed}",
+            f"train.output_dir={out / f'{loss}-seed{seed}'}",
+            "train.save_every=0",
+            "eval.every=0",
+        ],
     )
     return Trainer(recipe).run()
 
@@ -39,7 +45,9 @@ def fmt(values: list[float]) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--recipe", default=str(REPO / "recipes" / "code.yaml"))
     parser.add_argument("--losses", default="fkl,tv,lk_alpha,lk_lambda")
     parser.add_argument("--seeds", default="0", help="comma-separated training seeds")
@@ -70,7 +78,9 @@ def main() -> None:
             "tau5": [r["tau_pred"][5] for r in rs],
         }
         summary[name] = row
-        print(f"{name:<12} {fmt(row['alpha']):>18} {fmt(row['alpha_greedy']):>18} {fmt(row['tau5']):>18}")
+        print(
+            f"{name:<12} {fmt(row['alpha']):>18} {fmt(row['alpha_greedy']):>18} {fmt(row['tau5']):>18}"
+        )
     best = max(names, key=lambda n: statistics.mean(summary[n]["alpha"]))
     print(f"best held-out alpha at T={first['temperature']}: {best}")
     (out / "summary.json").write_text(json.dumps({"seeds": seeds, "results": summary}, indent=1))

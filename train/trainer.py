@@ -8,10 +8,10 @@ replay exactly what an uninterrupted one would have seen.
 """
 
 import json
-from contextlib import nullcontext
 import math
 import shutil
 import time
+from contextlib import nullcontext
 from pathlib import Path
 
 import torch
