@@ -32,6 +32,18 @@ def shifted_logits(model, batch: dict, vocab_size: int) -> torch.Tensor:
     return out.logits[:, :-1, :vocab_size]
 
 
+def shifted_hidden(model, batch: dict) -> torch.Tensor:
+    """Final hidden states (after the last norm) at the positions of `shifted_logits`:
+    [batch, seq-1, hidden]. The logits are computed for one position only."""
+    out = model(
+        input_ids=batch["input_ids"],
+        attention_mask=batch["attention_mask"],
+        output_hidden_states=True,
+        logits_to_keep=1,
+    )
+    return out.hidden_states[-1][:, :-1]
+
+
 def target_mask(batch: dict) -> torch.Tensor:
     """Positions t whose next token t+1 is a training target: [batch, seq-1] bool."""
     return batch["loss_mask"][:, 1:] & batch["attention_mask"][:, 1:].bool()

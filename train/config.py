@@ -59,6 +59,7 @@ class DataConfig:
 class LossConfig:
     name: str = "lk_lambda"
     temperature: float = 1.0  # both distributions are compared at this temperature
+    chunk_size: int | None = None  # positions per chunk: never materialise [batch, seq, vocab]
     params: dict[str, Any] = field(default_factory=dict)  # loss-specific, e.g. {eta: 3.0}
 
 
@@ -256,6 +257,10 @@ def validate(recipe: Recipe) -> None:
         (len(d.train) >= 1, "data.train must name at least one source"),
         (0 < d.eval_fraction < 1, f"data.eval_fraction must be in (0, 1), got {d.eval_fraction}"),
         (lo.temperature > 0, f"loss.temperature must be > 0, got {lo.temperature}"),
+        (
+            lo.chunk_size is None or lo.chunk_size >= 1,
+            f"loss.chunk_size must be >= 1 (or null for the direct loss), got {lo.chunk_size}",
+        ),
         (recipe.draft.lora.r >= 0, f"draft.lora.r must be >= 0, got {recipe.draft.lora.r}"),
         (
             recipe.wandb.mode in ("offline", "online", "disabled"),

@@ -21,7 +21,7 @@ from tqdm.auto import tqdm
 
 import losses
 from data import build_datasets, collate
-from eval.offline import acceptance_sums, shifted_logits, summarise, target_mask
+from eval.offline import acceptance_sums, shifted_hidden, shifted_logits, summarise, target_mask
 from train import models
 from train.config import Recipe, RecipeError, dump_recipe, recipe_to_dict
 
@@ -161,24 +161,12 @@ class Trainer:
         stats = torch.zeros(2, dtype=torch.float64, device=acc.device)  # [Σ loss, Σ α]
         for i, batch in enumerate(batches):
             mask = target_mask(batch)
-            with torch.no_grad(), acc.autocast():
-                t_logits = shifted_logits(self.target, batch, self.vocab_size)
             sync = i == len(batches) - 1
             with acc.no_sync(self.draft) if not sync else nullcontext(), acc.autocast():
-                d_logits = shifted_logits(self.draft, batch, self.vocab_size)
-                loss_sum, _ = losses.compute_loss(
-                    r.loss.name,
-                    d_logits,
-                    t_logits,
-                    mask,
-                    temperature=r.loss.temperature,
-                    **r.loss.params,
-                )
+                loss_sum, alpha_sum = self.loss(batch, mask)
                 acc.backward(loss_sum * scale)
-            with torch.no_grad():
-                alpha = losses.acceptance(d_logits, t_logits, temperature=r.loss.temperature)
-                stats[0] += loss_sum.detach().double()
-                stats[1] += alpha[mask].double().sum()
+            stats[0] += loss_sum.detach().double()
+            stats[1] += alpha_sum.double()
         grad_norm = acc.clip_grad_norm_(self.draft.parameters(), r.train.max_grad_norm)
         self.optimizer.step()
         self.scheduler.step()
@@ -193,6 +181,60 @@ class Trainer:
             "grad_norm": float(grad_norm),
             "tokens": n_global,
         }
+
+    def loss(self, batch: dict, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(Σ loss over valid positions, detached Σ α) for one micro-batch."""
+        lo = self.recipe.loss
+        if lo.chunk_size is None:
+            with torch.no_grad():
+                t_logits = shifted_logits(self.target, batch, self.vocab_size)
+            d_logits = shifted_logits(self.draft, batch, self.vocab_size)
+            loss_sum, _ = losses.compute_loss(
+                lo.name, d_logits, t_logits, mask, temperature=lo.temperature, **lo.params
+            )
+            with torch.no_grad():
+                alpha = losses.acceptance(d_logits, t_logits, lo.temperature, mask)
+            return loss_sum, alpha.sum()
+        # Chunked: logits exist one chunk of positions at a time, for both models.
+        with torch.no_grad():
+            t_hidden = shifted_hidden(self.target, batch)
+        d_hidden = shifted_hidden(self.draft, batch)
+        t_head, d_head = self.heads()
+        loss_sum, _ = losses.chunked_loss(
+            lo.name,
+            d_hidden,
+            d_head,
+            (t_hidden, t_head),
+            mask,
+            chunk_size=lo.chunk_size,
+            temperature=lo.temperature,
+            **lo.params,
+        )
+        with torch.no_grad():
+            alpha_sum = torch.zeros((), device=d_hidden.device)
+            rows, t_rows = d_hidden[mask], t_hidden[mask]
+            for start in range(0, rows.shape[0], lo.chunk_size):
+                chunk = slice(start, start + lo.chunk_size)
+                alpha_sum += losses.acceptance(
+                    rows[chunk] @ d_head.T, t_rows[chunk] @ t_head.T, lo.temperature
+                ).sum()
+        return loss_sum, alpha_sum
+
+    def heads(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Output-head weights [vocab_size, hidden] of target and draft, for chunked losses."""
+        weights = []
+        for role, model in (
+            ("target", self.target),
+            ("draft", self.accelerator.unwrap_model(self.draft)),
+        ):
+            head = model.get_output_embeddings()
+            if head.bias is not None:
+                raise RecipeError(
+                    f"loss.chunk_size needs a bias-free output head; the {role}'s has a bias "
+                    "(set loss.chunk_size=null)"
+                )
+            weights.append(head.weight[: self.vocab_size])
+        return weights[0], weights[1]
 
     def evaluate(self) -> dict:
         acc, e = self.accelerator, self.recipe.eval

@@ -91,6 +91,7 @@ def test_unknown_key_names_it_and_suggests(tmp_path):
         ("loss.beta=0.5", r"loss: .*beta"),  # lk_lambda takes no beta
         ("loss.lambda_mode=sometimes", r"loss: .*lambda_mode"),
         ("target.dtype=float8", r"target.dtype must be float32, bfloat16 or float16"),
+        ("loss.chunk_size=0", r"loss.chunk_size must be >= 1"),
     ],
 )
 def test_bad_values_name_the_key(override, message):

@@ -177,3 +177,20 @@ def test_two_processes_match_one_process_at_equal_global_batch(tiny_pair, tmp_pa
     a, b = draft_weights(one), draft_weights(two)
     for name in a:
         torch.testing.assert_close(a[name], b[name], rtol=1e-4, atol=1e-5, msg=name)
+
+
+def test_chunked_loss_trains_exactly_like_the_direct_loss(tiny_pair, tmp_path):
+    extra = {"train.max_steps": 4, "loss.name": "lk_lambda"}
+    direct, chunked = tmp_path / "direct", tmp_path / "chunked"
+    Trainer(load_recipe(None, overrides(tiny_pair, direct, **extra))).run()
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+    Trainer(
+        load_recipe(None, overrides(tiny_pair, chunked, **extra, **{"loss.chunk_size": 7}))
+    ).run()
+    a = [m for m in metrics(direct) if "loss" in m]
+    b = [m for m in metrics(chunked) if "loss" in m]
+    for key in ("loss", "alpha", "grad_norm"):
+        assert [m[key] for m in b] == pytest.approx([m[key] for m in a], rel=1e-4), key
+    for name, w in draft_weights(direct).items():
+        torch.testing.assert_close(draft_weights(chunked)[name], w, rtol=1e-4, atol=1e-5, msg=name)
