@@ -83,11 +83,23 @@ class TrainConfig:
 
 
 @dataclass
+class SpeculativeEvalConfig:
+    every: int = (
+        0  # > 0: real speculative decoding on held-out prompts every N steps and at the end
+    )
+    gammas: list[int] = field(default_factory=lambda: [1, 2, 4])
+    prompts: int = 4  # held-out sequences whose first `prompt_tokens` tokens are prompts
+    prompt_tokens: int = 32
+    max_new_tokens: int = 32
+
+
+@dataclass
 class EvalConfig:
     every: int = 100  # 0 = only before and after training
     temperature: float = 1.0
     max_sequences: int = 64  # held-out sequences per evaluation
     max_gamma: int = 8  # tau_pred is reported for gamma = 1..max_gamma
+    speculative: SpeculativeEvalConfig = field(default_factory=SpeculativeEvalConfig)
 
 
 @dataclass
@@ -253,6 +265,23 @@ def validate(recipe: Recipe) -> None:
         (e.temperature >= 0, f"eval.temperature must be >= 0, got {e.temperature}"),
         (e.max_sequences >= 1, f"eval.max_sequences must be >= 1, got {e.max_sequences}"),
         (e.max_gamma >= 1, f"eval.max_gamma must be >= 1, got {e.max_gamma}"),
+        (
+            e.speculative.every >= 0,
+            f"eval.speculative.every must be >= 0, got {e.speculative.every}",
+        ),
+        (
+            len(e.speculative.gammas) >= 1 and min(e.speculative.gammas) >= 1,
+            "eval.speculative.gammas must be a non-empty list of ints >= 1, "
+            f"got {e.speculative.gammas}",
+        ),
+        (
+            e.speculative.prompts >= 1,
+            f"eval.speculative.prompts must be >= 1, got {e.speculative.prompts}",
+        ),
+        (
+            e.speculative.prompt_tokens >= 1 and e.speculative.max_new_tokens >= 1,
+            "eval.speculative.prompt_tokens and eval.speculative.max_new_tokens must be >= 1",
+        ),
         (d.max_length >= 2, f"data.max_length must be >= 2, got {d.max_length}"),
         (len(d.train) >= 1, "data.train must name at least one source"),
         (0 < d.eval_fraction < 1, f"data.eval_fraction must be in (0, 1), got {d.eval_fraction}"),

@@ -250,6 +250,33 @@ class Trainer:
         sums = acc.reduce(sums.to(acc.device), "sum").cpu()
         return summarise(sums, temperature=e.temperature, max_gamma=e.max_gamma)
 
+    def speculative_eval(self) -> dict | None:
+        """Real speculative decoding (eval/speculative.py) on held-out prompts, main process only:
+        measured τ and speedup per γ next to the offline α. Other processes wait."""
+        from eval.speculative import quick_eval
+
+        acc, s = self.accelerator, self.recipe.eval.speculative
+        record = None
+        if acc.is_main_process:
+            n = min(s.prompts, len(self.eval_data))
+            prompts = [self.eval_data[i]["input_ids"][: s.prompt_tokens].tolist() for i in range(n)]
+            result = quick_eval(
+                self.target,
+                acc.unwrap_model(self.draft),
+                prompts,
+                gammas=s.gammas,
+                temperature=self.recipe.eval.temperature,
+                max_new_tokens=s.max_new_tokens,
+                seed=self.recipe.train.seed,
+            )
+            record = {"step": self.step, "spec/best_gamma": result["best_gamma"]}
+            for g in s.gammas:
+                record[f"spec/tau_{g}"] = result["tau"][g]
+                record[f"spec/speedup_{g}"] = result["speedup"][g]
+            self.log(record)
+        acc.wait_for_everyone()
+        return record
+
     # ----------------------------------------------------------------------------- state
     def checkpoints(self) -> list[Path]:
         root = self.out / "checkpoints"
@@ -379,12 +406,19 @@ class Trainer:
                 self.history.append({"step": self.step, "alpha": metrics["alpha"]})
                 self.log(self._eval_record(metrics))
                 bar.write(f"step {self.step}: held-out alpha {metrics['alpha']:.4f}")
+            spec_every = r.eval.speculative.every
+            if spec_every and self.step % spec_every == 0 and self.step < r.train.max_steps:
+                self.speculative_eval()
             if r.train.save_every and self.step % r.train.save_every == 0:
                 self.save_checkpoint()
         bar.close()
         final = self.evaluate()
         self.history.append({"step": self.step, "alpha": final["alpha"]})
         self.log(self._eval_record(final))
+        if r.eval.speculative.every:
+            spec = self.speculative_eval()
+            if spec is not None:
+                final["speculative"] = spec
         result = {
             **final,
             "alpha_before": self.alpha_before["alpha"],

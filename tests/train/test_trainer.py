@@ -194,3 +194,25 @@ def test_chunked_loss_trains_exactly_like_the_direct_loss(tiny_pair, tmp_path):
         assert [m[key] for m in b] == pytest.approx([m[key] for m in a], rel=1e-4), key
     for name, w in draft_weights(direct).items():
         torch.testing.assert_close(draft_weights(chunked)[name], w, rtol=1e-4, atol=1e-5, msg=name)
+
+
+def test_periodic_speculative_eval_logs_measured_tau(tiny_pair, tmp_path):
+    out = tmp_path / "run"
+    extra = {
+        "train.max_steps": 4,
+        "eval.speculative.every": 2,
+        "eval.speculative.gammas": "[1, 3]",
+        "eval.speculative.prompts": 2,
+        "eval.speculative.prompt_tokens": 8,
+        "eval.speculative.max_new_tokens": 8,
+        "eval.temperature": 0,
+    }
+    result = Trainer(load_recipe(None, overrides(tiny_pair, out, **extra))).run()
+    spec = [m for m in metrics(out) if "spec/best_gamma" in m]
+    assert [m["step"] for m in spec] == [2, 4]
+    for m in spec:
+        assert m["spec/best_gamma"] in (1, 3)
+        for g in (1, 3):
+            assert 1.0 <= m[f"spec/tau_{g}"] <= g + 1
+            assert m[f"spec/speedup_{g}"] > 0
+    assert result["speculative"]["step"] == 4
