@@ -78,9 +78,8 @@ def main() -> None:
             "tau5": [r["tau_pred"][5] for r in rs],
         }
         summary[name] = row
-        print(
-            f"{name:<12} {fmt(row['alpha']):>18} {fmt(row['alpha_greedy']):>18} {fmt(row['tau5']):>18}"
-        )
+        cells = [fmt(row[key]) for key in ("alpha", "alpha_greedy", "tau5")]
+        print(f"{name:<12} " + " ".join(f"{cell:>18}" for cell in cells))
     best = max(names, key=lambda n: statistics.mean(summary[n]["alpha"]))
     print(f"best held-out alpha at T={first['temperature']}: {best}")
     (out / "summary.json").write_text(json.dumps({"seeds": seeds, "results": summary}, indent=1))
