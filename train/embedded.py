@@ -1,6 +1,6 @@
 """Embedded models: a small target and draft built locally, so the defaults need no download.
 
-    target.model: embedded:code        # ~4M-parameter Llama, pretrained on the stdlib sources
+    target.model: embedded:code        # 2.6M-parameter Llama, pretrained on the stdlib sources
     draft.model: embedded:code-draft   # 1-layer Llama, pretrained briefly on the same corpus
 
 `resolve_model("embedded:code")` builds the model on first use (a few minutes on 2 CPU
@@ -100,20 +100,23 @@ CODE = CorpusSpec("code", vocab_size=4096)
 TINY = CorpusSpec("tiny", vocab_size=512, train_files=12, heldout_files=3)
 
 EMBEDDED: dict[str, EmbeddedSpec] = {
+    # Sizes and steps measured on 2 CPU cores, where building both takes about 4 minutes.
+    # With so little compute, optimizer steps matter more than width: a 192-wide model on
+    # batches of 4 reaches a lower held-out loss in the same time than a 256-wide one on 8.
     "code": EmbeddedSpec(
         CODE,
-        hidden_size=256,
+        hidden_size=192,
         num_layers=4,
         num_heads=4,
-        intermediate_size=688,
+        intermediate_size=512,
         max_position_embeddings=1024,
         seq_len=512,
-        batch_size=8,
-        steps=160,
+        batch_size=4,
+        steps=450,
         lr=3e-3,
-        warmup_steps=10,
+        warmup_steps=20,
         eval_blocks=48,
-        eta="~3 min",
+        eta="~3.5 min on 2 CPU cores",
     ),
     "code-draft": EmbeddedSpec(
         CODE,
@@ -123,12 +126,12 @@ EMBEDDED: dict[str, EmbeddedSpec] = {
         intermediate_size=344,
         max_position_embeddings=1024,
         seq_len=512,
-        batch_size=8,
-        steps=40,
+        batch_size=4,
+        steps=120,
         lr=3e-3,
-        warmup_steps=4,
+        warmup_steps=8,
         eval_blocks=48,
-        eta="~30 s",
+        eta="~30 s on 2 CPU cores",
     ),
     # A micro pair for tests: builds in seconds.
     "tiny": EmbeddedSpec(
@@ -295,6 +298,7 @@ def _publish(tmp: Path, final: Path) -> None:
         if file.is_file():
             _fsync(file)
     _fsync(tmp)
+    tmp.chmod(0o755)  # mkdtemp makes it private; the cache is as readable as any model dir
     final.parent.mkdir(parents=True, exist_ok=True)
     old = None
     if final.exists():
