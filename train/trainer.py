@@ -130,10 +130,10 @@ class Trainer:
         share = g // acc.num_processes
         mine = indices[acc.process_index * share : (acc.process_index + 1) * share]
         mb = self.recipe.train.micro_batch_size
-        return [self._collate(mine[i : i + mb]) for i in range(0, share, mb)]
+        return [self._collate(self.train_data, mine[i : i + mb]) for i in range(0, share, mb)]
 
-    def _collate(self, indices: list[int]) -> dict:
-        batch = collate([self.train_data[i] for i in indices], self.tokenizer.pad_token_id)
+    def _collate(self, dataset, indices: list[int]) -> dict:
+        batch = collate([dataset[i] for i in indices], self.tokenizer.pad_token_id)
         return {k: v.to(self.accelerator.device) for k, v in batch.items()}
 
     def eval_batches(self) -> list[dict]:
@@ -141,13 +141,7 @@ class Trainer:
         n = min(len(self.eval_data), self.recipe.eval.max_sequences)
         mine = list(range(acc.process_index, n, acc.num_processes))
         mb = self.recipe.train.micro_batch_size
-        batches = []
-        for i in range(0, len(mine), mb):
-            batch = collate(
-                [self.eval_data[j] for j in mine[i : i + mb]], self.tokenizer.pad_token_id
-            )
-            batches.append({k: v.to(acc.device) for k, v in batch.items()})
-        return batches
+        return [self._collate(self.eval_data, mine[i : i + mb]) for i in range(0, len(mine), mb)]
 
     # ----------------------------------------------------------------------------- steps
     def train_step(self, step: int) -> dict:
