@@ -51,35 +51,61 @@ def target_mask(batch: dict) -> torch.Tensor:
 
 @torch.no_grad()
 def acceptance_sums(
-    target, draft, batches: Iterable[dict], *, vocab_size: int, temperature: float
+    kind, target, draft, batches: Iterable[dict], *, temperature: float
 ) -> torch.Tensor:
-    """Sums over valid positions: tensor([Σ α_T, Σ α_greedy, n_positions]) in float64.
+    """Sums over valid positions per draft depth: [K, 3] float64 rows (Σ α_T, Σ α_greedy, n).
 
+    `kind` is a draft type of train/drafts.py (standalone: K = 1; eagle3: K = TTT steps).
     Returned as sums so that callers running on several processes can all-reduce them.
     """
-    sums = torch.zeros(3, dtype=torch.float64)
+    sums = None
     for batch in batches:
-        mask = target_mask(batch)
-        t_logits = shifted_logits(target, batch, vocab_size)
-        d_logits = shifted_logits(draft, batch, vocab_size)
-        alpha = losses.acceptance(d_logits, t_logits, temperature=temperature)
-        greedy = losses.acceptance(d_logits, t_logits, temperature=0.0)
-        sums[0] += alpha[mask].double().sum().cpu()
-        sums[1] += greedy[mask].double().sum().cpu()
-        sums[2] += mask.sum().cpu()
+        drafts, targets, masks = kind.depths(draft, target, batch)
+        if sums is None:
+            sums = torch.zeros(len(drafts), 3, dtype=torch.float64)
+        for k, (d_logits, t_logits, mask) in enumerate(zip(drafts, targets, masks, strict=True)):
+            alpha = losses.acceptance(d_logits, t_logits, temperature, mask, d2t=kind.d2t)
+            greedy = losses.acceptance(d_logits, t_logits, 0.0, mask, d2t=kind.d2t)
+            sums[k, 0] += alpha.double().sum().cpu()
+            sums[k, 1] += greedy.double().sum().cpu()
+            sums[k, 2] += mask.sum().cpu()
+    if sums is None:
+        raise ValueError("no evaluation batches")
     return sums
 
 
+def chain_tau(alphas: list[float], gamma: int) -> float:
+    """τ = 1 + Σ_{j≤γ} Π_{i≤j} α_i for per-depth α (depths past the last reuse the last)."""
+    tau, run = 1.0, 1.0
+    for i in range(gamma):
+        run *= alphas[min(i, len(alphas) - 1)]
+        tau += run
+    return tau
+
+
 def summarise(sums: torch.Tensor, *, temperature: float, max_gamma: int) -> dict:
-    """Turn `acceptance_sums` (possibly all-reduced) into the reported metrics."""
-    n = int(sums[2].item())
+    """Turn `acceptance_sums` (possibly all-reduced; [3] or [K, 3]) into the reported metrics.
+
+    One depth: tau_pred is the i.i.d. formula. K depths (EAGLE-3 TTT): `alpha_depth` lists
+    the teacher-forced α of each depth and tau_pred chains them (REFERENCE §1), the last
+    depth's α standing in for deeper drafts.
+    """
+    sums = sums.reshape(-1, 3)
+    n = int(sums[0, 2].item())
     if n == 0:
         raise ValueError("no valid positions in the evaluation data (empty loss mask)")
-    alpha = float(sums[0] / n)
-    return {
+    per_depth = [float(s[0] / s[2]) if s[2] > 0 else 0.0 for s in sums]
+    alpha = per_depth[0]
+    result = {
         "alpha": alpha,
-        "alpha_greedy": float(sums[1] / n),
+        "alpha_greedy": float(sums[0, 1] / n),
         "temperature": temperature,
         "n_positions": n,
-        "tau_pred": {g: tau_pred(alpha, g) for g in range(1, max_gamma + 1)},
     }
+    if len(per_depth) == 1:
+        result["tau_pred"] = {g: tau_pred(alpha, g) for g in range(1, max_gamma + 1)}
+    else:
+        result["alpha_depth"] = per_depth
+        result["alpha_greedy_depth"] = [float(s[1] / s[2]) if s[2] > 0 else 0.0 for s in sums]
+        result["tau_pred"] = {g: chain_tau(per_depth, g) for g in range(1, max_gamma + 1)}
+    return result

@@ -39,10 +39,19 @@ class TargetConfig:
 
 @dataclass
 class DraftConfig:
-    model: str = "embedded:code-draft"
+    type: str = "standalone"  # standalone (a small causal LM) | eagle3 (a head on the target)
+    # standalone: HF id, local dir or embedded:<name>. eagle3: null for a fresh head built on
+    # the target, or an EAGLE-3 checkpoint directory to continue from.
+    model: str | None = "embedded:code-draft"
     dtype: str = "float32"  # master weights; compute precision comes from train.mixed_precision
     revision: str | None = None
     lora: LoraConfig = field(default_factory=LoraConfig)
+    # eagle3 only:
+    vocab_size: int | None = None  # V_d: most frequent loss-masked training tokens; null = V
+    aux_layers: list[int] | None = None  # target layers whose input is fused; null = automatic
+    ttt_steps: int = 3  # training-time-test depth K
+    intermediate_size: int | None = None  # the head's MLP width; null = the target's
+    norm_before_residual: bool = False  # as vLLM's flag; SGLang supports only false
 
 
 @dataclass
@@ -60,6 +69,9 @@ class LossConfig:
     name: str = "lk_lambda"
     temperature: float = 1.0  # both distributions are compared at this temperature
     chunk_size: int | None = None  # positions per chunk: never materialise [batch, seq, vocab]
+    # Weighting of the K draft depths (eagle3 TTT): geometric | expected_length | end_to_end
+    depth_weighting: str = "geometric"
+    depth_decay: float | None = None  # geometric ratio (null = 0.8, EAGLE-3's)
     params: dict[str, Any] = field(default_factory=dict)  # loss-specific, e.g. {eta: 3.0}
 
 
@@ -291,6 +303,7 @@ def validate(recipe: Recipe) -> None:
             f"loss.chunk_size must be >= 1 (or null for the direct loss), got {lo.chunk_size}",
         ),
         (recipe.draft.lora.r >= 0, f"draft.lora.r must be >= 0, got {recipe.draft.lora.r}"),
+        *_draft_checks(recipe),
         (
             recipe.wandb.mode in ("offline", "online", "disabled"),
             f"wandb.mode must be offline, online or disabled, got {recipe.wandb.mode!r}",
@@ -310,6 +323,59 @@ def validate(recipe: Recipe) -> None:
         if not ok:
             raise RecipeError(message)
     _validate_loss(lo)
+
+
+def _draft_checks(recipe: Recipe) -> list[tuple[bool, str]]:
+    d, lo = recipe.draft, recipe.loss
+    eagle = d.type == "eagle3"
+    return [
+        (
+            d.type in ("standalone", "eagle3"),
+            f"draft.type must be standalone or eagle3, got {d.type!r}",
+        ),
+        (
+            eagle or d.model is not None,
+            "draft.model must name the draft (HF id, directory or embedded:<name>)",
+        ),
+        (d.ttt_steps >= 1, f"draft.ttt_steps must be >= 1, got {d.ttt_steps}"),
+        (
+            d.vocab_size is None or d.vocab_size >= 1,
+            f"draft.vocab_size must be >= 1 or null, got {d.vocab_size}",
+        ),
+        (
+            not eagle or d.lora.r == 0,
+            "draft.lora applies to a standalone draft; an eagle3 head is trained in full",
+        ),
+        (
+            not eagle or lo.chunk_size is None,
+            "loss.chunk_size is not supported for draft.type=eagle3 (its V_d logits are small); "
+            "set loss.chunk_size=null",
+        ),
+        (
+            eagle
+            or (
+                d.vocab_size is None
+                and d.aux_layers is None
+                and d.intermediate_size is None
+                and d.ttt_steps == 3
+            ),
+            "draft.vocab_size / aux_layers / ttt_steps / intermediate_size apply to "
+            "draft.type=eagle3 only",
+        ),
+        (
+            lo.depth_weighting in ("geometric", "expected_length", "end_to_end"),
+            "loss.depth_weighting must be geometric, expected_length or end_to_end, "
+            f"got {lo.depth_weighting!r}",
+        ),
+        (
+            lo.depth_weighting != "end_to_end" or lo.name == "tv",
+            "loss.depth_weighting=end_to_end is the multi-depth TV loss; set loss.name=tv",
+        ),
+        (
+            lo.depth_decay is None or (lo.depth_weighting == "geometric" and lo.depth_decay > 0),
+            "loss.depth_decay (> 0) applies to loss.depth_weighting=geometric only",
+        ),
+    ]
 
 
 def _validate_loss(lo: LossConfig) -> None:

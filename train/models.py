@@ -26,6 +26,16 @@ def load_model(name: str, *, dtype: str = "float32", revision: str | None = None
     )
 
 
+def load_draft(name: str, *, dtype: str = "float32", revision: str | None = None):
+    """A standalone draft (like `load_model`) or an EAGLE-3 head directory (train/eagle3.py)."""
+    from train.eagle3 import Eagle3Head, is_eagle3_dir
+
+    path = resolve_model(name)
+    if is_eagle3_dir(path):
+        return Eagle3Head.from_pretrained(path, dtype=DTYPES[dtype])
+    return load_model(name, dtype=dtype, revision=revision)
+
+
 def check_tokenizers(target_tok, draft_tok, target_name: str, draft_name: str) -> None:
     """Raise `TokenizerMismatchError` unless both tokenizers map every string to the same ids."""
     t_vocab, d_vocab = target_tok.get_vocab(), draft_tok.get_vocab()
@@ -61,6 +71,8 @@ def shared_vocab_size(target, draft, tokenizer) -> int:
     """
     n = len(tokenizer)
     for role, model in (("target", target), ("draft", draft)):
+        if model is None:  # an EAGLE-3 head is built on the target's vocabulary
+            continue
         rows = model.get_output_embeddings().weight.shape[0]
         if rows < n:
             raise TokenizerMismatchError(

@@ -21,9 +21,11 @@ from tqdm.auto import tqdm
 
 import losses
 from data import build_datasets, collate
-from eval.offline import acceptance_sums, shifted_hidden, shifted_logits, summarise, target_mask
-from train import models
+from eval.offline import acceptance_sums, shifted_hidden, summarise, target_mask
+from train import drafts, models
 from train.config import Recipe, RecipeError, dump_recipe, recipe_to_dict
+from train.eagle3 import Eagle3Head, is_eagle3_dir
+from train.embedded import resolve_model
 
 CHECKPOINT_PREFIX = "step-"
 
@@ -60,12 +62,16 @@ class Trainer:
         # Only the main process builds an embedded model; the others wait, then load it.
         with acc.main_process_first():
             self.tokenizer = models.load_tokenizer(r.target.model, r.target.revision)
-            draft_tok = models.load_tokenizer(r.draft.model, r.draft.revision)
-            models.check_tokenizers(self.tokenizer, draft_tok, r.target.model, r.draft.model)
+            if r.draft.type == "standalone":
+                draft_tok = models.load_tokenizer(r.draft.model, r.draft.revision)
+                models.check_tokenizers(self.tokenizer, draft_tok, r.target.model, r.draft.model)
             self.target = models.load_model(
                 r.target.model, dtype=r.target.dtype, revision=r.target.revision
             )
-            draft = models.load_model(r.draft.model, dtype=r.draft.dtype, revision=r.draft.revision)
+            if r.draft.type == "standalone":
+                draft = models.load_model(
+                    r.draft.model, dtype=r.draft.dtype, revision=r.draft.revision
+                )
             self.train_data, self.eval_data = build_datasets(
                 self.tokenizer,
                 r.data.train,
@@ -76,7 +82,13 @@ class Trainer:
                 skip_malformed=r.data.skip_malformed,
                 seed=r.train.seed,
             )
-        self.vocab_size = models.shared_vocab_size(self.target, draft, self.tokenizer)
+        if r.draft.type == "standalone":
+            self.vocab_size = models.shared_vocab_size(self.target, draft, self.tokenizer)
+            self.kind = drafts.Standalone(self.vocab_size)
+        else:
+            self.vocab_size = models.shared_vocab_size(self.target, None, self.tokenizer)
+            draft = self._eagle3_head()
+            self.kind = drafts.Eagle3(draft, r.draft.ttt_steps, self.vocab_size)
         if self.tokenizer.pad_token_id is None:
             self.tokenizer.pad_token = self.tokenizer.eos_token
         self.target.eval().requires_grad_(False).to(acc.device)
@@ -100,6 +112,28 @@ class Trainer:
         self.history: list[dict] = []
         self._perms: dict[int, torch.Tensor] = {}
         self._wandb = None
+
+    def _eagle3_head(self):
+        d = self.recipe.draft
+        if d.model is None:
+            head = drafts.new_eagle3_head(self.target, d, self.train_data, self.vocab_size)
+        elif is_eagle3_dir(d.model):
+            head = Eagle3Head.from_pretrained(d.model)
+            if head.config.vocab_size != self.vocab_size:
+                raise RecipeError(
+                    f"draft.model {d.model} is a head over {head.config.vocab_size} tokens; "
+                    f"the target's tokenizer has {self.vocab_size}"
+                )
+        else:
+            raise RecipeError(
+                f"draft.type=eagle3: draft.model must be null (a fresh head) or an EAGLE-3 "
+                f"checkpoint directory, got {d.model!r}"
+            )
+        self.accelerator.print(
+            f"eagle3 head: aux layers {head.aux_layers}, V_d {head.draft_vocab_size}, "
+            f"{head.trainable_parameters() / 1e6:.2f}M trainable parameters"
+        )
+        return head.to(models.DTYPES[d.dtype])
 
     def _wrap_lora(self, draft):
         from peft import LoraConfig, get_peft_model
@@ -147,17 +181,16 @@ class Trainer:
     def train_step(self, step: int) -> dict:
         acc, r = self.accelerator, self.recipe
         batches = self.micro_batches(step)
-        n_local = sum(int(target_mask(b).sum()) for b in batches)
+        n_local = sum(int(self.kind.count_mask(b).sum()) for b in batches)
         n_global = acc.reduce(torch.tensor(n_local, device=acc.device), "sum").item()
         # DDP averages gradients over processes; scale by the world size so the step's
         # gradient is Σ loss / n_global exactly.
         scale = acc.num_processes / max(n_global, 1)
         stats = torch.zeros(2, dtype=torch.float64, device=acc.device)  # [Σ loss, Σ α]
         for i, batch in enumerate(batches):
-            mask = target_mask(batch)
             sync = i == len(batches) - 1
             with acc.no_sync(self.draft) if not sync else nullcontext(), acc.autocast():
-                loss_sum, alpha_sum = self.loss(batch, mask)
+                loss_sum, alpha_sum = self.loss(batch)
                 acc.backward(loss_sum * scale)
             stats[0] += loss_sum.detach().double()
             stats[1] += alpha_sum.double()
@@ -176,19 +209,24 @@ class Trainer:
             "tokens": n_global,
         }
 
-    def loss(self, batch: dict, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(Σ loss over valid positions, detached Σ α) for one micro-batch."""
+    def loss(self, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
+        """(Σ loss over valid positions, detached Σ α at depth 0) for one micro-batch."""
         lo = self.recipe.loss
         if lo.chunk_size is None:
-            with torch.no_grad():
-                t_logits = shifted_logits(self.target, batch, self.vocab_size)
-            d_logits = shifted_logits(self.draft, batch, self.vocab_size)
-            loss_sum, _ = losses.compute_loss(
-                lo.name, d_logits, t_logits, mask, temperature=lo.temperature, **lo.params
+            d_logits, t_logits, masks = self.kind.depths(self.draft, self.target, batch)
+            loss_sum, n_valid, alpha = losses.multi_depth_loss(
+                lo.name,
+                d_logits,
+                t_logits,
+                masks,
+                weighting=lo.depth_weighting,
+                decay=lo.depth_decay,
+                temperature=lo.temperature,
+                d2t=self.kind.d2t,
+                **lo.params,
             )
-            with torch.no_grad():
-                alpha = losses.acceptance(d_logits, t_logits, lo.temperature, mask)
-            return loss_sum, alpha.sum()
+            return loss_sum, alpha[0] * n_valid
+        mask = target_mask(batch)
         # Chunked: logits exist one chunk of positions at a time, for both models.
         with torch.no_grad():
             t_hidden = shifted_hidden(self.target, batch)
@@ -234,11 +272,7 @@ class Trainer:
         acc, e = self.accelerator, self.recipe.eval
         self.draft.eval()
         sums = acceptance_sums(
-            self.target,
-            self.draft,
-            self.eval_batches(),
-            vocab_size=self.vocab_size,
-            temperature=e.temperature,
+            self.kind, self.target, self.draft, self.eval_batches(), temperature=e.temperature
         )
         self.draft.train()
         sums = acc.reduce(sums.to(acc.device), "sum").cpu()
@@ -351,11 +385,14 @@ class Trainer:
         )
 
     def _eval_record(self, metrics: dict) -> dict:
-        record = {
-            "step": self.step,
-            **{f"eval/{k}": v for k, v in metrics.items() if k != "tau_pred"},
-        }
-        record.update({f"eval/tau_pred_{g}": t for g, t in metrics["tau_pred"].items()})
+        record = {"step": self.step}
+        for key, value in metrics.items():
+            if key == "tau_pred":
+                record.update({f"eval/tau_pred_{g}": t for g, t in value.items()})
+            elif isinstance(value, list):  # per depth (eagle3): eval/alpha_depth_0, ...
+                record.update({f"eval/{key}_{k}": v for k, v in enumerate(value)})
+            else:
+                record[f"eval/{key}"] = value
         return record
 
     # ----------------------------------------------------------------------------- run
@@ -443,6 +480,7 @@ class Trainer:
         if self.recipe.draft.lora.r > 0:
             draft = draft.merge_and_unload()
         final = self.out / "final"
-        draft.save_pretrained(final, safe_serialization=True)
-        self.tokenizer.save_pretrained(final)
+        # The verifier as serving engines can load it (an embedded target: its local directory).
+        verifier = resolve_model(self.recipe.target.model)
+        self.kind.save(draft, final, self.tokenizer, verifier=verifier)
         (self.out / "eval.json").write_text(json.dumps(result, indent=1))

@@ -23,7 +23,8 @@ def test_defaults_without_file():
 def test_every_shipped_recipe_is_valid(path):
     recipe = load_recipe(path)
     assert recipe.train.max_steps >= 1
-    assert recipe.target.model and recipe.draft.model
+    assert recipe.target.model
+    assert recipe.draft.model or recipe.draft.type == "eagle3"  # null: a fresh head
 
 
 def test_shipped_recipes_found():

@@ -1,0 +1,357 @@
+"""EAGLE-3 head: feature capture, training-time test equal to real drafting, vocabulary maps,
+save / load, Llama and Qwen2 targets, and training through the ordinary trainer."""
+
+import json
+
+import pytest
+import torch
+from accelerate.state import AcceleratorState, GradientState
+from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+import losses
+from train.config import RecipeError, load_recipe
+from train.drafts import Eagle3, token_counts
+from train.eagle3 import (
+    Eagle3Head,
+    FeatureCapture,
+    VocabMapError,
+    align_depths,
+    build_vocab_map,
+    check_vocab_map,
+    default_aux_layers,
+)
+from train.trainer import Trainer
+
+V = 64
+
+
+def tiny_target(family: str = "llama", seed: int = 0, layers: int = 4):
+    torch.manual_seed(seed)
+    common = dict(
+        vocab_size=V,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+    )
+    if family == "qwen2":
+        return Qwen2ForCausalLM(Qwen2Config(**common)).eval()
+    return LlamaForCausalLM(LlamaConfig(**common)).eval()
+
+
+def head_for(target, draft_vocab_size=40, seed=1, **kwargs) -> Eagle3Head:
+    head = Eagle3Head.from_target(target, draft_vocab_size=draft_vocab_size, **kwargs)
+    counts = torch.randint(0, 1000, (V,), generator=torch.Generator().manual_seed(seed))
+    head.set_vocab_map(*build_vocab_map(counts, draft_vocab_size))
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():  # move away from the init so that every weight matters
+        for p in head.parameters():
+            if p.requires_grad:
+                p.add_(0.05 * torch.randn(p.shape, generator=g))
+    return head.eval()
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_capture_is_the_input_of_the_aux_layers_in_the_same_forward(family):
+    target = tiny_target(family)
+    ids = torch.randint(0, V, (2, 9))
+    calls = []
+    hook = target.register_forward_hook(lambda *a: calls.append(1))
+    with FeatureCapture(target, [1, 2, 3]) as capture:
+        out = target(input_ids=ids, output_hidden_states=True)
+    hook.remove()
+    features = capture.features()
+    assert len(calls) == 1
+    assert torch.equal(features, torch.cat([out.hidden_states[i] for i in (1, 2, 3)], -1))
+    # hooks are gone after the block
+    assert all(not layer._forward_pre_hooks for layer in target.model.layers)
+    with pytest.raises(ValueError, match="out of range"):
+        FeatureCapture(target, [4])
+
+
+def test_default_aux_layers():
+    assert default_aux_layers(32) == [2, 16, 29]
+    assert default_aux_layers(4) == [1, 2, 3]
+    assert default_aux_layers(6) == [1, 3, 5]
+    with pytest.raises(ValueError, match="aux_layers"):
+        default_aux_layers(2)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+@pytest.mark.parametrize("norm_before_residual", [False, True])
+def test_unroll_equals_cached_chain_drafting(family, norm_before_residual):
+    """TTT depth k at chain t must be what drafting k steps from position t computes."""
+    target = tiny_target(family)
+    head = head_for(target, norm_before_residual=norm_before_residual)
+    ids = torch.randint(0, V, (2, 14))
+    with FeatureCapture(target, head.aux_layers) as capture:
+        target(input_ids=ids)
+    features = capture.features()
+    steps = 4
+    with torch.no_grad():
+        unrolled = head.unroll(features, ids, torch.ones_like(ids), steps)
+        for t in (0, 5, 9):
+            cache = DynamicCache(config=head.config)
+            out = head(
+                ids[:, 1 : t + 2],
+                head.fc(features[:, : t + 1]),
+                torch.ones(2, t + 1, dtype=torch.bool),
+                torch.arange(t + 1)[None].expand(2, -1),
+                cache,
+                logits_to_keep=1,
+                full_vocab=False,
+            )
+            torch.testing.assert_close(out.logits[:, -1], unrolled[0][:, t])
+            for k in range(1, steps):
+                out = head(
+                    ids[:, t + k + 1 : t + k + 2],
+                    out.hidden_states[:, -1:],
+                    torch.ones(2, t + 1 + k, dtype=torch.bool),
+                    torch.full((2, 1), t + k),
+                    cache,
+                    logits_to_keep=1,
+                    full_vocab=False,
+                )
+                torch.testing.assert_close(out.logits[:, -1], unrolled[k][:, t])
+
+
+def test_unroll_rows_do_not_see_padding():
+    target = tiny_target()
+    head = head_for(target)
+    ids = torch.randint(0, V, (1, 10))
+    padded = torch.cat([ids, torch.zeros(1, 4, dtype=torch.long)], 1)
+    mask = torch.cat([torch.ones(1, 10), torch.zeros(1, 4)], 1).long()
+    with FeatureCapture(target, head.aux_layers) as capture:
+        target(input_ids=padded, attention_mask=mask)
+    f_pad = capture.features()
+    with torch.no_grad():
+        a = head.unroll(f_pad[:, :10], ids, None, 3)
+        b = head.unroll(f_pad, padded, mask, 3)
+    for k in range(3):
+        valid = 10 - k - 1  # chains whose inputs stay inside the real tokens
+        torch.testing.assert_close(a[k][:, :valid], b[k][:, :valid])
+
+
+def test_align_depths_pairs_each_depth_with_the_right_target_position():
+    b, t, steps = 2, 10, 3
+    target_logits = torch.arange(t).float()[None, :, None].expand(b, t, 5)
+    loss_mask = torch.ones(b, t, dtype=torch.bool)
+    loss_mask[0, 6] = False
+    drafts = [torch.zeros(b, t, 4) for _ in range(steps)]
+    d, tg, m = align_depths(drafts, target_logits, loss_mask, torch.ones(b, t))
+    assert all(x.shape[1] == t - steps - 1 for x in d + tg + m)
+    for k in range(steps):
+        # chain 0 at depth k predicts token k+2, from target position k+1
+        assert tg[k][0, 0, 0] == k + 1
+        assert not m[k][0, 6 - (k + 2)]  # token 6 is not a training token
+    with pytest.raises(ValueError, match="too short"):
+        align_depths(drafts, target_logits[:, :4], loss_mask[:, :4], torch.ones(b, 4))
+
+
+def test_vocab_map_build_and_checks():
+    counts = torch.tensor([5, 0, 9, 9, 1, 7, 0, 3])
+    d2t, t2d = build_vocab_map(counts, 4)
+    assert (torch.arange(4) + d2t).tolist() == [0, 2, 3, 5]  # the 4 most frequent, by id
+    assert t2d.tolist() == [True, False, True, True, False, True, False, False]
+    check_vocab_map(d2t, t2d, 8, 4)
+    bad = [
+        (None, t2d, "missing d2t"),
+        (d2t.int(), t2d, "int64"),
+        (d2t + 10, t2d, "outside"),
+        (torch.tensor([0, 1, 0, 2]), t2d, "same target id"),  # target ids 0, 2, 2, 5
+        (d2t, t2d.clone().fill_(True), "marks 8"),
+    ]
+    for bad_d2t, bad_t2d, message in bad:
+        with pytest.raises(VocabMapError, match=message):
+            check_vocab_map(bad_d2t, bad_t2d, 8, 4)
+    shifted = t2d.clone()
+    shifted[5], shifted[6] = False, True
+    with pytest.raises(VocabMapError, match="disagree"):
+        check_vocab_map(d2t, shifted, 8, 4)
+    with pytest.raises(VocabMapError, match="draft vocab size"):
+        build_vocab_map(counts, 9)
+
+
+def test_save_load_round_trip_and_corrupted_map(tmp_path):
+    target = tiny_target()
+    head = head_for(target)
+    head.save_pretrained(tmp_path / "head", verifier="tiny")
+    config = json.loads((tmp_path / "head" / "config.json").read_text())
+    assert config["speculators_model_type"] == "eagle3"
+    assert config["draft_vocab_size"] == 40 and config["eagle_aux_hidden_state_layer_ids"] == [
+        1,
+        2,
+        3,
+    ]
+    loaded = Eagle3Head.from_pretrained(tmp_path / "head").eval()
+    ids = torch.randint(0, V, (2, 8))
+    with FeatureCapture(target, head.aux_layers) as capture:
+        target(input_ids=ids)
+    features = capture.features()
+    with torch.no_grad():
+        mine, theirs = head.unroll(features, ids, None, 2), loaded.unroll(features, ids, None, 2)
+        assert all(torch.equal(a, b) for a, b in zip(mine, theirs, strict=True))
+    assert torch.equal(loaded.d2t, head.d2t) and torch.equal(loaded.t2d, head.t2d)
+    # A corrupted map is refused at save and at load.
+    with torch.no_grad():
+        head.d2t[3] = (2 + head.d2t[2]) - 3  # draft id 3 -> the target id of draft id 2
+    with pytest.raises(VocabMapError):
+        head.save_pretrained(tmp_path / "bad")
+    from safetensors.torch import load_file, save_file
+
+    state = load_file(tmp_path / "head" / "model.safetensors")
+    del state["t2d"]
+    save_file(state, tmp_path / "head" / "model.safetensors")
+    with pytest.raises(VocabMapError, match="missing t2d"):
+        Eagle3Head.from_pretrained(tmp_path / "head")
+
+
+def test_embedding_is_the_targets_and_frozen():
+    target = tiny_target()
+    head = head_for(target)
+    assert torch.equal(head.embed_tokens.weight, target.get_input_embeddings().weight)
+    assert not head.embed_tokens.weight.requires_grad
+    # lm_head starts from the target's output rows of the draft vocabulary
+    fresh = Eagle3Head.from_target(target, draft_vocab_size=40)
+    ids = fresh.draft_ids()
+    assert torch.equal(fresh.lm_head.weight, target.lm_head.weight[ids])
+
+
+def test_token_counts_use_loss_masked_tokens_only():
+    data = [
+        {"input_ids": torch.tensor([1, 2, 3, 3]), "loss_mask": torch.tensor([0, 1, 1, 0]).bool()},
+        {"input_ids": torch.tensor([3, 4]), "loss_mask": torch.tensor([1, 1]).bool()},
+    ]
+    assert token_counts(data, 6).tolist() == [0, 0, 1, 2, 1, 0]
+
+
+def test_eagle3_depth_losses_have_gradients_only_in_the_head():
+    target = tiny_target()
+    head = head_for(target).train()
+    kind = Eagle3(head, steps=3, vocab_size=V)
+    batch = {
+        "input_ids": torch.randint(0, V, (2, 12)),
+        "attention_mask": torch.ones(2, 12, dtype=torch.long),
+        "loss_mask": torch.ones(2, 12, dtype=torch.bool),
+    }
+    drafts, targets, masks = kind.depths(head, target, batch)
+    assert len(drafts) == 3 and drafts[0].shape[-1] == 40
+    loss, n, alpha = losses.multi_depth_loss("lk_lambda", drafts, targets, masks, d2t=kind.d2t)
+    loss.backward()
+    assert int(n) == int(kind.count_mask(batch).sum()) == 2 * (12 - 3 - 1)
+    assert head.fc.weight.grad is not None and head.fc.weight.grad.abs().sum() > 0
+    assert head.embed_tokens.weight.grad is None
+    assert all(p.grad is None for p in target.parameters())
+    assert alpha.shape == (3,)
+
+
+# ----------------------------------------------------------------------------- trainer
+
+
+@pytest.fixture(autouse=False)
+def fresh_accelerate_state():
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+    yield
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+
+
+@pytest.fixture(scope="module")
+def sharp_target(tiny_pair, tmp_path_factory):
+    """The tiny pair's tokenizer on a target with peaked, context-dependent distributions (a
+    default-init random target is near uniform, leaving a head nothing to learn)."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_pair[0])
+    torch.manual_seed(5)
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+        initializer_range=0.15,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    path = tmp_path_factory.mktemp("sharp_target")
+    LlamaForCausalLM(config).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+def eagle_overrides(tiny_pair, target, out, **extra) -> list[str]:
+    _, _, data = tiny_pair
+    base = {
+        "target.model": str(target),
+        "draft.type": "eagle3",
+        "draft.model": "null",
+        "draft.aux_layers": "[0, 1]",  # the tiny target has 2 layers
+        "draft.vocab_size": 200,
+        "draft.ttt_steps": 3,
+        "data.train": str(data / "*.py"),
+        "data.max_length": 32,
+        "data.eval_fraction": 0.25,
+        "train.max_steps": 30,
+        "train.global_batch_size": 4,
+        "train.micro_batch_size": 2,
+        "train.warmup_steps": 2,
+        "train.lr": 3e-3,
+        "train.output_dir": str(out),
+        "train.save_every": 0,
+        "train.log_every": 1,
+        "eval.every": 0,
+        "eval.max_sequences": 16,
+        "loss.name": "lk_lambda",
+    }
+    base.update(extra)
+    return [f"{k}={v}" for k, v in base.items()]
+
+
+def test_trainer_trains_an_eagle3_head_and_saves_it(
+    tiny_pair, sharp_target, tmp_path, fresh_accelerate_state
+):
+    out = tmp_path / "run"
+    result = Trainer(load_recipe(None, eagle_overrides(tiny_pair, sharp_target, out))).run()
+    assert result["alpha"] > result["alpha_before"] + 0.05
+    assert len(result["alpha_depth"]) == 3
+    assert result["tau_pred"][1] == pytest.approx(1 + result["alpha_depth"][0])
+    head = Eagle3Head.from_pretrained(out / "final")
+    assert head.draft_vocab_size == 200 and head.aux_layers == [0, 1]
+    # V_d = the most frequent loss-masked training tokens: the data's tokens are all in it
+    config = json.loads((out / "final" / "config.json").read_text())
+    assert config["speculators_config"]["verifier"]["name_or_path"] == str(sharp_target)
+    records = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert "eval/alpha_depth_2" in records[-1]
+    # continue from the saved head
+    more = Trainer(
+        load_recipe(
+            None,
+            eagle_overrides(
+                tiny_pair,
+                sharp_target,
+                tmp_path / "more",
+                **{"draft.model": str(out / "final"), "train.max_steps": 1},
+            ),
+        )
+    )
+    assert torch.equal(more.accelerator.unwrap_model(more.draft).fc.weight, head.fc.weight)
+
+
+def test_eagle3_recipe_errors(tiny_pair, tmp_path):
+    t = tiny_pair[0]
+    with pytest.raises(RecipeError, match="lora"):
+        load_recipe(None, eagle_overrides(tiny_pair, t, tmp_path, **{"draft.lora.r": 4}))
+    with pytest.raises(RecipeError, match="chunk_size"):
+        load_recipe(None, eagle_overrides(tiny_pair, t, tmp_path, **{"loss.chunk_size": 64}))
+    with pytest.raises(RecipeError, match="draft.type"):
+        load_recipe(None, eagle_overrides(tiny_pair, t, tmp_path, **{"draft.type": "medusa"}))
+    with pytest.raises(RecipeError, match="eagle3 only"):
+        load_recipe(None, ["draft.ttt_steps=5"])
+    with pytest.raises(RecipeError, match="end_to_end"):
+        load_recipe(None, ["loss.depth_weighting=end_to_end", "loss.name=fkl"])

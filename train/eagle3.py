@@ -1,0 +1,554 @@
+"""EAGLE-3 draft head (REFERENCE §4): fused target features -> one decoder layer -> V_d logits.
+
+    features = concat(target hidden states entering aux layers l_low, l_mid, l_high)  [.., 3·H_t]
+    h        = fc(features)                                                         [.., H]
+    layer 0:  x = concat(input_layernorm(embed(next token)), hidden_norm(h))        [.., 2H]
+              r = h (or hidden_norm(h) with norm_before_residual)
+              r = r + o_proj(attention(q, k, v from x));  r = r + mlp(post_attention_layernorm(r))
+    out      = r (pre-norm, the next step's h);  logits = lm_head(norm(r))          [.., V_d]
+
+Position t of the head holds (feature of target position t, embedding of token t+1) and
+predicts token t+2. Drafting a chain feeds the head's own pre-norm output back as the next
+step's h. Training-time test (TTT) unrolls that chain K steps deep for every position at
+once: the step-k entry of the chain that starts at t sits at position t+k and attends to the
+step-0 entries at positions <= t and to its own chain's entries of steps 1..k, exactly what
+it sees when drafting (`unroll`). The embedding is the target's, frozen.
+
+The module's parameter names are those of the `speculators` Eagle-3 format that vLLM loads
+(REFERENCE §5), so a checkpoint is written by `save_pretrained` without renaming.
+d2t / t2d map the draft vocabulary V_d into the target's V: target_id = i + d2t[i];
+t2d[v] is True for the V_d target ids. Every load and save checks the map (`check_vocab_map`).
+"""
+
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import Tensor, nn
+from transformers import LlamaConfig
+from transformers.models.llama.modeling_llama import (
+    LlamaMLP,
+    LlamaRMSNorm,
+    LlamaRotaryEmbedding,
+    apply_rotary_pos_emb,
+)
+
+SPECULATORS_VERSION = "0.9.0"  # the format version written (and tested in tests/interop)
+
+
+class VocabMapError(ValueError):
+    """A d2t / t2d draft-vocabulary map is missing, malformed or inconsistent."""
+
+
+# ----------------------------------------------------------------------------- vocabulary
+
+
+def build_vocab_map(counts: Tensor, draft_vocab_size: int) -> tuple[Tensor, Tensor]:
+    """The `draft_vocab_size` most frequent target tokens -> (d2t [V_d] int64, t2d [V] bool).
+
+    counts: [V] token frequencies (on the loss-masked training tokens). Ties, and tokens never
+    seen, are ordered by id. Draft ids follow target ids in increasing order.
+    """
+    vocab_size = counts.shape[0]
+    if not 0 < draft_vocab_size <= vocab_size:
+        raise VocabMapError(
+            f"draft vocab size must be in [1, {vocab_size}] (the target's vocab), "
+            f"got {draft_vocab_size}"
+        )
+    # Stable descending sort: equal counts keep increasing id order.
+    order = torch.sort(counts.double(), descending=True, stable=True).indices
+    ids = order[:draft_vocab_size].sort().values
+    d2t = ids - torch.arange(draft_vocab_size)
+    t2d = torch.zeros(vocab_size, dtype=torch.bool)
+    t2d[ids] = True
+    return d2t.long(), t2d
+
+
+def check_vocab_map(d2t: Tensor | None, t2d: Tensor | None, vocab_size: int, draft_vocab_size: int):
+    """Raise `VocabMapError` unless d2t / t2d describe the same V_d of distinct target ids."""
+    if d2t is None or t2d is None:
+        missing = " and ".join(n for n, t in (("d2t", d2t), ("t2d", t2d)) if t is None)
+        raise VocabMapError(f"the draft vocabulary map is missing {missing}")
+    if d2t.dtype != torch.int64 or tuple(d2t.shape) != (draft_vocab_size,):
+        raise VocabMapError(
+            f"d2t must be int64 of shape [{draft_vocab_size}], got {d2t.dtype} {list(d2t.shape)}"
+        )
+    if t2d.dtype != torch.bool or tuple(t2d.shape) != (vocab_size,):
+        raise VocabMapError(
+            f"t2d must be bool of shape [{vocab_size}], got {t2d.dtype} {list(t2d.shape)}"
+        )
+    ids = torch.arange(draft_vocab_size, device=d2t.device) + d2t
+    if int(ids.min()) < 0 or int(ids.max()) >= vocab_size:
+        raise VocabMapError(f"d2t maps draft ids outside the target vocab [0, {vocab_size})")
+    if draft_vocab_size > 1 and not bool((ids[1:] > ids[:-1]).all()):
+        if ids.unique().numel() != draft_vocab_size:
+            raise VocabMapError("d2t maps two draft ids to the same target id")
+        raise VocabMapError(
+            "d2t must list target ids in increasing order (speculators builds its head as "
+            "lm_head[t2d], which assumes it)"
+        )
+    if int(t2d.sum()) != draft_vocab_size:
+        raise VocabMapError(f"t2d marks {int(t2d.sum())} target ids, d2t has {draft_vocab_size}")
+    if not bool(t2d[ids.to(t2d.device)].all()):
+        bad = int(ids[~t2d[ids.to(t2d.device)].to(ids.device)][0])
+        raise VocabMapError(f"d2t and t2d disagree: target id {bad} is in d2t but not in t2d")
+
+
+# ----------------------------------------------------------------------------- target features
+
+
+def decoder_layers(model) -> nn.ModuleList:
+    """The decoder layers of a Llama- / Qwen2-style causal LM (peft-wrapped too)."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    layers = getattr(base.get_decoder(), "layers", None)
+    if layers is None:
+        raise ValueError(f"cannot find decoder layers in {type(base).__name__}")
+    return layers
+
+
+def default_aux_layers(num_layers: int) -> list[int]:
+    """Low, middle and high feature layers: vLLM's (2, L//2, L−3) where distinct, else spread."""
+    if num_layers >= 7:
+        return [2, num_layers // 2, num_layers - 3]
+    if num_layers >= 4:
+        return [1, num_layers // 2, num_layers - 1]
+    raise ValueError(
+        f"automatic aux layers need a target with >= 4 layers (it has {num_layers}); "
+        "set draft.aux_layers"
+    )
+
+
+class FeatureCapture:
+    """Capture the hidden states entering the given decoder layers during a target forward.
+
+    Layer id i is the residual stream *entering* layer i (HF `hidden_states[i]`; vLLM's
+    `eagle_aux_hidden_state_layer_ids` convention). The capture happens inside the forward
+    that computes the target's logits: no second pass.
+
+        with FeatureCapture(target, [1, 2, 3]) as cap:
+            logits = target(input_ids).logits
+        features = cap.features()  # [B, T, 3·H_t]
+    """
+
+    def __init__(self, model, layer_ids: Sequence[int]):
+        layers = decoder_layers(model)
+        for i in layer_ids:
+            if not 0 <= i < len(layers):
+                raise ValueError(f"aux layer {i} out of range for a {len(layers)}-layer target")
+        self.layers, self.layer_ids = layers, list(layer_ids)
+        self._captured: dict[int, Tensor] = {}
+        self._handles = []
+
+    def __enter__(self):
+        for i in dict.fromkeys(self.layer_ids):
+            self._handles.append(
+                self.layers[i].register_forward_pre_hook(self._hook(i), with_kwargs=True)
+            )
+        return self
+
+    def _hook(self, i: int):
+        def hook(module, args, kwargs):
+            self._captured[i] = args[0] if args else kwargs["hidden_states"]
+
+        return hook
+
+    def __exit__(self, *exc):
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+
+    def features(self) -> Tensor:
+        missing = [i for i in self.layer_ids if i not in self._captured]
+        if missing:
+            raise RuntimeError(f"no hidden states captured for layers {missing}; run a forward")
+        out = torch.cat([self._captured[i] for i in self.layer_ids], dim=-1)
+        self._captured = {}
+        return out
+
+
+# ----------------------------------------------------------------------------- the head
+
+
+@dataclass
+class Eagle3Output:
+    logits: Tensor  # [B, keep, V_d], or [B, keep, V] with −inf outside V_d (full_vocab=True)
+    hidden_states: Tensor  # [B, k, H] pre-norm outputs: the next step's input h
+
+
+class Eagle3Attention(nn.Module):
+    def __init__(self, config: LlamaConfig):
+        super().__init__()
+        h, bias = config.hidden_size, config.attention_bias
+        self.n_heads, self.n_kv = config.num_attention_heads, config.num_key_value_heads
+        self.head_dim = config.head_dim
+        self.q_proj = nn.Linear(2 * h, self.n_heads * self.head_dim, bias=bias)
+        self.k_proj = nn.Linear(2 * h, self.n_kv * self.head_dim, bias=bias)
+        self.v_proj = nn.Linear(2 * h, self.n_kv * self.head_dim, bias=bias)
+        self.o_proj = nn.Linear(self.n_heads * self.head_dim, h, bias=bias)
+
+    def qkv(self, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """x [B, k, 2H] -> q [B, heads, k, d], k and v [B, heads, k, d] (kv heads repeated)."""
+        b, n, _ = x.shape
+        q = self.q_proj(x).view(b, n, self.n_heads, self.head_dim).transpose(1, 2)
+        k = self.k_proj(x).view(b, n, self.n_kv, self.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(b, n, self.n_kv, self.head_dim).transpose(1, 2)
+        q, k = apply_rotary_pos_emb(q, k, cos, sin)
+        return q, k, v
+
+    def expand(self, t: Tensor) -> Tensor:
+        return t.repeat_interleave(self.n_heads // self.n_kv, dim=1)
+
+    def out(self, attended: Tensor) -> Tensor:
+        b, _, n, _ = attended.shape
+        return self.o_proj(attended.transpose(1, 2).reshape(b, n, -1))
+
+
+class Eagle3Layer(nn.Module):
+    def __init__(self, config: LlamaConfig, norm_before_residual: bool):
+        super().__init__()
+        h, eps = config.hidden_size, config.rms_norm_eps
+        self.self_attn = Eagle3Attention(config)
+        self.mlp = LlamaMLP(config)
+        self.input_layernorm = LlamaRMSNorm(h, eps=eps)
+        self.hidden_norm = LlamaRMSNorm(h, eps=eps)
+        self.post_attention_layernorm = LlamaRMSNorm(h, eps=eps)
+        self.norm_before_residual = norm_before_residual
+
+    def inputs(self, embeds: Tensor, hidden: Tensor) -> tuple[Tensor, Tensor]:
+        """(attention input [B, k, 2H], residual [B, k, H])."""
+        normed = self.hidden_norm(hidden)
+        residual = normed if self.norm_before_residual else hidden
+        return torch.cat([self.input_layernorm(embeds), normed], dim=-1), residual
+
+    def finish(self, residual: Tensor, attn_out: Tensor) -> Tensor:
+        residual = residual + attn_out
+        return residual + self.mlp(self.post_attention_layernorm(residual))
+
+
+class Eagle3Head(nn.Module):
+    """The EAGLE-3 draft head. `config` is the decoder layer's LlamaConfig (vocab_size = the
+    target's V); the EAGLE fields are attributes and live in config.json beside it."""
+
+    is_eagle3 = True
+
+    def __init__(
+        self,
+        config: LlamaConfig,
+        *,
+        draft_vocab_size: int,
+        target_hidden_size: int,
+        aux_layers: Sequence[int],
+        norm_before_residual: bool = False,
+    ):
+        super().__init__()
+        config.num_hidden_layers = 1
+        self.config = config
+        self.draft_vocab_size = draft_vocab_size
+        self.target_hidden_size = target_hidden_size
+        self.aux_layers = list(aux_layers)
+        self.norm_before_residual = norm_before_residual
+        h = config.hidden_size
+        self.embed_tokens = nn.Embedding(config.vocab_size, h)
+        self.embed_tokens.weight.requires_grad_(False)
+        self.fc = nn.Linear(len(self.aux_layers) * target_hidden_size, h, bias=False)
+        self.layers = nn.ModuleList([Eagle3Layer(config, norm_before_residual)])
+        self.norm = LlamaRMSNorm(h, eps=config.rms_norm_eps)
+        self.lm_head = nn.Linear(h, draft_vocab_size, bias=False)
+        self.rotary_emb = LlamaRotaryEmbedding(config)
+        d2t, t2d = build_vocab_map(
+            torch.arange(config.vocab_size, 0, -1), draft_vocab_size
+        )  # identity-like placeholder (lowest ids) until `set_vocab_map`
+        self.register_buffer("d2t", d2t)
+        self.register_buffer("t2d", t2d)
+
+    # ------------------------------------------------------------------ construction
+    @classmethod
+    def from_target(
+        cls,
+        target,
+        *,
+        draft_vocab_size: int | None = None,
+        aux_layers: Sequence[int] | None = None,
+        intermediate_size: int | None = None,
+        norm_before_residual: bool = False,
+        vocab_size: int | None = None,
+    ) -> "Eagle3Head":
+        """A fresh head for `target`: its attention geometry, RoPE and (frozen) embedding."""
+        tc = target.config
+        n_layers = tc.num_hidden_layers
+        embed = target.get_input_embeddings().weight
+        vocab = vocab_size or embed.shape[0]
+        config = LlamaConfig(
+            vocab_size=vocab,
+            hidden_size=tc.hidden_size,
+            intermediate_size=intermediate_size or tc.intermediate_size,
+            num_hidden_layers=1,
+            num_attention_heads=tc.num_attention_heads,
+            num_key_value_heads=getattr(tc, "num_key_value_heads", tc.num_attention_heads),
+            head_dim=getattr(tc, "head_dim", None) or tc.hidden_size // tc.num_attention_heads,
+            hidden_act=getattr(tc, "hidden_act", "silu"),
+            max_position_embeddings=tc.max_position_embeddings,
+            rms_norm_eps=tc.rms_norm_eps,
+            rope_parameters=getattr(tc, "rope_parameters", None),
+            attention_bias=False,
+            mlp_bias=False,
+            tie_word_embeddings=False,
+            bos_token_id=getattr(tc, "bos_token_id", None),
+            eos_token_id=getattr(tc, "eos_token_id", None),
+            pad_token_id=getattr(tc, "pad_token_id", None),
+        )
+        head = cls(
+            config,
+            draft_vocab_size=draft_vocab_size or vocab,
+            target_hidden_size=tc.hidden_size,
+            aux_layers=aux_layers or default_aux_layers(n_layers),
+            norm_before_residual=norm_before_residual,
+        )
+        head.to(embed.dtype)
+        with torch.no_grad():
+            head.embed_tokens.weight.copy_(embed[:vocab])
+            # Start from the target's own output head on V_d (a strong init for lm_head).
+            out = target.get_output_embeddings().weight[:vocab]
+            head.lm_head.weight.copy_(out[head.draft_ids()])
+        return head
+
+    def set_vocab_map(self, d2t: Tensor, t2d: Tensor, lm_head_source: Tensor | None = None):
+        """Install a checked map; `lm_head_source` [V, H] re-initialises lm_head rows from it."""
+        check_vocab_map(d2t, t2d, self.config.vocab_size, self.draft_vocab_size)
+        self.d2t.copy_(d2t)
+        self.t2d.copy_(t2d)
+        if lm_head_source is not None:
+            with torch.no_grad():
+                self.lm_head.weight.copy_(lm_head_source[self.draft_ids()])
+
+    def draft_ids(self) -> Tensor:
+        """Target id of every draft id: [V_d]."""
+        return torch.arange(self.draft_vocab_size, device=self.d2t.device) + self.d2t
+
+    def trainable_parameters(self) -> int:
+        return sum(p.numel() for p in self.parameters() if p.requires_grad)
+
+    # ------------------------------------------------------------------ compute
+    def _rope(self, x: Tensor, positions: Tensor) -> tuple[Tensor, Tensor]:
+        return self.rotary_emb(x, positions)
+
+    def _logits(self, hidden: Tensor, full_vocab: bool) -> Tensor:
+        logits = self.lm_head(self.norm(hidden))
+        return self._logits_to_full(logits) if full_vocab else logits
+
+    def _logits_to_full(self, logits: Tensor) -> Tensor:
+        """[..., V_d] -> [..., V] with −inf outside V_d (q puts no mass there)."""
+        full = logits.new_full((*logits.shape[:-1], self.config.vocab_size), float("-inf"))
+        return full.index_copy(-1, self.draft_ids(), logits)
+
+    def forward(
+        self,
+        input_ids: Tensor,
+        hidden_states: Tensor,
+        attention_mask: Tensor | None = None,
+        position_ids: Tensor | None = None,
+        cache=None,
+        logits_to_keep: int = 0,
+        full_vocab: bool = True,
+        use_cache: bool = True,
+    ) -> Eagle3Output:
+        """One drafting forward with a KV cache (the engine's path).
+
+        input_ids [B, k]: the tokens after the positions of `hidden_states` [B, k, H]
+        (already projected by fc, or the head's previous pre-norm outputs). attention_mask
+        [B, L] bool over the cache after appending (True = valid key); position_ids [B, k].
+        `cache`: a transformers DynamicCache (layer 0) or None (no cache: plain causal).
+        full_vocab: logits over the target's V (−inf outside V_d) instead of V_d.
+        """
+        b, n = input_ids.shape
+        layer = self.layers[0]
+        if position_ids is None:
+            position_ids = torch.arange(n, device=input_ids.device)[None].expand(b, -1)
+        x, residual = layer.inputs(self.embed_tokens(input_ids), hidden_states)
+        cos, sin = self._rope(x, position_ids)
+        q, k, v = layer.self_attn.qkv(x, cos, sin)
+        if cache is not None:
+            k, v = cache.update(k, v, 0)
+        length = k.shape[2]
+        keys_valid = (
+            attention_mask.bool()
+            if attention_mask is not None
+            else torch.ones(b, length, dtype=torch.bool, device=x.device)
+        )
+        index = torch.arange(length, device=x.device)
+        query_at = index[length - n :]
+        allowed = (index[None, :] <= query_at[:, None])[None] & keys_valid[:, None, :]
+        allowed = allowed | (index[None, :] == query_at[:, None])[None]  # padded queries: self
+        attended = nn.functional.scaled_dot_product_attention(
+            q,
+            layer.self_attn.expand(k),
+            layer.self_attn.expand(v),
+            attn_mask=allowed[:, None],
+        )
+        hidden = layer.finish(residual, layer.self_attn.out(attended))
+        keep = hidden[:, -logits_to_keep:] if logits_to_keep else hidden
+        return Eagle3Output(self._logits(keep, full_vocab), hidden)
+
+    def unroll(
+        self, features: Tensor, input_ids: Tensor, attention_mask: Tensor | None, steps: int
+    ) -> list[Tensor]:
+        """Training-time test: `steps` drafting steps for every position at once.
+
+        features [B, T, n_aux·H_t] (target positions 0..T−1), input_ids [B, T], attention_mask
+        [B, T] (right padding). Returns `steps` logits [B, T, V_d]; entry t of depth k is the
+        chain that starts at position t, k steps in: it predicts token t+k+2 and was fed the
+        tokens t+1..t+k+1 (teacher forcing), its own earlier outputs as h, and sits at
+        position t+k. Entries whose inputs run past T are garbage; mask them (`depth_masks`).
+        """
+        b, t = input_ids.shape
+        layer, attn = self.layers[0], self.layers[0].self_attn
+        keys_valid = (
+            attention_mask.bool()
+            if attention_mask is not None
+            else torch.ones(b, t, dtype=torch.bool, device=input_ids.device)
+        )
+        causal = torch.ones(t, t, dtype=torch.bool, device=input_ids.device).tril()
+        causal = causal[None, None] & keys_valid[:, None, None, :]  # [B, 1, T, T]
+        scale = attn.head_dim**-0.5
+        positions = torch.arange(t, device=input_ids.device)[None].expand(b, -1)
+        hidden = self.fc(features)
+        k0 = v0 = None
+        chain_k, chain_v = [], []  # steps 1..k: one key / value per chain (diagonal)
+        outputs = []
+        for step in range(steps):
+            ids = torch.nn.functional.pad(input_ids[:, step + 1 :], (0, step + 1))
+            x, residual = layer.inputs(self.embed_tokens(ids), hidden)
+            cos, sin = self._rope(x, positions + step)
+            q, k, v = attn.qkv(x, cos, sin)
+            k, v = attn.expand(k), attn.expand(v)
+            if step == 0:
+                k0, v0 = k, v
+                attended = nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=causal)
+            else:
+                chain_k.append(k)
+                chain_v.append(v)
+                scores0 = (q @ k0.transpose(-1, -2)) * scale
+                scores0 = scores0.masked_fill(~causal, float("-inf"))
+                diag = torch.stack([(q * ck).sum(-1) for ck in chain_k], dim=-1) * scale
+                probs = torch.cat([scores0, diag], dim=-1).float().softmax(-1).to(q.dtype)
+                attended = probs[..., :t] @ v0 + sum(
+                    probs[..., t + j, None] * cv for j, cv in enumerate(chain_v)
+                )
+            hidden = layer.finish(residual, attn.out(attended))
+            outputs.append(self._logits(hidden, full_vocab=False))
+        return outputs
+
+    # ------------------------------------------------------------------ save / load
+    def speculators_config(self, verifier: str | None = None, verifier_arch=None) -> dict:
+        layer_config = self.config.to_dict()
+        layer_config["architectures"] = ["LlamaForCausalLM"]
+        return {
+            "architectures": ["Eagle3Speculator"],
+            "speculators_model_type": "eagle3",
+            "speculators_version": SPECULATORS_VERSION,
+            "transformer_layer_config": layer_config,
+            "draft_vocab_size": self.draft_vocab_size,
+            "target_hidden_size": self.target_hidden_size,
+            "eagle_aux_hidden_state_layer_ids": self.aux_layers,
+            "norm_before_residual": self.norm_before_residual,
+            "norm_before_fc": False,
+            "fc_norm": False,
+            "norm_output": False,
+            "embed_requires_grad": False,
+            "has_no_defaults_at_init": False,
+            "dtype": str(self.fc.weight.dtype).removeprefix("torch."),
+            "torch_dtype": str(self.fc.weight.dtype).removeprefix("torch."),
+            "speculators_config": {
+                "algorithm": "eagle3",
+                "proposal_methods": [
+                    {
+                        "proposal_type": "greedy",
+                        "speculative_tokens": 3,
+                        "verifier_accept_k": 1,
+                        "accept_tolerance": 0.0,
+                    }
+                ],
+                "default_proposal_method": "greedy",
+                "verifier": {
+                    "name_or_path": verifier,
+                    "architectures": list(verifier_arch or []),
+                },
+            },
+        }
+
+    def save_pretrained(self, directory, *, verifier: str | None = None, verifier_arch=None):
+        """config.json + model.safetensors in the speculators layout (REFERENCE §5)."""
+        from safetensors.torch import save_file
+
+        check_vocab_map(self.d2t, self.t2d, self.config.vocab_size, self.draft_vocab_size)
+        directory = Path(directory)
+        directory.mkdir(parents=True, exist_ok=True)
+        config = self.speculators_config(verifier, verifier_arch)
+        (directory / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        state = {k: v.detach().contiguous().cpu() for k, v in self.state_dict().items()}
+        save_file(state, str(directory / "model.safetensors"), metadata={"format": "pt"})
+
+    @classmethod
+    def from_pretrained(cls, directory, dtype: torch.dtype | None = None) -> "Eagle3Head":
+        """Load a head saved by `save_pretrained` (or any speculators Eagle-3 checkpoint)."""
+        from safetensors.torch import load_file
+
+        directory = Path(directory)
+        path = directory / "config.json"
+        if not path.is_file():
+            raise FileNotFoundError(f"{path} not found: not an EAGLE-3 checkpoint directory")
+        config = json.loads(path.read_text())
+        if config.get("speculators_model_type") != "eagle3":
+            raise ValueError(
+                f"{path}: speculators_model_type is {config.get('speculators_model_type')!r}, "
+                "expected 'eagle3'"
+            )
+        layer = {k: v for k, v in config["transformer_layer_config"].items() if k != "model_type"}
+        head = cls(
+            LlamaConfig(**layer),
+            draft_vocab_size=config["draft_vocab_size"],
+            target_hidden_size=config["target_hidden_size"],
+            aux_layers=config["eagle_aux_hidden_state_layer_ids"],
+            norm_before_residual=config["norm_before_residual"],
+        )
+        state = load_file(str(directory / "model.safetensors"))
+        check_vocab_map(
+            state.get("d2t"), state.get("t2d"), head.config.vocab_size, head.draft_vocab_size
+        )
+        missing, unexpected = head.load_state_dict(state, strict=False)
+        if missing or unexpected:
+            raise ValueError(
+                f"{directory}: weights do not match an EAGLE-3 head: missing {missing}, "
+                f"unexpected {unexpected}"
+            )
+        return head.to(dtype) if dtype is not None else head
+
+
+def is_eagle3_dir(path) -> bool:
+    config = Path(path) / "config.json"
+    if not config.is_file():
+        return False
+    return json.loads(config.read_text()).get("speculators_model_type") == "eagle3"
+
+
+def align_depths(
+    draft_logits: Sequence[Tensor], target_logits: Tensor, loss_mask: Tensor, attention_mask: Tensor
+) -> tuple[list[Tensor], list[Tensor], list[Tensor]]:
+    """Pair `unroll`'s K depths with the target: (drafts, targets, masks), views of one length.
+
+    Depth k, chain t predicts token t+k+2: its target is the target's logits at position
+    t+k+1 and it counts where token t+k+2 is a real, loss-masked token. Chains t < T−K−1
+    are kept at every depth (so the K depths stack; the last K−1 shallow entries of each
+    row are dropped, which avoids copying [B, T, V] target logits).
+    """
+    steps, t = len(draft_logits), target_logits.shape[1]
+    length = t - steps - 1
+    if length < 1:
+        raise ValueError(f"sequences of {t} tokens are too short for {steps} TTT steps")
+    valid = loss_mask.bool() & attention_mask.bool()
+    drafts = [d[:, :length] for d in draft_logits]
+    targets = [target_logits[:, k + 1 : k + 1 + length] for k in range(steps)]
+    masks = [valid[:, k + 2 : k + 2 + length] for k in range(steps)]
+    return drafts, targets, masks
