@@ -14,7 +14,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from eval import speculative as spec
-from eval.offline import tau_pred
+from eval.offline import chain_tau, tau_pred
 from eval.prompts import Prompt, prompt_text
 
 # |measured τ − predicted τ| / predicted τ within which the i.i.d. prediction agrees.
@@ -74,6 +74,7 @@ def _run(target, draft, prompt_ids, settings: Settings, temperature: float, **kw
 def _config(target, draft, prompt_ids, settings: Settings, temperature: float, gamma, baseline):
     g = _run(target, draft, prompt_ids, settings, temperature, gamma=gamma)
     stats = spec.acceptance_stats(g.rounds)
+    depth = max([r.gamma for r in g.rounds] + [1])
     alphas = [
         spec.positional_alpha(
             target,
@@ -83,17 +84,32 @@ def _config(target, draft, prompt_ids, settings: Settings, temperature: float, g
             temperature=temperature,
             top_p=settings.top_p,
             top_k=settings.top_k,
+            depth=depth,
         )
         for prompt, out in zip(prompt_ids, g.sequences, strict=True)
     ]
-    # Offline α over the generated positions (the extra entry past the end is not a position).
-    alpha = _mean(
-        a
-        for per_request, out in zip(alphas, g.sequences, strict=True)
-        for a in per_request[: len(out)]
-    )
     used = [r.gamma for r in g.rounds if r.gamma > 0 and not r.capped for _ in r.requests]
-    tau_iid = _mean(tau_pred(alpha, gm) for gm in used)
+    if getattr(draft, "is_eagle3", False):
+        # Per depth k, over the round starts s >= 1 (the target itself emits token 0).
+        alpha_depth = [
+            _mean(
+                per_request[k][s]
+                for per_request, out in zip(alphas, g.sequences, strict=True)
+                for s in range(1, len(out) - k)
+            )
+            for k in range(depth)
+        ]
+        alpha = alpha_depth[0]
+        tau_iid = _mean(chain_tau(alpha_depth, gm) for gm in used)
+    else:
+        # Offline α over the generated positions (the extra entry past the end is not one).
+        alpha = _mean(
+            a
+            for per_request, out in zip(alphas, g.sequences, strict=True)
+            for a in per_request[: len(out)]
+        )
+        alpha_depth = None
+        tau_iid = _mean(tau_pred(alpha, gm) for gm in used)
     c, v = spec.cost_ratios(g.rounds, baseline.rounds)
     mean_gamma = stats["mean_gamma"]
     ideal = stats["tau"] / (mean_gamma * c + 1.0)
@@ -110,6 +126,7 @@ def _config(target, draft, prompt_ids, settings: Settings, temperature: float, g
         "tau_gap": (stats["tau"] - tau_iid) / tau_iid,
         "tau_within_tolerance": abs(stats["tau"] - tau_iid) <= TAU_TOLERANCE * tau_iid,
         "alpha_offline": alpha,
+        "alpha_offline_depth": alpha_depth,
         "alpha_measured": spec.alpha_for_tau(stats["tau"], round(mean_gamma)),
         "acceptance_rate": stats["acceptance_rate"],
         "slot_acceptance": stats["slot_acceptance"],

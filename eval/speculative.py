@@ -148,7 +148,7 @@ def _sync(device: torch.device) -> None:
 class _Stream:
     """A model's state for the active rows: KV cache, key mask [B, L], next position ids [B]."""
 
-    def __init__(self, model, vocab_size: int, device: torch.device):
+    def __init__(self, model, vocab_size: int, device: torch.device, capture=None):
         from transformers import DynamicCache
 
         self.model = model
@@ -157,21 +157,30 @@ class _Stream:
         self.mask = torch.zeros(0, 0, dtype=torch.bool, device=device)
         self.pos = torch.zeros(0, dtype=torch.long, device=device)
         self.vocab_size = vocab_size
+        self.capture = capture  # a train.eagle3.FeatureCapture: also return target features
+        self.output = None  # the last forward's model output
 
-    def forward(self, tokens: torch.Tensor, valid: torch.Tensor, keep: int) -> torch.Tensor:
-        """Append tokens [B, k] (valid [B, k], left-padded) -> last `keep` logits [B, keep, V]."""
+    def forward(self, tokens: torch.Tensor, valid: torch.Tensor, keep: int, **inputs):
+        """Append tokens [B, k] (valid [B, k], left-padded) -> last `keep` logits [B, keep, V].
+
+        `inputs` go to the model as they are (an EAGLE-3 head's `hidden_states` [B, k, H]).
+        With a capture, `self.features` holds the captured features [B, k, F] afterwards.
+        """
         positions = (self.pos[:, None] + valid.long().cumsum(1) - 1).clamp_min(0)
         self.mask = torch.cat([self.mask, valid], dim=1)
-        out = self.model(
-            input_ids=tokens,
-            attention_mask=self.mask,
-            position_ids=positions,
-            use_cache=True,
-            logits_to_keep=keep,
-            **{self.cache_kw: self.cache},
-        )
+        with self.capture or _no_capture():
+            self.output = self.model(
+                input_ids=tokens,
+                attention_mask=self.mask,
+                position_ids=positions,
+                use_cache=True,
+                logits_to_keep=keep,
+                **{self.cache_kw: self.cache},
+                **inputs,
+            )
+        self.features = self.capture.features() if self.capture else None
         self.pos += valid.sum(1)
-        return out.logits[..., : self.vocab_size]
+        return self.output.logits[..., : self.vocab_size]
 
     def _layers(self):
         for layer in self.cache.layers:
@@ -183,16 +192,25 @@ class _Stream:
             if layer.is_initialized:
                 yield layer
 
-    def admit(self, prefixes: Sequence[Sequence[int]]) -> None:
-        """Add rows whose caches hold `prefixes` (prefilled here, in a separate forward pass)."""
-        new = _Stream(self.model, self.vocab_size, self.mask.device)
-        new.mask = torch.zeros(len(prefixes), 0, dtype=torch.bool, device=self.mask.device)
-        new.pos = torch.zeros(len(prefixes), dtype=torch.long, device=self.mask.device)
+    def admit(self, prefixes: Sequence[Sequence[int]], hidden=None):
+        """Add rows whose caches hold `prefixes` (prefilled here, in a separate forward pass).
+
+        hidden: per row a [len(prefix), H] tensor passed as `hidden_states` (EAGLE-3 heads).
+        Returns (last logits [n, V] | None, features [n, k, F] | None, valid [n, k]).
+        """
+        device = self.mask.device
+        new = _Stream(self.model, self.vocab_size, device, self.capture)
+        new.mask = torch.zeros(len(prefixes), 0, dtype=torch.bool, device=device)
+        new.pos = torch.zeros(len(prefixes), dtype=torch.long, device=device)
+        logits, valid = None, torch.zeros(len(prefixes), 0, dtype=torch.bool, device=device)
         if max(len(p) for p in prefixes) > 0:
-            new.forward(*_left_pad(prefixes, self.mask.device), keep=1)
+            tokens, valid = _left_pad(prefixes, device)
+            extra = {} if hidden is None else {"hidden_states": _left_pad_rows(hidden, valid)}
+            logits = new.forward(tokens, valid, keep=1, **extra)[:, -1]
+        result = logits, new.features if new.mask.shape[1] else None, valid
         if self.mask.shape[0] == 0:
             self.cache, self.mask, self.pos = new.cache, new.mask, new.pos
-            return
+            return result
         mine, theirs = list(self._layers()), list(new._layers())
         assert mine, "rows join an empty batch or one that has run a decoding round"
         length = max(self.mask.shape[1], new.mask.shape[1])
@@ -208,6 +226,7 @@ class _Stream:
         self.mask = torch.cat([_pad_left(self.mask, length, 1), _pad_left(new.mask, length, 1)])
         self.pos = torch.cat([self.pos, new.pos])
         self._tidy()
+        return result
 
     def _slice(self, index: slice) -> None:
         for layer in self._layers():
@@ -230,7 +249,7 @@ class _Stream:
 
     def select_rows(self, rows: torch.Tensor) -> None:
         if rows.numel() == 0:
-            self.__init__(self.model, self.vocab_size, self.mask.device)
+            self.__init__(self.model, self.vocab_size, self.mask.device, self.capture)
             return
         for layer in self._layers():
             layer.keys = layer.keys.index_select(0, rows)
@@ -281,6 +300,18 @@ def _left_pad(
     lengths = torch.tensor([len(r) for r in rows])
     valid = torch.arange(width)[None, :] >= width - lengths[:, None]
     return tokens.to(device), valid.to(device)
+
+
+def _left_pad_rows(rows: Sequence[torch.Tensor], valid: torch.Tensor) -> torch.Tensor:
+    """Per-row [len_i, H] tensors -> [B, k, H] placed where `valid` [B, k] is True (zeros else)."""
+    out = rows[0].new_zeros(*valid.shape, rows[0].shape[-1])
+    out[valid] = torch.cat(list(rows)).to(out.dtype)
+    return out
+
+
+@contextmanager
+def _no_capture():
+    yield
 
 
 @contextmanager
@@ -379,6 +410,107 @@ def _as_lists(input_ids, attention_mask) -> list[list[int]]:
     return [list(map(int, ids)) for ids in input_ids]
 
 
+class _ModelDrafter:
+    """A standalone draft LM on its own KV cache, proposing from the committed tokens.
+
+    Its cache holds every committed token but the `pending` ones of each row (the last
+    committed token, plus d_γ after a fully accepted round).
+    """
+
+    target_first_token = False  # the first token comes from a speculative round
+
+    def __init__(self, model, vocab_size: int, device: torch.device):
+        self.stream = _Stream(model, vocab_size, device)
+        self.pending: list[list[int]] = []
+        self.device = device
+
+    def admit(self, prompts: Sequence[Sequence[int]], features=None) -> None:
+        self.stream.admit([p[:-1] for p in prompts])
+        self.pending += [[p[-1]] for p in prompts]
+
+    def propose(self, gamma: int, sample) -> tuple[torch.Tensor, list]:
+        """Draft γ tokens per row -> (drafts [B, γ], per-step probs [B, V] (None if greedy))."""
+        tokens, valid = _left_pad(self.pending, self.device)
+        drafted, q = [], []
+        for _ in range(gamma):
+            token, probs = sample(self.stream.forward(tokens, valid, keep=1)[:, -1])
+            drafted.append(token)
+            q.append(probs)
+            tokens = token[:, None]
+            valid = torch.ones(len(self.pending), 1, dtype=torch.bool, device=self.device)
+        return torch.stack(drafted, dim=1), q
+
+    def commit(self, gamma: int, n_accepted: torch.Tensor, host: list, features=None) -> None:
+        """After verification: host[i] = [n_i, next_i, *drafts_i]."""
+        # The draft cached d_1..d_{γ-1} and keeps d_1..d_n, so after a fully accepted round
+        # d_γ is still pending next to the new token.
+        for i, (n_i, next_i, *drafts_i) in enumerate(host):
+            self.pending[i] = [drafts_i[-1], next_i] if n_i == gamma else [next_i]
+        self.stream.drop_last((gamma - 1) - n_accepted.clamp_max(gamma - 1))
+
+    def select_rows(self, keep: list[int], index: torch.Tensor) -> None:
+        self.pending = [self.pending[i] for i in keep]
+        self.stream.select_rows(index)
+
+
+class _Eagle3Drafter:
+    """An EAGLE-3 head (train/eagle3.py) drafting from the target's features.
+
+    Its cache holds one entry per committed position j < n whose target feature is known:
+    (fc(feature_j), token j+1), at position j. The target gives the features of the tokens
+    it verified, so after each round the accepted positions become `pending` pairs; the
+    head's own γ−1 speculative entries (fed its pre-norm outputs) are always dropped.
+    The prompt's first generated token comes from the target's prefill, as in EAGLE.
+    """
+
+    target_first_token = True
+
+    def __init__(self, head, vocab_size: int, device: torch.device):
+        self.head = head
+        self.stream = _Stream(head, vocab_size, device)
+        self.pending: list[tuple[torch.Tensor, list[int]]] = []  # (fc(features) [m, H], tokens)
+        self.device = device
+
+    def admit(self, prompts: Sequence[Sequence[int]], features) -> None:
+        """prompts: prompt + first token; features: per row [len(prompt), F] (positions 0..)."""
+        hidden = [self.head.fc(f) for f in features]
+        self.stream.admit([p[1:-1] for p in prompts], hidden=[h[:-1] for h in hidden])
+        self.pending += [(h[-1:], [p[-1]]) for h, p in zip(hidden, prompts, strict=True)]
+
+    def propose(self, gamma: int, sample) -> tuple[torch.Tensor, list]:
+        tokens, valid = _left_pad([t for _, t in self.pending], self.device)
+        hidden = _left_pad_rows([h for h, _ in self.pending], valid)
+        drafted, q = [], []
+        for _ in range(gamma):
+            logits = self.stream.forward(tokens, valid, keep=1, hidden_states=hidden)
+            token, probs = sample(logits[:, -1])
+            drafted.append(token)
+            q.append(probs)
+            hidden = self.stream.output.hidden_states[:, -1:]
+            tokens = token[:, None]
+            valid = torch.ones(len(self.pending), 1, dtype=torch.bool, device=self.device)
+        return torch.stack(drafted, dim=1), q
+
+    def commit(self, gamma: int, n_accepted: torch.Tensor, host: list, features) -> None:
+        """features [B, γ+1, F]: the target's, for [pending token, d_1..d_γ]."""
+        self.stream.drop_last(torch.full_like(n_accepted, gamma - 1))
+        hidden = self.head.fc(features)
+        for i, (n_i, next_i, *drafts_i) in enumerate(host):
+            self.pending[i] = (hidden[i, : n_i + 1], drafts_i[:n_i] + [next_i])
+
+    def select_rows(self, keep: list[int], index: torch.Tensor) -> None:
+        self.pending = [self.pending[i] for i in keep]
+        self.stream.select_rows(index)
+
+
+def _drafter(draft, vocab_size: int, device: torch.device):
+    if draft is None:
+        return None
+    if getattr(draft, "is_eagle3", False):
+        return _Eagle3Drafter(draft, vocab_size, device)
+    return _ModelDrafter(draft, vocab_size, device)
+
+
 @torch.inference_mode()
 def generate(
     target,
@@ -399,13 +531,15 @@ def generate(
     """Speculative decoding of prompts with `draft` proposing and `target` verifying.
 
     input_ids: [B, P] tensor (with `attention_mask` for padding) or a list of token lists.
+    draft: a causal LM sharing the target's tokenizer, an EAGLE-3 head (train/eagle3.py),
+    or None to decode with the target alone (the baseline).
     gamma: draft tokens per round, or an `AdaptiveGamma` policy (used for this call).
-    temperature 0 is greedy (top_p / top_k then unused). draft=None decodes with the target
-    alone (the baseline). batch_size: most rows decoded together (default: all); a finished
-    row's place goes to the next waiting prompt (continuous batching; all requests arrive at
-    the call's start, and TTFT / latency count from a request's admission). vocab_size: logit
-    columns compared (default: the smaller head). Rows stop at `max_new_tokens` or after
-    emitting `eos_token_id`.
+    temperature 0 is greedy (top_p / top_k then unused). batch_size: most rows decoded
+    together (default: all); a finished row's place goes to the next waiting prompt
+    (continuous batching; all requests arrive at the call's start, and TTFT / latency count
+    from a request's admission). vocab_size: logit columns compared (default: the smaller
+    head; an EAGLE-3 head counts with its target vocabulary). Rows stop at `max_new_tokens`
+    or after emitting `eos_token_id`.
     """
     if temperature < 0:
         raise ValueError(f"temperature must be ≥ 0, got {temperature}")
@@ -419,7 +553,11 @@ def generate(
     policy = gamma if isinstance(gamma, AdaptiveGamma) else None
     if draft is not None and not policy and gamma < 1:
         raise ValueError(f"gamma must be ≥ 1 with a draft, got {gamma}")
-    heads = [m.get_output_embeddings().weight.shape[0] for m in (target, draft) if m is not None]
+    eagle = getattr(draft, "is_eagle3", False)
+    heads = [target.get_output_embeddings().weight.shape[0]]
+    if draft is not None:
+        head = draft.config.vocab_size if eagle else draft.get_output_embeddings().weight.shape[0]
+        heads.append(head)
     vocab_size = vocab_size or min(heads)
     device = target.device
     greedy = temperature == 0
@@ -441,37 +579,86 @@ def generate(
     rounds: list[Round] = []
     waiting = deque(range(n))
     requests: list[int] = []  # active rows, in batch order
-    # Per active row: committed tokens not yet in the target's / the draft's cache.
-    t_pending: list[list[int]] = []
-    d_pending: list[list[int]] = []
+    t_pending: list[list[int]] = []  # per active row: committed tokens not in the target's cache
     prefill_s = 0.0
 
     with _eval_mode(target, draft):
         _sync(device)
         start = time.perf_counter()
-        t_stream = _Stream(target, vocab_size, device)
-        d_stream = _Stream(draft, vocab_size, device) if draft is not None else None
+        capture = None
+        if eagle:
+            from train.eagle3 import FeatureCapture
+
+            capture = FeatureCapture(target, draft.aux_layers)
+        t_stream = _Stream(target, vocab_size, device, capture)
+        drafter = _drafter(draft, vocab_size, device)
+
+        def remove(finished: list[bool]) -> None:
+            nonlocal requests, t_pending
+            keep = [i for i, f in enumerate(finished) if not f]
+            requests = [requests[i] for i in keep]
+            t_pending = [t_pending[i] for i in keep]
+            index = torch.tensor(keep, dtype=torch.long, device=device)
+            t_stream.select_rows(index)
+            if drafter:
+                drafter.select_rows(keep, index)
+
+        def emit(r: int, new: list[int], now: float, remaining: int) -> bool:
+            """Append a request's new tokens (cut at EOS); True when the request is done."""
+            done = len(new) == remaining
+            if eos_token_id is not None and eos_token_id in new:
+                new[:] = new[: new.index(eos_token_id) + 1]
+                done = True
+            if not outputs[r]:
+                ttft[r] = now - admitted_at[r]
+            outputs[r].extend(new)
+            if done:
+                latency[r] = now - admitted_at[r]
+            return done
+
         while waiting or requests:
             if waiting and len(requests) < capacity:
                 admit_start = time.perf_counter()
                 admitted = [
                     waiting.popleft() for _ in range(min(capacity - len(requests), len(waiting)))
                 ]
-                prefixes = [prompts[r][:-1] for r in admitted]
-                t_stream.admit(prefixes)
-                if d_stream:
-                    d_stream.admit(prefixes)
-                requests += admitted
                 for r in admitted:
                     admitted_at[r] = admit_start
-                t_pending += [[prompts[r][-1]] for r in admitted]
-                d_pending += [[prompts[r][-1]] for r in admitted]
-                _sync(device)
-                prefill_s += time.perf_counter() - admit_start
+                requests += admitted
+                if drafter and drafter.target_first_token:
+                    # EAGLE: the target prefills the whole prompt and samples the first token;
+                    # the head needs the features of every prompt position.
+                    logits, features, valid = t_stream.admit([prompts[r] for r in admitted])
+                    first = sample(logits)[0].tolist()
+                    drafter.admit(
+                        [prompts[r] + [f] for r, f in zip(admitted, first, strict=True)],
+                        [f[v] for f, v in zip(features, valid, strict=True)],
+                    )
+                    t_pending += [[f] for f in first]
+                    _sync(device)
+                    now = time.perf_counter()
+                    done = [
+                        emit(r, [f], now, max_new_tokens)
+                        for r, f in zip(admitted, first, strict=True)
+                    ]
+                    prefill_s += now - admit_start
+                    finished = [False] * (len(requests) - len(admitted)) + done
+                    if any(finished):
+                        remove(finished)
+                    if not requests:
+                        continue
+                else:
+                    prefixes = [prompts[r][:-1] for r in admitted]
+                    t_stream.admit(prefixes)
+                    if drafter:
+                        drafter.admit([prompts[r] for r in admitted])
+                    t_pending += [[prompts[r][-1]] for r in admitted]
+                    _sync(device)
+                    prefill_s += time.perf_counter() - admit_start
 
             batch = len(requests)
             remaining = [max_new_tokens - len(outputs[r]) for r in requests]
-            g = 0 if draft is None else (policy.gamma if policy else gamma)
+            g = 0 if drafter is None else (policy.gamma if policy else gamma)
             capped = g > max(remaining) - 1
             if capped:
                 g = max(remaining) - 1
@@ -480,15 +667,7 @@ def generate(
             draft_s = 0.0
             t_tokens, t_valid = _left_pad(t_pending, device)
             if g > 0:
-                tokens, valid = _left_pad(d_pending, device)
-                drafted, q = [], []
-                for _ in range(g):
-                    token, probs = sample(d_stream.forward(tokens, valid, keep=1)[:, -1])
-                    drafted.append(token)
-                    q.append(probs)
-                    tokens = token[:, None]
-                    valid = torch.ones(batch, 1, dtype=torch.bool, device=device)
-                drafts = torch.stack(drafted, dim=1)
+                drafts, q = drafter.propose(g, sample)
                 _sync(device)
                 draft_s = time.perf_counter() - round_start
                 t_tokens = torch.cat([t_tokens, drafts], dim=1)
@@ -517,22 +696,11 @@ def generate(
             for i, r in enumerate(requests):
                 n_i, next_i, drafts_i = host[i][0], host[i][1], host[i][2:]
                 new = (drafts_i[:n_i] + [next_i])[: remaining[i]]
-                done = len(new) == remaining[i]
-                if eos_token_id is not None and eos_token_id in new:
-                    new = new[: new.index(eos_token_id) + 1]
-                    done = True
-                outputs[r].extend(new)
+                finished.append(emit(r, new, now, remaining[i]))
                 committed.append(len(new))
-                finished.append(done)
-                if starts[i] == 0:
-                    ttft[r] = now - admitted_at[r]
                 token_latency.extend([round_s / len(new)] * len(new))
-                if done:
-                    latency[r] = now - admitted_at[r]
-                # The target cached d_1..d_n; the draft cached d_1..d_{γ-1} of which it keeps
-                # d_1..d_n, so after a fully accepted round d_γ is still pending for the draft.
+                # The target cached [pending, d_1..d_n]; the new token is pending.
                 t_pending[i] = [next_i]
-                d_pending[i] = [drafts_i[-1], next_i] if g > 0 and n_i == g else [next_i]
             rounds.append(
                 Round(
                     g,
@@ -550,19 +718,13 @@ def generate(
                 policy.update(accepted, g)
 
             t_stream.drop_last(g - n_accepted)
-            if d_stream and g > 0:
-                d_stream.drop_last((g - 1) - n_accepted.clamp_max(g - 1))
-            elif d_stream:
+            if drafter and g > 0:
+                features = t_stream.features[:, -(g + 1) :] if eagle else None
+                drafter.commit(g, n_accepted, host, features)
+            elif drafter:
                 assert all(finished), "a γ = 0 round only happens when every row ends in it"
             if any(finished):
-                keep = [i for i, f in enumerate(finished) if not f]
-                requests = [requests[i] for i in keep]
-                t_pending = [t_pending[i] for i in keep]
-                d_pending = [d_pending[i] for i in keep]
-                index = torch.tensor(keep, dtype=torch.long, device=device)
-                t_stream.select_rows(index)
-                if d_stream:
-                    d_stream.select_rows(index)
+                remove(finished)
         _sync(device)
         wall = time.perf_counter() - start
     queue = [t - start for t in admitted_at]
@@ -647,34 +809,69 @@ def positional_alpha(
     top_p: float = 1.0,
     top_k: int = 0,
     vocab_size: int | None = None,
-) -> list[float]:
-    """Offline α per generated position, teacher-forced on prompt + output: len(output) + 1 floats.
+    depth: int = 1,
+) -> list[float] | list[list[float]]:
+    """Offline α along the generated text, teacher-forced on prompt + output.
 
-    Entry j is Σ_x min(p(x), q(x)) for the token after prompt + output[:j] (argmax agreement
-    at temperature 0), with the same temperature / top-p / top-k the verifier uses.
+    Standalone draft: len(output) + 1 floats; entry j is Σ_x min(p(x), q(x)) for the token
+    after prompt + output[:j] (argmax agreement at temperature 0), with the same temperature /
+    top-p / top-k the verifier uses.
+    EAGLE-3 head: `depth` lists; entry [k][s] is the α of the k-th draft (0-based) of a round
+    that starts at generated position s (it predicts output[s + k]), the head unrolled on the
+    teacher-forced text as in training (0 where the text runs out).
     """
-    heads = [m.get_output_embeddings().weight.shape[0] for m in (target, draft)]
-    vocab_size = vocab_size or min(heads)
     ids = torch.tensor([list(prompt) + list(output)], device=target.device)
-    keep = len(output) + 1
     with _eval_mode(target, draft):
+        if getattr(draft, "is_eagle3", False):
+            return _eagle3_positional_alpha(
+                target, draft, ids, len(prompt), len(output), depth, (temperature, top_p, top_k)
+            )
+        heads = [m.get_output_embeddings().weight.shape[0] for m in (target, draft)]
+        vocab_size = vocab_size or min(heads)
+        keep = len(output) + 1
         t_logits = target(input_ids=ids, logits_to_keep=keep).logits[0, :, :vocab_size]
         d_logits = draft(input_ids=ids.to(draft.device), logits_to_keep=keep).logits[
             0, :, :vocab_size
         ]
-    d_logits = d_logits.to(t_logits.device)
+    return _alpha(t_logits, d_logits.to(t_logits.device), temperature, top_p, top_k).tolist()
+
+
+def _alpha(t_logits, d_logits, temperature: float, top_p: float, top_k: int) -> torch.Tensor:
+    """α per row as the verifier sees it: [N, V], [N, V] -> [N]."""
     if temperature == 0:
-        return (t_logits.argmax(-1) == d_logits.argmax(-1)).float().tolist()
+        return (t_logits.argmax(-1) == d_logits.argmax(-1)).float()
     p = probabilities(t_logits, temperature, top_p, top_k)
     q = probabilities(d_logits, temperature, top_p, top_k)
-    return torch.minimum(p, q).sum(-1).tolist()
+    return torch.minimum(p, q).sum(-1)
 
 
-def pathwise_tau(rounds: Sequence[Round], alphas: Sequence[Sequence[float]]) -> float:
+def _eagle3_positional_alpha(target, head, ids, n_prompt, n_out, depth, sampling):
+    from train.eagle3 import FeatureCapture
+
+    vocab = head.config.vocab_size
+    with FeatureCapture(target, head.aux_layers) as capture:
+        t_logits = target(input_ids=ids).logits[0, :, :vocab]
+    steps = head.unroll(capture.features(), ids, None, depth)
+    alphas = []
+    for k, logits in enumerate(steps):
+        full = head._logits_to_full(logits[0])
+        row = []
+        for s in range(n_out + 1):
+            t = n_prompt + s - 2  # the chain whose k-th draft predicts output[s + k]
+            if t < 0 or t + k + 1 >= ids.shape[1]:
+                row.append(0.0)
+                continue
+            row.append(float(_alpha(t_logits[t + k + 1][None], full[t][None], *sampling)[0]))
+        alphas.append(row)
+    return alphas
+
+
+def pathwise_tau(rounds: Sequence[Round], alphas: Sequence) -> float:
     """τ predicted from per-position offline α along the generated text, at the rounds' starts.
 
     A round that starts at generated position s with γ drafts is predicted to commit
-    1 + Σ_{j≤γ} Π_{i≤j} α[s+i−1] tokens; `alphas[request]` comes from `positional_alpha`.
+    1 + Σ_{j≤γ} Π_{i≤j} α_i tokens, α_i = alphas[request][s+i−1] (standalone) or
+    alphas[request][i−1][s] (EAGLE-3, per depth), from `positional_alpha`.
     At temperature 0 this equals the measured τ exactly (α is argmax agreement on the path).
     """
     total, count = 0.0, 0
@@ -683,9 +880,13 @@ def pathwise_tau(rounds: Sequence[Round], alphas: Sequence[Sequence[float]]) -> 
             continue
         for request, s in zip(r.requests, r.starts, strict=True):
             a = alphas[request]
+            per_depth = bool(a) and isinstance(a[0], list)
             run, tau = 1.0, 1.0
             for i in range(r.gamma):
-                run *= a[s + i] if s + i < len(a) else 0.0
+                if per_depth:
+                    run *= a[i][s] if i < len(a) and s < len(a[i]) else 0.0
+                else:
+                    run *= a[s + i] if s + i < len(a) else 0.0
                 tau += run
             total += tau
             count += 1
@@ -808,12 +1009,19 @@ def main(argv: Sequence[str] | None = None) -> dict:
 
     from eval import report
     from eval.prompts import encode_prompts, load_prompts
-    from train.models import check_tokenizers, load_model, load_tokenizer
+    from train.models import check_tokenizers, load_draft, load_model, load_tokenizer
 
     tokenizer = load_tokenizer(args.target)
-    check_tokenizers(tokenizer, load_tokenizer(args.draft), args.target, args.draft)
+    draft = load_draft(args.draft, dtype=args.dtype)
+    if getattr(draft, "is_eagle3", False):
+        if draft.config.vocab_size > len(tokenizer):
+            raise ValueError(
+                f"the EAGLE-3 head {args.draft} covers {draft.config.vocab_size} token ids; "
+                f"the target's tokenizer has {len(tokenizer)}: it was trained for another target"
+            )
+    else:
+        check_tokenizers(tokenizer, load_tokenizer(args.draft), args.target, args.draft)
     target = load_model(args.target, dtype=args.dtype)
-    draft = load_model(args.draft, dtype=args.dtype)
     target.to(args.device)
     draft.to(args.device)
     prompts = load_prompts(args.prompts, limit=args.num_prompts)

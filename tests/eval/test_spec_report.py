@@ -72,6 +72,7 @@ def test_cli_writes_report(tmp_path, tokenizer, monkeypatch):
     fake = types.ModuleType("train.models")
     fake.load_tokenizer = lambda name: tokenizer
     fake.load_model = lambda name, dtype: {"tiny:target": target, "tiny:draft": draft}[name]
+    fake.load_draft = fake.load_model
     fake.check_tokenizers = lambda *args: None
     monkeypatch.setitem(sys.modules, "train.models", fake)
     prompts = tmp_path / "prompts.jsonl"
