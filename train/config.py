@@ -181,6 +181,11 @@ def _coerce(value: Any, tp, key: str) -> Any:
     if tp is float:
         if isinstance(value, int | float) and not isinstance(value, bool):
             return float(value)
+        if isinstance(value, str):  # YAML 1.1 reads `1e-3` (no dot) as a string
+            try:
+                return float(value)
+            except ValueError:
+                pass
         raise RecipeError(f"{key} must be a number, got {value!r}")
     if tp is str:
         if isinstance(value, str):

@@ -113,3 +113,10 @@ def test_dump_round_trip(tmp_path):
     recipe = load_recipe(None, ["loss.name=lk_lambda", "loss.eta=4.0", "train.max_steps=7"])
     dump_recipe(recipe, tmp_path / "out.yaml")
     assert load_recipe(tmp_path / "out.yaml") == recipe
+
+
+def test_float_keys_accept_exponents_without_a_dot():
+    """YAML 1.1 reads `1e-3` as a string; a float key still takes it, a word still fails."""
+    assert load_recipe(None, ["train.lr=1e-3"]).train.lr == 1e-3
+    with pytest.raises(RecipeError, match="train.lr must be a number"):
+        load_recipe(None, ["train.lr=fast"])
