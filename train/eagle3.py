@@ -513,17 +513,20 @@ class Eagle3Head(nn.Module):
             aux_layers=config["eagle_aux_hidden_state_layer_ids"],
             norm_before_residual=config["norm_before_residual"],
         )
-        state = load_file(str(directory / "model.safetensors"))
+        head.load_checked(load_file(str(directory / "model.safetensors")), str(directory))
+        return head.to(dtype) if dtype is not None else head
+
+    def load_checked(self, state: dict[str, Tensor], source: str) -> None:
+        """Load a full state dict: the vocabulary map is checked first, names must match."""
         check_vocab_map(
-            state.get("d2t"), state.get("t2d"), head.config.vocab_size, head.draft_vocab_size
+            state.get("d2t"), state.get("t2d"), self.config.vocab_size, self.draft_vocab_size
         )
-        missing, unexpected = head.load_state_dict(state, strict=False)
+        missing, unexpected = self.load_state_dict(state, strict=False)
         if missing or unexpected:
             raise ValueError(
-                f"{directory}: weights do not match an EAGLE-3 head: missing {missing}, "
+                f"{source}: weights do not match an EAGLE-3 head: missing {missing}, "
                 f"unexpected {unexpected}"
             )
-        return head.to(dtype) if dtype is not None else head
 
 
 def is_eagle3_dir(path) -> bool:

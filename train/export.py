@@ -189,15 +189,7 @@ def _load_sglang_head(directory: Path, dtype: torch.dtype | None = None) -> Eagl
     )
     raw = load_file(str(directory / WEIGHTS))
     state = {k.replace("midlayer.", "layers.0.", 1): v for k, v in raw.items()}
-    check_vocab_map(
-        state.get("d2t"), state.get("t2d"), head.config.vocab_size, head.draft_vocab_size
-    )
-    missing, unexpected = head.load_state_dict(state, strict=False)
-    if missing or unexpected:
-        raise ExportError(
-            f"{directory}: weights do not match an SGLang EAGLE-3 head: missing {missing}, "
-            f"unexpected {unexpected}"
-        )
+    head.load_checked(state, f"{directory} (SGLang layout)")
     return head.to(dtype) if dtype is not None else head
 
 

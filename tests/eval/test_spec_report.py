@@ -12,7 +12,7 @@ from transformers import PreTrainedTokenizerFast
 
 from eval import speculative as spec
 from eval.prompts import encode_prompts, load_prompts, prompt_text
-from tests.eval.test_speculative import one_thread, perturbed, tiny_llama  # noqa: F401
+from tests.eval.test_speculative import perturbed, tiny_llama
 
 WORDS = ["<pad>", "<eos>", "<unk>", "user", "assistant", ":", *"abcdefghijklmnopqrstuvwxyz"]
 SHARED = Path(__file__).resolve().parents[3] / "shared" / "data"

@@ -13,16 +13,6 @@ from eval import speculative as spec
 from eval.offline import tau_pred
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny models gain nothing from intra-op threads; on a busy shared CPU the thread barrier
-    makes every op ~100× slower. Restored after the module."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def tiny_llama(seed: int, *, vocab: int, hidden: int, layers: int, init: float) -> LlamaForCausalLM:
     torch.manual_seed(seed)
     config = LlamaConfig(

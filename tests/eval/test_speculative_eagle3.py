@@ -10,16 +10,9 @@ from transformers import LlamaConfig, LlamaForCausalLM
 import losses
 from eval import report
 from eval import speculative as spec
+from tests.eval.test_speculative import reference_greedy
 from train.drafts import Eagle3
 from train.eagle3 import Eagle3Head, build_vocab_map
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def target_model(seed: int, *, vocab: int, hidden: int, layers: int, init: float, attn=0.03):
@@ -64,14 +57,6 @@ def fit_head(target, head: Eagle3Head, steps: int, seq: int = 24, seed: int = 0)
         optimizer.step()
         optimizer.zero_grad()
     return head.eval()
-
-
-@torch.no_grad()
-def reference_greedy(model, prompt: list[int], n: int) -> list[int]:
-    ids = list(prompt)
-    for _ in range(n):
-        ids.append(int(model(input_ids=torch.tensor([ids])).logits[0, -1].argmax()))
-    return ids[len(prompt) :]
 
 
 N_NEW = 24
