@@ -52,6 +52,7 @@ class DraftConfig:
     ttt_steps: int = 3  # training-time-test depth K
     intermediate_size: int | None = None  # the head's MLP width; null = the target's
     norm_before_residual: bool = False  # as vLLM's flag; SGLang supports only false
+    freeze_lm_head: bool = False  # keep lm_head at the target's rows of V_d (not trained)
 
 
 @dataclass
@@ -363,8 +364,10 @@ def _draft_checks(recipe: Recipe) -> list[tuple[bool, str]]:
                 and d.aux_layers is None
                 and d.intermediate_size is None
                 and d.ttt_steps == 3
+                and not d.freeze_lm_head
             ),
-            "draft.vocab_size / aux_layers / ttt_steps / intermediate_size apply to "
+            "draft.vocab_size / aux_layers / ttt_steps / intermediate_size / freeze_lm_head "
+            "apply to "
             "draft.type=eagle3 only",
         ),
         (

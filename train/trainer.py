@@ -129,6 +129,7 @@ class Trainer:
                 f"draft.type=eagle3: draft.model must be null (a fresh head) or an EAGLE-3 "
                 f"checkpoint directory, got {d.model!r}"
             )
+        head.lm_head.weight.requires_grad_(not d.freeze_lm_head)
         self.accelerator.print(
             f"eagle3 head: aux layers {head.aux_layers}, V_d {head.draft_vocab_size}, "
             f"{head.trainable_parameters() / 1e6:.2f}M trainable parameters"

@@ -343,6 +343,24 @@ def test_trainer_trains_an_eagle3_head_and_saves_it(
     assert torch.equal(more.accelerator.unwrap_model(more.draft).fc.weight, head.fc.weight)
 
 
+def test_frozen_lm_head_stays_the_targets(
+    tiny_pair, sharp_target, tmp_path, fresh_accelerate_state
+):
+    overrides = eagle_overrides(
+        tiny_pair,
+        sharp_target,
+        tmp_path / "frozen",
+        **{"draft.freeze_lm_head": "true", "draft.vocab_size": "null", "train.max_steps": 3},
+    )
+    trainer = Trainer(load_recipe(None, overrides))
+    trainer.run()
+    head = Eagle3Head.from_pretrained(tmp_path / "frozen" / "final")
+    target = LlamaForCausalLM.from_pretrained(sharp_target)
+    assert torch.equal(head.lm_head.weight, target.lm_head.weight)
+    trained = trainer.accelerator.unwrap_model(trainer.draft)
+    assert not trained.lm_head.weight.requires_grad and trained.fc.weight.requires_grad
+
+
 def test_eagle3_recipe_errors(tiny_pair, tmp_path):
     t = tiny_pair[0]
     with pytest.raises(RecipeError, match="lora"):
