@@ -317,7 +317,15 @@ def test_trainer_trains_an_eagle3_head_and_saves_it(
     tiny_pair, sharp_target, tmp_path, fresh_accelerate_state
 ):
     out = tmp_path / "run"
-    result = Trainer(load_recipe(None, eagle_overrides(tiny_pair, sharp_target, out))).run()
+    speculative = {
+        "eval.speculative.every": 15,  # real decoding with the head during training
+        "eval.speculative.gammas": "[1, 3]",
+        "eval.speculative.prompts": 2,
+        "eval.speculative.prompt_tokens": 8,
+        "eval.speculative.max_new_tokens": 8,
+    }
+    recipe = load_recipe(None, eagle_overrides(tiny_pair, sharp_target, out, **speculative))
+    result = Trainer(recipe).run()
     assert result["alpha"] > result["alpha_before"] + 0.05
     assert len(result["alpha_depth"]) == 3
     assert result["tau_pred"][1] == pytest.approx(1 + result["alpha_depth"][0])
@@ -327,7 +335,10 @@ def test_trainer_trains_an_eagle3_head_and_saves_it(
     config = json.loads((out / "final" / "config.json").read_text())
     assert config["speculators_config"]["verifier"]["name_or_path"] == str(sharp_target)
     records = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
-    assert "eval/alpha_depth_2" in records[-1]
+    assert "eval/alpha_depth_2" in [m for m in records if "eval/alpha" in m][-1]
+    spec = [m for m in records if "spec/best_gamma" in m]
+    assert [m["step"] for m in spec] == [15, 30]
+    assert all(1.0 <= m["spec/tau_3"] <= 4.0 for m in spec)
     # continue from the saved head
     more = Trainer(
         load_recipe(
