@@ -210,3 +210,16 @@ def test_chi_square_catches_a_wrong_residual_with_a_head(small_pair, monkeypatch
     monkeypatch.setattr(spec, "_residual", lambda p, q: p)
     out = sample(small_pair, gamma=2)
     assert chi_square_pvalue(out.sequences, joint_first_three(small_pair[0], 1.0)) < 1e-6
+
+
+def test_chi_square_catches_a_head_q_that_is_not_what_it_sampled(small_pair, monkeypatch):
+    """Verification must use the very distribution each draft was drawn from."""
+    real = spec._Eagle3Drafter.propose
+
+    def skewed(self, gamma, sample):
+        drafts, q = real(self, gamma, sample)
+        return drafts, [(p + 0.3 * p.roll(1, -1)) / 1.3 for p in q]
+
+    monkeypatch.setattr(spec._Eagle3Drafter, "propose", skewed)
+    out = sample(small_pair, gamma=1)
+    assert chi_square_pvalue(out.sequences, joint_first_three(small_pair[0], 1.0)) < 1e-6
