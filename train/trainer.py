@@ -458,6 +458,8 @@ class Trainer:
             "tau_pred_before": self.alpha_before["tau_pred"],
             "steps": self.step,
             "loss": r.loss.name,
+            "draft_type": r.draft.type,
+            "trainable_params": sum(p.numel() for p in self.draft.parameters() if p.requires_grad),
             "history": self.history,
         }
         self.save_final(result)

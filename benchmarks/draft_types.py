@@ -1,0 +1,123 @@
+"""Standalone draft vs EAGLE-3 head, each trained with each loss for equal steps, then run
+through real speculative decoding on the same prompts.
+
+    python -m benchmarks.draft_types                              # embedded target, 4 runs
+    python -m benchmarks.draft_types --losses lk_lambda,fkl --steps 300 --gammas 3,5 \\
+        --temperatures 0,1 --prompts ../shared/data/HumanEval.jsonl.gz --num-prompts 40
+
+Standalone runs use recipes/code.yaml (the pretrained 1-layer embedded draft), head runs
+recipes/code-eagle3.yaml (a fresh head on the same target); both get the same data, batch,
+steps and loss. Each trained draft then decodes the prompts with `eval/speculative.py`'s
+engine (greedy and sampled, per γ) against target-only decoding measured in the same run.
+Prints measured τ, speedup, engine efficiency and offline α per configuration, and writes
+everything to OUT/summary.json. Already trained runs in OUT are reused (--retrain to redo).
+"""
+
+import argparse
+import json
+from pathlib import Path
+
+import torch
+from accelerate.state import AcceleratorState, GradientState
+
+from eval import report
+from eval.prompts import encode_prompts, load_prompts
+from train.config import load_recipe
+from train.models import load_draft, load_model, load_tokenizer
+from train.trainer import Trainer
+
+REPO = Path(__file__).resolve().parents[1]
+RECIPES = {"standalone": "code.yaml", "eagle3": "code-eagle3.yaml"}
+
+
+def train(kind: str, loss: str, steps: int, out: Path, overrides: list[str], retrain: bool):
+    run_dir = out / f"{kind}-{loss}"
+    if (run_dir / "eval.json").is_file() and not retrain:
+        return run_dir, json.loads((run_dir / "eval.json").read_text())
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+    recipe = load_recipe(
+        REPO / "recipes" / RECIPES[kind],
+        [
+            *overrides,
+            f"loss.name={loss}",
+            f"train.max_steps={steps}",
+            f"train.output_dir={run_dir}",
+            "train.save_every=0",
+            "eval.every=0",
+        ],
+    )
+    return run_dir, Trainer(recipe).run()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--kinds", default="standalone,eagle3")
+    parser.add_argument("--losses", default="lk_lambda,fkl")
+    parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--gammas", default="3,5")
+    parser.add_argument("--temperatures", default="0,1")
+    parser.add_argument("--prompts", default=str(REPO.parent / "shared/data/HumanEval.jsonl.gz"))
+    parser.add_argument("--num-prompts", type=int, default=40)
+    parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--retrain", action="store_true")
+    parser.add_argument("--out", default="runs/draft_types")
+    parser.add_argument("overrides", nargs="*", help="recipe overrides for every run")
+    args = parser.parse_args()
+    out = Path(args.out)
+    kinds, names = args.kinds.split(","), args.losses.split(",")
+
+    trained = {}
+    for kind in kinds:
+        for loss in names:
+            trained[kind, loss] = train(kind, loss, args.steps, out, args.overrides, args.retrain)
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    target_name = load_recipe(REPO / "recipes" / RECIPES[kinds[0]]).target.model
+    tokenizer = load_tokenizer(target_name)
+    target = load_model(target_name)
+    prompts = load_prompts(args.prompts, limit=args.num_prompts)
+    prompt_ids = encode_prompts(prompts, tokenizer, max_tokens=256)
+    settings = report.Settings(
+        gammas=[int(g) for g in args.gammas.split(",")],
+        temperatures=tuple(float(t) for t in args.temperatures.split(",")),
+        max_new_tokens=args.max_new_tokens,
+    )
+    rows, summary = [], {}
+    for (kind, loss), (run_dir, result) in trained.items():
+        draft = load_draft(str(run_dir / "final"))
+        params = result.get("trainable_params") or sum(p.numel() for p in draft.parameters())
+        evaluation, _ = report.evaluate(target, draft, prompt_ids, settings)
+        summary[f"{kind}-{loss}"] = {
+            "trainable_params": params,
+            "train_eval": {k: result[k] for k in ("alpha", "alpha_greedy", "steps")},
+            "configs": evaluation["configs"],
+        }
+        for c in evaluation["configs"]:
+            rows.append((kind, loss, params, result["alpha"], c))
+    print(
+        f"\n{args.steps} steps each; {len(prompt_ids)} prompts from {args.prompts}, "
+        f"{args.max_new_tokens} new tokens; speedup = tokens/s ÷ target-only tokens/s "
+        "measured in the same run"
+    )
+    print(
+        "| draft | loss | trainable params | held-out α (T=1) | config | τ | τ pred | "
+        "speedup | efficiency |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|")
+    for kind, loss, params, alpha, c in rows:
+        print(
+            f"| {kind} | {loss} | {params / 1e6:.2f}M | {alpha:.3f} | {c['name']} | "
+            f"{c['tau']:.2f} | {c['tau_pred']:.2f} | {c['speedup']:.2f} | "
+            f"{c['engine_efficiency']:.2f} |"
+        )
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "summary.json").write_text(json.dumps(summary, indent=1, default=str))
+
+
+if __name__ == "__main__":
+    main()
