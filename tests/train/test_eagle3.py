@@ -2,6 +2,7 @@
 save / load, Llama and Qwen2 targets, and training through the ordinary trainer."""
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -384,3 +385,37 @@ def test_eagle3_recipe_errors(tiny_pair, tmp_path):
         load_recipe(None, ["draft.ttt_steps=5"])
     with pytest.raises(RecipeError, match="end_to_end"):
         load_recipe(None, ["loss.depth_weighting=end_to_end", "loss.name=fkl"])
+
+
+def test_shipped_eagle3_recipe_runs_on_the_embedded_tiny_target(
+    tmp_path, monkeypatch, fresh_accelerate_state
+):
+    """recipes/code-eagle3.yaml end to end on the embedded path (the 2-layer "tiny" target,
+    built in seconds, on the stdlib corpus), then the saved head drafts in the engine."""
+    from eval import speculative as spec
+    from train.embedded import resolve_model
+
+    monkeypatch.setenv("SPECDISTILL_CACHE", str(tmp_path / "cache"))
+    overrides = [
+        "target.model=embedded:tiny",
+        "draft.aux_layers=[0, 1]",
+        "draft.vocab_size=256",
+        "data.train=[embedded:code]",
+        "data.eval=[embedded:code-heldout]",
+        "data.max_length=48",
+        "train.max_steps=6",
+        "train.global_batch_size=4",
+        "train.micro_batch_size=4",
+        "train.save_every=3",
+        "eval.every=0",
+        "eval.max_sequences=8",
+        f"train.output_dir={tmp_path / 'run'}",
+    ]
+    recipe = load_recipe(Path(__file__).parents[2] / "recipes" / "code-eagle3.yaml", overrides)
+    result = Trainer(recipe).run()
+    assert result["steps"] == 6 and len(result["alpha_depth"]) == 3
+    head = Eagle3Head.from_pretrained(tmp_path / "run" / "final")
+    target = LlamaForCausalLM.from_pretrained(resolve_model("embedded:tiny"))
+    out = spec.generate(target, head, [[1, 2, 3, 4]], gamma=3, max_new_tokens=8)
+    reference = spec.generate(target, None, [[1, 2, 3, 4]], max_new_tokens=8)
+    assert out.sequences == reference.sequences
