@@ -153,19 +153,28 @@ def collate(batch: list[dict], pad_token_id: int) -> dict[str, torch.Tensor]:
     return {"input_ids": input_ids, "attention_mask": attention_mask, "loss_mask": loss_mask}
 
 
-def _read(sources: list[str], skip_malformed: bool, label: str) -> tuple[list[Record], int]:
-    records, malformed = [], []
-    for item in read_records(sources):
+def _keep_valid(items, skip_malformed: bool, label: str) -> tuple[list, int]:
+    """Split a reader's output (results and `DataError`s) into (results, number skipped).
+
+    The first error is raised unless `skip_malformed`; skipped ones are counted and logged.
+    """
+    valid, malformed = [], []
+    for item in items:
         if isinstance(item, DataError):
             if not skip_malformed:
                 raise item
             malformed.append(item)
         else:
-            records.append(item)
+            valid.append(item)
     _warn_skipped(malformed, label)
+    return valid, len(malformed)
+
+
+def _read(sources: list[str], skip_malformed: bool, label: str) -> tuple[list[Record], int]:
+    records, n_malformed = _keep_valid(read_records(sources), skip_malformed, label)
     if not records:
         raise DataError(f"{label}: no records (empty files and empty texts are ignored)")
-    return records, len(malformed)
+    return records, n_malformed
 
 
 def _build(
@@ -178,15 +187,9 @@ def _build(
     skip_malformed: bool,
     label: str,
 ) -> TokenDataset:
-    tokenized, malformed = [], []
-    for item in tokenize_records(tokenizer, records):
-        if isinstance(item, DataError):
-            if not skip_malformed:
-                raise item
-            malformed.append(item)
-        else:
-            tokenized.append(item)
-    _warn_skipped(malformed, label)
+    tokenized, n_malformed = _keep_valid(
+        tokenize_records(tokenizer, records), skip_malformed, label
+    )
     without_targets = sum(not t.mask.any() for t in tokenized)
     if without_targets:
         logger.warning(
@@ -206,7 +209,7 @@ def _build(
         s.mask[0] = False
     sequences = [s for s in sequences if len(s.ids) >= MIN_BLOCK and s.mask.any()]
     dataset = TokenDataset(
-        sequences, n_records=len(records) - len(malformed), n_skipped=n_skipped + len(malformed)
+        sequences, n_records=len(records) - n_malformed, n_skipped=n_skipped + n_malformed
     )
     if dataset.stats.n_loss_tokens == 0:
         raise DataError(

@@ -62,42 +62,35 @@ def record_from_row(row: Any, origin: str) -> Record | None:
 
 
 def _openai_messages(messages: Any, origin: str) -> list[dict[str, str]]:
-    _check_turn_list(messages, "messages", origin)
-    out = []
-    for i, message in enumerate(messages):
-        where = f"{origin}: messages[{i}]"
-        if not isinstance(message, dict):
-            raise DataError(f"{where} must be an object, got {_type_name(message)}")
-        for key in ("role", "content"):
-            if key not in message:
-                raise DataError(f"{where}: missing field '{key}'")
-        role = message["role"]
-        if role not in ROLES:
-            raise DataError(f"{where}: unknown role {role!r} (expected one of {', '.join(ROLES)})")
-        out.append({"role": role, "content": _content(message["content"], where)})
-    return out
+    return _turns(messages, "messages", ("role", "content"), {r: r for r in ROLES}, origin)
 
 
 def _sharegpt_messages(turns: Any, origin: str) -> list[dict[str, str]]:
-    _check_turn_list(turns, "conversations", origin)
+    return _turns(turns, "conversations", ("from", "value"), SHAREGPT_ROLES, origin)
+
+
+def _turns(
+    turns: Any, field: str, keys: tuple[str, str], roles: dict[str, str], origin: str
+) -> list[dict[str, str]]:
+    """Chat turns -> [{"role", "content"}]: `keys` = (role key, text key) of this format,
+    `roles` maps its role names onto system / user / assistant."""
+    _check_turn_list(turns, field, origin)
+    role_key, text_key = keys
     out = []
     for i, turn in enumerate(turns):
-        where = f"{origin}: conversations[{i}]"
+        where = f"{origin}: {field}[{i}]"
         if not isinstance(turn, dict):
             raise DataError(f"{where} must be an object, got {_type_name(turn)}")
-        for key in ("from", "value"):
+        for key in keys:
             if key not in turn:
                 raise DataError(f"{where}: missing field '{key}'")
-        speaker = turn["from"]
-        if speaker not in SHAREGPT_ROLES:
+        role = turn[role_key]
+        if role not in roles:
+            in_key = "" if role_key == "role" else f" in '{role_key}'"
             raise DataError(
-                f"{where}: unknown role {speaker!r} in 'from' "
-                f"(expected one of {', '.join(SHAREGPT_ROLES)})"
+                f"{where}: unknown role {role!r}{in_key} (expected one of {', '.join(roles)})"
             )
-        value = turn["value"]
-        if not isinstance(value, str):
-            raise DataError(f"{where}: 'value' must be a string, got {_type_name(value)}")
-        out.append({"role": SHAREGPT_ROLES[speaker], "content": value})
+        out.append({"role": roles[role], "content": _content(turn[text_key], where, text_key)})
     return out
 
 
@@ -108,10 +101,12 @@ def _check_turn_list(turns: Any, field: str, origin: str) -> None:
         raise DataError(f"{origin}: '{field}' is an empty list")
 
 
-def _content(content: Any, where: str) -> str:
+def _content(content: Any, where: str, key: str = "content") -> str:
     """A message's text: a string, or OpenAI content parts [{"type": "text", "text": ...}]."""
     if isinstance(content, str):
         return content
+    if key != "content":  # ShareGPT 'value': a string only
+        raise DataError(f"{where}: '{key}' must be a string, got {_type_name(content)}")
     if not isinstance(content, list):
         raise DataError(
             f"{where}: 'content' must be a string or a list of text parts, "
