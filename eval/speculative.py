@@ -473,7 +473,7 @@ class _Eagle3Drafter:
 
     def admit(self, prompts: Sequence[Sequence[int]], features) -> None:
         """prompts: prompt + first token; features: per row [len(prompt), F] (positions 0..)."""
-        hidden = [self.head.fc(f) for f in features]
+        hidden = [self._fc(f) for f in features]
         self.stream.admit([p[1:-1] for p in prompts], hidden=[h[:-1] for h in hidden])
         self.pending += [(h[-1:], [p[-1]]) for h, p in zip(hidden, prompts, strict=True)]
 
@@ -494,13 +494,17 @@ class _Eagle3Drafter:
     def commit(self, gamma: int, n_accepted: torch.Tensor, host: list, features) -> None:
         """features [B, γ+1, F]: the target's, for [pending token, d_1..d_γ]."""
         self.stream.drop_last(torch.full_like(n_accepted, gamma - 1))
-        hidden = self.head.fc(features)
+        hidden = self._fc(features)
         for i, (n_i, next_i, *drafts_i) in enumerate(host):
             self.pending[i] = (hidden[i, : n_i + 1], drafts_i[:n_i] + [next_i])
 
     def select_rows(self, keep: list[int], index: torch.Tensor) -> None:
         self.pending = [self.pending[i] for i in keep]
         self.stream.select_rows(index)
+
+    def _fc(self, features: torch.Tensor) -> torch.Tensor:
+        """Project target features (in the target's dtype, e.g. bf16) in the head's dtype."""
+        return self.head.fc(features.to(self.head.fc.weight.dtype))
 
 
 def _drafter(draft, vocab_size: int, device: torch.device):
@@ -851,7 +855,7 @@ def _eagle3_positional_alpha(target, head, ids, n_prompt, n_out, depth, sampling
     vocab = head.config.vocab_size
     with FeatureCapture(target, head.aux_layers) as capture:
         t_logits = target(input_ids=ids).logits[0, :, :vocab]
-    steps = head.unroll(capture.features(), ids, None, depth)
+    steps = head.unroll(capture.features().to(head.fc.weight.dtype), ids, None, depth)
     alphas = []
     for k, logits in enumerate(steps):
         full = head._logits_to_full(logits[0])

@@ -2,6 +2,8 @@
 target's, lossless sampling (chi-square, with a truncated draft vocabulary), the pathwise τ,
 and the evaluation report."""
 
+import copy
+
 import pytest
 import torch
 from scipy import stats
@@ -223,3 +225,16 @@ def test_chi_square_catches_a_head_q_that_is_not_what_it_sampled(small_pair, mon
     monkeypatch.setattr(spec._Eagle3Drafter, "propose", skewed)
     out = sample(small_pair, gamma=1)
     assert chi_square_pvalue(out.sequences, joint_first_three(small_pair[0], 1.0)) < 1e-6
+
+
+def test_bf16_target_with_an_fp32_head(pair, prompts):
+    """Training keeps fp32 master weights while the target may run in bf16 (periodic eval)."""
+    target, head = pair
+    target_bf16 = copy.deepcopy(target).to(torch.bfloat16)
+    references = [reference_greedy(target_bf16, p, 12) for p in prompts[:3]]
+    out = spec.generate(target_bf16, head, prompts[:3], gamma=3, max_new_tokens=12)
+    assert out.sequences == references
+    alphas = spec.positional_alpha(
+        target_bf16, head, prompts[0], out.sequences[0], temperature=0.0, depth=3
+    )
+    assert len(alphas) == 3
