@@ -49,6 +49,7 @@ class Eagle3:
             raise ValueError(f"draft.ttt_steps must be >= 1, got {steps}")
         self.steps, self.vocab_size = steps, vocab_size
         self.aux_layers = head.aux_layers
+        self.dtype = head.fc.weight.dtype
         self.d2t = head.d2t if head.draft_vocab_size < vocab_size else None
 
     def count_mask(self, batch: dict) -> Tensor:
@@ -64,11 +65,12 @@ class Eagle3:
 
     def depths(self, draft, target, batch: dict) -> Depths:
         t_logits, features = self.target_forward(target, batch)
-        logits = draft.unroll(
-            features.to(draft.fc.weight.dtype),
-            batch["input_ids"],
-            batch["attention_mask"],
-            self.steps,
+        # Through forward (not .unroll) so that a DDP / FSDP wrapper sees the call.
+        logits = draft(
+            input_ids=batch["input_ids"],
+            attention_mask=batch["attention_mask"],
+            features=features.to(self.dtype),
+            ttt_steps=self.steps,
         )
         return align_depths(logits, t_logits, batch["loss_mask"], batch["attention_mask"])
 

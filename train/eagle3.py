@@ -346,15 +346,20 @@ class Eagle3Head(nn.Module):
     def forward(
         self,
         input_ids: Tensor,
-        hidden_states: Tensor,
+        hidden_states: Tensor | None = None,
         attention_mask: Tensor | None = None,
         position_ids: Tensor | None = None,
         cache=None,
         logits_to_keep: int = 0,
         full_vocab: bool = True,
         use_cache: bool = True,
-    ) -> Eagle3Output:
-        """One drafting forward with a KV cache (the engine's path).
+        *,
+        features: Tensor | None = None,
+        ttt_steps: int | None = None,
+    ) -> Eagle3Output | list[Tensor]:
+        """One drafting forward with a KV cache (the engine's path), or with `ttt_steps`
+        the training-time test: `unroll(features, input_ids, attention_mask, ttt_steps)`.
+        Training goes through forward so that DDP / FSDP wrappers see the call.
 
         input_ids [B, k]: the tokens after the positions of `hidden_states` [B, k, H]
         (already projected by fc, or the head's previous pre-norm outputs). attention_mask
@@ -362,6 +367,8 @@ class Eagle3Head(nn.Module):
         `cache`: a transformers DynamicCache (layer 0) or None (no cache: plain causal).
         full_vocab: logits over the target's V (−inf outside V_d) instead of V_d.
         """
+        if ttt_steps is not None:
+            return self.unroll(features, input_ids, attention_mask, ttt_steps)
         b, n = input_ids.shape
         layer = self.layers[0]
         if position_ids is None:

@@ -419,3 +419,24 @@ def test_shipped_eagle3_recipe_runs_on_the_embedded_tiny_target(
     out = spec.generate(target, head, [[1, 2, 3, 4]], gamma=3, max_new_tokens=8)
     reference = spec.generate(target, None, [[1, 2, 3, 4]], max_new_tokens=8)
     assert out.sequences == reference.sequences
+
+
+def test_eagle3_two_processes_match_one_process(tiny_pair, sharp_target, tmp_path):
+    """DDP (gloo, 2 processes) trains the head exactly like 1 process at the same global batch:
+    training goes through the wrapper's forward, so gradients are all-reduced."""
+    from safetensors.torch import load_file
+
+    from tests.train.test_trainer import run_cli
+
+    one, two = tmp_path / "one", tmp_path / "two"
+    extra = {"train.max_steps": 4, "loss.name": "fkl"}
+    m1 = run_cli(eagle_overrides(tiny_pair, sharp_target, one, **extra), one, processes=1)
+    m2 = run_cli(eagle_overrides(tiny_pair, sharp_target, two, **extra), two, processes=2)
+    steps1, steps2 = [m for m in m1 if "loss" in m], [m for m in m2 if "loss" in m]
+    assert len(steps1) == 4
+    for key in ("loss", "grad_norm"):
+        assert [m[key] for m in steps2] == pytest.approx([m[key] for m in steps1], rel=1e-4)
+    a = load_file(one / "final" / "model.safetensors")
+    b = load_file(two / "final" / "model.safetensors")
+    for name in a:
+        torch.testing.assert_close(a[name], b[name], rtol=1e-4, atol=1e-5, msg=name)
