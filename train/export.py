@@ -15,7 +15,7 @@ EAGLE-3 head (a directory written by `Eagle3Head.save_pretrained`: config.json w
           `speculators_config` with the verifier's name_or_path and architectures) and
           model.safetensors (fc, layers.0.*, norm, lm_head, embed_tokens, d2t int64, t2d bool).
           Serve it with
-              vllm serve TARGET --speculative-config \
+              vllm serve {target} --speculative-config \
                   '{"model": "OUT", "num_speculative_tokens": 3, "method": "eagle3"}'
           or `vllm serve OUT` alone, which starts the verifier named in the config.
   sglang  config.json with architectures ["LlamaForCausalLMEagle3"], model_type "llama", the
@@ -38,8 +38,8 @@ EAGLE-3 head (a directory written by `Eagle3Head.save_pretrained`: config.json w
 Standalone draft (a plain Hugging Face causal-LM directory): every format writes a plain causal
 LM directory (config.json, model.safetensors, generation config, the tokenizer files of
 --draft); engines load it as a draft model path:
-    vllm serve TARGET --speculative-config '{"model": "OUT", "num_speculative_tokens": 5}'
-    python -m sglang.launch_server --model-path TARGET --speculative-algorithm STANDALONE \
+    vllm serve {target} --speculative-config '{"model": "OUT", "num_speculative_tokens": 5}'
+    python -m sglang.launch_server --model-path {target} --speculative-algorithm STANDALONE \
         --speculative-draft-model-path OUT --speculative-num-steps 4 \
         --speculative-eagle-topk 1 --speculative-num-draft-tokens 5
 
@@ -564,15 +564,15 @@ def load_export(out, fmt: str) -> nn.Module:
 
 
 SERVE_HINTS = {
-    ("eagle3", "vllm"): "vllm serve TARGET --speculative-config "
+    ("eagle3", "vllm"): "vllm serve {target} --speculative-config "
     '\'{{"model": "{out}", "num_speculative_tokens": 3, "method": "eagle3"}}\'',
-    ("eagle3", "hf"): "vllm serve TARGET --speculative-config "
+    ("eagle3", "hf"): "vllm serve {target} --speculative-config "
     '\'{{"model": "{out}", "num_speculative_tokens": 3, "method": "eagle3"}}\'',
     ("eagle3", "sglang"): "python -m sglang.launch_server --model-path TARGET "
     "--speculative-algorithm EAGLE3 --speculative-draft-model-path {out}",
-    ("standalone", "vllm"): "vllm serve TARGET --speculative-config "
+    ("standalone", "vllm"): "vllm serve {target} --speculative-config "
     '\'{{"model": "{out}", "num_speculative_tokens": 5}}\'',
-    ("standalone", "hf"): "vllm serve TARGET --speculative-config "
+    ("standalone", "hf"): "vllm serve {target} --speculative-config "
     '\'{{"model": "{out}", "num_speculative_tokens": 5}}\'',
     ("standalone", "sglang"): "python -m sglang.launch_server --model-path TARGET "
     "--speculative-algorithm STANDALONE --speculative-draft-model-path {out}",
@@ -602,7 +602,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     kind = "eagle3" if is_eagle3_dir(out) or is_sglang_eagle3_dir(out) else "standalone"
     print(f"wrote {args.fmt} export of the {kind} draft to {out}")
-    print("serve with: " + SERVE_HINTS[(kind, args.fmt)].format(out=out))
+    target = resolve_verifier(args.draft, args.verifier)[0] or "TARGET"
+    print("serve with: " + SERVE_HINTS[(kind, args.fmt)].format(out=out, target=target))
     return 0
 
 
