@@ -421,7 +421,7 @@ class _ModelDrafter:
 
     def __init__(self, model, vocab_size: int, device: torch.device):
         self.stream = _Stream(model, vocab_size, device)
-        self.pending: list[list[int]] = []
+        self.pending: list = []
         self.device = device
 
     def admit(self, prompts: Sequence[Sequence[int]], features=None) -> None:
@@ -430,15 +430,23 @@ class _ModelDrafter:
 
     def propose(self, gamma: int, sample) -> tuple[torch.Tensor, list]:
         """Draft γ tokens per row -> (drafts [B, γ], per-step probs [B, V] (None if greedy))."""
-        tokens, valid = _left_pad(self.pending, self.device)
+        tokens, valid, inputs = self._first_inputs()
+        one = torch.ones(len(self.pending), 1, dtype=torch.bool, device=self.device)
         drafted, q = [], []
         for _ in range(gamma):
-            token, probs = sample(self.stream.forward(tokens, valid, keep=1)[:, -1])
+            token, probs = sample(self.stream.forward(tokens, valid, keep=1, **inputs)[:, -1])
             drafted.append(token)
             q.append(probs)
-            tokens = token[:, None]
-            valid = torch.ones(len(self.pending), 1, dtype=torch.bool, device=self.device)
+            tokens, valid, inputs = token[:, None], one, self._next_inputs()
         return torch.stack(drafted, dim=1), q
+
+    def _first_inputs(self) -> tuple[torch.Tensor, torch.Tensor, dict]:
+        """(tokens [B, k], valid [B, k], extra model inputs) of a round's first draft step."""
+        return *_left_pad(self.pending, self.device), {}
+
+    def _next_inputs(self) -> dict:
+        """Extra model inputs of the following draft steps."""
+        return {}
 
     def commit(self, gamma: int, n_accepted: torch.Tensor, host: list, features=None) -> None:
         """After verification: host[i] = [n_i, next_i, *drafts_i]."""
@@ -453,23 +461,22 @@ class _ModelDrafter:
         self.stream.select_rows(index)
 
 
-class _Eagle3Drafter:
+class _Eagle3Drafter(_ModelDrafter):
     """An EAGLE-3 head (train/eagle3.py) drafting from the target's features.
 
     Its cache holds one entry per committed position j < n whose target feature is known:
     (fc(feature_j), token j+1), at position j. The target gives the features of the tokens
-    it verified, so after each round the accepted positions become `pending` pairs; the
-    head's own γ−1 speculative entries (fed its pre-norm outputs) are always dropped.
-    The prompt's first generated token comes from the target's prefill, as in EAGLE.
+    it verified, so after each round the accepted positions become `pending` pairs
+    (fc(features) [m, H], tokens); the head's own γ−1 speculative entries (fed its pre-norm
+    outputs) are always dropped. The prompt's first generated token comes from the
+    target's prefill, as in EAGLE.
     """
 
     target_first_token = True
 
     def __init__(self, head, vocab_size: int, device: torch.device):
+        super().__init__(head, vocab_size, device)
         self.head = head
-        self.stream = _Stream(head, vocab_size, device)
-        self.pending: list[tuple[torch.Tensor, list[int]]] = []  # (fc(features) [m, H], tokens)
-        self.device = device
 
     def admit(self, prompts: Sequence[Sequence[int]], features) -> None:
         """prompts: prompt + first token; features: per row [len(prompt), F] (positions 0..)."""
@@ -477,19 +484,13 @@ class _Eagle3Drafter:
         self.stream.admit([p[1:-1] for p in prompts], hidden=[h[:-1] for h in hidden])
         self.pending += [(h[-1:], [p[-1]]) for h, p in zip(hidden, prompts, strict=True)]
 
-    def propose(self, gamma: int, sample) -> tuple[torch.Tensor, list]:
+    def _first_inputs(self) -> tuple[torch.Tensor, torch.Tensor, dict]:
         tokens, valid = _left_pad([t for _, t in self.pending], self.device)
         hidden = _left_pad_rows([h for h, _ in self.pending], valid)
-        drafted, q = [], []
-        for _ in range(gamma):
-            logits = self.stream.forward(tokens, valid, keep=1, hidden_states=hidden)
-            token, probs = sample(logits[:, -1])
-            drafted.append(token)
-            q.append(probs)
-            hidden = self.stream.output.hidden_states[:, -1:]
-            tokens = token[:, None]
-            valid = torch.ones(len(self.pending), 1, dtype=torch.bool, device=self.device)
-        return torch.stack(drafted, dim=1), q
+        return tokens, valid, {"hidden_states": hidden}
+
+    def _next_inputs(self) -> dict:
+        return {"hidden_states": self.stream.output.hidden_states[:, -1:]}
 
     def commit(self, gamma: int, n_accepted: torch.Tensor, host: list, features) -> None:
         """features [B, γ+1, F]: the target's, for [pending token, d_1..d_γ]."""
@@ -497,10 +498,6 @@ class _Eagle3Drafter:
         hidden = self._fc(features)
         for i, (n_i, next_i, *drafts_i) in enumerate(host):
             self.pending[i] = (hidden[i, : n_i + 1], drafts_i[:n_i] + [next_i])
-
-    def select_rows(self, keep: list[int], index: torch.Tensor) -> None:
-        self.pending = [self.pending[i] for i in keep]
-        self.stream.select_rows(index)
 
     def _fc(self, features: torch.Tensor) -> torch.Tensor:
         """Project target features (in the target's dtype, e.g. bf16) in the head's dtype."""
@@ -723,7 +720,7 @@ def generate(
 
             t_stream.drop_last(g - n_accepted)
             if drafter and g > 0:
-                features = t_stream.features[:, -(g + 1) :] if eagle else None
+                features = t_stream.features[:, -(g + 1) :] if capture else None
                 drafter.commit(g, n_accepted, host, features)
             elif drafter:
                 assert all(finished), "a γ = 0 round only happens when every row ends in it"
