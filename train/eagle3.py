@@ -257,10 +257,10 @@ class Eagle3Head(nn.Module):
         self.norm = LlamaRMSNorm(h, eps=config.rms_norm_eps)
         self.lm_head = nn.Linear(h, draft_vocab_size, bias=False)
         self.rotary_emb = LlamaRotaryEmbedding(config)
-        d2t, t2d = build_vocab_map(
-            torch.arange(config.vocab_size, 0, -1), draft_vocab_size
-        )  # identity-like placeholder (lowest ids) until `set_vocab_map`
-        self.register_buffer("d2t", d2t)
+        # Placeholder map, the lowest V_d ids, until `set_vocab_map` (or a loaded state dict).
+        t2d = torch.zeros(config.vocab_size, dtype=torch.bool)
+        t2d[:draft_vocab_size] = True
+        self.register_buffer("d2t", torch.zeros(draft_vocab_size, dtype=torch.long))
         self.register_buffer("t2d", t2d)
 
     # ------------------------------------------------------------------ construction
@@ -327,13 +327,7 @@ class Eagle3Head(nn.Module):
         """Target id of every draft id: [V_d]."""
         return torch.arange(self.draft_vocab_size, device=self.d2t.device) + self.d2t
 
-    def trainable_parameters(self) -> int:
-        return sum(p.numel() for p in self.parameters() if p.requires_grad)
-
     # ------------------------------------------------------------------ compute
-    def _rope(self, x: Tensor, positions: Tensor) -> tuple[Tensor, Tensor]:
-        return self.rotary_emb(x, positions)
-
     def _logits(self, hidden: Tensor, full_vocab: bool) -> Tensor:
         logits = self.lm_head(self.norm(hidden))
         return self._logits_to_full(logits) if full_vocab else logits
@@ -374,7 +368,7 @@ class Eagle3Head(nn.Module):
         if position_ids is None:
             position_ids = torch.arange(n, device=input_ids.device)[None].expand(b, -1)
         x, residual = layer.inputs(self.embed_tokens(input_ids), hidden_states)
-        cos, sin = self._rope(x, position_ids)
+        cos, sin = self.rotary_emb(x, position_ids)
         q, k, v = layer.self_attn.qkv(x, cos, sin)
         if cache is not None:
             k, v = cache.update(k, v, 0)
@@ -427,7 +421,7 @@ class Eagle3Head(nn.Module):
         for step in range(steps):
             ids = torch.nn.functional.pad(input_ids[:, step + 1 :], (0, step + 1))
             x, residual = layer.inputs(self.embed_tokens(ids), hidden)
-            cos, sin = self._rope(x, positions + step)
+            cos, sin = self.rotary_emb(x, positions + step)
             q, k, v = attn.qkv(x, cos, sin)
             k, v = attn.expand(k), attn.expand(v)
             if step == 0:

@@ -30,6 +30,10 @@ from train.embedded import resolve_model
 CHECKPOINT_PREFIX = "step-"
 
 
+def trainable_parameters(module) -> int:
+    return sum(p.numel() for p in module.parameters() if p.requires_grad)
+
+
 def lr_lambda(step: int, warmup: int, total: int, min_ratio: float) -> float:
     """Linear warmup to 1, then cosine decay to `min_ratio` at `total`."""
     if step < warmup:
@@ -62,16 +66,15 @@ class Trainer:
         # Only the main process builds an embedded model; the others wait, then load it.
         with acc.main_process_first():
             self.tokenizer = models.load_tokenizer(r.target.model, r.target.revision)
-            if r.draft.type == "standalone":
+            if r.draft.type == "standalone":  # an eagle3 head is built below, on the target
                 draft_tok = models.load_tokenizer(r.draft.model, r.draft.revision)
                 models.check_tokenizers(self.tokenizer, draft_tok, r.target.model, r.draft.model)
-            self.target = models.load_model(
-                r.target.model, dtype=r.target.dtype, revision=r.target.revision
-            )
-            if r.draft.type == "standalone":
                 draft = models.load_model(
                     r.draft.model, dtype=r.draft.dtype, revision=r.draft.revision
                 )
+            self.target = models.load_model(
+                r.target.model, dtype=r.target.dtype, revision=r.target.revision
+            )
             self.train_data, self.eval_data = build_datasets(
                 self.tokenizer,
                 r.data.train,
@@ -132,7 +135,7 @@ class Trainer:
         head.lm_head.weight.requires_grad_(not d.freeze_lm_head)
         self.accelerator.print(
             f"eagle3 head: aux layers {head.aux_layers}, V_d {head.draft_vocab_size}, "
-            f"{head.trainable_parameters() / 1e6:.2f}M trainable parameters"
+            f"{trainable_parameters(head) / 1e6:.2f}M trainable parameters"
         )
         return head.to(models.DTYPES[d.dtype])
 
@@ -459,7 +462,7 @@ class Trainer:
             "steps": self.step,
             "loss": r.loss.name,
             "draft_type": r.draft.type,
-            "trainable_params": sum(p.numel() for p in self.draft.parameters() if p.requires_grad),
+            "trainable_params": trainable_parameters(self.draft),
             "history": self.history,
         }
         self.save_final(result)
