@@ -316,10 +316,6 @@ def _check_verifier(head: Eagle3Head, name: str, config: dict | None) -> None:
 # ----------------------------------------------------------------------------- formats
 
 
-def _save_speculators(head: Eagle3Head, out: Path, verifier, archs) -> None:
-    head.save_pretrained(out, verifier=verifier, verifier_arch=archs)
-
-
 def check_sglang(head: Eagle3Head) -> None:
     """Raise `ExportError` when SGLang's LlamaForCausalLMEagle3 cannot run this head."""
     if head.norm_before_residual:
@@ -539,7 +535,7 @@ def export(draft, fmt: str, out, verifier: str | None = None, *, overwrite: bool
         if kind == "eagle3" and fmt == "sglang":
             _save_sglang(model, tmp)
         elif kind == "eagle3":
-            _save_speculators(model, tmp, name, archs)
+            model.save_pretrained(tmp, verifier=name, verifier_arch=archs)
         else:
             model.save_pretrained(str(tmp))
         _copy_tokenizer(draft, tmp)
@@ -566,17 +562,15 @@ def load_export(out, fmt: str) -> nn.Module:
 SERVE_HINTS = {
     ("eagle3", "vllm"): "vllm serve {target} --speculative-config "
     '\'{{"model": "{out}", "num_speculative_tokens": 3, "method": "eagle3"}}\'',
-    ("eagle3", "hf"): "vllm serve {target} --speculative-config "
-    '\'{{"model": "{out}", "num_speculative_tokens": 3, "method": "eagle3"}}\'',
-    ("eagle3", "sglang"): "python -m sglang.launch_server --model-path TARGET "
+    ("eagle3", "sglang"): "python -m sglang.launch_server --model-path {target} "
     "--speculative-algorithm EAGLE3 --speculative-draft-model-path {out}",
     ("standalone", "vllm"): "vllm serve {target} --speculative-config "
     '\'{{"model": "{out}", "num_speculative_tokens": 5}}\'',
-    ("standalone", "hf"): "vllm serve {target} --speculative-config "
-    '\'{{"model": "{out}", "num_speculative_tokens": 5}}\'',
-    ("standalone", "sglang"): "python -m sglang.launch_server --model-path TARGET "
+    ("standalone", "sglang"): "python -m sglang.launch_server --model-path {target} "
     "--speculative-algorithm STANDALONE --speculative-draft-model-path {out}",
 }
+# `hf` is the layout vLLM loads.
+SERVE_HINTS |= {(kind, "hf"): SERVE_HINTS[kind, "vllm"] for kind in ("eagle3", "standalone")}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -602,7 +596,10 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     kind = "eagle3" if is_eagle3_dir(out) or is_sglang_eagle3_dir(out) else "standalone"
     print(f"wrote {args.fmt} export of the {kind} draft to {out}")
-    target = resolve_verifier(args.draft, args.verifier)[0] or "TARGET"
+    # The verifier the export names (speculators layouts), else the one given, else a slot.
+    written = ((_read_config(out) or {}).get("speculators_config") or {}).get("verifier") or {}
+    given = _resolve_embedded(args.verifier) if args.verifier else None
+    target = written.get("name_or_path") or given or "TARGET"
     print("serve with: " + SERVE_HINTS[(kind, args.fmt)].format(out=out, target=target))
     return 0
 
