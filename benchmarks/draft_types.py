@@ -20,11 +20,11 @@ from pathlib import Path
 import torch
 from accelerate.state import AcceleratorState, GradientState
 
-from eval import report
-from eval.prompts import encode_prompts, load_prompts
-from train.config import load_recipe
-from train.models import load_draft, load_model, load_tokenizer
-from train.trainer import Trainer
+from specdistill.eval import report
+from specdistill.eval.prompts import encode_prompts, load_prompts
+from specdistill.train.config import load_recipe
+from specdistill.train.models import load_draft, load_model, load_tokenizer
+from specdistill.train.trainer import Trainer
 
 REPO = Path(__file__).resolve().parents[1]
 RECIPES = {"standalone": "code.yaml", "eagle3": "code-eagle3.yaml"}

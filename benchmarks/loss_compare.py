@@ -15,8 +15,8 @@ from pathlib import Path
 
 from accelerate.state import AcceleratorState, GradientState
 
-from train.config import load_recipe
-from train.trainer import Trainer
+from specdistill.train.config import load_recipe
+from specdistill.train.trainer import Trainer
 
 REPO = Path(__file__).resolve().parents[1]
 

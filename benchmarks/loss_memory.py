@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from losses import chunked_loss, compute_loss
+from specdistill.losses import chunked_loss, compute_loss
 
 
 def measure(method: str, name: str, vocab: int, args) -> dict:

@@ -32,9 +32,9 @@ from pathlib import Path
 
 import torch
 
-from eval import speculative as spec
-from eval.prompts import encode_prompts, load_prompts
-from train.models import check_tokenizers, load_model, load_tokenizer
+from specdistill.eval import speculative as spec
+from specdistill.eval.prompts import encode_prompts, load_prompts
+from specdistill.train.models import check_tokenizers, load_model, load_tokenizer
 
 HUMANEVAL = Path(__file__).resolve().parents[2] / "shared" / "data" / "HumanEval.jsonl.gz"
 

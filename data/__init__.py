@@ -8,7 +8,7 @@ when token t is a training target (predicted at position t-1), never at t=0. Sou
 described in data/sources.py, masking in data/tokenize.py, packing in data/dataset.py.
 """
 
-from data.dataset import DataStats, TokenDataset, build_datasets, collate
-from data.records import DataError
+from specdistill.data.dataset import DataStats, TokenDataset, build_datasets, collate
+from specdistill.data.records import DataError
 
 __all__ = ["DataError", "DataStats", "TokenDataset", "build_datasets", "collate"]

@@ -19,9 +19,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from data.records import DataError, Record
-from data.sources import read_records
-from data.tokenize import Tokens, tokenize_records
+from specdistill.data.records import DataError, Record
+from specdistill.data.sources import read_records
+from specdistill.data.tokenize import Tokens, tokenize_records
 
 logger = logging.getLogger(__name__)
 

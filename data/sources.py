@@ -27,8 +27,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from data.records import DataError, Record, record_from_row
-from data.stdlib import stdlib_files
+from specdistill.data.records import DataError, Record, record_from_row
+from specdistill.data.stdlib import stdlib_files
 
 TEXT_SUFFIXES = (".py", ".txt", ".md")
 ROW_SUFFIXES = (".jsonl", ".json", ".parquet")

@@ -31,7 +31,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from data.records import ChatRecord, DataError, Record, TextRecord
+from specdistill.data.records import ChatRecord, DataError, Record, TextRecord
 
 BATCH = 1024  # records per tokenizer call: fast tokenizers encode a batch in parallel
 

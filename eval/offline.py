@@ -10,7 +10,7 @@ from collections.abc import Iterable
 
 import torch
 
-import losses
+from specdistill import losses
 
 
 def tau_pred(alpha: float, gamma: int) -> float:

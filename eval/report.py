@@ -13,9 +13,9 @@ import math
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from eval import speculative as spec
-from eval.offline import chain_tau, tau_pred
-from eval.prompts import Prompt, prompt_text
+from specdistill.eval import speculative as spec
+from specdistill.eval.offline import chain_tau, tau_pred
+from specdistill.eval.prompts import Prompt, prompt_text
 
 # |measured τ − predicted τ| / predicted τ within which the i.i.d. prediction agrees.
 TAU_TOLERANCE = 0.10

@@ -43,7 +43,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from eval.offline import tau_pred
+from specdistill.eval.offline import tau_pred
 
 # Compact (gather) a cache once padding + holes exceed this fraction of its length.
 _COMPACT_FRACTION = 0.25
@@ -588,7 +588,7 @@ def generate(
         start = time.perf_counter()
         capture = None
         if eagle:
-            from train.eagle3 import FeatureCapture
+            from specdistill.train.eagle3 import FeatureCapture
 
             capture = FeatureCapture(target, draft.aux_layers)
         t_stream = _Stream(target, vocab_size, device, capture)
@@ -847,7 +847,7 @@ def _alpha(t_logits, d_logits, temperature: float, top_p: float, top_k: int) -> 
 
 
 def _eagle3_positional_alpha(target, head, ids, n_prompt, n_out, depth, sampling):
-    from train.eagle3 import FeatureCapture
+    from specdistill.train.eagle3 import FeatureCapture
 
     vocab = head.config.vocab_size
     with FeatureCapture(target, head.aux_layers) as capture:
@@ -1008,9 +1008,9 @@ def main(argv: Sequence[str] | None = None) -> dict:
     if args.threads:
         torch.set_num_threads(args.threads)
 
-    from eval import report
-    from eval.prompts import encode_prompts, load_prompts
-    from train.models import check_tokenizers, load_draft, load_model, load_tokenizer
+    from specdistill.eval import report
+    from specdistill.eval.prompts import encode_prompts, load_prompts
+    from specdistill.train.models import check_tokenizers, load_draft, load_model, load_tokenizer
 
     tokenizer = load_tokenizer(args.target)
     draft = load_draft(args.draft, dtype=args.dtype)

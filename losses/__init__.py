@@ -7,10 +7,10 @@ forms (logits, probabilities as log-probs, SparseTarget, truncated draft vocabul
 d2t) and the sampling parameters (temperature, top_p, top_k).
 """
 
-from losses.api import SparseTarget, acceptance, compute_loss
-from losses.chunked import chunked_loss
-from losses.divergences import LOSSES
-from losses.multi_depth import multi_depth_loss
+from specdistill.losses.api import SparseTarget, acceptance, compute_loss
+from specdistill.losses.chunked import chunked_loss
+from specdistill.losses.divergences import LOSSES
+from specdistill.losses.multi_depth import multi_depth_loss
 
 __all__ = [
     "LOSSES",

@@ -14,7 +14,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from losses.divergences import LOG_P_FLOOR, LOSSES, check_params, log_acceptance
+from specdistill.losses.divergences import LOG_P_FLOOR, LOSSES, check_params, log_acceptance
 
 
 class SparseTarget(NamedTuple):

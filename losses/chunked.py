@@ -14,7 +14,7 @@ double backward through this loss.
 import torch
 from torch import Tensor
 
-from losses.api import (
+from specdistill.losses.api import (
     SparseTarget,
     Target,
     _check_sampling,
@@ -23,7 +23,7 @@ from losses.api import (
     needs_alpha_bar,
     prepare,
 )
-from losses.divergences import check_params
+from specdistill.losses.divergences import check_params
 
 
 def chunked_loss(

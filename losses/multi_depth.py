@@ -10,14 +10,14 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from losses.api import (
+from specdistill.losses.api import (
     SparseTarget,
     Target,
     _check_sampling,
     masked_loss,
     prepare,
 )
-from losses.divergences import check_params, log_acceptance
+from specdistill.losses.divergences import check_params, log_acceptance
 
 WEIGHTINGS = ("geometric", "expected_length", "end_to_end")
 

@@ -390,7 +390,7 @@ def _validate_loss(lo: LossConfig) -> None:
     """Ask the loss library itself: it knows each loss's parameters."""
     import torch
 
-    import losses
+    from specdistill import losses
 
     logits = torch.zeros(1, 1, 1024)  # wide enough for top-k style parameters
     try:

@@ -13,7 +13,7 @@ import argparse
 import os
 import sys
 
-from train.config import RecipeError, load_recipe
+from specdistill.train.config import RecipeError, load_recipe
 
 
 def single_process_despite_request() -> bool:
@@ -55,7 +55,7 @@ def main(argv: list[str] | None = None) -> int:
         )
         return 2
 
-    from train.trainer import Trainer  # heavy imports after the recipe is known to be valid
+    from specdistill.train.trainer import Trainer  # heavy imports after the recipe is known to be valid
 
     Trainer(recipe).run()
     return 0

@@ -14,8 +14,8 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from eval.offline import shifted_logits, target_mask
-from train.eagle3 import Eagle3Head, FeatureCapture, align_depths, build_vocab_map
+from specdistill.eval.offline import shifted_logits, target_mask
+from specdistill.train.eagle3 import Eagle3Head, FeatureCapture, align_depths, build_vocab_map
 
 Depths = tuple[list[Tensor], list[Tensor], list[Tensor]]
 

@@ -49,7 +49,7 @@ from transformers import (
     PreTrainedTokenizerFast,
 )
 
-from data.stdlib import stdlib_files
+from specdistill.data.stdlib import stdlib_files
 
 # Bump when a change to this file changes what a build produces: cached builds with
 # another version are rebuilt.

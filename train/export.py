@@ -65,13 +65,10 @@ import sys
 import tempfile
 from pathlib import Path
 
-if __package__ in (None, ""):  # `python train/export.py`: make the repository importable
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
 import torch
 from torch import nn
 
-from train.eagle3 import Eagle3Head, VocabMapError, check_vocab_map, is_eagle3_dir
+from specdistill.train.eagle3 import Eagle3Head, VocabMapError, check_vocab_map, is_eagle3_dir
 
 FORMATS = ("vllm", "sglang", "hf")
 SGLANG_ARCH = "LlamaForCausalLMEagle3"
@@ -232,11 +229,11 @@ def _recipe_target(directory: Path) -> str | None:
 
 def _resolve_embedded(name: str) -> str:
     """`embedded:<name>` -> its built directory when built (never builds); else unchanged."""
-    from train.embedded import PREFIX
+    from specdistill.train.embedded import PREFIX
 
     if not name.startswith(PREFIX):
         return name
-    from train.embedded import _model_dir
+    from specdistill.train.embedded import _model_dir
 
     try:
         path = _model_dir(name.removeprefix(PREFIX))

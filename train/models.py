@@ -7,7 +7,7 @@ other string is a Hugging Face model id or a local directory, loaded the same wa
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from train.embedded import resolve_model
+from specdistill.train.embedded import resolve_model
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -28,7 +28,7 @@ def load_model(name: str, *, dtype: str = "float32", revision: str | None = None
 
 def load_draft(name: str, *, dtype: str = "float32", revision: str | None = None):
     """A standalone draft (like `load_model`) or an EAGLE-3 head directory (train/eagle3.py)."""
-    from train.eagle3 import Eagle3Head, is_eagle3_dir
+    from specdistill.train.eagle3 import Eagle3Head, is_eagle3_dir
 
     path = resolve_model(name)
     if is_eagle3_dir(path):

@@ -19,13 +19,13 @@ from accelerate import Accelerator
 from accelerate.utils import set_seed
 from tqdm.auto import tqdm
 
-import losses
-from data import build_datasets, collate
-from eval.offline import acceptance_sums, shifted_hidden, summarise, target_mask
-from train import drafts, models
-from train.config import Recipe, RecipeError, dump_recipe, recipe_to_dict
-from train.eagle3 import Eagle3Head, is_eagle3_dir
-from train.embedded import resolve_model
+from specdistill import losses
+from specdistill.data import build_datasets, collate
+from specdistill.eval.offline import acceptance_sums, shifted_hidden, summarise, target_mask
+from specdistill.train import drafts, models
+from specdistill.train.config import Recipe, RecipeError, dump_recipe, recipe_to_dict
+from specdistill.train.eagle3 import Eagle3Head, is_eagle3_dir
+from specdistill.train.embedded import resolve_model
 
 CHECKPOINT_PREFIX = "step-"
 
@@ -285,7 +285,7 @@ class Trainer:
     def speculative_eval(self) -> dict | None:
         """Real speculative decoding (eval/speculative.py) on held-out prompts, main process only:
         measured τ and speedup per γ next to the offline α. Other processes wait."""
-        from eval.speculative import quick_eval
+        from specdistill.eval.speculative import quick_eval
 
         acc, s = self.accelerator, self.recipe.eval.speculative
         record = None

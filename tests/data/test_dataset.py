@@ -5,10 +5,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from data import DataError, DataStats, build_datasets, collate
-from data.dataset import split_records
-from data.records import TextRecord
-from data.stdlib import stdlib_files
+from specdistill.data import DataError, DataStats, build_datasets, collate
+from specdistill.data.dataset import split_records
+from specdistill.data.records import TextRecord
+from specdistill.data.stdlib import stdlib_files
 from tests.data.conftest import make_tokenizer
 
 DOCS = ["def f(x):\n    return x + 1\n", "hello world", "the quick brown fox", "A"]

@@ -1,6 +1,6 @@
 import pytest
 
-from data.records import ChatRecord, DataError, TextRecord, record_from_row
+from specdistill.data.records import ChatRecord, DataError, TextRecord, record_from_row
 
 
 def test_text_row():

@@ -7,9 +7,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from data.records import ChatRecord, DataError, TextRecord
-from data.sources import HubDataset, read_records, resolve
-from data.stdlib import stdlib_files
+from specdistill.data.records import ChatRecord, DataError, TextRecord
+from specdistill.data.sources import HubDataset, read_records, resolve
+from specdistill.data.stdlib import stdlib_files
 
 
 def write(path: Path, text: str) -> Path:

@@ -3,8 +3,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from data.records import ChatRecord, DataError, TextRecord
-from data.tokenize import Tokens, tokenize_records
+from specdistill.data.records import ChatRecord, DataError, TextRecord
+from specdistill.data.tokenize import Tokens, tokenize_records
 from tests.data.conftest import make_tokenizer
 
 END = "<|im_end|>"
@@ -62,7 +62,7 @@ def test_chat_mask_is_exactly_the_assistant_turns(tiny_tokenizer):
 
 
 def test_sharegpt_and_openai_give_the_same_tokens(tiny_tokenizer, tmp_path):
-    from data.records import record_from_row
+    from specdistill.data.records import record_from_row
 
     sharegpt = record_from_row(
         {

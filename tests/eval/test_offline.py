@@ -3,7 +3,7 @@ import math
 import pytest
 import torch
 
-from eval.offline import summarise, tau_pred
+from specdistill.eval.offline import summarise, tau_pred
 
 
 def test_tau_pred_closed_form():

@@ -10,8 +10,8 @@ import pytest
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
-from eval import speculative as spec
-from eval.prompts import encode_prompts, load_prompts, prompt_text
+from specdistill.eval import speculative as spec
+from specdistill.eval.prompts import encode_prompts, load_prompts, prompt_text
 from tests.eval.test_speculative import perturbed, tiny_llama
 
 WORDS = ["<pad>", "<eos>", "<unk>", "user", "assistant", ":", *"abcdefghijklmnopqrstuvwxyz"]
@@ -74,7 +74,7 @@ def test_cli_writes_report(tmp_path, tokenizer, monkeypatch):
     fake.load_model = lambda name, dtype: {"tiny:target": target, "tiny:draft": draft}[name]
     fake.load_draft = fake.load_model
     fake.check_tokenizers = lambda *args: None
-    monkeypatch.setitem(sys.modules, "train.models", fake)
+    monkeypatch.setitem(sys.modules, "specdistill.train.models", fake)
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text(
         "\n".join(json.dumps({"prompt": p}) for p in ["a b c", "d e f g h", "i", "j k"])

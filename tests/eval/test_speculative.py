@@ -9,8 +9,8 @@ import torch
 from scipy import stats
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from eval import speculative as spec
-from eval.offline import tau_pred
+from specdistill.eval import speculative as spec
+from specdistill.eval.offline import tau_pred
 
 
 def tiny_llama(seed: int, *, vocab: int, hidden: int, layers: int, init: float) -> LlamaForCausalLM:

@@ -9,12 +9,12 @@ import torch
 from scipy import stats
 from transformers import LlamaConfig, LlamaForCausalLM
 
-import losses
-from eval import report
-from eval import speculative as spec
+from specdistill import losses
+from specdistill.eval import report
+from specdistill.eval import speculative as spec
 from tests.eval.test_speculative import reference_greedy
-from train.drafts import Eagle3
-from train.eagle3 import Eagle3Head, build_vocab_map
+from specdistill.train.drafts import Eagle3
+from specdistill.train.eagle3 import Eagle3Head, build_vocab_map
 
 
 def target_model(seed: int, *, vocab: int, hidden: int, layers: int, init: float, attn=0.03):

@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from losses import LOSSES, SparseTarget, acceptance, compute_loss
+from specdistill.losses import LOSSES, SparseTarget, acceptance, compute_loss
 from tests.losses.common import PARAMS, logits_of
 
 

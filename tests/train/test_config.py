@@ -2,7 +2,7 @@ from pathlib import Path
 
 import pytest
 
-from train.config import Recipe, RecipeError, dump_recipe, load_recipe, parse_override
+from specdistill.train.config import Recipe, RecipeError, dump_recipe, load_recipe, parse_override
 
 RECIPES = sorted((Path(__file__).parents[2] / "recipes").glob("*.yaml"))
 
@@ -54,7 +54,7 @@ def test_overrides_are_typed_and_nested(tmp_path):
 
 
 def test_every_loss_of_the_library_is_accepted():
-    import losses
+    from specdistill import losses
 
     for name in sorted(set(losses.LOSSES) - {"mix"}):
         assert load_recipe(None, [f"loss.name={name}"]).loss.name == name

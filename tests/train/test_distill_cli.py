@@ -1,4 +1,4 @@
-from train.distill import main
+from specdistill.train.distill import main
 
 
 def test_cpu_launch_with_several_processes_is_refused(monkeypatch, capsys):

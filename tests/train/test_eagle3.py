@@ -9,10 +9,10 @@ import torch
 from accelerate.state import AcceleratorState, GradientState
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
-import losses
-from train.config import RecipeError, load_recipe
-from train.drafts import Eagle3, token_counts
-from train.eagle3 import (
+from specdistill import losses
+from specdistill.train.config import RecipeError, load_recipe
+from specdistill.train.drafts import Eagle3, token_counts
+from specdistill.train.eagle3 import (
     Eagle3Head,
     FeatureCapture,
     VocabMapError,
@@ -21,7 +21,7 @@ from train.eagle3 import (
     check_vocab_map,
     default_aux_layers,
 )
-from train.trainer import Trainer
+from specdistill.train.trainer import Trainer
 
 V = 64
 
@@ -392,8 +392,8 @@ def test_shipped_eagle3_recipe_runs_on_the_embedded_tiny_target(
 ):
     """recipes/code-eagle3.yaml end to end on the embedded path (the 2-layer "tiny" target,
     built in seconds, on the stdlib corpus), then the saved head drafts in the engine."""
-    from eval import speculative as spec
-    from train.embedded import resolve_model
+    from specdistill.eval import speculative as spec
+    from specdistill.train.embedded import resolve_model
 
     monkeypatch.setenv("SPECDISTILL_CACHE", str(tmp_path / "cache"))
     overrides = [

@@ -10,8 +10,8 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from data.stdlib import stdlib_files
-from train import embedded
+from specdistill.data.stdlib import stdlib_files
+from specdistill.train import embedded
 
 
 @pytest.fixture(scope="module")

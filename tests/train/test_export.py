@@ -18,8 +18,8 @@ from transformers import (
 )
 
 from tests.train.conftest import make_tokenizer
-from train.eagle3 import Eagle3Head, VocabMapError, build_vocab_map
-from train.export import FORMATS, ExportError, export, load_export, main
+from specdistill.train.eagle3 import Eagle3Head, VocabMapError, build_vocab_map
+from specdistill.train.export import FORMATS, ExportError, export, load_export, main
 
 ROOT = Path(__file__).resolve().parents[2]
 VOCAB, DRAFT_VOCAB, HIDDEN = 64, 40, 32

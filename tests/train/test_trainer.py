@@ -9,9 +9,9 @@ import torch
 from accelerate.state import AcceleratorState, GradientState
 from safetensors.torch import load_file
 
-from train.config import load_recipe
-from train.models import TokenizerMismatchError, check_tokenizers, load_tokenizer
-from train.trainer import Trainer
+from specdistill.train.config import load_recipe
+from specdistill.train.models import TokenizerMismatchError, check_tokenizers, load_tokenizer
+from specdistill.train.trainer import Trainer
 
 REPO = Path(__file__).parents[2]
 

@@ -1,0 +1,94 @@
+"""`specdistill <verb> ...`: one command line for the toolkit.
+
+    specdistill distill --recipe recipes/code.yaml train.max_steps=50
+    specdistill speculate --target embedded:code --draft runs/code/final --prompts p.jsonl --out o
+    specdistill export --draft runs/code-eagle3/final --format vllm --out exported
+
+Each verb is a module with a `main(argv)`; the script paths (`train/distill.py`,
+`eval/speculative.py`, `train/export.py`) call the same functions. Anticipated errors (a bad
+recipe, malformed data, a missing file) print one line and exit 2; `--debug` before the verb,
+or SPECDISTILL_DEBUG=1, shows the traceback instead.
+"""
+
+import importlib
+import os
+import sys
+
+# verb -> (module with main(argv), one line for --help)
+VERBS = {
+    "distill": ("specdistill.train.distill", "distil a draft to a frozen target from a recipe"),
+    "speculate": (
+        "specdistill.eval.speculative",
+        "run lossless speculative decoding; measure tau, speedup and the best gamma",
+    ),
+    "export": ("specdistill.train.export", "export a trained draft for vLLM, SGLang or HF"),
+}
+
+
+def usage() -> str:
+    width = max(map(len, VERBS))
+    lines = [f"  {verb:<{width}}  {line}" for verb, (_, line) in VERBS.items()]
+    return (
+        "usage: specdistill [--debug] <verb> [args...]\n\nverbs:\n"
+        + "\n".join(lines)
+        + "\n\n`specdistill <verb> --help` describes a verb's arguments."
+    )
+
+
+def debugging() -> bool:
+    return os.environ.get("SPECDISTILL_DEBUG", "").lower() not in ("", "0", "false", "no")
+
+
+def anticipated_errors() -> tuple[type[BaseException], ...]:
+    """Errors whose message is the whole story: a user's input, not a bug in this program."""
+    from specdistill.data.records import DataError
+    from specdistill.train.config import RecipeError
+
+    return (RecipeError, DataError, ValueError, OSError)
+
+
+def run_guarded(main, argv: list[str]) -> int:
+    """Run a verb's main; an anticipated error becomes one line on stderr and exit 2."""
+    try:
+        rc = main(argv)
+    except anticipated_errors() as e:
+        if debugging():
+            raise
+        kind = "recipe error" if type(e).__name__ == "RecipeError" else "error"
+        print(f"{kind}: {one_line(e)}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+    return rc if isinstance(rc, int) else 0
+
+
+def one_line(e: BaseException) -> str:
+    text = str(e) or type(e).__name__
+    if isinstance(e, OSError) and e.filename is not None and str(e.filename) not in text:
+        text = f"{e.filename}: {text}"
+    return " ".join(text.split())
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] == "--debug":
+        os.environ["SPECDISTILL_DEBUG"] = "1"
+        argv = argv[1:]
+    if not argv or argv[0] in ("-h", "--help", "help"):
+        print(usage())
+        return 0 if argv else 2
+    verb, rest = argv[0], argv[1:]
+    if verb not in VERBS:
+        import difflib
+
+        close = difflib.get_close_matches(verb, VERBS, n=1)
+        hint = f"; did you mean '{close[0]}'?" if close else ""
+        print(f"specdistill: unknown verb '{verb}'{hint}\n\n{usage()}", file=sys.stderr)
+        return 2
+    module = importlib.import_module(VERBS[verb][0])
+    return run_guarded(module.main, rest)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
