@@ -3,7 +3,7 @@ through real speculative decoding on the same prompts.
 
     python -m benchmarks.draft_types                              # embedded target, 4 runs
     python -m benchmarks.draft_types --losses lk_lambda,fkl --steps 300 --gammas 3,5 \\
-        --temperatures 0,1 --prompts ../shared/data/HumanEval.jsonl.gz --num-prompts 40
+        --temperatures 0,1 --prompts benchmarks/prompts/HumanEval.jsonl.gz --num-prompts 40
 
 Standalone runs use recipes/code.yaml (the pretrained 1-layer embedded draft), head runs
 recipes/code-eagle3.yaml (a fresh head on the same target); both get the same data, batch,
@@ -59,7 +59,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--gammas", default="3,5")
     parser.add_argument("--temperatures", default="0,1")
-    parser.add_argument("--prompts", default=str(REPO.parent / "shared/data/HumanEval.jsonl.gz"))
+    parser.add_argument("--prompts", default=str(REPO / "benchmarks/prompts/HumanEval.jsonl.gz"))
     parser.add_argument("--num-prompts", type=int, default=40)
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--threads", type=int, default=None)

@@ -3,7 +3,7 @@
     python -m benchmarks.vs_hf_assisted     # embedded:code + embedded:code-draft on HumanEval
     python -m benchmarks.vs_hf_assisted --gamma 4 --temperatures 0,1 --num-prompts 8 --threads 1
     python -m benchmarks.vs_hf_assisted --target Qwen/Qwen2.5-1.5B --draft Qwen/Qwen2.5-0.5B \\
-        --prompts ../shared/data/spec_bench_questions.jsonl --device cuda --dtype bfloat16
+        --prompts benchmarks/prompts/spec_bench_questions.jsonl --device cuda --dtype bfloat16
 
 (`-m` from the repository root: run as `python benchmarks/vs_hf_assisted.py`, the folder's
 own modules, e.g. benchmarks/losses.py, would shadow the project's packages.)
@@ -36,7 +36,7 @@ from specdistill.eval import speculative as spec
 from specdistill.eval.prompts import encode_prompts, load_prompts
 from specdistill.train.models import check_tokenizers, load_model, load_tokenizer
 
-HUMANEVAL = Path(__file__).resolve().parents[2] / "shared" / "data" / "HumanEval.jsonl.gz"
+HUMANEVAL = Path(__file__).resolve().parent / "prompts" / "HumanEval.jsonl.gz"
 
 
 def clock(device: torch.device) -> float:

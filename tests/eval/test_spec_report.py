@@ -15,7 +15,7 @@ from specdistill.eval.prompts import encode_prompts, load_prompts, prompt_text
 from tests.eval.test_speculative import perturbed, tiny_llama
 
 WORDS = ["<pad>", "<eos>", "<unk>", "user", "assistant", ":", *"abcdefghijklmnopqrstuvwxyz"]
-SHARED = Path(__file__).resolve().parents[3] / "shared" / "data"
+PROMPTS = Path(__file__).resolve().parents[2] / "benchmarks" / "prompts"  # shipped prompt sets
 
 
 @pytest.fixture(scope="module")
@@ -56,11 +56,10 @@ def test_prompt_formats(tmp_path, tokenizer):
         load_prompts(tmp_path / "p.csv")
 
 
-@pytest.mark.skipif(not SHARED.exists(), reason="shared evaluation data not present")
-def test_shared_prompt_sets():
-    bench = load_prompts(SHARED / "spec_bench_questions.jsonl")
+def test_shipped_prompt_sets():
+    bench = load_prompts(PROMPTS / "spec_bench_questions.jsonl")
     assert len(bench) == 480 and bench[0].messages[0]["role"] == "user"
-    humaneval = load_prompts(SHARED / "HumanEval.jsonl.gz")
+    humaneval = load_prompts(PROMPTS / "HumanEval.jsonl.gz")
     assert len(humaneval) == 164 and humaneval[0].id == "HumanEval/0"
     assert humaneval[0].text.startswith("from typing import List")
 
