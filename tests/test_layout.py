@@ -1,0 +1,211 @@
+"""The package's shape: one installed name, layers imported in one direction, no cycles.
+
+Layers, lowest first (an arrow may only point down):
+
+    data, losses        depend on nothing else in the project
+    publish             the atomic-write helper (stdlib only)
+    drafts              what differs between draft types; may use losses, publish
+    eval                may use drafts, data, losses, publish; never train
+    train               may use everything below
+    cli                 dispatches to the verbs (imports anything, lazily)
+
+Imports are read from the source with `ast`, deferred (function-level) imports included:
+a cycle through a deferred import is still a cycle for the reader.
+"""
+
+import ast
+import shutil
+import subprocess
+import sys
+import zipfile
+from collections import defaultdict
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+# subpackage -> folder in the repository (as pyproject.toml maps them)
+FOLDERS = {
+    "specdistill": "specdistill",
+    "specdistill.data": "data",
+    "specdistill.losses": "losses",
+    "specdistill.drafts": "drafts",
+    "specdistill.eval": "eval",
+    "specdistill.serve": "serve",
+    "specdistill.train": "train",
+    "specdistill.recipes": "recipes",
+}
+ALLOWED = {
+    "data": set(),
+    "losses": set(),
+    "publish": set(),
+    "drafts": {"losses", "publish"},
+    "eval": {"data", "losses", "drafts", "publish"},
+    "serve": {"data", "losses", "drafts", "eval", "publish"},
+    "train": {"data", "losses", "drafts", "eval", "publish", "serve"},
+    "recipes": set(),
+    "root": set(),  # specdistill/__init__.py
+    "cli": {"data", "losses", "drafts", "eval", "serve", "train", "publish", "root"},
+}
+
+
+def modules() -> dict[str, Path]:
+    found = {}
+    for package, folder in FOLDERS.items():
+        root = REPO / folder
+        if not root.is_dir():
+            continue
+        for path in root.rglob("*.py"):
+            rel = path.relative_to(root).with_suffix("")
+            parts = [p for p in rel.parts if p != "__init__"]
+            if package == "specdistill" and parts and parts[0] in (
+                "data", "losses", "drafts", "eval", "serve", "train", "recipes"
+            ):
+                continue
+            found[".".join([package, *parts])] = path
+    return found
+
+
+def layer(module: str) -> str:
+    parts = module.split(".")
+    if len(parts) == 1:
+        return "root"
+    if parts[1] in ("cli", "__main__"):
+        return "cli"
+    return parts[1]
+
+
+def imports(path: Path, module: str, known: set[str]) -> set[str]:
+    """Project modules that `path` imports (resolved to the deepest known module)."""
+    tree = ast.parse(path.read_text(), str(path))
+    is_package = path.name == "__init__.py"
+    found = set()
+    for node in ast.walk(tree):
+        names = []
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = module.split(".")
+                anchor = anchor if is_package else anchor[:-1]
+                anchor = anchor[: len(anchor) - (node.level - 1)]
+                base = ".".join([*anchor, base] if base else anchor)
+            # `from pkg import name`: the submodule pkg.name when there is one, else pkg
+            names = [f"{base}.{a.name}" if f"{base}.{a.name}" in known else base
+                     for a in node.names]
+        for name in names:
+            if not name.startswith("specdistill"):
+                continue
+            while name and name not in known:
+                name = name.rpartition(".")[0]
+            if name and name != module:
+                found.add(name)
+    return found
+
+
+def graph() -> dict[str, set[str]]:
+    mods = modules()
+    known = set(mods)
+    return {m: imports(p, m, known) for m, p in mods.items()}
+
+
+def folder_graph(g: dict[str, set[str]]) -> str:
+    edges = defaultdict(set)
+    for src, dsts in g.items():
+        for dst in dsts:
+            if layer(src) != layer(dst):
+                edges[layer(src)].add(layer(dst))
+    return "\n".join(f"  {src} -> {', '.join(sorted(d))}" for src, d in sorted(edges.items()))
+
+
+def find_cycle(g: dict[str, set[str]]) -> list[str] | None:
+    state: dict[str, int] = {}
+    stack: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        state[node] = 1
+        stack.append(node)
+        for nxt in sorted(g.get(node, ())):
+            if state.get(nxt) == 1:
+                return [*stack[stack.index(nxt) :], nxt]
+            if nxt not in state and (cycle := visit(nxt)):
+                return cycle
+        stack.pop()
+        state[node] = 2
+        return None
+
+    for node in sorted(g):
+        if node not in state and (cycle := visit(node)):
+            return cycle
+    return None
+
+
+def test_imports_follow_the_layers():
+    g = graph()
+    bad = [
+        f"{src} imports {dst} ({layer(src)} -> {layer(dst)})"
+        for src, dsts in sorted(g.items())
+        for dst in sorted(dsts)
+        if layer(dst) != layer(src) and layer(dst) not in ALLOWED[layer(src)]
+    ]
+    assert not bad, "imports against the layer order:\n" + "\n".join(bad) + (
+        "\n\nthe graph between folders:\n" + folder_graph(g)
+    )
+
+
+def test_no_import_cycles():
+    g = graph()
+    cycle = find_cycle(g)
+    assert cycle is None, "import cycle: " + " -> ".join(cycle) + (
+        "\n\nthe graph between folders:\n" + folder_graph(g)
+    )
+
+
+def test_checks_can_fail():
+    """The checkers above see a planted cycle and a planted upward arrow."""
+    planted = {"specdistill.eval.a": {"specdistill.train.b"}, "specdistill.train.b": {
+        "specdistill.eval.a"}}
+    assert find_cycle(planted) == ["specdistill.eval.a", "specdistill.train.b",
+                                   "specdistill.eval.a"]
+    assert "train" not in ALLOWED[layer("specdistill.eval.a")]
+    assert "eval -> train" in folder_graph(planted)
+
+
+def test_wheel_has_one_top_level_name(tmp_path):
+    """`pip wheel .` installs `specdistill` and nothing else at the top level."""
+    src = tmp_path / "src"
+    shutil.copytree(
+        REPO, src, ignore=shutil.ignore_patterns(".git", "runs", "build", "*.egg-info",
+                                                 "__pycache__", "wandb")
+    )
+    out = tmp_path / "wheel"
+    subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", str(src), "--no-deps", "--no-build-isolation",
+         "-q", "-w", str(out)],
+        check=True, capture_output=True,
+    )
+    (wheel,) = out.glob("*.whl")
+    names = zipfile.ZipFile(wheel).namelist()
+    assert {n.split("/")[0] for n in names} == {"specdistill", "specdistill-0.1.0.dist-info"}
+    assert "specdistill/recipes/code.yaml" in names
+    assert not [n for n in names if n.startswith("specdistill/tests/")]
+
+
+@pytest.mark.parametrize("verb", ["distill", "speculate", "export"])
+def test_cli_lists_and_runs_verbs(verb):
+    out = subprocess.run(
+        [sys.executable, "-m", "specdistill", "--help"], capture_output=True, text=True
+    )
+    assert out.returncode == 0 and verb in out.stdout
+    help_ = subprocess.run(
+        [sys.executable, "-m", "specdistill", verb, "--help"], capture_output=True, text=True
+    )
+    assert help_.returncode == 0 and "usage:" in help_.stdout
+
+
+def test_cli_unknown_verb_suggests():
+    out = subprocess.run(
+        [sys.executable, "-m", "specdistill", "distil"], capture_output=True, text=True
+    )
+    assert out.returncode == 2 and "did you mean 'distill'" in out.stderr
