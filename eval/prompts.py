@@ -25,29 +25,70 @@ class Prompt:
     messages: list[dict] | None = None
 
 
-def _record_prompt(record: dict, index: int) -> Prompt:
+class PromptError(ValueError):
+    """A prompt file that cannot be read; the message names the file (and line) at fault."""
+
+
+_FIELDS = "messages / turns / prompt / text"
+
+
+def _record_prompt(record, index: int, where: str) -> Prompt:
+    """The prompt of one record; `index` gives the fallback id, `where` locates it in errors."""
+    if not isinstance(record, dict):
+        raise PromptError(f"{where}: expected a JSON object, got {type(record).__name__}")
     rid = str(record.get("question_id", record.get("task_id", record.get("id", index))))
     if "messages" in record:
         return Prompt(rid, messages=record["messages"])
     if "turns" in record:
-        return Prompt(rid, messages=[{"role": "user", "content": record["turns"][0]}])
+        turns = record["turns"]
+        if not isinstance(turns, list) or not turns:
+            raise PromptError(f"{where}: 'turns' must be a non-empty list")
+        return Prompt(rid, messages=[{"role": "user", "content": turns[0]}])
     for key in ("prompt", "text"):
         if key in record:
             return Prompt(rid, text=record[key])
-    raise ValueError(
-        f"prompt record {index} has none of the fields messages / turns / prompt / text "
-        f"(keys: {sorted(record)})"
-    )
+    raise PromptError(f"{where}: record has none of the fields {_FIELDS} (keys: {sorted(record)})")
+
+
+def _jsonl_prompts(content: str, path: Path) -> list[Prompt]:
+    """One record per non-blank line; errors name `path:line` (1-based, blank lines counted)."""
+    prompts = []
+    # Text-mode reading already turned \r\n into \n; splitlines() would also split at
+    # characters such as U+2028 that JSON strings may hold unescaped.
+    for number, line in enumerate(content.split("\n"), start=1):
+        if not line.strip():
+            continue
+        where = f"{path}:{number}"
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise PromptError(f"{where}: invalid JSON: {e.msg} (column {e.colno})") from None
+        prompts.append(_record_prompt(record, len(prompts), where))
+    return prompts
+
+
+def _json_prompts(content: str, path: Path) -> list[Prompt]:
+    """A list of records; errors name `path:line` for bad JSON, `path: record i` otherwise."""
+    try:
+        records = json.loads(content)
+    except json.JSONDecodeError as e:
+        raise PromptError(f"{path}:{e.lineno}: invalid JSON: {e.msg} (column {e.colno})") from None
+    if not isinstance(records, list):
+        raise PromptError(f"{path}: expected a JSON list of records, got {type(records).__name__}")
+    return [_record_prompt(r, i, f"{path}: record {i}") for i, r in enumerate(records)]
 
 
 def load_prompts(path: str | Path, limit: int | None = None) -> list[Prompt]:
-    """Read prompts from `path` (formats in the module docstring); the first `limit` if given."""
+    """Read prompts from `path` (formats in the module docstring); the first `limit` if given.
+
+    A malformed file raises `PromptError` (a `ValueError`) naming the file and line.
+    """
     path = Path(path)
     suffixes = path.suffixes
     opener = gzip.open if suffixes and suffixes[-1] == ".gz" else open
     kind = suffixes[-2] if suffixes[-1:] == [".gz"] and len(suffixes) > 1 else path.suffix
     if kind not in (".txt", ".jsonl", ".json"):
-        raise ValueError(
+        raise PromptError(
             f"unknown prompt file type '{kind}' for {path}: use .txt, .jsonl or .json (or .gz)"
         )
     with opener(path, "rt", encoding="utf-8") as f:
@@ -57,12 +98,11 @@ def load_prompts(path: str | Path, limit: int | None = None) -> list[Prompt]:
             Prompt(str(i), text=line) for i, line in enumerate(content.splitlines()) if line.strip()
         ]
     elif kind == ".jsonl":
-        records = [json.loads(line) for line in content.splitlines() if line.strip()]
-        prompts = [_record_prompt(r, i) for i, r in enumerate(records)]
+        prompts = _jsonl_prompts(content, path)
     else:
-        prompts = [_record_prompt(r, i) for i, r in enumerate(json.loads(content))]
+        prompts = _json_prompts(content, path)
     if not prompts:
-        raise ValueError(f"no prompts in {path}")
+        raise PromptError(f"no prompts in {path}")
     return prompts[:limit] if limit else prompts
 
 
