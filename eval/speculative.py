@@ -35,11 +35,13 @@ prefilled in its own forward pass and its cache joins the batch's, left-padded.
 
 import argparse
 import math
+import tempfile
 import time
 from collections import deque
 from collections.abc import Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
@@ -966,39 +968,108 @@ def quick_eval(
 # ----------------------------------------------------------------------------- CLI
 
 
-def _floats(text: str) -> list[float]:
-    return [float(x) for x in text.split(",") if x]
-
-
 def _ints(text: str) -> list[int]:
-    return [int(x) for x in text.split(",") if x]
+    """argparse type: comma-separated integers >= 1, at least one (γ values)."""
+    try:
+        values = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        values = []
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(
+            f"needs at least one integer >= 1, comma-separated; got {text!r}"
+        )
+    return values
+
+
+def _floats(text: str) -> list[float]:
+    """argparse type: comma-separated finite numbers >= 0, at least one (temperatures)."""
+    try:
+        values = [float(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        values = []
+    if not values or not all(math.isfinite(v) and v >= 0 for v in values):
+        raise argparse.ArgumentTypeError(
+            f"needs at least one number >= 0, comma-separated; got {text!r}"
+        )
+    return values
+
+
+def _at_least(low: int):
+    """argparse type: an integer >= `low`."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            value = low - 1
+        if value < low:
+            raise argparse.ArgumentTypeError(f"needs an integer >= {low}; got {text!r}")
+        return value
+
+    return parse
+
+
+def _top_p(text: str) -> float:
+    """argparse type: a number in (0, 1]."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"needs a number in (0, 1]; got {text!r}")
+    return value
+
+
+def _check_out_dir(out: str) -> str | None:
+    """Why `out` cannot take the report, or None if it can.
+
+    It must be a directory or creatable (it is created); writability is tested with a probe
+    file that is removed again.
+    """
+    path = Path(out)
+    if path.exists() and not path.is_dir():
+        return f"{out} exists and is not a directory"
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=path):
+            pass
+    except OSError as e:
+        return f"{out} is not a writable directory ({e.strerror or e})"
+    return None
 
 
 def main(argv: Sequence[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
+    positive = _at_least(1)
     parser.add_argument("--target", required=True, help="HF id, local dir or embedded:<name>")
     parser.add_argument("--draft", required=True, help="HF id, local dir or embedded:<name>")
     parser.add_argument("--prompts", required=True, help=".txt (one per line), .jsonl/.json(.gz)")
-    parser.add_argument("--out", required=True, help="output directory")
     parser.add_argument(
-        "--gamma", type=_ints, default=[1, 2, 4, 8], help="comma-separated γ values"
+        "--out", required=True, help="output directory (created; checked writable before decoding)"
+    )
+    parser.add_argument(
+        "--gamma", type=_ints, default=[1, 2, 4, 8], help="comma-separated γ values; each >= 1"
     )
     parser.add_argument(
         "--adaptive", action="store_true", help="add an adaptive-γ run in [min γ, max γ]"
     )
     parser.add_argument(
-        "--temperature", type=_floats, default=[0.0], help="comma-separated; 0 = greedy"
+        "--temperature", type=_floats, default=[0.0], help="comma-separated, >= 0; 0 = greedy"
     )
-    parser.add_argument("--top-p", type=float, default=1.0)
-    parser.add_argument("--top-k", type=int, default=0)
-    parser.add_argument("--batch-size", type=int, default=1)
-    parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--top-p", type=_top_p, default=1.0, help="in (0, 1]; 1 = off")
+    parser.add_argument("--top-k", type=_at_least(0), default=0, help=">= 0; 0 = off")
     parser.add_argument(
-        "--max-prompt-tokens", type=int, default=1024, help="keep the last N prompt tokens"
+        "--batch-size", type=positive, default=1, help="requests decoded together; >= 1"
     )
-    parser.add_argument("--num-prompts", type=int, default=None, help="use the first N prompts")
+    parser.add_argument("--max-new-tokens", type=positive, default=128, help=">= 1")
+    parser.add_argument(
+        "--max-prompt-tokens", type=positive, default=1024, help="keep the last N prompt tokens"
+    )
+    parser.add_argument(
+        "--num-prompts", type=positive, default=None, help="use the first N prompts"
+    )
     parser.add_argument("--stop-at-eos", action="store_true", help="end requests at EOS")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -1012,6 +1083,10 @@ def main(argv: Sequence[str] | None = None) -> dict:
     from specdistill.eval.prompts import encode_prompts, load_prompts
     from specdistill.train.models import check_tokenizers, load_draft, load_model, load_tokenizer
 
+    # A bad prompt file or --out fails now, not after the models have loaded and decoded.
+    prompts = load_prompts(args.prompts, limit=args.num_prompts)
+    if problem := _check_out_dir(args.out):
+        parser.error(f"--out: {problem}")
     tokenizer = load_tokenizer(args.target)
     draft = load_draft(args.draft, dtype=args.dtype)
     if getattr(draft, "is_eagle3", False):
@@ -1025,7 +1100,6 @@ def main(argv: Sequence[str] | None = None) -> dict:
     target = load_model(args.target, dtype=args.dtype)
     target.to(args.device)
     draft.to(args.device)
-    prompts = load_prompts(args.prompts, limit=args.num_prompts)
     prompt_ids = encode_prompts(prompts, tokenizer, max_tokens=args.max_prompt_tokens)
     settings = report.Settings(
         gammas=args.gamma,
@@ -1054,4 +1128,8 @@ def main(argv: Sequence[str] | None = None) -> dict:
 
 
 if __name__ == "__main__":
-    main()
+    import sys
+
+    from specdistill.cli import run_guarded
+
+    sys.exit(run_guarded(main, sys.argv[1:]))
