@@ -590,7 +590,7 @@ def generate(
         start = time.perf_counter()
         capture = None
         if eagle:
-            from specdistill.train.eagle3 import FeatureCapture
+            from specdistill.drafts.eagle3_head import FeatureCapture
 
             capture = FeatureCapture(target, draft.aux_layers)
         t_stream = _Stream(target, vocab_size, device, capture)
@@ -849,7 +849,7 @@ def _alpha(t_logits, d_logits, temperature: float, top_p: float, top_k: int) -> 
 
 
 def _eagle3_positional_alpha(target, head, ids, n_prompt, n_out, depth, sampling):
-    from specdistill.train.eagle3 import FeatureCapture
+    from specdistill.drafts.eagle3_head import FeatureCapture
 
     vocab = head.config.vocab_size
     with FeatureCapture(target, head.aux_layers) as capture:
@@ -1130,6 +1130,6 @@ def main(argv: Sequence[str] | None = None) -> dict:
 if __name__ == "__main__":
     import sys
 
-    from specdistill.cli import run_guarded
+    from specdistill.errors import run_guarded
 
     sys.exit(run_guarded(main, sys.argv[1:]))

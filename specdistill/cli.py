@@ -14,6 +14,8 @@ import importlib
 import os
 import sys
 
+from specdistill.errors import run_guarded
+
 # verb -> (module with main(argv), one line for --help)
 VERBS = {
     "distill": ("specdistill.train.distill", "distil a draft to a frozen target from a recipe"),
@@ -33,41 +35,6 @@ def usage() -> str:
         + "\n".join(lines)
         + "\n\n`specdistill <verb> --help` describes a verb's arguments."
     )
-
-
-def debugging() -> bool:
-    return os.environ.get("SPECDISTILL_DEBUG", "").lower() not in ("", "0", "false", "no")
-
-
-def anticipated_errors() -> tuple[type[BaseException], ...]:
-    """Errors whose message is the whole story: a user's input, not a bug in this program."""
-    from specdistill.data.records import DataError
-    from specdistill.train.config import RecipeError
-
-    return (RecipeError, DataError, ValueError, OSError)
-
-
-def run_guarded(main, argv: list[str]) -> int:
-    """Run a verb's main; an anticipated error becomes one line on stderr and exit 2."""
-    try:
-        rc = main(argv)
-    except anticipated_errors() as e:
-        if debugging():
-            raise
-        kind = "recipe error" if type(e).__name__ == "RecipeError" else "error"
-        print(f"{kind}: {one_line(e)}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
-        return 130
-    return rc if isinstance(rc, int) else 0
-
-
-def one_line(e: BaseException) -> str:
-    text = str(e) or type(e).__name__
-    if isinstance(e, OSError) and e.filename is not None and str(e.filename) not in text:
-        text = f"{e.filename}: {text}"
-    return " ".join(text.split())
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -3,7 +3,7 @@
 Layers, lowest first (an arrow may only point down):
 
     data, losses        depend on nothing else in the project
-    publish             the atomic-write helper (stdlib only)
+    publish, errors     utilities: atomic writes, one-line errors (stdlib only)
     drafts              what differs between draft types; may use losses, publish
     eval                may use drafts, data, losses, publish; never train
     train               may use everything below
@@ -35,17 +35,20 @@ FOLDERS = {
     "specdistill.train": "train",
     "specdistill.recipes": "recipes",
 }
+UTILITIES = {"publish", "errors"}
 ALLOWED = {
     "data": set(),
     "losses": set(),
     "publish": set(),
-    "drafts": {"losses", "publish"},
-    "eval": {"data", "losses", "drafts", "publish"},
-    "serve": {"data", "losses", "drafts", "eval", "publish"},
-    "train": {"data", "losses", "drafts", "eval", "publish", "serve"},
+    "errors": set(),
+    # the embedded default target is built from the data layer's corpus (drafts/embedded.py)
+    "drafts": {"losses", "data"} | UTILITIES,
+    "eval": {"data", "losses", "drafts"} | UTILITIES,
+    "serve": {"data", "losses", "drafts", "eval"} | UTILITIES,
+    "train": {"data", "losses", "drafts", "eval", "serve"} | UTILITIES,
     "recipes": set(),
     "root": set(),  # specdistill/__init__.py
-    "cli": {"data", "losses", "drafts", "eval", "serve", "train", "publish", "root"},
+    "cli": {"data", "losses", "drafts", "eval", "serve", "train", "root"} | UTILITIES,
 }
 
 

@@ -68,7 +68,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from specdistill.train.eagle3 import Eagle3Head, VocabMapError, check_vocab_map, is_eagle3_dir
+from specdistill.drafts.eagle3_head import Eagle3Head, VocabMapError, check_vocab_map, is_eagle3_dir
 
 FORMATS = ("vllm", "sglang", "hf")
 SGLANG_ARCH = "LlamaForCausalLMEagle3"
@@ -602,4 +602,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from specdistill.errors import run_guarded
+
+    sys.exit(run_guarded(main, sys.argv[1:]))

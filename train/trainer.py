@@ -21,10 +21,12 @@ from tqdm.auto import tqdm
 
 from specdistill import losses
 from specdistill.data import build_datasets, collate
-from specdistill.eval.offline import acceptance_sums, shifted_hidden, summarise, target_mask
-from specdistill.train import drafts, models
+from specdistill.drafts.align import shifted_hidden, target_mask
+from specdistill.eval.offline import acceptance_sums, summarise
+from specdistill import drafts
+from specdistill.train import models
 from specdistill.train.config import Recipe, RecipeError, dump_recipe, recipe_to_dict
-from specdistill.train.eagle3 import Eagle3Head, is_eagle3_dir
+from specdistill.drafts.eagle3_head import Eagle3Head, is_eagle3_dir
 from specdistill.train.embedded import resolve_model
 
 CHECKPOINT_PREFIX = "step-"
@@ -119,7 +121,7 @@ class Trainer:
     def _eagle3_head(self):
         d = self.recipe.draft
         if d.model is None:
-            head = drafts.new_eagle3_head(self.target, d, self.train_data, self.vocab_size)
+            head = drafts.eagle3.new_eagle3_head(self.target, d, self.train_data, self.vocab_size)
         elif is_eagle3_dir(d.model):
             head = Eagle3Head.from_pretrained(d.model)
             if head.config.vocab_size != self.vocab_size:

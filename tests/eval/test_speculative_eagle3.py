@@ -13,8 +13,8 @@ from specdistill import losses
 from specdistill.eval import report
 from specdistill.eval import speculative as spec
 from tests.eval.test_speculative import reference_greedy
-from specdistill.train.drafts import Eagle3
-from specdistill.train.eagle3 import Eagle3Head, build_vocab_map
+from specdistill.drafts import Eagle3
+from specdistill.drafts.eagle3_head import Eagle3Head, build_vocab_map
 
 
 def target_model(seed: int, *, vocab: int, hidden: int, layers: int, init: float, attn=0.03):

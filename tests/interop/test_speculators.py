@@ -17,7 +17,7 @@ from speculators.models.eagle3 import Eagle3DraftModel, Eagle3SpeculatorConfig  
 from transformers import LlamaConfig, LlamaForCausalLM, PretrainedConfig  # noqa: E402
 
 from tests.train.test_export import HIDDEN, VOCAB, tiny_config, trained_head  # noqa: E402
-from specdistill.train.eagle3 import SPECULATORS_VERSION, Eagle3Head  # noqa: E402
+from specdistill.drafts.eagle3_head import SPECULATORS_VERSION, Eagle3Head  # noqa: E402
 from specdistill.train.export import export  # noqa: E402
 
 pytestmark = pytest.mark.interop

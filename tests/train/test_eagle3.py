@@ -11,8 +11,9 @@ from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM, Qwen2Confi
 
 from specdistill import losses
 from specdistill.train.config import RecipeError, load_recipe
-from specdistill.train.drafts import Eagle3, token_counts
-from specdistill.train.eagle3 import (
+from specdistill.drafts import Eagle3
+from specdistill.drafts.eagle3 import token_counts
+from specdistill.drafts.eagle3_head import (
     Eagle3Head,
     FeatureCapture,
     VocabMapError,

@@ -18,7 +18,7 @@ from transformers import (
 )
 
 from tests.train.conftest import make_tokenizer
-from specdistill.train.eagle3 import Eagle3Head, VocabMapError, build_vocab_map
+from specdistill.drafts.eagle3_head import Eagle3Head, VocabMapError, build_vocab_map
 from specdistill.train.export import FORMATS, ExportError, export, load_export, main
 
 ROOT = Path(__file__).resolve().parents[2]

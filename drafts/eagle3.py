@@ -1,12 +1,8 @@
-"""Draft types behind one interface, so the trainer, the losses and the evaluation do not fork.
+"""The EAGLE-3 draft type: a head on the target's features (the module: drafts/eagle3_head.py).
 
-A draft type turns a batch into K aligned (draft logits, target logits, mask) depths:
-- `Standalone`: a causal LM sharing the target's tokenizer; one depth, position t predicts
-  token t+1 from the tokens alone.
-- `Eagle3`: an EAGLE-3 head (train/eagle3.py) fed with target features captured in the same
-  target forward that gives the logits; K = `draft.ttt_steps` depths of training-time test.
-Both go to `losses.multi_depth_loss` (K = 1 is the plain per-position loss) and to
-`eval.offline` for α per depth.
+K = `draft.ttt_steps` depths of training-time test, each aligned with the target by
+`align_depths`; the target's features are captured in the same forward that gives its
+logits. Saved in the `speculators` layout vLLM loads (docs/theory.md §4, §5).
 """
 
 from pathlib import Path
@@ -14,31 +10,14 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from specdistill.eval.offline import shifted_logits, target_mask
-from specdistill.train.eagle3 import Eagle3Head, FeatureCapture, align_depths, build_vocab_map
+from specdistill.drafts.eagle3_head import (
+    Eagle3Head,
+    FeatureCapture,
+    align_depths,
+    build_vocab_map,
+)
 
 Depths = tuple[list[Tensor], list[Tensor], list[Tensor]]
-
-
-class Standalone:
-    name = "standalone"
-    d2t = None
-
-    def __init__(self, vocab_size: int):
-        self.vocab_size = vocab_size
-
-    def count_mask(self, batch: dict) -> Tensor:
-        """The positions a step's loss is normalised by (depth 0's mask)."""
-        return target_mask(batch)
-
-    def depths(self, draft, target, batch: dict) -> Depths:
-        with torch.no_grad():
-            t_logits = shifted_logits(target, batch, self.vocab_size)
-        return [shifted_logits(draft, batch, self.vocab_size)], [t_logits], [target_mask(batch)]
-
-    def save(self, draft, out: Path, tokenizer, verifier: str) -> None:
-        draft.save_pretrained(out, safe_serialization=True)
-        tokenizer.save_pretrained(out)
 
 
 class Eagle3:
