@@ -14,6 +14,7 @@ pack=False gives one sequence per record, truncated to max_length.
 
 import logging
 import random
+from collections import Counter
 from dataclasses import dataclass
 
 import numpy as np
@@ -32,6 +33,7 @@ MIN_BLOCK = 2  # a sequence needs two tokens to hold one prediction
 class DataStats:
     n_records: int  # well-formed records in this split (before dropping any without targets)
     n_skipped: int  # malformed records skipped (skip_malformed=True)
+    skipped: dict[str, int]  # the same by reason (DataError.reason), most frequent first
     n_sequences: int
     n_tokens: int
     n_loss_tokens: int
@@ -40,7 +42,7 @@ class DataStats:
 class TokenDataset(torch.utils.data.Dataset):
     """Sequences stored flat: ids [N] int32, mask [N] bool, offsets [n_sequences + 1]."""
 
-    def __init__(self, sequences: list[Tokens], *, n_records: int, n_skipped: int):
+    def __init__(self, sequences: list[Tokens], *, n_records: int, skipped: dict[str, int]):
         lengths = np.array([len(s.ids) for s in sequences], dtype=np.int64)
         self._offsets = np.concatenate([[0], np.cumsum(lengths)])
         empty = np.zeros(0, dtype=np.int32)
@@ -50,7 +52,8 @@ class TokenDataset(torch.utils.data.Dataset):
         )
         self.stats = DataStats(
             n_records=n_records,
-            n_skipped=n_skipped,
+            n_skipped=sum(skipped.values()),
+            skipped=dict(skipped),
             n_sequences=len(sequences),
             n_tokens=len(self._ids),
             n_loss_tokens=int(self._mask.sum()),
@@ -86,8 +89,10 @@ def build_datasets(
     eval=None holds out `eval_fraction` of the train *records* (before packing), chosen by
     `seed`, with at least one record on each side; eval_fraction is used only then.
     Malformed records raise DataError, or with skip_malformed=True are skipped, counted in
-    stats.n_skipped and summarised in a warning. Records skipped while reading the train
-    sources count towards the train dataset even when the eval split is taken from them.
+    stats.n_skipped and by reason in stats.skipped, and summarised in one warning per
+    dataset, whether they failed at reading or at tokenising. Records skipped while reading
+    the train sources count towards the train dataset even when the eval split is taken
+    from them.
     """
     if max_length < MIN_BLOCK:
         raise ValueError(f"max_length must be >= {MIN_BLOCK}, got {max_length}")
@@ -99,7 +104,7 @@ def build_datasets(
     if eval is None:
         eval_label = f"eval data (held-out {eval_fraction:g} of {', '.join(train_sources)})"
         train_records, eval_records = split_records(train_records, eval_fraction, seed, train_label)
-        eval_skipped = 0
+        eval_skipped = []
     else:
         eval_sources = [eval] if isinstance(eval, str) else list(eval)
         eval_label = f"eval data ({', '.join(eval_sources)})"
@@ -153,10 +158,10 @@ def collate(batch: list[dict], pad_token_id: int) -> dict[str, torch.Tensor]:
     return {"input_ids": input_ids, "attention_mask": attention_mask, "loss_mask": loss_mask}
 
 
-def _keep_valid(items, skip_malformed: bool, label: str) -> tuple[list, int]:
-    """Split a reader's output (results and `DataError`s) into (results, number skipped).
+def _keep_valid(items, skip_malformed: bool) -> tuple[list, list[DataError]]:
+    """Split a reader's output (results and `DataError`s) into (results, skipped errors).
 
-    The first error is raised unless `skip_malformed`; skipped ones are counted and logged.
+    The first error is raised unless `skip_malformed`.
     """
     valid, malformed = [], []
     for item in items:
@@ -166,30 +171,32 @@ def _keep_valid(items, skip_malformed: bool, label: str) -> tuple[list, int]:
             malformed.append(item)
         else:
             valid.append(item)
-    _warn_skipped(malformed, label)
-    return valid, len(malformed)
+    return valid, malformed
 
 
-def _read(sources: list[str], skip_malformed: bool, label: str) -> tuple[list[Record], int]:
-    records, n_malformed = _keep_valid(read_records(sources), skip_malformed, label)
+def _read(
+    sources: list[str], skip_malformed: bool, label: str
+) -> tuple[list[Record], list[DataError]]:
+    records, malformed = _keep_valid(read_records(sources), skip_malformed)
     if not records:
+        _warn_skipped(malformed, label)
         raise DataError(f"{label}: no records (empty files and empty texts are ignored)")
-    return records, n_malformed
+    return records, malformed
 
 
 def _build(
     tokenizer,
     records: list[Record],
-    n_skipped: int,
+    skipped: list[DataError],
     *,
     max_length: int,
     pack: bool,
     skip_malformed: bool,
     label: str,
 ) -> TokenDataset:
-    tokenized, n_malformed = _keep_valid(
-        tokenize_records(tokenizer, records), skip_malformed, label
-    )
+    tokenized, malformed = _keep_valid(tokenize_records(tokenizer, records), skip_malformed)
+    skipped = [*skipped, *malformed]
+    _warn_skipped(skipped, label)
     without_targets = sum(not t.mask.any() for t in tokenized)
     if without_targets:
         logger.warning(
@@ -209,7 +216,7 @@ def _build(
         s.mask[0] = False
     sequences = [s for s in sequences if len(s.ids) >= MIN_BLOCK and s.mask.any()]
     dataset = TokenDataset(
-        sequences, n_records=len(records) - n_malformed, n_skipped=n_skipped + n_malformed
+        sequences, n_records=len(records) - len(malformed), skipped=_by_reason(skipped)
     )
     if dataset.stats.n_loss_tokens == 0:
         raise DataError(
@@ -231,7 +238,19 @@ def _pack(tokenized: list[Tokens], max_length: int) -> list[Tokens]:
     ]
 
 
+def _by_reason(errors: list[DataError]) -> dict[str, int]:
+    """Number of errors per reason, most frequent first."""
+    return dict(Counter(error.reason for error in errors).most_common())
+
+
 def _warn_skipped(malformed: list[DataError], label: str) -> None:
+    """One warning for all of a dataset's skipped records: the total, by reason, one example."""
     if malformed:
-        examples = "; ".join(str(e) for e in malformed[:3])
-        logger.warning("%s: skipped %d malformed records, e.g. %s", label, len(malformed), examples)
+        reasons = ", ".join(f"{reason}: {n}" for reason, n in _by_reason(malformed).items())
+        logger.warning(
+            "%s: skipped %d malformed records (%s), e.g. %s",
+            label,
+            len(malformed),
+            reasons,
+            malformed[0],
+        )

@@ -16,8 +16,31 @@ from dataclasses import dataclass
 from typing import Any
 
 
+# What a DataError is about, in short stable words, for counting skipped records: the first
+# phrase found in its message (written here, in sources.py or in tokenize.py) gives it.
+REASONS = (
+    ("malformed JSON", "invalid JSON"),
+    ("not UTF-8", "not UTF-8"),
+    ("expected a JSON object", "not a JSON object"),
+    ("must hold a list of records", "not a list of records"),
+    ("expected 'text', 'messages' or 'conversations'", "no text or messages"),
+    ("'text' must be a string", "text not a string"),
+    ("unknown role", "unknown role"),
+    ("starts with an assistant message", "starts with assistant"),
+    ("not prefix-stable", "template not prefix-stable"),
+    ("chat template failed", "template error"),
+)
+OTHER_REASON = "malformed record"  # e.g. a turn without 'content', content not text
+
+
 class DataError(ValueError):
     """A problem with the data. The message names where (file:line or record) and what."""
+
+    @property
+    def reason(self) -> str:
+        """The kind of problem, one of REASONS' or OTHER_REASON, for counting skipped records."""
+        message = str(self)
+        return next((reason for phrase, reason in REASONS if phrase in message), OTHER_REASON)
 
 
 @dataclass

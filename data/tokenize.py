@@ -7,7 +7,8 @@ Chat: the conversation rendered by the tokenizer's chat template and tokenised a
 `apply_chat_template(..., tokenize=True)` would. The loss mask is True exactly on what the
 model emits in assistant turns: the content and the end-of-turn token (`<|im_end|>`,
 `<|eot_id|>`, `<end_of_turn>`), not the role header and not the template's separator
-after the end-of-turn token (ChatML's trailing newline).
+after the end-of-turn token (ChatML's trailing newline). The one exception is a token that
+holds both assistant and template characters (step 2 below): it is a loss token.
 
 How the assistant tokens are found, for any template:
 1. For assistant message i, render messages[:i] with the generation prompt (ends just after
@@ -15,10 +16,16 @@ How the assistant tokens are found, for any template:
    prefixes of the full rendering, otherwise the template rewrites earlier turns depending
    on what follows (not prefix-stable) and the record is rejected rather than mis-masked.
    The two lengths bound the turn's characters.
-2. Tokenise the full rendering once with offsets and take the tokens that start inside the
-   turn's characters. A token that crosses either bound is an error, for the same reason.
+2. Tokenise the full rendering once with offsets and take the tokens that hold any of the
+   turn's characters. A token may straddle a bound: byte-level BPE merges the newline that
+   ends the assistant header with the spaces, tabs or newlines that start a reply (code
+   replies start with indentation), and text that ends one turn with what starts the next.
+   Such a token holds an assistant character, so it belongs to the turn and is a training
+   target: the masked tokens then decode to the whole reply, preceded by at most a little
+   of the header (e.g. "\n    return x<|im_end|>").
 3. Drop the turn's tokens after its last special token (the end-of-turn token): they are
-   template separators. A turn with no special token keeps all its tokens.
+   template separators. A turn with no special token keeps all its tokens, a token
+   straddling its end included.
 
 Limits: a conversation may not start with an assistant message (the empty conversation
 before it cannot be rendered). A template that writes role headers but ignores
@@ -159,14 +166,11 @@ def assistant_mask(
     if np.any(np.diff(starts) < 0):
         raise DataError(f"{origin}: the tokenizer's offsets are not monotonic; cannot mask")
     for a, b in spans:
+        # [lo, hi): the tokens starting inside the turn, one straddling its end included ...
         lo, hi = np.searchsorted(starts, [a, b], side="left")
-        for bound, k in ((a, lo), (b, hi)):
-            if k > 0 and ends[k - 1] > bound:
-                raise DataError(
-                    f"{origin}: a token crosses the edge of an assistant turn (character "
-                    f"{bound}); the tokenizer merges text across the template's turn "
-                    "boundary, so the turn's tokens cannot be separated"
-                )
+        # ... and the one straddling its start.
+        while lo > 0 and ends[lo - 1] > a:
+            lo -= 1
         last_special = np.flatnonzero(np.isin(ids[lo:hi], special_ids))
         stop = lo + last_special[-1] + 1 if last_special.size else hi
         mask[lo:stop] = True

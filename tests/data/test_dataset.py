@@ -134,6 +134,7 @@ def test_stats_describe_the_items(tiny_tokenizer, tmp_path):
     assert train.stats == DataStats(
         n_records=2,
         n_skipped=1,
+        skipped={"invalid JSON": 1},
         n_sequences=len(items),
         n_tokens=sum(len(it["input_ids"]) for it in items),
         n_loss_tokens=sum(int(it["loss_mask"].sum()) for it in items),
@@ -197,11 +198,77 @@ def test_skip_malformed_counts_and_warns(tiny_tokenizer, tmp_path, caplog):
     rows = [good, "{not json", {"text": 3}, good, chat_row(("robot", "x")), good]
     path = jsonl(tmp_path / "chats.jsonl", rows)
     eval_path = jsonl(tmp_path / "eval.jsonl", [good, "[1, 2]"])
-    with caplog.at_level(logging.WARNING, logger="data"):
+    with caplog.at_level(logging.WARNING, logger="specdistill.data"):
         train, eval = build_datasets(tiny_tokenizer, path, eval_path, skip_malformed=True)
     assert (train.stats.n_records, train.stats.n_skipped) == (3, 3)
     assert (eval.stats.n_records, eval.stats.n_skipped) == (1, 1)
-    assert f"skipped 3 malformed records, e.g. {path}:2: malformed JSON" in caplog.text
+    assert train.stats.skipped == {"invalid JSON": 1, "text not a string": 1, "unknown role": 1}
+    assert eval.stats.skipped == {"not a JSON object": 1}
+    assert (
+        "skipped 3 malformed records (invalid JSON: 1, text not a string: 1, unknown role: 1), "
+        f"e.g. {path}:2: malformed JSON"
+    ) in caplog.text
+
+
+def test_skips_at_reading_and_tokenising_make_one_total(tiny_tokenizer, tmp_path, caplog):
+    good = chat_row(("user", "q"), ("assistant", "the answer"))
+    starts_with_assistant = chat_row(("assistant", "hi"), ("user", "q"))
+    rows = ["{bad", good, starts_with_assistant, "[]", good, starts_with_assistant, "{", good]
+    path = jsonl(tmp_path / "chats.jsonl", rows)
+    eval_path = jsonl(tmp_path / "eval.jsonl", [good, starts_with_assistant])
+    with caplog.at_level(logging.WARNING, logger="specdistill.data"):
+        train, eval = build_datasets(tiny_tokenizer, path, eval_path, skip_malformed=True)
+    assert train.stats.skipped == {
+        "invalid JSON": 2,
+        "starts with assistant": 2,
+        "not a JSON object": 1,
+    }
+    assert (train.stats.n_records, train.stats.n_skipped) == (3, 5)
+    assert eval.stats.skipped == {"starts with assistant": 1}
+    assert (eval.stats.n_records, eval.stats.n_skipped) == (1, 1)
+    # One warning per dataset, with the total and the reasons.
+    warnings = [r.getMessage() for r in caplog.records if "malformed" in r.getMessage()]
+    assert len(warnings) == 2
+    assert warnings[0].startswith(
+        f"train data ({path}): skipped 5 malformed records (invalid JSON: 2, "
+        f"starts with assistant: 2, not a JSON object: 1), e.g. {path}:1: malformed JSON"
+    )
+    assert warnings[1].startswith(
+        f"eval data ({eval_path}): skipped 1 malformed records (starts with assistant: 1), "
+        f"e.g. {eval_path}:2: the conversation starts"
+    )
+
+
+def test_held_out_split_counts_skips_on_the_train_side(tiny_tokenizer, tmp_path):
+    path = jsonl(tmp_path / "docs.jsonl", [{"text": f"doc {i}"} for i in range(10)] + ["{"])
+    train, eval = build_datasets(tiny_tokenizer, path, skip_malformed=True, eval_fraction=0.5)
+    assert train.stats.skipped == {"invalid JSON": 1} and train.stats.n_skipped == 1
+    assert eval.stats.skipped == {} and eval.stats.n_skipped == 0
+
+
+def test_nothing_skipped_without_errors(tiny_tokenizer, tmp_path):
+    write_docs(tmp_path, DOCS)
+    train, eval = build_datasets(tiny_tokenizer, str(tmp_path), str(tmp_path), skip_malformed=True)
+    assert train.stats.skipped == eval.stats.skipped == {}
+
+
+@pytest.mark.parametrize(
+    ("row", "reason"),
+    [
+        ("{", "invalid JSON"),
+        ("3", "not a JSON object"),
+        ({"txt": "x"}, "no text or messages"),
+        ({"text": ["x"]}, "text not a string"),
+        (chat_row(("robot", "x")), "unknown role"),
+        ({"messages": [{"role": "user"}]}, "malformed record"),
+        ({"messages": []}, "malformed record"),
+    ],
+)
+def test_reasons_of_malformed_rows(tiny_tokenizer, tmp_path, row, reason):
+    good = {"text": "hello"}
+    path = jsonl(tmp_path / "rows.jsonl", [good, row, good])
+    train, _ = build_datasets(tiny_tokenizer, path, path, skip_malformed=True)
+    assert train.stats.skipped == {reason: 1}
 
 
 def test_nothing_left_after_skipping(tiny_tokenizer, tmp_path):
@@ -217,6 +284,7 @@ def test_skip_malformed_covers_records_the_template_rejects(tiny_tokenizer, tmp_
         build_datasets(tiny_tokenizer, path, path)
     train, _ = build_datasets(tiny_tokenizer, path, path, skip_malformed=True)
     assert (train.stats.n_records, train.stats.n_skipped) == (2, 1)
+    assert train.stats.skipped == {"starts with assistant": 1}
 
 
 def test_no_loss_tokens_after_masking(tiny_tokenizer, tmp_path):

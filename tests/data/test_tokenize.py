@@ -2,10 +2,13 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import PreTrainedTokenizerFast
 
 from specdistill.data.records import ChatRecord, DataError, TextRecord
 from specdistill.data.tokenize import Tokens, tokenize_records
-from tests.data.conftest import make_tokenizer
+from tests.data.conftest import EOS, make_tokenizer
+from tests.train.conftest import make_tokenizer as make_train_tokenizer
 
 END = "<|im_end|>"
 
@@ -104,6 +107,133 @@ def test_llama3_style_template():
     assert masked_runs(tokenizer, tokens) == ["the answer<|eot_id|>", "x<|eot_id|>"]
 
 
+# Replies that start or end with whitespace. Byte-level BPE merges the newline that ends an
+# assistant header with the spaces, tabs or newlines that start the reply, so one token
+# straddles the start of the turn; it is a training target.
+LLAMA3_SPECIAL = ["<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"]
+LLAMA3 = (
+    "{{ bos_token }}{% for m in messages %}<|start_header_id|>{{ m['role'] }}"
+    "<|end_header_id|>\n\n{{ m['content'] }}<|eot_id|>{% endfor %}"
+    "{% if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>\n\n{% endif %}"
+)
+QWEN = (  # Qwen2.5's template without tools: a default system prompt, ChatML turns
+    "{%- if messages[0]['role'] == 'system' %}"
+    "{{- '<|im_start|>system\\n' + messages[0]['content'] + '<|im_end|>\\n' }}"
+    "{%- else %}"
+    "{{- '<|im_start|>system\\nYou are Qwen, created by Alibaba Cloud. You are a helpful "
+    "assistant.<|im_end|>\\n' }}"
+    "{%- endif %}"
+    "{%- for message in messages %}"
+    "{%- if message.role != 'system' or not loop.first %}"
+    "{{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>\\n' }}"
+    "{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+# Indentation after a blank line, so that the BPE learns "\n\n   ", "\n\t", "\n\n\n", ...
+CODE = [
+    "def f(x):\n    return x\n\n    return y\n\n\n\nclass A:\n  pass\n",
+    "def g(y):\n\t\treturn y\n\n\t\treturn x\n",
+]
+LEADING = ["    return x", "  x", "\t\treturn x", "\treturn x", "\n\nreturn x", "\nx", " x"]
+TRAILING = ["return x\n", "return x\n\n", "return x    ", "return x\t", "    return x\n\n\t"]
+
+
+def code_tokenizer(chat_template: str, special_tokens: list[str]) -> PreTrainedTokenizerFast:
+    """A byte-level BPE trained on indented code, with every whitespace merge it needs."""
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=300,
+        special_tokens=[EOS, *special_tokens],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(CODE * 10, trainer)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        eos_token=EOS,
+        additional_special_tokens=list(special_tokens),
+        chat_template=chat_template,
+    )
+
+
+def chatml_tokenizer():
+    return make_tokenizer()
+
+
+def train_chatml_tokenizer():
+    return make_train_tokenizer()
+
+
+def llama3_tokenizer():
+    tokenizer = code_tokenizer(LLAMA3, LLAMA3_SPECIAL)
+    tokenizer.bos_token = "<|begin_of_text|>"
+    return tokenizer
+
+
+def qwen_tokenizer():
+    return code_tokenizer(QWEN, ["<|im_start|>", "<|im_end|>"])
+
+
+# (tokenizer, the assistant header, the end-of-turn token)
+TEMPLATES = {
+    "chatml": (chatml_tokenizer, "<|im_start|>assistant\n", END),
+    "chatml-train": (train_chatml_tokenizer, "<|im_start|>assistant\n", END),
+    "llama3": (llama3_tokenizer, "<|start_header_id|>assistant<|end_header_id|>\n\n", "<|eot_id|>"),
+    "qwen": (qwen_tokenizer, "<|im_start|>assistant\n", END),
+}
+
+
+def start_edge_is_crossed(tokenizer, record: ChatRecord, header: str) -> bool:
+    """Whether a token of the rendering holds both the first reply's header and its content."""
+    messages = record.messages
+    text = tokenizer.apply_chat_template(messages, tokenize=False)
+    head = tokenizer.apply_chat_template(messages[:1], tokenize=False, add_generation_prompt=True)
+    assert head.endswith(header)
+    offsets = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    return any(a < len(head) < b for a, b in offsets["offset_mapping"])
+
+
+@pytest.mark.parametrize("template", TEMPLATES)
+@pytest.mark.parametrize("reply", LEADING + TRAILING)
+def test_replies_with_edge_whitespace_train_whole(template, reply):
+    make, header, end = TEMPLATES[template]
+    tokenizer = make()
+    record = chat(("user", "q"), ("assistant", reply), ("user", "again"), ("assistant", reply))
+    (tokens,) = tokenize_records(tokenizer, [record])
+    assert isinstance(tokens, Tokens), tokens
+    rendered = tokenizer.apply_chat_template(record.messages, tokenize=False)
+    assert tokens.ids.tolist() == tokenizer(rendered, add_special_tokens=False)["input_ids"]
+    runs = masked_runs(tokenizer, tokens)
+    assert len(runs) == 2
+    for run in runs:
+        # The whole reply and its end-of-turn token, after at most the header's tail.
+        assert run.endswith(reply + end)
+        assert header.endswith(run.removesuffix(reply + end))
+    end_id = tokenizer.convert_tokens_to_ids(end)
+    last_masked = np.flatnonzero(tokens.mask & ~np.append(tokens.mask[1:], False))
+    assert tokens.ids[last_masked].tolist() == [end_id, end_id]
+
+
+@pytest.mark.parametrize("template", TEMPLATES)
+def test_indented_reply_crosses_the_start_edge(template):
+    # The case above that the old rule ("a crossing token is an error") refused, for every
+    # template; with the code tokenizer also for tabs and blank lines.
+    make, header, end = TEMPLATES[template]
+    tokenizer = make()
+    replies = ["    return x"]
+    if template in ("llama3", "qwen"):
+        replies += ["\t\treturn x", "\n\nreturn x"]
+    for reply in replies:
+        record = chat(("user", "q"), ("assistant", reply))
+        assert start_edge_is_crossed(tokenizer, record, header), reply
+        (tokens,) = tokenize_records(tokenizer, [record])
+        (run,) = masked_runs(tokenizer, tokens)
+        assert run.endswith(reply + end) and run != reply + end
+
+
 def test_template_that_rewrites_earlier_turns_is_rejected():
     # The last message gets a marker, so a prefix renders differently from the whole.
     template = (
@@ -119,16 +249,30 @@ def test_template_that_rewrites_earlier_turns_is_rejected():
     )
 
 
-def test_token_crossing_a_turn_edge_is_rejected():
+def test_token_crossing_the_start_of_a_turn_is_a_target():
     # "assistant: " + "there" tokenises with "Ġthe" spanning the header's space.
     template = (
         "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}<|im_end|>{% endfor %}"
         "{% if add_generation_prompt %}assistant: {% endif %}"
     )
     tokenizer = make_tokenizer(chat_template=template)
-    (error,) = tokenize_records(tokenizer, [chat(("user", "q"), ("assistant", "there"))])
-    assert isinstance(error, DataError)
-    assert "a token crosses the edge of an assistant turn" in str(error)
+    (tokens,) = tokenize_records(tokenizer, [chat(("user", "q"), ("assistant", "there"))])
+    assert masked_runs(tokenizer, tokens) == [" there" + END]
+
+
+def test_token_crossing_the_end_of_a_turn_is_a_target():
+    # No end-of-turn token: the turn ends with the template's space, which "Ġthe" of the
+    # next turn's header takes along, so that token holds an assistant character.
+    template = (
+        "{% for m in messages %}the {{ m['role'] }}:{{ m['content'] }} {% endfor %}"
+        "{% if add_generation_prompt %}the assistant:{% endif %}"
+    )
+    tokenizer = make_tokenizer(chat_template=template)
+    record = chat(("user", "q"), ("assistant", "hello"), ("user", "r"))
+    (tokens,) = tokenize_records(tokenizer, [record])
+    rendered = tokenizer.apply_chat_template(record.messages, tokenize=False)
+    assert rendered == "the user:q the assistant:hello the user:r "
+    assert masked_runs(tokenizer, tokens) == ["hello the"]
 
 
 def test_conversation_starting_with_the_assistant_is_rejected(tiny_tokenizer):
@@ -176,15 +320,15 @@ def test_masked_tokens_decode_to_assistant_contents(turns):
     if turns[0][0] == "assistant":
         assert "starts with an assistant message" in str(tokens)
         return
-    if isinstance(tokens, DataError):
-        # Only a merge across the header's newline and the content can make this happen.
-        assert "crosses the edge" in str(tokens)
-        assert any(c[:1].isspace() for c in assistant)
-        return
     rendered = _TOKENIZER.apply_chat_template(
         [dict(role=r, content=c) for r, c in turns], tokenize=False
     )
     assert _TOKENIZER.decode(tokens.ids) == rendered
-    # Adjacent assistant turns are separated by their headers, so runs never merge.
-    assert masked_runs(_TOKENIZER, tokens) == [c + END for c in assistant]
+    # Adjacent assistant turns are separated by their headers, so runs never merge. A reply
+    # starting with whitespace may take the header's newline along (one token).
+    runs = masked_runs(_TOKENIZER, tokens)
+    assert len(runs) == len(assistant)
+    for run, content in zip(runs, assistant, strict=True):
+        merged = content[:1].isspace() and run == "\n" + content + END
+        assert run == content + END or merged
     assert int(np.sum(tokens.mask)) <= len(tokens.ids)
