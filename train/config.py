@@ -7,6 +7,8 @@ Unknown keys and bad values raise `RecipeError` with a message that names the ke
 
 import dataclasses
 import difflib
+import functools
+import operator
 import types
 import typing
 from dataclasses import dataclass, field
@@ -92,6 +94,9 @@ class TrainConfig:
     save_every: int = 100  # 0 = only the final draft
     keep_checkpoints: int = 2
     resume: str = "no"  # no | auto | path to a checkpoint directory
+    # true: delete the contents of a non-empty output_dir first. Otherwise a non-empty one is
+    # refused unless resuming, so that two runs never mix their outputs.
+    overwrite: bool = False
     log_every: int = 10
 
 
@@ -170,7 +175,8 @@ def _coerce(value: Any, tp, key: str) -> Any:
     if origin is dict:
         if not isinstance(value, dict):
             raise RecipeError(f"{key} must be a mapping, got {value!r}")
-        return dict(value)
+        item = typing.get_args(tp)[1] if typing.get_args(tp) else Any
+        return {k: _coerce(v, item, f"{key}.{k}") for k, v in value.items()}
     if tp is bool:
         if isinstance(value, bool):
             return value
@@ -262,7 +268,12 @@ def validate(recipe: Recipe) -> None:
         (t.max_steps >= 1, f"train.max_steps must be >= 1, got {t.max_steps}"),
         (t.micro_batch_size >= 1, f"train.micro_batch_size must be >= 1, got {t.micro_batch_size}"),
         (
-            t.global_batch_size >= t.micro_batch_size
+            t.global_batch_size >= 1,
+            f"train.global_batch_size must be >= 1, got {t.global_batch_size}",
+        ),
+        (
+            t.micro_batch_size < 1  # reported above; no modulo by zero
+            or t.global_batch_size >= t.micro_batch_size
             and t.global_batch_size % t.micro_batch_size == 0,
             f"train.global_batch_size ({t.global_batch_size}) must be a multiple of "
             f"train.micro_batch_size ({t.micro_batch_size})",
@@ -387,16 +398,83 @@ def _draft_checks(recipe: Recipe) -> list[tuple[bool, str]]:
 
 
 def _validate_loss(lo: LossConfig) -> None:
-    """Ask the loss library itself: it knows each loss's parameters."""
+    """Check the loss name and the type of each parameter against the loss functions'
+    signatures (coercing e.g. `eta: 3` to 3.0), then ask the loss library itself for the
+    value checks: it knows each loss's ranges."""
     import torch
 
     from specdistill import losses
+
+    if lo.name not in losses.LOSSES:
+        raise RecipeError(f"loss: unknown loss {lo.name!r}; {_hint(lo.name, list(losses.LOSSES))}")
+    params = dict(lo.params)
+    if lo.name == "mix" and "parts" in params:  # the parts decide which parameters exist
+        params["parts"] = _coerce(params["parts"], dict[str, float], "loss.parts")
+        names = sorted(set(losses.LOSSES) - {"mix"})
+        for part in params["parts"]:
+            if part not in names:
+                raise RecipeError(f"loss: mix: unknown part {part!r}; {_hint(part, names)}")
+    types_ = _loss_param_types(lo.name, params)
+    for key, value in params.items():
+        if key not in types_:
+            valid = sorted(types_) or ["(none)"]
+            close = difflib.get_close_matches(key, sorted(types_) + sorted(_LOSS_FIELDS), n=1)
+            hint = f"did you mean 'loss.{close[0]}'? " if close else ""
+            raise RecipeError(
+                f"loss: {lo.name} takes no parameter 'loss.{key}'; {hint}"
+                f"its parameters: {', '.join(valid)}"
+            )
+        params[key] = _coerce(value, types_[key], f"loss.{key}")
+    lo.params = params
 
     logits = torch.zeros(1, 1, 1024)  # wide enough for top-k style parameters
     try:
         losses.compute_loss(lo.name, logits, logits, temperature=lo.temperature, **lo.params)
     except (ValueError, TypeError) as e:
         raise RecipeError(f"loss: {e}") from None
+
+
+def _hint(name: str, valid: list[str]) -> str:
+    close = difflib.get_close_matches(name, valid, n=1)
+    return (f"did you mean {close[0]!r}? " if close else "") + f"valid: {', '.join(sorted(valid))}"
+
+
+# compute_loss keywords that the trainer sets itself, not loss parameters
+_NOT_LOSS_PARAMS = {"temperature", "d2t"}
+
+
+def _loss_param_types(name: str, params: dict) -> dict[str, Any]:
+    """Recipe type of every parameter loss `name` takes: the keyword-only parameters of the
+    loss function (for mix, also of its parts) and of compute_loss (top_p, top_k, ...)."""
+    import inspect
+
+    from specdistill import losses
+
+    functions = [losses.compute_loss, losses.LOSSES[name]]
+    if name == "mix":
+        functions += [losses.LOSSES[part] for part in params.get("parts") or {}]
+    types_ = {}
+    for function in functions:
+        hints = typing.get_type_hints(function)
+        for p in inspect.signature(function).parameters.values():
+            if p.kind is not p.KEYWORD_ONLY or p.name in _NOT_LOSS_PARAMS:
+                continue
+            default_type = Any if p.default is p.empty or p.default is None else type(p.default)
+            types_[p.name] = _recipe_type(hints.get(p.name, default_type))
+    return types_
+
+
+_RECIPE_TYPES = (bool, int, float, str, type(None))
+
+
+def _recipe_type(tp):
+    """`tp` with the parts a recipe cannot write (tensors) dropped; Any if nothing is left."""
+    if typing.get_origin(tp) in (types.UnionType, typing.Union):
+        kept = [arg for arg in typing.get_args(tp) if _recipe_type(arg) is not Any]
+        return functools.reduce(operator.or_, kept) if kept else Any
+    if tp in _RECIPE_TYPES or typing.get_origin(tp) in (list, dict):
+        return tp
+    return Any
 
 
 def load_recipe(path: str | Path | None, overrides: list[str] = ()) -> Recipe:
@@ -407,9 +485,11 @@ def load_recipe(path: str | Path | None, overrides: list[str] = ()) -> Recipe:
         if not path.is_file():
             raise RecipeError(f"recipe file not found: {path}")
         try:
-            raw = yaml.safe_load(path.read_text()) or {}
+            raw = yaml.safe_load(path.read_text())
         except yaml.YAMLError as e:
             raise RecipeError(f"{path}: not valid YAML ({e})") from None
+        if raw is None:  # an empty file (or only comments): most likely not what was meant
+            raise RecipeError(f"{path}: recipe is empty")
         if not isinstance(raw, dict):
             raise RecipeError(
                 f"{path}: a recipe must be a mapping of sections, got {type(raw).__name__}"

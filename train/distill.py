@@ -7,12 +7,15 @@
 
 Overrides are `key.sub=value` (values parsed as YAML). Outputs in `train.output_dir`:
 recipe.yaml, metrics.jsonl, eval.json, checkpoints/, final/ (the trained draft).
+An anticipated error (a bad recipe, missing data or model) prints one line and exits 2;
+`--debug` or SPECDISTILL_DEBUG=1 shows the traceback instead.
 """
 
 import argparse
 import os
 import sys
 
+from specdistill.errors import debugging, one_line, run_guarded
 from specdistill.train.config import RecipeError, load_recipe
 
 
@@ -36,13 +39,22 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--recipe", help="YAML recipe (e.g. recipes/code.yaml); defaults if omitted"
     )
+    parser.add_argument(
+        "--debug",
+        action="store_true",
+        help="show the traceback of an error (also SPECDISTILL_DEBUG=1)",
+    )
     parser.add_argument("overrides", nargs="*", help="key.sub=value overrides")
     args = parser.parse_args(argv)
+    if args.debug:
+        os.environ["SPECDISTILL_DEBUG"] = "1"
     os.environ.setdefault("WANDB_SILENT", "true")
     try:
         recipe = load_recipe(args.recipe, args.overrides)
     except RecipeError as e:
-        print(f"recipe error: {e}", file=sys.stderr)
+        if debugging():
+            raise
+        print(f"recipe error: {one_line(e)}", file=sys.stderr)
         return 2
 
     if single_process_despite_request():
@@ -55,11 +67,12 @@ def main(argv: list[str] | None = None) -> int:
         )
         return 2
 
-    from specdistill.train.trainer import Trainer  # heavy imports after the recipe is known to be valid
+    # heavy imports only once the recipe is known to be valid
+    from specdistill.train.trainer import Trainer
 
     Trainer(recipe).run()
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_guarded(main, sys.argv[1:]))
