@@ -16,6 +16,7 @@ acceptance; KL-style losses renormalise p over the draft vocabulary first.
 import inspect
 import math
 from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -194,3 +195,29 @@ def check_params(name: str, params: dict) -> None:
     unknown = sorted(set(params) - valid)
     if unknown:
         raise ValueError(f"loss {name!r}: unknown params {unknown}; valid params: {sorted(valid)}")
+
+
+
+# The declared values of the loss parameters (and of compute_loss's sampling keywords),
+# checked without any tensor, so that a recipe is validated before a model is loaded. The
+# functions check the same bounds when they run; topk_ce's k <= vocabulary size can only be
+# checked then.
+PARAM_CHECKS: dict[str, tuple[Callable[[Any], bool], str]] = {
+    "beta": (lambda v: 0.0 <= v <= 1.0, "in [0, 1]"),
+    "eta": (lambda v: v >= 0, ">= 0"),
+    "k": (lambda v: v >= 1, ">= 1"),
+    "alpha_bar": (lambda v: v is None or 0.0 <= v <= 1.0, "in [0, 1]"),
+    "lambda_mode": (lambda v: v in ("batch", "token"), "'batch' or 'token'"),
+    "top_p": (lambda v: v is None or 0.0 < v <= 1.0, "in (0, 1]"),
+    "top_k": (lambda v: v is None or v >= 1, ">= 1"),
+}
+
+
+def check_param_values(name: str, params: dict) -> None:
+    """Raise ValueError for an unknown parameter or a value outside its declared set."""
+    check_params(name, {k: v for k, v in params.items() if k not in ("top_p", "top_k",
+                                                                     "mask_out_of_vocab")})
+    for key, value in params.items():
+        ok, allowed = PARAM_CHECKS.get(key, (lambda v: True, ""))
+        if not ok(value):
+            raise ValueError(f"{name}: {key} must be {allowed}, got {value!r}")

@@ -13,13 +13,21 @@ import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import yaml
 
 
 class RecipeError(ValueError):
     """A recipe key is unknown or its value is invalid."""
+
+
+# Enumerated values: `_coerce` checks them against these sets and names the allowed ones.
+Dtype = Literal["float32", "bfloat16", "float16"]
+DraftType = Literal["standalone", "eagle3"]  # the types of the drafts layer (drafts.TYPES)
+DepthWeighting = Literal["geometric", "expected_length", "end_to_end"]
+MixedPrecision = Literal["no", "bf16", "fp16"]
+WandbMode = Literal["offline", "online", "disabled"]
 
 
 @dataclass
@@ -35,17 +43,17 @@ class LoraConfig:
 @dataclass
 class TargetConfig:
     model: str = "embedded:code"  # HF id, local dir, or embedded:<name>
-    dtype: str = "float32"
+    dtype: Dtype = "float32"
     revision: str | None = None
 
 
 @dataclass
 class DraftConfig:
-    type: str = "standalone"  # standalone (a small causal LM) | eagle3 (a head on the target)
+    type: DraftType = "standalone"  # standalone (a small causal LM) | eagle3 (a head on the target)
     # standalone: HF id, local dir or embedded:<name>. eagle3: null for a fresh head built on
     # the target, or an EAGLE-3 checkpoint directory to continue from.
     model: str | None = "embedded:code-draft"
-    dtype: str = "float32"  # master weights; compute precision comes from train.mixed_precision
+    dtype: Dtype = "float32"  # master weights; compute precision comes from train.mixed_precision
     revision: str | None = None
     lora: LoraConfig = field(default_factory=LoraConfig)
     # eagle3 only:
@@ -73,7 +81,7 @@ class LossConfig:
     temperature: float = 1.0  # both distributions are compared at this temperature
     chunk_size: int | None = None  # positions per chunk: never materialise [batch, seq, vocab]
     # Weighting of the K draft depths (eagle3 TTT): geometric | expected_length | end_to_end
-    depth_weighting: str = "geometric"
+    depth_weighting: DepthWeighting = "geometric"
     depth_decay: float | None = None  # geometric ratio (null = 0.8, EAGLE-3's)
     params: dict[str, Any] = field(default_factory=dict)  # loss-specific, e.g. {eta: 3.0}
 
@@ -88,7 +96,7 @@ class TrainConfig:
     warmup_steps: int = 20
     min_lr_ratio: float = 0.1  # cosine decay ends at lr * min_lr_ratio
     max_grad_norm: float = 1.0
-    mixed_precision: str = "no"  # no | bf16 | fp16
+    mixed_precision: MixedPrecision = "no"
     seed: int = 0
     output_dir: str = "runs/code"
     save_every: int = 100  # 0 = only the final draft
@@ -123,7 +131,7 @@ class EvalConfig:
 @dataclass
 class WandbConfig:
     project: str | None = None  # None disables wandb
-    mode: str = "offline"  # offline | online | disabled
+    mode: WandbMode = "offline"
     entity: str | None = None
     name: str | None = None
 
@@ -153,6 +161,13 @@ def _type_name(tp) -> str:
 def _coerce(value: Any, tp, key: str) -> Any:
     """Check `value` against the annotation `tp`; convert where the meaning is unambiguous."""
     origin = typing.get_origin(tp)
+    if origin is Literal:
+        allowed = typing.get_args(tp)
+        if value in allowed:
+            return value
+        close = difflib.get_close_matches(str(value), allowed, n=1)
+        hint = f"; did you mean {close[0]!r}?" if close else ""
+        raise RecipeError(f"{key} must be one of {', '.join(allowed)}, got {value!r}{hint}")
     if origin in (types.UnionType, typing.Union):
         args = typing.get_args(tp)
         if value is None and type(None) in args:
@@ -233,7 +248,12 @@ def _build(cls, raw: dict, prefix: str):
 
 
 def recipe_to_dict(recipe: Recipe) -> dict:
+    """The recipe as plain data, loadable again: a standalone draft leaves out the EAGLE-3
+    keys (setting them is an error there)."""
     d = dataclasses.asdict(recipe)
+    if recipe.draft.type != "eagle3":
+        for key in EAGLE3_KEYS:
+            d["draft"].pop(key.removeprefix("draft."))
     d["loss"] = {**{k: v for k, v in d["loss"].items() if k != "params"}, **d["loss"]["params"]}
     return d
 
@@ -261,8 +281,10 @@ def parse_override(text: str) -> tuple[str, Any]:
         raise RecipeError(f"override {text!r}: value is not valid YAML ({e})") from None
 
 
-def validate(recipe: Recipe) -> None:
-    """Value checks beyond types. Each message names the key and what to do."""
+def validate(recipe: Recipe, explicit: set[str] = frozenset()) -> None:
+    """Value checks beyond types. Each message names the key and what to do.
+
+    explicit: the dotted keys the recipe file and overrides set (not left at defaults)."""
     t, e, d, lo = recipe.train, recipe.eval, recipe.data, recipe.loss
     checks = [
         (t.max_steps >= 1, f"train.max_steps must be >= 1, got {t.max_steps}"),
@@ -283,10 +305,6 @@ def validate(recipe: Recipe) -> None:
         (t.warmup_steps >= 0, f"train.warmup_steps must be >= 0, got {t.warmup_steps}"),
         (0 <= t.min_lr_ratio <= 1, f"train.min_lr_ratio must be in [0, 1], got {t.min_lr_ratio}"),
         (t.max_grad_norm > 0, f"train.max_grad_norm must be > 0, got {t.max_grad_norm}"),
-        (
-            t.mixed_precision in ("no", "bf16", "fp16"),
-            f"train.mixed_precision must be no, bf16 or fp16, got {t.mixed_precision!r}",
-        ),
         (t.save_every >= 0, f"train.save_every must be >= 0 (0 = final only), got {t.save_every}"),
         (t.keep_checkpoints >= 1, f"train.keep_checkpoints must be >= 1, got {t.keep_checkpoints}"),
         (t.log_every >= 1, f"train.log_every must be >= 1, got {t.log_every}"),
@@ -320,36 +338,28 @@ def validate(recipe: Recipe) -> None:
             f"loss.chunk_size must be >= 1 (or null for the direct loss), got {lo.chunk_size}",
         ),
         (recipe.draft.lora.r >= 0, f"draft.lora.r must be >= 0, got {recipe.draft.lora.r}"),
-        *_draft_checks(recipe),
-        (
-            recipe.wandb.mode in ("offline", "online", "disabled"),
-            f"wandb.mode must be offline, online or disabled, got {recipe.wandb.mode!r}",
-        ),
+        *_draft_checks(recipe, explicit),
     ]
-    for dtype_key, dtype in (
-        ("target.dtype", recipe.target.dtype),
-        ("draft.dtype", recipe.draft.dtype),
-    ):
-        checks.append(
-            (
-                dtype in ("float32", "bfloat16", "float16"),
-                f"{dtype_key} must be float32, bfloat16 or float16, got {dtype!r}",
-            )
-        )
     for ok, message in checks:
         if not ok:
             raise RecipeError(message)
     _validate_loss(lo)
 
 
-def _draft_checks(recipe: Recipe) -> list[tuple[bool, str]]:
+# Keys that configure an EAGLE-3 head; setting one on a standalone draft is a mistake.
+EAGLE3_KEYS = {
+    f"draft.{k}"
+    for k in (
+        "vocab_size", "aux_layers", "ttt_steps", "intermediate_size", "norm_before_residual",
+        "freeze_lm_head",
+    )
+}
+
+
+def _draft_checks(recipe: Recipe, explicit: set[str]) -> list[tuple[bool, str]]:
     d, lo = recipe.draft, recipe.loss
     eagle = d.type == "eagle3"
     return [
-        (
-            d.type in ("standalone", "eagle3"),
-            f"draft.type must be standalone or eagle3, got {d.type!r}",
-        ),
         (
             eagle or d.model is not None,
             "draft.model must name the draft (HF id, directory or embedded:<name>)",
@@ -369,22 +379,8 @@ def _draft_checks(recipe: Recipe) -> list[tuple[bool, str]]:
             "set loss.chunk_size=null",
         ),
         (
-            eagle
-            or (
-                d.vocab_size is None
-                and d.aux_layers is None
-                and d.intermediate_size is None
-                and d.ttt_steps == 3
-                and not d.freeze_lm_head
-            ),
-            "draft.vocab_size / aux_layers / ttt_steps / intermediate_size / freeze_lm_head "
-            "apply to "
-            "draft.type=eagle3 only",
-        ),
-        (
-            lo.depth_weighting in ("geometric", "expected_length", "end_to_end"),
-            "loss.depth_weighting must be geometric, expected_length or end_to_end, "
-            f"got {lo.depth_weighting!r}",
+            eagle or not (explicit & EAGLE3_KEYS),
+            f"{', '.join(sorted(explicit & EAGLE3_KEYS))} apply to draft.type=eagle3 only",
         ),
         (
             lo.depth_weighting != "end_to_end" or lo.name == "tv",
@@ -401,9 +397,8 @@ def _validate_loss(lo: LossConfig) -> None:
     """Check the loss name and the type of each parameter against the loss functions'
     signatures (coercing e.g. `eta: 3` to 3.0), then ask the loss library itself for the
     value checks: it knows each loss's ranges."""
-    import torch
-
     from specdistill import losses
+    from specdistill.losses.divergences import check_param_values
 
     if lo.name not in losses.LOSSES:
         raise RecipeError(f"loss: unknown loss {lo.name!r}; {_hint(lo.name, list(losses.LOSSES))}")
@@ -426,11 +421,9 @@ def _validate_loss(lo: LossConfig) -> None:
             )
         params[key] = _coerce(value, types_[key], f"loss.{key}")
     lo.params = params
-
-    logits = torch.zeros(1, 1, 1024)  # wide enough for top-k style parameters
-    try:
-        losses.compute_loss(lo.name, logits, logits, temperature=lo.temperature, **lo.params)
-    except (ValueError, TypeError) as e:
+    try:  # the values each parameter may take, as the loss library declares them
+        check_param_values(lo.name, lo.params)
+    except ValueError as e:
         raise RecipeError(f"loss: {e}") from None
 
 
@@ -498,8 +491,15 @@ def load_recipe(path: str | Path | None, overrides: list[str] = ()) -> Recipe:
         key, value = parse_override(text)
         _set_dotted(raw, key, value)
     recipe = _build(Recipe, raw, "")
-    validate(recipe)
+    validate(recipe, set(_dotted_keys(raw)))
     return recipe
+
+
+def _dotted_keys(tree: dict, prefix: str = ""):
+    for key, value in tree.items():
+        yield f"{prefix}{key}"
+        if isinstance(value, dict):
+            yield from _dotted_keys(value, f"{prefix}{key}.")
 
 
 def dump_recipe(recipe: Recipe, path: str | Path) -> None:

@@ -84,14 +84,14 @@ def test_unknown_key_names_it_and_suggests(tmp_path):
         ("train.max_steps=ten", r"train.max_steps must be an integer, got 'ten'"),
         ("train.lr=-1", r"train.lr must be > 0"),
         ("train.global_batch_size=12", r"must be a multiple of train.micro_batch_size"),
-        ("train.mixed_precision=fp8", r"train.mixed_precision must be no, bf16 or fp16"),
+        ("train.mixed_precision=fp8", r"train.mixed_precision must be one of no, bf16, fp16, got .fp8."),
         ("eval.temperature=-0.5", r"eval.temperature must be >= 0"),
         ("data.pack=maybe", r"data.pack must be true or false"),
         ("loss.name=nope", r"loss: .*nope"),
         ("loss.eta=-1", r"loss: .*eta"),
         ("loss.beta=0.5", r"loss: .*beta"),  # lk_lambda takes no beta
         ("loss.lambda_mode=sometimes", r"loss: .*lambda_mode"),
-        ("target.dtype=float8", r"target.dtype must be float32, bfloat16 or float16"),
+        ("target.dtype=float8", r"target.dtype must be one of float32, bfloat16, float16, got .float8."),
         ("loss.chunk_size=0", r"loss.chunk_size must be >= 1"),
     ],
 )
@@ -120,3 +120,31 @@ def test_float_keys_accept_exponents_without_a_dot():
     assert load_recipe(None, ["train.lr=1e-3"]).train.lr == 1e-3
     with pytest.raises(RecipeError, match="train.lr must be a number"):
         load_recipe(None, ["train.lr=fast"])
+
+
+def test_eagle3_keys_are_refused_when_set_even_to_their_defaults():
+    """Detected by whether the user wrote them, not by comparing with the defaults."""
+    with pytest.raises(RecipeError, match=r"draft.ttt_steps apply to draft.type=eagle3 only"):
+        load_recipe(None, ["draft.ttt_steps=3"])  # 3 is the default
+    with pytest.raises(RecipeError, match=r"draft.freeze_lm_head, draft.vocab_size apply"):
+        load_recipe(None, ["draft.vocab_size=null", "draft.freeze_lm_head=false"])
+    assert load_recipe(None, ["draft.type=eagle3", "draft.model=null", "draft.ttt_steps=3"])
+
+
+def test_loss_parameters_checked_by_declaration_not_a_dummy_vocabulary():
+    """topk_ce's k may exceed 1024 (a 128k vocabulary); declared ranges still apply."""
+    assert load_recipe(None, ["loss.name=topk_ce", "loss.k=5000"]).loss.params == {"k": 5000}
+    with pytest.raises(RecipeError, match=r"loss: topk_ce: k must be >= 1, got 0"):
+        load_recipe(None, ["loss.name=topk_ce", "loss.k=0"])
+    with pytest.raises(RecipeError, match=r"loss: jsd: beta must be in \[0, 1\], got 1.5"):
+        load_recipe(None, ["loss.name=jsd", "loss.beta=1.5"])
+    with pytest.raises(RecipeError, match=r"lambda_mode must be 'batch' or 'token'"):
+        load_recipe(None, ["loss.name=lk_lambda", "loss.lambda_mode=tok"])
+
+
+def test_enumerations_name_their_allowed_values():
+    with pytest.raises(RecipeError, match=r"draft.type must be one of standalone, eagle3, got "
+                                          r"'eagle'; did you mean 'eagle3'\?"):
+        load_recipe(None, ["draft.type=eagle"])
+    with pytest.raises(RecipeError, match=r"wandb.mode must be one of offline, online, disabled"):
+        load_recipe(None, ["wandb.mode=on"])
