@@ -1,16 +1,18 @@
 """Losses for training speculative-decoding drafts: divergences between the draft q and
-the target p, acceptance α = Σ min(p, q), and their masked sums (REFERENCE §1, §3).
+the target p, acceptance α = Σ min(p, q), and their masked sums (docs/theory.md §1, §3).
 
 Every loss entry point returns ``(loss_sum, n_valid)`` (multi_depth_loss adds per-depth α):
 divide once by the global number of valid positions. See :mod:`losses.api` for the target
 forms (logits, probabilities as log-probs, SparseTarget, truncated draft vocabulary via
-d2t) and the sampling parameters (temperature, top_p, top_k).
+d2t) and the sampling parameters (temperature, top_p, top_k), and :mod:`losses.sampling`
+for the one sampling filter (`filter_logits`, `probabilities`) the engine uses too.
 """
 
 from specdistill.losses.api import SparseTarget, acceptance, compute_loss
 from specdistill.losses.chunked import chunked_loss
 from specdistill.losses.divergences import LOSSES
 from specdistill.losses.multi_depth import multi_depth_loss
+from specdistill.losses.sampling import filter_logits, probabilities
 
 __all__ = [
     "LOSSES",
@@ -18,5 +20,7 @@ __all__ = [
     "acceptance",
     "chunked_loss",
     "compute_loss",
+    "filter_logits",
     "multi_depth_loss",
+    "probabilities",
 ]

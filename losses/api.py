@@ -15,6 +15,7 @@ import torch
 from torch import Tensor
 
 from specdistill.losses.divergences import LOG_P_FLOOR, LOSSES, check_params, log_acceptance
+from specdistill.losses.sampling import check_filters, filter_logits
 
 
 class SparseTarget(NamedTuple):
@@ -63,9 +64,10 @@ def compute_loss(
         mask: [...] bool, True = valid; None = all valid. Masked positions contribute
             exactly 0 whatever their logits (NaN included).
         temperature: > 0, applied to both sides (logits / T).
-        top_p, top_k: filter the target (after temperature) as the verifier does at serving.
-            The draft is left unfiltered: its own filter is not differentiable, and KL-style
-            losses would be infinite wherever p has mass outside the draft's nucleus.
+        top_p, top_k: filter the target (after temperature) as the verifier does at serving
+            (`losses.sampling.filter_logits`; None = off). The draft is left unfiltered:
+            its own filter is not differentiable, and KL-style losses would be infinite
+            wherever p has mass outside the draft's nucleus (docs/theory.md §1).
         d2t: [V_d] int64, target_id = i + d2t[i] for a draft over a truncated vocabulary.
             α-style losses use the raw target p on V_d (the true acceptance); KL-style
             losses use p renormalised over V_d.
@@ -250,7 +252,7 @@ def target_logp(
     """Processed target log-probabilities over the target vocabulary, detached:
     [..., V] (or SparseTarget, scattered into ``vocab_size``) -> [..., V].
 
-    Order as in vLLM / HF samplers: temperature, then top-k, then top-p, then renormalise.
+    Filtered by `losses.sampling.filter_logits` (temperature, top-k, top-p), then renormalised.
     """
     if isinstance(target, SparseTarget):
         logits = _dense(target, mask, vocab_size, dtype)
@@ -265,18 +267,7 @@ def target_logp(
             f"target logits are non-finite at {int(bad.sum())} valid positions (NaN, +inf, "
             "or every entry -inf); fix the target or mask those positions"
         )
-    if temperature != 1.0:
-        logits = logits / temperature
-    if top_k is not None and top_k < logits.shape[-1]:
-        kth_largest = logits.topk(top_k, dim=-1).values[..., -1:]
-        logits = logits.masked_fill(logits < kth_largest, float("-inf"))
-    if top_p is not None and top_p < 1.0:
-        sorted_logits, order = logits.sort(-1, descending=True)
-        sorted_probs = sorted_logits.softmax(-1)
-        drop_sorted = sorted_probs.cumsum(-1) - sorted_probs >= top_p  # mass before >= top_p
-        drop = torch.empty_like(drop_sorted).scatter_(-1, order, drop_sorted)
-        logits = logits.masked_fill(drop, float("-inf"))
-    target_logp = logits.log_softmax(-1)
+    target_logp = filter_logits(logits, temperature, top_p, top_k).log_softmax(-1)
     if mask is not None:  # finite placeholders in masked rows, whatever they held
         target_logp.masked_fill_(~mask[..., None], 0.0)
     return target_logp
@@ -327,7 +318,4 @@ def _check_sampling(temperature: float, top_p: float | None, top_k: int | None) 
             f"temperature must be > 0 for losses, got {temperature} "
             "(temperature 0 only exists for acceptance(), as greedy agreement)"
         )
-    if top_p is not None and not 0.0 < top_p <= 1.0:
-        raise ValueError(f"top_p must be in (0, 1], got {top_p}")
-    if top_k is not None and top_k < 1:
-        raise ValueError(f"top_k must be >= 1, got {top_k}")
+    check_filters(top_p, top_k)

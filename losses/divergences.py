@@ -1,4 +1,4 @@
-"""Per-position divergences between the draft q and the target p (REFERENCE §3).
+"""Per-position divergences between the draft q and the target p (docs/theory.md §3).
 
 Every function here is pure: ``fn(draft_logp, target_logp, **params) -> loss``, with
 ``draft_logp, target_logp: [..., vocab]`` log-probabilities over the *draft* vocabulary
@@ -31,7 +31,7 @@ def log_acceptance(draft_logp: Tensor, target_logp: Tensor) -> Tensor:
     """log α = logsumexp_x min(log p(x), log q(x)): [..., vocab] x2 -> [...].
 
     Stable as α -> 0. The gradient goes to the draft where q <= p (ties included),
-    which gives the closed-form TV gradient of REFERENCE §3.
+    which gives the closed-form TV gradient of docs/theory.md §3.
     """
     return torch.where(draft_logp <= target_logp, draft_logp, target_logp).logsumexp(-1)
 

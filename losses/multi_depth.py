@@ -1,4 +1,4 @@
-"""Loss over K unrolled draft steps (training-time test, REFERENCE §3 and §4).
+"""Loss over K unrolled draft steps (training-time test, docs/theory.md §3 and §4).
 
 Depth k (0-based) holds the draft's k-th step at each position. The chain of acceptances
 at a position is α_0, α_1, ...; Π_{i<=j} α_i is the probability that steps 0..j are all
