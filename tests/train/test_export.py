@@ -1,4 +1,4 @@
-"""train/export.py: every format re-loads to the exact same logits; bad maps never get written."""
+"""train/export/: every format re-loads to the exact same logits; bad maps never get written."""
 
 import json
 import subprocess
@@ -483,7 +483,7 @@ def test_cli(head_dir, standalone_dir, tmp_path, capsys):
 def test_cli_as_a_script(standalone_dir, tmp_path):
     out = tmp_path / "out"
     run = subprocess.run(
-        [sys.executable, "train/export.py", "--draft", str(standalone_dir[2])]
+        [sys.executable, "-m", "specdistill.train.export", "--draft", str(standalone_dir[2])]
         + ["--format", "vllm", "--out", str(out)],
         cwd=ROOT,
         capture_output=True,
@@ -493,3 +493,174 @@ def test_cli_as_a_script(standalone_dir, tmp_path):
     assert run.returncode == 0, run.stderr
     assert '"num_speculative_tokens": 5' in run.stdout
     assert (out / "model.safetensors").is_file()
+
+
+def test_specdistill_export_verb(standalone_dir, tmp_path):
+    out = tmp_path / "out"
+    run = subprocess.run(
+        [sys.executable, "-m", "specdistill", "export", "--draft", str(standalone_dir[2])]
+        + ["--format", "sglang", "--out", str(out), "--speculative-tokens", "4"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert run.returncode == 0, run.stderr
+    assert "--speculative-algorithm STANDALONE" in run.stdout
+    assert "--speculative-num-steps 4" in run.stdout
+    assert "--speculative-num-draft-tokens 5" in run.stdout
+
+
+def test_export_subpackage_is_packaged():
+    import tomllib
+
+    packages = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    assert "specdistill.train.export" in packages["packages"]
+
+
+# ----------------------------------------------------------------------------- speculative tokens
+
+
+class _Tokenizer:
+    def save_pretrained(self, out):
+        (Path(out) / "tokenizer_config.json").write_text('{"model_max_length": 128}\n')
+
+
+def proposal_tokens(out: Path) -> int:
+    config = json.loads((out / "config.json").read_text())
+    (method,) = config["speculators_config"]["proposal_methods"]
+    return method["speculative_tokens"]
+
+
+@pytest.fixture
+def depth5_dir(llama_target, tmp_path):
+    """A head saved the way the trainer saves it after training with draft.ttt_steps=5."""
+    from specdistill import drafts
+
+    target, target_dir = llama_target
+    head = trained_head(target, seed=2)
+    kind = drafts.Eagle3(head, 5, VOCAB)
+    kind.save(head, tmp_path / "final", _Tokenizer(), verifier=str(target_dir))
+    return head, tmp_path / "final"
+
+
+def test_head_records_its_training_depth(depth5_dir):
+    _, src = depth5_dir
+    config = json.loads((src / "config.json").read_text())
+    assert config["ttt_steps"] == 5
+    assert proposal_tokens(src) == 5
+    assert Eagle3Head.from_pretrained(src).ttt_steps == 5
+
+
+def test_export_writes_the_training_depth_and_the_flag_overrides_it(depth5_dir, tmp_path, capsys):
+    head, src = depth5_dir
+    out = export(src, "vllm", tmp_path / "vllm")
+    assert proposal_tokens(out) == 5
+    assert "note:" not in capsys.readouterr().err
+    hf = export(src, "hf", tmp_path / "hf", speculative_tokens=2)
+    assert proposal_tokens(hf) == 2
+    assert json.loads((hf / "config.json").read_text())["ttt_steps"] == 5  # still the depth
+    # Through SGLang and back: the depth travels in the SGLang config too.
+    sgl = export(src, "sglang", tmp_path / "sgl")
+    assert json.loads((sgl / "config.json").read_text())["ttt_steps"] == 5
+    assert load_export(sgl, "sglang").ttt_steps == 5
+    assert proposal_tokens(export(sgl, "vllm", tmp_path / "via")) == 5
+    with pytest.raises(ExportError, match="--speculative-tokens must be >= 1"):
+        export(src, "vllm", tmp_path / "zero", speculative_tokens=0)
+    assert not (tmp_path / "zero").exists()
+
+
+def test_cli_speculative_tokens(depth5_dir, tmp_path, capsys):
+    _, src = depth5_dir
+    out = tmp_path / "out"
+    assert main(["--draft", str(src), "--format", "vllm", "--out", str(out)]) == 0
+    assert '"num_speculative_tokens": 5, "method": "eagle3"' in capsys.readouterr().out
+    argv = ["--draft", str(src), "--format", "vllm", "--out", str(out), "--overwrite"]
+    assert main(argv + ["--speculative-tokens", "7"]) == 0
+    assert '"num_speculative_tokens": 7, "method": "eagle3"' in capsys.readouterr().out
+    assert proposal_tokens(out) == 7
+    argv = ["--draft", str(src), "--format", "sglang", "--out", str(tmp_path / "sgl")]
+    assert main(argv) == 0
+    printed = capsys.readouterr().out
+    assert "--speculative-num-steps 5 " in printed
+    assert "--speculative-num-draft-tokens 6" in printed
+
+
+def test_speculative_tokens_from_the_recipe_else_3_with_a_note(head_dir, tmp_path, capsys):
+    head, _ = head_dir
+    assert head.ttt_steps is None  # saved without training: no recorded depth
+    run = tmp_path / "run"
+    head.save_pretrained(run / "final")
+    (run / "recipe.yaml").write_text(yaml.safe_dump({"draft": {"ttt_steps": 7}}))
+    assert proposal_tokens(export(run / "final", "vllm", tmp_path / "recipe")) == 7
+    assert "note:" not in capsys.readouterr().err
+
+    (run / "recipe.yaml").unlink()
+    assert proposal_tokens(export(run / "final", "vllm", tmp_path / "default")) == 3
+    assert "--speculative-tokens" in capsys.readouterr().err
+
+
+# ----------------------------------------------------------------------------- draft types
+
+
+def test_draft_types_detect_their_directories(head_dir, standalone_dir, tmp_path):
+    from specdistill import drafts
+
+    head, src = head_dir
+    assert drafts.detect(src) is drafts.Eagle3
+    assert drafts.Eagle3.detect(src) and not drafts.SGLangEagle3.detect(src)
+    sgl = export(src, "sglang", tmp_path / "sgl")
+    assert drafts.detect(sgl) is drafts.SGLangEagle3
+    assert drafts.SGLangEagle3.name == "eagle3"
+    assert drafts.detect(standalone_dir[2]) is drafts.Standalone
+    assert drafts.detect(head) is drafts.Eagle3
+    assert drafts.detect(standalone_dir[0]) is drafts.Standalone
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ValueError, match="no config.json"):
+        drafts.detect(tmp_path / "empty")
+    assert not drafts.Eagle3.detect(tmp_path / "empty")
+
+
+def test_a_third_draft_type_plugs_in(standalone_dir, tmp_path, monkeypatch):
+    """A new type: a class in drafts/ (name, formats, layout, detect) and, per format it
+    supports, a writer, a hint and (in its layout's module) a reader keyed by its name."""
+    from specdistill import drafts
+    from specdistill.train.export import vllm
+    from specdistill.train.export.common import Plan
+
+    class Toy:
+        name, formats, layout = "toy", ("vllm",), "vllm"
+
+        @staticmethod
+        def detect(path) -> bool:
+            return json.loads((Path(path) / "config.json").read_text()).get("toy", False)
+
+    def write_toy(model, options):
+        def write(out):
+            (out / "config.json").write_text('{"toy": true}\n')
+
+        return Plan(write, None, options.speculative_tokens or 1)
+
+    monkeypatch.setattr(drafts, "DETECTED", (Toy, *drafts.DETECTED))
+    monkeypatch.setitem(vllm.WRITERS, "toy", write_toy)
+    monkeypatch.setitem(vllm.READERS, "toy", lambda directory: torch.nn.Identity())
+    monkeypatch.setitem(vllm.HINTS, "toy", "toy-serve {out} {tokens}")
+    src = tmp_path / "toy"
+    src.mkdir()
+    (src / "config.json").write_text('{"toy": true}\n')
+    out = export(src, "vllm", tmp_path / "out")
+    assert json.loads((out / "config.json").read_text()) == {"toy": True}
+    assert isinstance(load_export(out, "vllm"), torch.nn.Identity)
+    with pytest.raises(ExportError, match="cannot be exported as sglang"):
+        export(src, "sglang", tmp_path / "sgl")
+    assert not (tmp_path / "sgl").exists()
+
+
+def test_nothing_left_beside_out(head_dir, tmp_path):
+    _, src = head_dir
+    parent = tmp_path / "exports"
+    export(src, "vllm", parent / "out")
+    export(src, "sglang", parent / "out", overwrite=True)
+    with pytest.raises(ExportError):
+        export(src, "vllm", parent / "out")
+    assert [p.name for p in parent.iterdir()] == ["out"]

@@ -1,0 +1,84 @@
+"""vLLM: an EAGLE-3 head in the `speculators` layout; a standalone draft as a plain HF directory.
+
+EAGLE-3 head (docs/theory.md §5): config.json with every field written explicitly
+(`transformer_layer_config`, `draft_vocab_size`, `target_hidden_size`,
+`eagle_aux_hidden_state_layer_ids`, `norm_before_residual`, the norm flags, and
+`speculators_config` with the number of speculative tokens and the verifier's name_or_path
+and architectures) and model.safetensors (fc, layers.0.*, norm, lm_head, embed_tokens,
+d2t int64, t2d bool): what `Eagle3Head.save_pretrained` writes. `vllm serve OUT` alone starts
+the verifier named in the config and proposes that many tokens.
+
+Standalone draft: config.json, model.safetensors and the generation config of the causal LM,
+which vLLM loads as a draft model path. SGLang and the hf format write the same directory.
+"""
+
+from pathlib import Path
+
+from torch import nn
+
+from specdistill.drafts.eagle3_head import Eagle3Head, check_vocab_map
+from specdistill.train.export import verifier
+from specdistill.train.export.common import (
+    ExportError,
+    Options,
+    Plan,
+    check_head_files,
+    config_of,
+    speculative_tokens,
+    weights_dtype,
+)
+
+# The serve hint's proposal length for a standalone draft (it records no training depth).
+STANDALONE_TOKENS = 5
+
+
+def write_head(head: Eagle3Head, options: Options) -> Plan:
+    check_vocab_map(head.d2t, head.t2d, head.config.vocab_size, head.draft_vocab_size)
+    name, archs, config = verifier.resolve(options.source, options.verifier)
+    verifier.check_head(head, name, config)
+    tokens = speculative_tokens(head, options)
+
+    def write(out: Path) -> None:
+        head.save_pretrained(out, verifier=name, verifier_arch=archs, speculative_tokens=tokens)
+        vocab = config_of(out)["transformer_layer_config"]["vocab_size"]
+        check_head_files(out, vocab, "layers.0.")
+
+    return Plan(write, name, tokens)
+
+
+def read_head(directory: Path) -> Eagle3Head:
+    return Eagle3Head.from_pretrained(directory, dtype=weights_dtype(directory))
+
+
+def write_causal_lm(model: nn.Module, options: Options) -> Plan:
+    """Every format writes a standalone draft as this plain causal-LM directory."""
+    name = verifier.warn_vocab(model, options.verifier)
+
+    def write(out: Path) -> None:
+        model.save_pretrained(str(out))
+        if not any(out.glob("*.safetensors")):
+            raise ExportError(f"export wrote no safetensors weights in {out}")
+
+    return Plan(write, name, options.speculative_tokens or STANDALONE_TOKENS)
+
+
+def read_causal_lm(directory: Path) -> nn.Module:
+    from transformers import AutoModelForCausalLM
+
+    try:
+        return AutoModelForCausalLM.from_pretrained(str(directory), dtype="auto")
+    except (OSError, ValueError, KeyError) as e:
+        raise ExportError(
+            f"{directory} is neither an EAGLE-3 head directory nor a Hugging Face causal LM "
+            f"directory that AutoModelForCausalLM can load: {e}"
+        ) from e
+
+
+WRITERS = {"eagle3": write_head, "standalone": write_causal_lm}
+READERS = {"eagle3": read_head, "standalone": read_causal_lm}
+HINTS = {
+    "eagle3": "vllm serve {target} --speculative-config "
+    '\'{{"model": "{out}", "num_speculative_tokens": {tokens}, "method": "eagle3"}}\'',
+    "standalone": "vllm serve {target} --speculative-config "
+    '\'{{"model": "{out}", "num_speculative_tokens": {tokens}}}\'',
+}
