@@ -7,8 +7,9 @@ through real speculative decoding on the same prompts.
 
 Standalone runs use recipes/code.yaml (the pretrained 1-layer embedded draft), head runs
 recipes/code-eagle3.yaml (a fresh head on the same target); both get the same data, batch,
-steps and loss. Each trained draft then decodes the prompts with `eval/speculative.py`'s
-engine (greedy and sampled, per γ) against target-only decoding measured in the same run.
+steps and loss. Each trained draft then decodes the prompts in the engine's evaluation sweep
+(eval/sweep.py: greedy and sampled, per γ) against target-only decoding measured in the same
+run.
 Prints measured τ, speedup, engine efficiency and offline α per configuration, and writes
 everything to OUT/summary.json. Already trained runs in OUT are reused (--retrain to redo).
 """
@@ -20,7 +21,7 @@ from pathlib import Path
 import torch
 from accelerate.state import AcceleratorState, GradientState
 
-from specdistill.eval import report
+from specdistill.eval.sweep import Settings, sweep
 from specdistill.eval.prompts import encode_prompts, load_prompts
 from specdistill.train.config import load_recipe
 from specdistill.train.models import load_draft, load_model, load_tokenizer
@@ -82,7 +83,7 @@ def main() -> None:
     target = load_model(target_name)
     prompts = load_prompts(args.prompts, limit=args.num_prompts)
     prompt_ids = encode_prompts(prompts, tokenizer, max_tokens=256)
-    settings = report.Settings(
+    settings = Settings(
         gammas=[int(g) for g in args.gammas.split(",")],
         temperatures=tuple(float(t) for t in args.temperatures.split(",")),
         max_new_tokens=args.max_new_tokens,
@@ -91,7 +92,7 @@ def main() -> None:
     for (kind, loss), (run_dir, result) in trained.items():
         draft = load_draft(str(run_dir / "final"))
         params = result.get("trainable_params") or sum(p.numel() for p in draft.parameters())
-        evaluation, _ = report.evaluate(target, draft, prompt_ids, settings)
+        evaluation, _ = sweep(target, draft, prompt_ids, settings)
         summary[f"{kind}-{loss}"] = {
             "trainable_params": params,
             "train_eval": {k: result[k] for k in ("alpha", "alpha_greedy", "steps")},

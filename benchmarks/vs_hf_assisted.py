@@ -32,7 +32,9 @@ from pathlib import Path
 
 import torch
 
-from specdistill.eval import speculative as spec
+from specdistill.drafts.cache import sync
+from specdistill.eval import stats
+from specdistill.eval.engine import Generation, generate
 from specdistill.eval.prompts import encode_prompts, load_prompts
 from specdistill.train.models import check_tokenizers, load_model, load_tokenizer
 
@@ -40,7 +42,7 @@ HUMANEVAL = Path(__file__).resolve().parent / "prompts" / "HumanEval.jsonl.gz"
 
 
 def clock(device: torch.device) -> float:
-    spec._sync(device)
+    sync(device)
     return time.perf_counter()
 
 
@@ -68,10 +70,10 @@ def hf_generate(target, draft, ids: list[int], *, temperature, gamma, max_new_to
     return out[0, len(ids) :].tolist()
 
 
-def engine_runs(target, draft, prompt_ids, **kwargs) -> tuple[float, list[spec.Generation]]:
+def engine_runs(target, draft, prompt_ids, **kwargs) -> tuple[float, list[Generation]]:
     start = clock(target.device)
     runs = [
-        spec.generate(target, draft, [ids], seed=i, **kwargs) for i, ids in enumerate(prompt_ids)
+        generate(target, draft, [ids], seed=i, **kwargs) for i, ids in enumerate(prompt_ids)
     ]
     return clock(target.device) - start, runs
 
@@ -88,7 +90,7 @@ def compare(target, draft, prompt_ids, *, temperature: float, gamma: int, max_ne
     """Both engines on the same requests at one temperature: tokens/s, ratios and efficiency."""
     common = dict(temperature=temperature, max_new_tokens=max_new_tokens)
     # Warm-up: first calls pay for allocator growth and lazy initialisation.
-    spec.generate(
+    generate(
         target, draft, prompt_ids[:1], gamma=gamma, temperature=temperature, max_new_tokens=8
     )
     hf_generate(
@@ -112,8 +114,8 @@ def compare(target, draft, prompt_ids, *, temperature: float, gamma: int, max_ne
         assert [g.sequences for g in spec_runs] == [g.sequences for g in base_runs]
 
     rounds = [r for g in spec_runs for r in g.rounds]
-    tau = spec.acceptance_stats(rounds)["tau"]
-    c, v = spec.cost_ratios(rounds, [r for g in base_runs for r in g.rounds])
+    tau = stats.acceptance_stats(rounds)["tau"]
+    c, v = stats.cost_ratios(rounds, [r for g in base_runs for r in g.rounds])
     speedup = t_engine_base / t_engine_spec
     ideal = tau / (gamma * c + 1.0)
     n_tokens = len(prompt_ids) * max_new_tokens
@@ -127,7 +129,7 @@ def compare(target, draft, prompt_ids, *, temperature: float, gamma: int, max_ne
         "engine_vs_hf_assisted": t_hf_assisted / t_engine_spec,
         "engine_vs_hf_assisted_dynamic": t_hf_dynamic / t_engine_spec,
         "tau": tau,
-        "alpha_measured": spec.alpha_for_tau(tau, gamma),
+        "alpha_measured": stats.alpha_for_tau(tau, gamma),
         "cost_ratio_c": c,
         "verify_cost_ratio": v,
         "speedup": speedup,

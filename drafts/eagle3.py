@@ -5,23 +5,35 @@ K = `draft.ttt_steps` depths of training-time test, each aligned with the target
 logits. Saved in the `speculators` layout vLLM loads (docs/theory.md §4, §5).
 """
 
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
 from torch import Tensor
 
+from specdistill.drafts.cache import left_pad, left_pad_rows
 from specdistill.drafts.eagle3_head import (
     Eagle3Head,
     FeatureCapture,
     align_depths,
     build_vocab_map,
+    is_eagle3_dir,
+    is_sglang_eagle3_dir,
 )
+from specdistill.drafts.standalone import StandaloneDrafter
 
 Depths = tuple[list[Tensor], list[Tensor], list[Tensor]]
 
 
 class Eagle3:
     name = "eagle3"
+    formats = ("vllm", "sglang", "hf")  # export formats (train/export/)
+    layout = "vllm"  # a saved head is in the speculators layout (`Eagle3Head.save_pretrained`)
+
+    @staticmethod
+    def detect(path) -> bool:
+        """A head in the speculators layout: config.json with speculators_model_type eagle3."""
+        return is_eagle3_dir(path)
 
     def __init__(self, head: Eagle3Head, steps: int, vocab_size: int):
         if steps < 1:
@@ -54,8 +66,106 @@ class Eagle3:
         return align_depths(logits, t_logits, batch["loss_mask"], batch["attention_mask"])
 
     def save(self, draft, out: Path, tokenizer, verifier: str) -> None:
+        draft.ttt_steps = self.steps  # recorded in config.json: the export's speculative tokens
         draft.save_pretrained(out, verifier=verifier)
         tokenizer.save_pretrained(out)
+
+    # ------------------------------------------------------------------ a loaded head
+    # Offline α depends on the drafting depth: the head drafts from its own hidden states.
+    per_depth_alpha = True
+    own_tokenizer = False  # uses the target's tokenizer; its vocabulary must fit in it
+
+    @staticmethod
+    def vocab_size_of(head) -> int:
+        """Logit columns the head produces: the target vocabulary V (−inf outside V_d)."""
+        return head.config.vocab_size
+
+    @staticmethod
+    def drafter(head, vocab_size: int, device: torch.device) -> "Eagle3Drafter":
+        """The engine's drafter (eval/engine.py) for a loaded head."""
+        return Eagle3Drafter(head, vocab_size, device)
+
+    @staticmethod
+    def path_logits(target, head, ids: Tensor, n_prompt: int, depth: int, vocab_size: int):
+        """Teacher-forced logits along ids [1, T] = prompt + output, for the offline α.
+
+        Returns `depth` triples (draft logits [S, V], target logits [S, V], mask [S]) with
+        S = T − n_prompt + 1: row s of depth k is the k-th draft (0-based) of a round that
+        starts at generated position s (it predicts output[s + k]), the head unrolled on the
+        text as in training; masked where the text runs out.
+        """
+        with FeatureCapture(target, head.aux_layers) as capture:
+            t_logits = target(input_ids=ids).logits[0, :, :vocab_size]
+        steps = head.unroll(capture.features().to(head.fc.weight.dtype), ids, None, depth)
+        length = ids.shape[1]
+        # The chain that starts at t = n_prompt + s − 2 has its k-th draft predict output[s + k].
+        t = n_prompt - 2 + torch.arange(length - n_prompt + 1, device=t_logits.device)
+        out = []
+        for k, logits in enumerate(steps):
+            full = head._logits_to_full(logits[0])[:, :vocab_size].to(t_logits.device)
+            valid = (t >= 0) & (t + k + 1 < length)
+            rows = t.clamp(0, length - 1)
+            out.append((full[rows], t_logits[(t + k + 1).clamp(0, length - 1)], valid))
+        return out
+
+
+class SGLangEagle3(Eagle3):
+    """An EAGLE-3 head in SGLang's layout (an SGLang export read back as a draft): the same
+    draft type, in another directory layout."""
+
+    layout = "sglang"
+
+    @staticmethod
+    def detect(path) -> bool:
+        """config.json with architectures [LlamaForCausalLMEagle3]."""
+        return is_sglang_eagle3_dir(path)
+
+
+class Eagle3Drafter(StandaloneDrafter):
+    """An EAGLE-3 head (drafts/eagle3_head.py) drafting from the target's features.
+
+    Its cache holds one entry per committed position j < n whose target feature is known:
+    (fc(feature_j), token j+1), at position j. The target gives the features of the tokens
+    it verified, so after each round the accepted positions become `pending` pairs
+    (fc(features) [m, H], tokens); the head's own γ−1 speculative entries (fed its pre-norm
+    outputs) are always dropped. The prompt's first generated token comes from the
+    target's prefill, as in EAGLE.
+    """
+
+    target_first_token = True  # the target prefills the whole prompt and samples token 1
+
+    def __init__(self, head, vocab_size: int, device: torch.device):
+        super().__init__(head, vocab_size, device)
+        self.head = head
+
+    def capture(self, target) -> FeatureCapture:
+        """The head drafts from the features entering its aux layers of the target."""
+        return FeatureCapture(target, self.head.aux_layers)
+
+    def admit(self, prompts: Sequence[Sequence[int]], features) -> None:
+        """prompts: prompt + first token; features: per row [len(prompt), F] (positions 0..)."""
+        hidden = [self._fc(f) for f in features]
+        self.stream.admit([p[1:-1] for p in prompts], hidden=[h[:-1] for h in hidden])
+        self.pending += [(h[-1:], [p[-1]]) for h, p in zip(hidden, prompts, strict=True)]
+
+    def _first_inputs(self) -> tuple[Tensor, Tensor, dict]:
+        tokens, valid = left_pad([t for _, t in self.pending], self.device)
+        hidden = left_pad_rows([h for h, _ in self.pending], valid)
+        return tokens, valid, {"hidden_states": hidden}
+
+    def _next_inputs(self) -> dict:
+        return {"hidden_states": self.stream.output.hidden_states[:, -1:]}
+
+    def commit(self, gamma: int, n_accepted: Tensor, host: list, features) -> None:
+        """features [B, γ+1, F]: the target's, for [pending token, d_1..d_γ]."""
+        self.stream.drop_last(torch.full_like(n_accepted, gamma - 1))
+        hidden = self._fc(features)
+        for i, (n_i, next_i, *drafts_i) in enumerate(host):
+            self.pending[i] = (hidden[i, : n_i + 1], drafts_i[:n_i] + [next_i])
+
+    def _fc(self, features: Tensor) -> Tensor:
+        """Project target features (in the target's dtype, e.g. bf16) in the head's dtype."""
+        return self.head.fc(features.to(self.head.fc.weight.dtype))
 
 
 def token_counts(dataset, vocab_size: int) -> Tensor:

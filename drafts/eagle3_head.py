@@ -36,6 +36,9 @@ from transformers.models.llama.modeling_llama import (
 )
 
 SPECULATORS_VERSION = "0.9.0"  # the format version written (and tested in tests/interop)
+# speculative_tokens written for a head whose training depth is unknown (vLLM's proposal length)
+DEFAULT_SPECULATIVE_TOKENS = 3
+SGLANG_ARCH = "LlamaForCausalLMEagle3"  # SGLang's EAGLE-3 head class (an SGLang export's config)
 
 
 class VocabMapError(ValueError):
@@ -229,7 +232,11 @@ class Eagle3Layer(nn.Module):
 
 class Eagle3Head(nn.Module):
     """The EAGLE-3 draft head. `config` is the decoder layer's LlamaConfig (vocab_size = the
-    target's V); the EAGLE fields are attributes and live in config.json beside it."""
+    target's V); the EAGLE fields are attributes and live in config.json beside it.
+
+    `ttt_steps` is the training-time-test depth the head was trained at (None: unknown, e.g.
+    a fresh head). It is saved as config.json's `ttt_steps` and is the default number of
+    speculative tokens written into the config (`speculators_config`)."""
 
     is_eagle3 = True
 
@@ -241,6 +248,7 @@ class Eagle3Head(nn.Module):
         target_hidden_size: int,
         aux_layers: Sequence[int],
         norm_before_residual: bool = False,
+        ttt_steps: int | None = None,
     ):
         super().__init__()
         config.num_hidden_layers = 1
@@ -249,6 +257,7 @@ class Eagle3Head(nn.Module):
         self.target_hidden_size = target_hidden_size
         self.aux_layers = list(aux_layers)
         self.norm_before_residual = norm_before_residual
+        self.ttt_steps = ttt_steps
         h = config.hidden_size
         self.embed_tokens = nn.Embedding(config.vocab_size, h)
         self.embed_tokens.weight.requires_grad_(False)
@@ -442,9 +451,17 @@ class Eagle3Head(nn.Module):
         return outputs
 
     # ------------------------------------------------------------------ save / load
-    def speculators_config(self, verifier: str | None = None, verifier_arch=None) -> dict:
+    def speculators_config(
+        self, verifier: str | None = None, verifier_arch=None, speculative_tokens: int | None = None
+    ) -> dict:
+        """The speculators config.json. `speculative_tokens` (the proposal length vLLM uses by
+        default) defaults to the head's training depth, else `DEFAULT_SPECULATIVE_TOKENS`."""
+        if speculative_tokens is None:
+            speculative_tokens = self.ttt_steps or DEFAULT_SPECULATIVE_TOKENS
         layer_config = self.config.to_dict()
         layer_config["architectures"] = ["LlamaForCausalLM"]
+        # Our own key (the package's config classes accept unknown keys; vLLM ignores it).
+        depth = {} if self.ttt_steps is None else {"ttt_steps": self.ttt_steps}
         return {
             "architectures": ["Eagle3Speculator"],
             "speculators_model_type": "eagle3",
@@ -461,12 +478,13 @@ class Eagle3Head(nn.Module):
             "has_no_defaults_at_init": False,
             "dtype": str(self.fc.weight.dtype).removeprefix("torch."),
             "torch_dtype": str(self.fc.weight.dtype).removeprefix("torch."),
+            **depth,
             "speculators_config": {
                 "algorithm": "eagle3",
                 "proposal_methods": [
                     {
                         "proposal_type": "greedy",
-                        "speculative_tokens": 3,
+                        "speculative_tokens": speculative_tokens,
                         "verifier_accept_k": 1,
                         "accept_tolerance": 0.0,
                     }
@@ -479,14 +497,21 @@ class Eagle3Head(nn.Module):
             },
         }
 
-    def save_pretrained(self, directory, *, verifier: str | None = None, verifier_arch=None):
+    def save_pretrained(
+        self,
+        directory,
+        *,
+        verifier: str | None = None,
+        verifier_arch=None,
+        speculative_tokens: int | None = None,
+    ):
         """config.json + model.safetensors in the speculators layout (REFERENCE §5)."""
         from safetensors.torch import save_file
 
         check_vocab_map(self.d2t, self.t2d, self.config.vocab_size, self.draft_vocab_size)
         directory = Path(directory)
         directory.mkdir(parents=True, exist_ok=True)
-        config = self.speculators_config(verifier, verifier_arch)
+        config = self.speculators_config(verifier, verifier_arch, speculative_tokens)
         (directory / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         state = {k: v.detach().contiguous().cpu() for k, v in self.state_dict().items()}
         save_file(state, str(directory / "model.safetensors"), metadata={"format": "pt"})
@@ -513,6 +538,7 @@ class Eagle3Head(nn.Module):
             target_hidden_size=config["target_hidden_size"],
             aux_layers=config["eagle_aux_hidden_state_layer_ids"],
             norm_before_residual=config["norm_before_residual"],
+            ttt_steps=config.get("ttt_steps"),
         )
         head.load_checked(load_file(str(directory / "model.safetensors")), str(directory))
         return head.to(dtype) if dtype is not None else head
@@ -530,11 +556,25 @@ class Eagle3Head(nn.Module):
             )
 
 
-def is_eagle3_dir(path) -> bool:
+def read_config(path) -> dict | None:
+    """The config.json of directory `path` as a dict; None when it has none."""
     config = Path(path) / "config.json"
     if not config.is_file():
-        return False
-    return json.loads(config.read_text()).get("speculators_model_type") == "eagle3"
+        return None
+    try:
+        return json.loads(config.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{config} is not valid JSON: {e}") from e
+
+
+def is_eagle3_dir(path) -> bool:
+    """A head in the speculators layout (`save_pretrained`; vLLM and HF exports)."""
+    return (read_config(path) or {}).get("speculators_model_type") == "eagle3"
+
+
+def is_sglang_eagle3_dir(path) -> bool:
+    """A head in SGLang's LlamaForCausalLMEagle3 layout (an SGLang export)."""
+    return SGLANG_ARCH in ((read_config(path) or {}).get("architectures") or [])
 
 
 def align_depths(

@@ -5,12 +5,14 @@ the target at the same position (drafts/align.py). Saved as a plain Hugging Face
 which is also what serving engines load (docs/theory.md §5).
 """
 
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
 from torch import Tensor
 
 from specdistill.drafts.align import shifted_logits, target_mask
+from specdistill.drafts.cache import KVStream, left_pad
 
 Depths = tuple[list[Tensor], list[Tensor], list[Tensor]]
 
@@ -18,6 +20,13 @@ Depths = tuple[list[Tensor], list[Tensor], list[Tensor]]
 class Standalone:
     name = "standalone"
     d2t = None
+    formats = ("vllm", "sglang", "hf")  # export formats (train/export/): a plain HF directory
+    layout = "hf"  # the export format whose layout a saved standalone draft has
+
+    @staticmethod
+    def detect(path) -> bool:
+        """Any Hugging Face model directory: the fallback after the other types (`detect`)."""
+        return (Path(path) / "config.json").is_file()
 
     def __init__(self, vocab_size: int):
         self.vocab_size = vocab_size
@@ -34,3 +43,92 @@ class Standalone:
     def save(self, draft, out: Path, tokenizer, verifier: str) -> None:
         draft.save_pretrained(out, safe_serialization=True)
         tokenizer.save_pretrained(out)
+
+    # ------------------------------------------------------------------ a loaded draft
+    # Offline α depends on the position only: a round's slot i at start s is α at s + i − 1.
+    per_depth_alpha = False
+    own_tokenizer = True  # ships its own tokenizer, which must match the target's
+
+    @staticmethod
+    def vocab_size_of(model) -> int:
+        """Logit columns the draft produces (its output head's rows, maybe padded)."""
+        return model.get_output_embeddings().weight.shape[0]
+
+    @staticmethod
+    def drafter(model, vocab_size: int, device: torch.device) -> "StandaloneDrafter":
+        """The engine's drafter (eval/engine.py) for a loaded draft LM."""
+        return StandaloneDrafter(model, vocab_size, device)
+
+    @staticmethod
+    def path_logits(target, model, ids: Tensor, n_prompt: int, depth: int, vocab_size: int):
+        """Teacher-forced logits along ids [1, T] = prompt + output, for the offline α.
+
+        Returns one (draft logits [S, V], target logits [S, V], mask None) with S = T −
+        n_prompt + 1: row j predicts the token after prompt + output[:j]. `depth` is unused
+        (depth k of a round at s is row s + k).
+        """
+        keep = ids.shape[1] - n_prompt + 1
+        t_logits = target(input_ids=ids, logits_to_keep=keep).logits[0, :, :vocab_size]
+        d_logits = model(input_ids=ids.to(model.device), logits_to_keep=keep).logits
+        return [(d_logits[0, :, :vocab_size].to(t_logits.device), t_logits, None)]
+
+
+class StandaloneDrafter:
+    """A standalone draft LM on its own KV cache, proposing from the committed tokens.
+
+    Its cache holds every committed token but the `pending` ones of each row (the last
+    committed token, plus d_γ after a fully accepted round).
+    """
+
+    target_first_token = False  # the first token comes from a speculative round
+
+    def __init__(self, model, vocab_size: int, device: torch.device):
+        self.stream = KVStream(model, vocab_size, device)
+        self.pending: list = []
+        self.device = device
+
+    def capture(self, target):
+        """What the target's stream must capture for this drafter: nothing (the tokens do)."""
+        return None
+
+    def admit(self, prompts: Sequence[Sequence[int]], features=None) -> None:
+        """New rows: the cache takes all of each prompt but its last token, which is pending."""
+        self.stream.admit([p[:-1] for p in prompts])
+        self.pending += [[p[-1]] for p in prompts]
+
+    def propose(self, gamma: int, sample) -> tuple[Tensor, list]:
+        """Draft γ tokens per row -> (drafts [B, γ], per-step q [B, V] (None if greedy)).
+
+        `sample(logits [B, V]) -> (tokens [B], probs [B, V] | None)` is the draft's sampler;
+        verification uses the very q it returns.
+        """
+        tokens, valid, inputs = self._first_inputs()
+        one = torch.ones(len(self.pending), 1, dtype=torch.bool, device=self.device)
+        drafted, q = [], []
+        for _ in range(gamma):
+            token, probs = sample(self.stream.forward(tokens, valid, keep=1, **inputs)[:, -1])
+            drafted.append(token)
+            q.append(probs)
+            tokens, valid, inputs = token[:, None], one, self._next_inputs()
+        return torch.stack(drafted, dim=1), q
+
+    def _first_inputs(self) -> tuple[Tensor, Tensor, dict]:
+        """(tokens [B, k], valid [B, k], extra model inputs) of a round's first draft step."""
+        return *left_pad(self.pending, self.device), {}
+
+    def _next_inputs(self) -> dict:
+        """Extra model inputs of the following draft steps."""
+        return {}
+
+    def commit(self, gamma: int, n_accepted: Tensor, host: list, features=None) -> None:
+        """After verification: host[i] = [n_i, next_i, *drafts_i]."""
+        # The draft cached d_1..d_{γ-1} and keeps d_1..d_n, so after a fully accepted round
+        # d_γ is still pending next to the new token.
+        for i, (n_i, next_i, *drafts_i) in enumerate(host):
+            self.pending[i] = [drafts_i[-1], next_i] if n_i == gamma else [next_i]
+        self.stream.drop_last((gamma - 1) - n_accepted.clamp_max(gamma - 1))
+
+    def select_rows(self, keep: list[int], index: Tensor) -> None:
+        """Keep the rows at positions `keep` (also as `index` [n] on the device)."""
+        self.pending = [self.pending[i] for i in keep]
+        self.stream.select_rows(index)

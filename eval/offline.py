@@ -1,9 +1,9 @@
 """Offline acceptance: α of a draft against its target on held-out token sequences.
 
-α per position is Σ_x min(p(x), q(x)) at the verifier's temperature (REFERENCE §1);
+α per position is Σ_x min(p(x), q(x)) at the verifier's temperature (docs/theory.md §1);
 at temperature 0 it is argmax agreement. The predicted accepted length per round for a
 draft of γ tokens, with i.i.d. acceptance α, is τ(γ) = (1 − α^(γ+1)) / (1 − α),
-bonus token included, so τ ∈ [1, γ + 1].
+bonus token included, so τ ∈ [1, γ + 1] (`eval.stats.tau_iid`; per depth `tau_chain`).
 """
 
 from collections.abc import Iterable
@@ -11,15 +11,7 @@ from collections.abc import Iterable
 import torch
 
 from specdistill import losses
-
-
-def tau_pred(alpha: float, gamma: int) -> float:
-    """Expected tokens per verification round for i.i.d. acceptance `alpha` (bonus included)."""
-    if not 0.0 <= alpha <= 1.0:
-        raise ValueError(f"alpha must be in [0, 1], got {alpha}")
-    if alpha == 1.0:
-        return float(gamma + 1)
-    return (1.0 - alpha ** (gamma + 1)) / (1.0 - alpha)
+from specdistill.eval.stats import tau_chain, tau_iid
 
 
 @torch.no_grad()
@@ -28,7 +20,7 @@ def acceptance_sums(
 ) -> torch.Tensor:
     """Sums over valid positions per draft depth: [K, 3] float64 rows (Σ α_T, Σ α_greedy, n).
 
-    `kind` is a draft type of train/drafts.py (standalone: K = 1; eagle3: K = TTT steps).
+    `kind` is a draft type of drafts/ (standalone: K = 1; eagle3: K = TTT steps).
     Returned as sums so that callers running on several processes can all-reduce them.
     """
     sums = None
@@ -47,20 +39,11 @@ def acceptance_sums(
     return sums
 
 
-def chain_tau(alphas: list[float], gamma: int) -> float:
-    """τ = 1 + Σ_{j≤γ} Π_{i≤j} α_i for per-depth α (depths past the last reuse the last)."""
-    tau, run = 1.0, 1.0
-    for i in range(gamma):
-        run *= alphas[min(i, len(alphas) - 1)]
-        tau += run
-    return tau
-
-
 def summarise(sums: torch.Tensor, *, temperature: float, max_gamma: int) -> dict:
     """Turn `acceptance_sums` (possibly all-reduced; [3] or [K, 3]) into the reported metrics.
 
     One depth: tau_pred is the i.i.d. formula. K depths (EAGLE-3 TTT): `alpha_depth` lists
-    the teacher-forced α of each depth and tau_pred chains them (REFERENCE §1), the last
+    the teacher-forced α of each depth and tau_pred chains them (docs/theory.md §1), the last
     depth's α standing in for deeper drafts.
     """
     sums = sums.reshape(-1, 3)
@@ -76,9 +59,9 @@ def summarise(sums: torch.Tensor, *, temperature: float, max_gamma: int) -> dict
         "n_positions": n,
     }
     if len(per_depth) == 1:
-        result["tau_pred"] = {g: tau_pred(alpha, g) for g in range(1, max_gamma + 1)}
+        result["tau_pred"] = {g: tau_iid(alpha, g) for g in range(1, max_gamma + 1)}
     else:
         result["alpha_depth"] = per_depth
         result["alpha_greedy_depth"] = [float(s[1] / s[2]) if s[2] > 0 else 0.0 for s in sums]
-        result["tau_pred"] = {g: chain_tau(per_depth, g) for g in range(1, max_gamma + 1)}
+        result["tau_pred"] = {g: tau_chain(per_depth, g) for g in range(1, max_gamma + 1)}
     return result

@@ -1,201 +1,27 @@
-"""Speculative-decoding evaluation runs and their report (json, markdown, outputs, plots).
+"""The speculative-decoding report: report.json, report.md, outputs.jsonl and PNG plots.
 
-Used by `python eval/speculative.py ...` (see its docstring). Per temperature, the target alone
-decodes every prompt (the baseline), then the draft + target decode them at each γ (and with
-adaptive γ). For each configuration the report holds measured τ, τ predicted from offline α on
-the same prompts, per-slot conditional acceptance, where rejections fall, draft / verify
-time, tokens/s for speculative and target-only decoding, the speedup, the ideal speedup and
-engine efficiency, TTFT and per-token latency percentiles, and the best γ.
+Written by `python eval/speculative.py ...` (see its docstring) from the result of one
+evaluation sweep (eval/sweep.py: per temperature a target-only baseline, then each γ and
+adaptive γ). `summary_table` is the markdown table the CLI prints.
 """
 
 import json
 import math
-from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from specdistill.eval import speculative as spec
-from specdistill.eval.offline import chain_tau, tau_pred
+from specdistill.eval.engine import Generation
 from specdistill.eval.prompts import Prompt, prompt_text
-
-# |measured τ − predicted τ| / predicted τ within which the i.i.d. prediction agrees.
-TAU_TOLERANCE = 0.10
-
-
-@dataclass
-class Settings:
-    gammas: list[int]
-    adaptive: bool = False
-    temperatures: tuple[float, ...] = (0.0,)
-    top_p: float = 1.0
-    top_k: int = 0
-    batch_size: int = 1
-    max_new_tokens: int = 128
-    eos_token_id: int | None = None
-    seed: int = 0
-
-
-def _mean(values) -> float:
-    values = list(values)
-    return sum(values) / len(values) if values else math.nan
-
-
-def _decode_stats(g: spec.Generation) -> dict:
-    return {
-        "tokens": g.n_tokens,
-        "wall_s": g.wall_s,
-        "tokens_per_s": g.tokens_per_s,
-        "requests_per_s": len(g.sequences) / g.wall_s,
-        "ttft_s": spec.percentiles(g.ttft_s),
-        "token_latency_s": spec.percentiles(g.token_latency_s),
-        "request_latency_s": spec.percentiles(g.latency_s),
-        "queue_s": spec.percentiles(g.queue_s),
-        "rounds": len(g.rounds),
-        "verify_s_per_round": _mean(r.verify_s for r in g.rounds),
-        "prefill_s": g.prefill_s,
-    }
-
-
-def _run(target, draft, prompt_ids, settings: Settings, temperature: float, **kwargs):
-    return spec.generate(
-        target,
-        draft,
-        prompt_ids,
-        temperature=temperature,
-        top_p=settings.top_p,
-        top_k=settings.top_k,
-        max_new_tokens=settings.max_new_tokens,
-        seed=settings.seed,
-        batch_size=settings.batch_size,
-        eos_token_id=settings.eos_token_id,
-        **kwargs,
-    )
-
-
-def _config(target, draft, prompt_ids, settings: Settings, temperature: float, gamma, baseline):
-    g = _run(target, draft, prompt_ids, settings, temperature, gamma=gamma)
-    stats = spec.acceptance_stats(g.rounds)
-    depth = max([r.gamma for r in g.rounds] + [1])
-    alphas = [
-        spec.positional_alpha(
-            target,
-            draft,
-            prompt,
-            out,
-            temperature=temperature,
-            top_p=settings.top_p,
-            top_k=settings.top_k,
-            depth=depth,
-        )
-        for prompt, out in zip(prompt_ids, g.sequences, strict=True)
-    ]
-    used = [r.gamma for r in g.rounds if r.gamma > 0 and not r.capped for _ in r.requests]
-    if getattr(draft, "is_eagle3", False):
-        # Per depth k, over the round starts s >= 1 (the target itself emits token 0).
-        alpha_depth = [
-            _mean(
-                per_request[k][s]
-                for per_request, out in zip(alphas, g.sequences, strict=True)
-                for s in range(1, len(out) - k)
-            )
-            for k in range(depth)
-        ]
-        alpha = alpha_depth[0]
-        tau_iid = _mean(chain_tau(alpha_depth, gm) for gm in used)
-    else:
-        # Offline α over the generated positions (the extra entry past the end is not one).
-        alpha = _mean(
-            a
-            for per_request, out in zip(alphas, g.sequences, strict=True)
-            for a in per_request[: len(out)]
-        )
-        alpha_depth = None
-        tau_iid = _mean(tau_pred(alpha, gm) for gm in used)
-    c, v = spec.cost_ratios(g.rounds, baseline.rounds)
-    mean_gamma = stats["mean_gamma"]
-    ideal = stats["tau"] / (mean_gamma * c + 1.0)
-    speedup = g.tokens_per_s / baseline.tokens_per_s
-    draft_s = sum(r.draft_s for r in g.rounds)
-    entry = {
-        "name": f"T={temperature:g} "
-        + ("adaptive" if isinstance(gamma, spec.AdaptiveGamma) else f"gamma={gamma}"),
-        "temperature": temperature,
-        "gamma": "adaptive" if isinstance(gamma, spec.AdaptiveGamma) else gamma,
-        "tau": stats["tau"],
-        "tau_pred": tau_iid,
-        "tau_pred_pathwise": spec.pathwise_tau(g.rounds, alphas),
-        "tau_gap": (stats["tau"] - tau_iid) / tau_iid,
-        "tau_within_tolerance": abs(stats["tau"] - tau_iid) <= TAU_TOLERANCE * tau_iid,
-        "alpha_offline": alpha,
-        "alpha_offline_depth": alpha_depth,
-        "alpha_measured": spec.alpha_for_tau(stats["tau"], round(mean_gamma)),
-        "acceptance_rate": stats["acceptance_rate"],
-        "slot_acceptance": stats["slot_acceptance"],
-        "rejection_histogram": stats["rejection_histogram"],
-        "no_rejection": stats["no_rejection"],
-        "mean_gamma": mean_gamma,
-        "draft_time_share": draft_s / sum(r.round_s for r in g.rounds),
-        "draft_s": draft_s,
-        "verify_s": sum(r.verify_s for r in g.rounds),
-        "cost_ratio_c": c,
-        "verify_cost_ratio": v,
-        "speedup": speedup,
-        "ideal_speedup": ideal,
-        "engine_efficiency": speedup / ideal,
-        "best_gamma_predicted": spec.best_gamma_model(alpha, c) if not math.isnan(c) else None,
-        "target_tokens_per_s": baseline.tokens_per_s,
-        **_decode_stats(g),
-    }
-    return entry, g
-
-
-def evaluate(target, draft, prompt_ids: list[list[int]], settings: Settings) -> tuple[dict, dict]:
-    """Run every configuration. Returns (report dict, {config name: its `Generation`})."""
-    warm = dict(max_new_tokens=4, temperature=0.0)
-    spec.generate(target, None, prompt_ids[:1], **warm)
-    spec.generate(target, draft, prompt_ids[:1], gamma=2, **warm)
-    result: dict = {
-        "settings": asdict(settings),
-        "tau_tolerance": TAU_TOLERANCE,
-        "baselines": {},
-        "configs": [],
-    }
-    runs: dict[str, spec.Generation] = {}
-    for temperature in settings.temperatures:
-        baseline = _run(target, None, prompt_ids, settings, temperature)
-        base_name = f"T={temperature:g} target-only"
-        result["baselines"][f"{temperature:g}"] = {"name": base_name, **_decode_stats(baseline)}
-        runs[base_name] = baseline
-        gammas: list = list(settings.gammas)
-        if settings.adaptive:
-            ordered = sorted(settings.gammas)
-            gammas.append(
-                spec.AdaptiveGamma(
-                    start=ordered[len(ordered) // 2], min_gamma=ordered[0], max_gamma=ordered[-1]
-                )
-            )
-        fixed = []
-        for gamma in gammas:
-            entry, g = _config(target, draft, prompt_ids, settings, temperature, gamma, baseline)
-            result["configs"].append(entry)
-            runs[entry["name"]] = g
-            if entry["gamma"] != "adaptive":
-                fixed.append(entry)
-        best = max(fixed, key=lambda e: e["tokens_per_s"])
-        result.setdefault("best_gamma", {})[f"{temperature:g}"] = {
-            "measured": best["gamma"],
-            "speedup": best["speedup"],
-            "predicted": best["best_gamma_predicted"],
-        }
-    return result, runs
-
-
-# ----------------------------------------------------------------------------- writing
 
 
 def _fmt(x, digits: int = 2) -> str:
     if x is None or (isinstance(x, float) and math.isnan(x)):
         return "–"
     return f"{x:.{digits}f}" if isinstance(x, float) else str(x)
+
+
+def _off(value) -> str:
+    """A sampling filter's setting; None is off."""
+    return "off" if value is None else str(value)
 
 
 def _ms(stats: dict, digits: int = 1) -> str:
@@ -269,7 +95,8 @@ def _markdown(result: dict) -> str:
         f"target `{meta.get('target')}`, draft `{meta.get('draft')}`, "
         f"prompts `{meta.get('prompts')}` ({meta.get('n_prompts')}), "
         f"device {meta.get('device')} {meta.get('dtype')}; batch size {s['batch_size']}, "
-        f"max new tokens {s['max_new_tokens']}, top-p {s['top_p']}, top-k {s['top_k']}, "
+        f"max new tokens {s['max_new_tokens']}, top-p {_off(s['top_p'])}, "
+        f"top-k {_off(s['top_k'])}, "
         f"seed {s['seed']}.",
         "",
         summary_table(result),
@@ -412,7 +239,7 @@ def _json_safe(value):
 
 def write(
     result: dict,
-    runs: dict[str, spec.Generation],
+    runs: dict[str, Generation],
     prompts: list[Prompt],
     tokenizer,
     out_dir: str | Path,

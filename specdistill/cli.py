@@ -5,9 +5,9 @@
     specdistill export --draft runs/code-eagle3/final --format vllm --out exported
 
 Each verb is a module with a `main(argv)`; the script paths (`train/distill.py`,
-`eval/speculative.py`, `train/export.py`) call the same functions. Anticipated errors (a bad
-recipe, malformed data, a missing file) print one line and exit 2; `--debug` before the verb,
-or SPECDISTILL_DEBUG=1, shows the traceback instead.
+`eval/speculative.py`, `python -m specdistill.train.export`) call the same functions.
+Anticipated errors (a bad recipe, malformed data, a missing file) print one line and exit 2;
+`--debug` before the verb, or SPECDISTILL_DEBUG=1, shows the traceback instead.
 """
 
 import importlib

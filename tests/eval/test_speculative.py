@@ -9,8 +9,13 @@ import torch
 from scipy import stats
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from specdistill.eval import speculative as spec
-from specdistill.eval.offline import tau_pred
+from specdistill import losses
+from specdistill.drafts import cache
+from specdistill.eval import engine, verify
+from specdistill.eval import stats as metrics
+from specdistill.eval.stats import tau_iid
+from specdistill.eval.sweep import Settings, sweep
+from specdistill.losses import sampling
 
 
 def tiny_llama(seed: int, *, vocab: int, hidden: int, layers: int, init: float) -> LlamaForCausalLM:
@@ -75,7 +80,7 @@ def references(pair, prompts):
 def test_greedy_equals_target_greedy(pair, prompts, references, gamma, batch_size):
     """Batch size 2 of 5 prompts admits prompts into a running batch (continuous batching)."""
     target, draft = pair
-    out = spec.generate(
+    out = engine.generate(
         target, draft, prompts, gamma=gamma, batch_size=batch_size, max_new_tokens=N_NEW
     )
     assert out.sequences == references
@@ -95,19 +100,19 @@ def test_greedy_batched_with_and_without_compaction(
     pair, prompts, references, compact_fraction, monkeypatch
 ):
     """Masked holes (never compact) and right-aligning gathers (always compact): same text."""
-    monkeypatch.setattr(spec, "_COMPACT_FRACTION", compact_fraction)
-    out = spec.generate(*pair, prompts, gamma=4, max_new_tokens=N_NEW)
+    monkeypatch.setattr(cache, "_COMPACT_FRACTION", compact_fraction)
+    out = engine.generate(*pair, prompts, gamma=4, max_new_tokens=N_NEW)
     assert out.sequences == references
 
 
 def test_greedy_adaptive_and_target_only(pair, prompts, references):
     target, draft = pair
-    policy = spec.AdaptiveGamma(start=2, min_gamma=1, max_gamma=6)
-    out = spec.generate(target, draft, prompts, gamma=policy, max_new_tokens=N_NEW)
+    policy = engine.AdaptiveGamma(start=2, min_gamma=1, max_gamma=6)
+    out = engine.generate(target, draft, prompts, gamma=policy, max_new_tokens=N_NEW)
     assert out.sequences == references
     assert len({r.gamma for r in out.rounds if not r.capped}) > 1  # the policy moved γ
     assert all(1 <= r.gamma <= 6 for r in out.rounds if not r.capped)
-    baseline = spec.generate(
+    baseline = engine.generate(
         target,
         None,
         torch.tensor([[0, 0, *prompts[1][:3]]]),
@@ -122,13 +127,13 @@ def test_greedy_pathwise_tau_matches_measured(pair, prompts):
     """At T=0 offline α is argmax agreement along the target's greedy text, so the pathwise
     prediction must reproduce every round's accepted length."""
     target, draft = pair
-    out = spec.generate(target, draft, prompts, gamma=4, batch_size=1, max_new_tokens=N_NEW)
+    out = engine.generate(target, draft, prompts, gamma=4, batch_size=1, max_new_tokens=N_NEW)
     alphas = [
-        spec.positional_alpha(target, draft, p, o, temperature=0.0)
+        metrics.positional_alpha(target, draft, p, o, temperature=0.0)
         for p, o in zip(prompts, out.sequences, strict=True)
     ]
-    measured = spec.acceptance_stats(out.rounds)["tau"]
-    assert spec.pathwise_tau(out.rounds, alphas) == pytest.approx(measured, abs=1e-12)
+    measured = metrics.acceptance_stats(out.rounds)["tau"]
+    assert metrics.pathwise_tau(out.rounds, alphas) == pytest.approx(measured, abs=1e-12)
 
 
 def test_eos_and_length_limits(pair, prompts, references):
@@ -136,11 +141,11 @@ def test_eos_and_length_limits(pair, prompts, references):
     eos = references[1][7]
     cut = references[1][: references[1].index(eos) + 1]
     for d in (draft, None):
-        out = spec.generate(
+        out = engine.generate(
             target, d, [prompts[1]], gamma=3, max_new_tokens=N_NEW, eos_token_id=eos
         )
         assert out.sequences == [cut]
-    out = spec.generate(target, draft, prompts, gamma=6, max_new_tokens=5)
+    out = engine.generate(target, draft, prompts, gamma=6, max_new_tokens=5)
     assert out.sequences == [r[:5] for r in references]
     assert all(r.gamma <= 4 for r in out.rounds)  # never drafts past the last needed token
 
@@ -161,11 +166,11 @@ def small_pair():
 @torch.no_grad()
 def joint_first_two(target, temperature, top_p, top_k) -> torch.Tensor:
     """Exact target distribution of the first two generated tokens: [V*V] float64."""
-    p1 = spec.probabilities(
+    p1 = sampling.probabilities(
         target(input_ids=torch.tensor([PREFIX])).logits[0, -1], temperature, top_p, top_k
     )
     ids = torch.tensor([PREFIX + [x] for x in range(V_SMALL)])
-    p2 = spec.probabilities(target(input_ids=ids).logits[:, -1], temperature, top_p, top_k)
+    p2 = sampling.probabilities(target(input_ids=ids).logits[:, -1], temperature, top_p, top_k)
     return (p1[:, None] * p2).flatten().double()
 
 
@@ -186,9 +191,11 @@ def chi_square_pvalue(samples: list[list[int]], probs: torch.Tensor) -> float:
     return float(stats.chi2.sf(statistic, observed.numel() - 1))
 
 
-def sample_pairs(small_pair, gamma, temperature=1.0, top_p=1.0, top_k=0, seed=0, batch_size=None):
+def sample_pairs(
+    small_pair, gamma, temperature=1.0, top_p=None, top_k=None, seed=0, batch_size=None
+):
     # γ + 1 new tokens so the first round is not shortened by the length limit.
-    return spec.generate(
+    return engine.generate(
         *small_pair,
         [PREFIX] * N_SAMPLES,
         gamma=gamma,
@@ -204,10 +211,10 @@ def sample_pairs(small_pair, gamma, temperature=1.0, top_p=1.0, top_k=0, seed=0,
 @pytest.mark.parametrize(
     "gamma, temperature, top_p, top_k, batch_size",
     [
-        (1, 1.0, 1.0, 0, None),
-        (2, 1.0, 1.0, 0, None),
+        (1, 1.0, None, None, None),
+        (2, 1.0, None, None, None),
         (3, 0.8, 0.9, 6, None),
-        (2, 1.0, 1.0, 0, 6000),
+        (2, 1.0, None, None, 6000),
     ],
 )
 def test_sampling_is_lossless(small_pair, gamma, temperature, top_p, top_k, batch_size):
@@ -223,36 +230,130 @@ def test_sampling_is_lossless(small_pair, gamma, temperature, top_p, top_k, batc
 
 def test_chi_square_catches_a_wrong_residual(small_pair, monkeypatch):
     """Resampling from p instead of the residual after a rejection over-weights draft tokens."""
-    monkeypatch.setattr(spec, "_residual", lambda p, q: p)
+    monkeypatch.setattr(verify, "residual", lambda p, q: p)
     out = sample_pairs(small_pair, gamma=2)
-    assert chi_square_pvalue(out.sequences, joint_first_two(small_pair[0], 1.0, 1.0, 0)) < 1e-6
+    assert chi_square_pvalue(out.sequences, joint_first_two(small_pair[0], 1.0, None, None)) < 1e-6
 
 
 def test_chi_square_catches_a_wrong_bonus(small_pair, monkeypatch):
     """A bonus token drawn from p_γ (off by one) instead of p_{γ+1}."""
-    real = spec.verify_sampled
+    real = verify.verify_sampled
 
     def off_by_one_bonus(p, q, drafts, generator):
         p = p.clone()
         p[:, -1] = p[:, -2]
         return real(p, q, drafts, generator)
 
-    monkeypatch.setattr(spec, "verify_sampled", off_by_one_bonus)
+    monkeypatch.setattr(verify, "verify_sampled", off_by_one_bonus)
     out = sample_pairs(small_pair, gamma=1)
-    assert chi_square_pvalue(out.sequences, joint_first_two(small_pair[0], 1.0, 1.0, 0)) < 1e-6
+    assert chi_square_pvalue(out.sequences, joint_first_two(small_pair[0], 1.0, None, None)) < 1e-6
 
 
 def test_sampling_is_reproducible_and_seeded(small_pair):
-    a = spec.generate(
+    a = engine.generate(
         *small_pair, [PREFIX] * 4, gamma=2, temperature=1.0, max_new_tokens=12, seed=7
     )
-    b = spec.generate(
+    b = engine.generate(
         *small_pair, [PREFIX] * 4, gamma=2, temperature=1.0, max_new_tokens=12, seed=7
     )
-    c = spec.generate(
+    c = engine.generate(
         *small_pair, [PREFIX] * 4, gamma=2, temperature=1.0, max_new_tokens=12, seed=8
     )
     assert a.sequences == b.sequences != c.sequences
+
+
+# ----------------------------------------------------------------------------- top-p: α
+
+TOP_P = 0.7
+
+
+@pytest.fixture(scope="module")
+def close_pair():
+    """A draft close to its target, so that filtering q too would change α a lot: a filtered
+    q is nearly the filtered p (α ≈ 1), the unfiltered q keeps about 1 − top_p of its mass
+    outside p's nucleus."""
+    target = tiny_llama(0, vocab=V_SMALL, hidden=32, layers=1, init=0.2)
+    return target, perturbed(target, 0.01, seed=1)
+
+
+@torch.no_grad()
+def filtered_q_alpha(target, draft, prompt: list[int], output: list[int]) -> list[float]:
+    """Offline α along the text as if the draft sampled from q filtered like p."""
+    ids, keep = torch.tensor([prompt + output]), len(output) + 1
+    t_logits = target(input_ids=ids, logits_to_keep=keep).logits[0]
+    d_logits = draft(input_ids=ids, logits_to_keep=keep).logits[0]
+    d_logits = sampling.filter_logits(d_logits, 1.0, TOP_P)
+    return losses.acceptance(d_logits, t_logits, 1.0, top_p=TOP_P).tolist()
+
+
+def top_p_runs(target, draft) -> list[tuple]:
+    """Engine runs at γ = 1, T = 1, top_p = TOP_P (40 prompts × 2 seeds), each with the
+    offline α along its own text: [(rounds, α with the unfiltered q, α with a filtered q)]."""
+    g = torch.Generator().manual_seed(5)
+    lengths = torch.randint(1, 9, (40,), generator=g).tolist()
+    prompts = [torch.randint(0, V_SMALL, (n,), generator=g).tolist() for n in lengths]
+    runs = []
+    for seed in (0, 1):
+        out = engine.generate(
+            target,
+            draft,
+            prompts,
+            gamma=1,
+            temperature=1.0,
+            top_p=TOP_P,
+            max_new_tokens=24,
+            seed=seed,
+        )
+        pairs = list(zip(prompts, out.sequences, strict=True))
+        alphas = [
+            metrics.positional_alpha(target, draft, p, o, temperature=1.0, top_p=TOP_P)
+            for p, o in pairs
+        ]
+        runs.append((out.rounds, alphas, [filtered_q_alpha(target, draft, p, o) for p, o in pairs]))
+    return runs
+
+
+def pathwise_agreement(runs, which: int) -> tuple[float, float, float]:
+    """(measured τ, pathwise τ from the α at runs[i][which], tolerance) over all the runs.
+
+    With γ = 1 a round's draft is accepted with probability α_s given the text so far (α at
+    its start s), so measured − predicted is a mean of N martingale differences of variance
+    α_s(1 − α_s): the tolerance is 4 standard errors, sqrt(Σ α_s(1 − α_s)) / N.
+    """
+    measured = predicted = variance = 0.0
+    n_total = 0
+    for run in runs:
+        rounds, alphas = run[0], run[which]
+        starts = [
+            (request, s)
+            for r in rounds
+            if r.gamma > 0 and not r.capped
+            for request, s in zip(r.requests, r.starts, strict=True)
+        ]
+        n = len(starts)
+        measured += metrics.acceptance_stats(rounds)["tau"] * n
+        predicted += metrics.pathwise_tau(rounds, alphas) * n
+        variance += sum(alphas[r][s] * (1 - alphas[r][s]) for r, s in starts)
+        n_total += n
+    return measured / n_total, predicted / n_total, 4 * math.sqrt(variance) / n_total
+
+
+def test_offline_alpha_predicts_measured_acceptance_under_top_p(close_pair, monkeypatch):
+    """docs/theory.md §1: the draft is not filtered, so under top-p the engine accepts at the
+    offline α = losses.acceptance(draft, target, T, top_p) = Σ min(p_filtered, q)."""
+    runs = top_p_runs(*close_pair)
+    measured, predicted, tolerance = pathwise_agreement(runs, 1)
+    assert abs(measured - predicted) <= tolerance
+    # The α of a filtered q is told apart: it lies well outside the tolerance.
+    _, wrong, _ = pathwise_agreement(runs, 2)
+    assert abs(measured - wrong) > 2 * tolerance
+    # And an engine that drafted from a filtered q (lossless too) fails the prediction.
+    monkeypatch.setattr(engine._Sampler, "q", engine._Sampler.p)
+    runs = top_p_runs(*close_pair)
+    measured, predicted, tolerance = pathwise_agreement(runs, 1)
+    assert abs(measured - predicted) > 2 * tolerance
+    measured, predicted, tolerance = pathwise_agreement(runs, 2)
+    assert abs(measured - predicted) <= tolerance
 
 
 # ----------------------------------------------------------------------------- pieces
@@ -263,46 +364,48 @@ def test_verify_sampled_extremes():
     p = torch.tensor([[[0.5, 0.5, 0.0], [0.0, 0.0, 1.0], [0.0, 1.0, 0.0]]])
     drafts = torch.tensor([[0, 2]])
     # q == p on the drafted slots: always accepted, then the bonus comes from p_3.
-    n, nxt = spec.verify_sampled(p, p[:, :2], drafts, g)
+    n, nxt = verify.verify_sampled(p, p[:, :2], drafts, g)
     assert n.tolist() == [2] and nxt.tolist() == [1]
     # The draft puts all mass where the target has none: rejected at slot 1, residual = p_1.
     q = torch.tensor([[[0.0, 0.0, 1.0], [0.0, 0.0, 1.0]]])
     for _ in range(20):
-        n, nxt = spec.verify_sampled(p, q, torch.tensor([[2, 2]]), g)
+        n, nxt = verify.verify_sampled(p, q, torch.tensor([[2, 2]]), g)
         assert n.tolist() == [0] and nxt.item() in (0, 1)
     # Residual: max(0, p − q) renormalised.
-    r = spec._residual(torch.tensor([[0.5, 0.3, 0.2]]), torch.tensor([[0.2, 0.5, 0.3]]))
+    r = verify.residual(torch.tensor([[0.5, 0.3, 0.2]]), torch.tensor([[0.2, 0.5, 0.3]]))
     assert torch.allclose(r, torch.tensor([[1.0, 0.0, 0.0]]))
 
 
 def test_verify_greedy():
     logits = torch.tensor([[[0.0, 9.0, 0.0], [9.0, 0.0, 0.0], [0.0, 0.0, 9.0]]]).repeat(2, 1, 1)
-    n, nxt = spec.verify_greedy(logits, torch.tensor([[1, 0], [1, 2]]))
+    n, nxt = verify.verify_greedy(logits, torch.tensor([[1, 0], [1, 2]]))
     assert n.tolist() == [2, 1] and nxt.tolist() == [2, 0]
 
 
 def test_probabilities_filters():
     logits = torch.log(torch.tensor([0.5, 0.3, 0.15, 0.05]))
-    assert torch.allclose(spec.probabilities(logits, 1.0), torch.tensor([0.5, 0.3, 0.15, 0.05]))
+    assert torch.allclose(sampling.probabilities(logits, 1.0), torch.tensor([0.5, 0.3, 0.15, 0.05]))
     assert torch.allclose(
-        spec.probabilities(logits, 1.0, top_p=0.8), torch.tensor([0.625, 0.375, 0, 0])
+        sampling.probabilities(logits, 1.0, top_p=0.8), torch.tensor([0.625, 0.375, 0, 0])
     )
     assert torch.allclose(
-        spec.probabilities(logits, 1.0, top_p=0.81), torch.tensor([0.5, 0.3, 0.15, 0]) / 0.95
+        sampling.probabilities(logits, 1.0, top_p=0.81), torch.tensor([0.5, 0.3, 0.15, 0]) / 0.95
     )
-    assert torch.allclose(spec.probabilities(logits, 1.0, top_k=1), torch.tensor([1.0, 0, 0, 0]))
-    sharp = spec.probabilities(logits, 0.5)
+    assert torch.allclose(
+        sampling.probabilities(logits, 1.0, top_k=1), torch.tensor([1.0, 0, 0, 0])
+    )
+    sharp = sampling.probabilities(logits, 0.5)
     assert torch.allclose(sharp, torch.tensor([0.25, 0.09, 0.0225, 0.0025]) / 0.365)
 
 
 def _round(gamma, accepted, capped=False):
     k = len(accepted)
-    return spec.Round(gamma, capped, list(range(k)), [1] * k, accepted, [1] * k, 0.0, 0.0, 0.0)
+    return engine.Round(gamma, capped, list(range(k)), [1] * k, accepted, [1] * k, 0.0, 0.0, 0.0)
 
 
 def test_acceptance_stats_counts_runs_per_round():
     rounds = [_round(3, [0, 3]), _round(3, [1, 2]), _round(3, [3]), _round(3, [0], capped=True)]
-    s = spec.acceptance_stats(rounds)
+    s = metrics.acceptance_stats(rounds)
     assert s["tau"] == pytest.approx((1 + 4 + 2 + 3 + 4) / 5)
     assert s["slot_acceptance"] == pytest.approx([4 / 5, 3 / 4, 2 / 3])
     assert s["rejection_histogram"] == [1, 1, 1] and s["no_rejection"] == 2
@@ -311,15 +414,15 @@ def test_acceptance_stats_counts_runs_per_round():
 
 
 def test_alpha_for_tau_and_speedup_model():
-    assert spec.alpha_for_tau(tau_pred(0.7, 4), 4) == pytest.approx(0.7, abs=1e-9)
-    assert spec.speedup_model(0.8, 4, 0.0) == pytest.approx(tau_pred(0.8, 4))
-    assert spec.speedup_model(0.8, 4, 0.1) == pytest.approx(tau_pred(0.8, 4) / 1.4)
-    assert spec.best_gamma_model(0.9, 0.01) > spec.best_gamma_model(0.5, 0.01) >= 1
-    assert spec.best_gamma_model(0.5, 1.0) == 1
+    assert metrics.alpha_for_tau(tau_iid(0.7, 4), 4) == pytest.approx(0.7, abs=1e-9)
+    assert metrics.speedup_model(0.8, 4, 0.0) == pytest.approx(tau_iid(0.8, 4))
+    assert metrics.speedup_model(0.8, 4, 0.1) == pytest.approx(tau_iid(0.8, 4) / 1.4)
+    assert metrics.best_gamma_model(0.9, 0.01) > metrics.best_gamma_model(0.5, 0.01) >= 1
+    assert metrics.best_gamma_model(0.5, 1.0) == 1
 
 
 def test_adaptive_gamma_policy():
-    policy = spec.AdaptiveGamma(start=3, min_gamma=2, max_gamma=6)
+    policy = engine.AdaptiveGamma(start=3, min_gamma=2, max_gamma=6)
     policy.update([3, 3], 3)
     assert policy.gamma == 5
     policy.update([5], 5)
@@ -332,27 +435,32 @@ def test_adaptive_gamma_policy():
     policy.update([1, 2], 2)  # mean fraction 0.75: unchanged
     assert policy.gamma == 2
     with pytest.raises(ValueError, match="min_gamma"):
-        spec.AdaptiveGamma(start=1, min_gamma=2, max_gamma=4)
+        engine.AdaptiveGamma(start=1, min_gamma=2, max_gamma=4)
 
 
-def test_quick_eval(pair, prompts):
+def test_sweep_for_periodic_eval(pair, prompts):
+    """The trainer's periodic evaluation: one temperature, a few γ, models' modes restored."""
     target, draft = pair
     draft.train()  # as the trainer would call it
     try:
-        result = spec.quick_eval(target, draft, prompts[:2], gammas=(1, 3), max_new_tokens=8)
+        settings = Settings(gammas=[1, 3], max_new_tokens=8)
+        result, _ = sweep(target, draft, prompts[:2], settings)
         assert draft.training and not target.training  # modes restored
     finally:
         draft.eval()
-    assert result["best_gamma"] in (1, 3)
-    assert set(result["tau"]) == {1, 3} and all(1.0 <= t <= g + 1 for g, t in result["tau"].items())
-    assert result["speedup"][result["best_gamma"]] == result["best_speedup"] > 0
+    best = result["best_gamma"]["0"]
+    tau = {c["gamma"]: c["tau"] for c in result["configs"]}
+    speedup = {c["gamma"]: c["speedup"] for c in result["configs"]}
+    assert best["measured"] in (1, 3)
+    assert set(tau) == {1, 3} and all(1.0 <= t <= g + 1 for g, t in tau.items())
+    assert speedup[best["measured"]] == best["speedup"] > 0
 
 
 def test_rejects_bad_arguments(pair, prompts):
     with pytest.raises(ValueError, match="gamma must be"):
-        spec.generate(*pair, prompts, gamma=0)
+        engine.generate(*pair, prompts, gamma=0)
     with pytest.raises(ValueError, match="top_p"):
-        spec.generate(*pair, prompts, temperature=1.0, top_p=0.0)
+        engine.generate(*pair, prompts, temperature=1.0, top_p=0.0)
     with pytest.raises(ValueError, match="at least one token"):
-        spec.generate(*pair, [[]])
-    assert math.isnan(spec.percentiles([math.nan])["p50"])
+        engine.generate(*pair, [[]])
+    assert math.isnan(metrics.percentiles([math.nan])["p50"])

@@ -10,11 +10,14 @@ from scipy import stats
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from specdistill import losses
-from specdistill.eval import report
-from specdistill.eval import speculative as spec
-from tests.eval.test_speculative import reference_greedy
 from specdistill.drafts import Eagle3
+from specdistill.drafts.eagle3 import Eagle3Drafter
 from specdistill.drafts.eagle3_head import Eagle3Head, build_vocab_map
+from specdistill.eval import engine, verify
+from specdistill.eval import stats as metrics
+from specdistill.eval.sweep import Settings, sweep
+from specdistill.losses import sampling
+from tests.eval.test_speculative import reference_greedy
 
 
 def target_model(seed: int, *, vocab: int, hidden: int, layers: int, init: float, attn=0.03):
@@ -87,7 +90,7 @@ def references(pair, prompts):
 @pytest.mark.parametrize("batch_size", [1, 2, 5])
 def test_greedy_with_a_head_equals_target_greedy(pair, prompts, references, gamma, batch_size):
     target, head = pair
-    out = spec.generate(
+    out = engine.generate(
         target, head, prompts, gamma=gamma, batch_size=batch_size, max_new_tokens=N_NEW
     )
     assert out.sequences == references
@@ -102,36 +105,38 @@ def test_greedy_with_a_head_equals_target_greedy(pair, prompts, references, gamm
 
 def test_greedy_with_a_head_adaptive_eos_and_length(pair, prompts, references):
     target, head = pair
-    policy = spec.AdaptiveGamma(start=2, min_gamma=1, max_gamma=6)
-    out = spec.generate(target, head, prompts, gamma=policy, max_new_tokens=N_NEW)
+    policy = engine.AdaptiveGamma(start=2, min_gamma=1, max_gamma=6)
+    out = engine.generate(target, head, prompts, gamma=policy, max_new_tokens=N_NEW)
     assert out.sequences == references
     eos = references[1][7]
     cut = references[1][: references[1].index(eos) + 1]
-    out = spec.generate(target, head, [prompts[1]], gamma=3, max_new_tokens=N_NEW, eos_token_id=eos)
+    out = engine.generate(
+        target, head, [prompts[1]], gamma=3, max_new_tokens=N_NEW, eos_token_id=eos
+    )
     assert out.sequences == [cut]
     # The first token comes from the target's prefill: one token finishes at admission.
-    out = spec.generate(target, head, prompts, gamma=4, max_new_tokens=1)
+    out = engine.generate(target, head, prompts, gamma=4, max_new_tokens=1)
     assert out.sequences == [r[:1] for r in references] and not out.rounds
-    out = spec.generate(target, head, prompts, gamma=6, max_new_tokens=5, batch_size=2)
+    out = engine.generate(target, head, prompts, gamma=6, max_new_tokens=5, batch_size=2)
     assert out.sequences == [r[:5] for r in references]
 
 
 def test_greedy_pathwise_tau_matches_measured_for_a_head(pair, prompts):
     """Per-depth teacher-forced α along the greedy text reproduces every round exactly."""
     target, head = pair
-    out = spec.generate(target, head, prompts, gamma=4, batch_size=1, max_new_tokens=N_NEW)
+    out = engine.generate(target, head, prompts, gamma=4, batch_size=1, max_new_tokens=N_NEW)
     alphas = [
-        spec.positional_alpha(target, head, p, o, temperature=0.0, depth=4)
+        metrics.positional_alpha(target, head, p, o, temperature=0.0, depth=4)
         for p, o in zip(prompts, out.sequences, strict=True)
     ]
-    measured = spec.acceptance_stats(out.rounds)["tau"]
-    assert spec.pathwise_tau(out.rounds, alphas) == pytest.approx(measured, abs=1e-12)
+    measured = metrics.acceptance_stats(out.rounds)["tau"]
+    assert metrics.pathwise_tau(out.rounds, alphas) == pytest.approx(measured, abs=1e-12)
 
 
 def test_report_runs_with_a_head(pair, prompts):
     target, head = pair
-    settings = report.Settings(gammas=[2, 4], temperatures=(0.0, 1.0), max_new_tokens=12)
-    result, runs = report.evaluate(target, head, prompts[:3], settings)
+    settings = Settings(gammas=[2, 4], temperatures=(0.0, 1.0), max_new_tokens=12)
+    result, runs = sweep(target, head, prompts[:3], settings)
     configs = {c["name"]: c for c in result["configs"]}
     assert set(configs) == {"T=0 gamma=2", "T=0 gamma=4", "T=1 gamma=2", "T=1 gamma=4"}
     for c in configs.values():
@@ -164,7 +169,7 @@ def joint_first_three(target, temperature: float) -> torch.Tensor:
 
     def probs(prefixes):
         logits = target(input_ids=torch.tensor(prefixes)).logits[:, -1]
-        return spec.probabilities(logits, temperature).double()
+        return sampling.probabilities(logits, temperature).double()
 
     p1 = probs([PREFIX])[0]
     p2 = probs([PREFIX + [a] for a in range(V_SMALL)])
@@ -188,7 +193,7 @@ def chi_square_pvalue(samples: list[list[int]], probs: torch.Tensor) -> float:
 
 def sample(small_pair, gamma: int, temperature: float = 1.0, batch_size=None):
     # Token 1 comes from the target's prefill; tokens 2.. from the first speculative round.
-    return spec.generate(
+    return engine.generate(
         *small_pair,
         [PREFIX] * N_SAMPLES,
         gamma=gamma,
@@ -209,20 +214,20 @@ def test_sampling_with_a_head_is_lossless(small_pair, gamma, temperature, batch_
 
 
 def test_chi_square_catches_a_wrong_residual_with_a_head(small_pair, monkeypatch):
-    monkeypatch.setattr(spec, "_residual", lambda p, q: p)
+    monkeypatch.setattr(verify, "residual", lambda p, q: p)
     out = sample(small_pair, gamma=2)
     assert chi_square_pvalue(out.sequences, joint_first_three(small_pair[0], 1.0)) < 1e-6
 
 
 def test_chi_square_catches_a_head_q_that_is_not_what_it_sampled(small_pair, monkeypatch):
     """Verification must use the very distribution each draft was drawn from."""
-    real = spec._Eagle3Drafter.propose
+    real = Eagle3Drafter.propose
 
     def skewed(self, gamma, sample):
         drafts, q = real(self, gamma, sample)
         return drafts, [(p + 0.3 * p.roll(1, -1)) / 1.3 for p in q]
 
-    monkeypatch.setattr(spec._Eagle3Drafter, "propose", skewed)
+    monkeypatch.setattr(Eagle3Drafter, "propose", skewed)
     out = sample(small_pair, gamma=1)
     assert chi_square_pvalue(out.sequences, joint_first_three(small_pair[0], 1.0)) < 1e-6
 
@@ -232,9 +237,9 @@ def test_bf16_target_with_an_fp32_head(pair, prompts):
     target, head = pair
     target_bf16 = copy.deepcopy(target).to(torch.bfloat16)
     references = [reference_greedy(target_bf16, p, 12) for p in prompts[:3]]
-    out = spec.generate(target_bf16, head, prompts[:3], gamma=3, max_new_tokens=12)
+    out = engine.generate(target_bf16, head, prompts[:3], gamma=3, max_new_tokens=12)
     assert out.sequences == references
-    alphas = spec.positional_alpha(
+    alphas = metrics.positional_alpha(
         target_bf16, head, prompts[0], out.sequences[0], temperature=0.0, depth=3
     )
     assert len(alphas) == 3

@@ -336,6 +336,7 @@ def test_trainer_trains_an_eagle3_head_and_saves_it(
     # V_d = the most frequent loss-masked training tokens: the data's tokens are all in it
     config = json.loads((out / "final" / "config.json").read_text())
     assert config["speculators_config"]["verifier"]["name_or_path"] == str(sharp_target)
+    assert config["ttt_steps"] == head.ttt_steps == 3  # the depth trained: what the export writes
     records = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     assert "eval/alpha_depth_2" in [m for m in records if "eval/alpha" in m][-1]
     spec = [m for m in records if "spec/best_gamma" in m]
@@ -393,7 +394,7 @@ def test_shipped_eagle3_recipe_runs_on_the_embedded_tiny_target(
 ):
     """recipes/code-eagle3.yaml end to end on the embedded path (the 2-layer "tiny" target,
     built in seconds, on the stdlib corpus), then the saved head drafts in the engine."""
-    from specdistill.eval import speculative as spec
+    from specdistill.eval.engine import generate
     from specdistill.train.embedded import resolve_model
 
     monkeypatch.setenv("SPECDISTILL_CACHE", str(tmp_path / "cache"))
@@ -417,8 +418,8 @@ def test_shipped_eagle3_recipe_runs_on_the_embedded_tiny_target(
     assert result["steps"] == 6 and len(result["alpha_depth"]) == 3
     head = Eagle3Head.from_pretrained(tmp_path / "run" / "final")
     target = LlamaForCausalLM.from_pretrained(resolve_model("embedded:tiny"))
-    out = spec.generate(target, head, [[1, 2, 3, 4]], gamma=3, max_new_tokens=8)
-    reference = spec.generate(target, None, [[1, 2, 3, 4]], max_new_tokens=8)
+    out = generate(target, head, [[1, 2, 3, 4]], gamma=3, max_new_tokens=8)
+    reference = generate(target, None, [[1, 2, 3, 4]], max_new_tokens=8)
     assert out.sequences == reference.sequences
 
 

@@ -213,17 +213,17 @@ def test_distill_debug_flag_shows_the_error(tmp_path, monkeypatch, capsys):
         run_guarded(distill.main, ["--debug", "train.max_stepz=3"])
 
 
-@pytest.mark.parametrize("script", ["eval/speculative.py", "train/export.py"])
+@pytest.mark.parametrize("script", ["eval/speculative.py", "-m specdistill.train.export"])
 def test_other_scripts_report_one_line(tmp_path, script):
     missing = str(tmp_path / "no-such-model")
-    if script == "train/export.py":
+    if script.endswith("export"):
         args = ["--draft", missing, "--format", "hf", "--out", str(tmp_path / "out")]
     else:
         prompts = tmp_path / "prompts.txt"
         prompts.write_text("def f(x):\n")
         args = ["--target", missing, "--draft", missing, "--prompts", str(prompts)]
         args += ["--out", str(tmp_path / "out")]
-    result = _run(script, *args)
+    result = _run(*script.split(), *args)
     assert result.returncode == 2, result.stderr
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: ") and missing in lines[0], lines

@@ -1,0 +1,216 @@
+"""A model's decoding state for a batch of rows: KV cache, key mask and position ids.
+
+The speculative decoding engine (eval/engine.py) keeps one `KVStream` for the target and
+one inside each drafter (drafts/standalone.py, drafts/eagle3.py).
+
+Batching (per-sequence acceptance). A stream holds one `DynamicCache` for the batch plus a
+2-D key mask [batch, cache_len] and the next position id per row. Rows are right-aligned
+(left padding). Tokens that a row rejects are *masked*, not moved: the common tail that every
+row rejected is cropped off, the rest become masked holes, and position ids (passed
+explicitly, = number of valid tokens before) stay exact, so holes change nothing but the
+work done. When holes and padding exceed `_COMPACT_FRACTION` of the cache, one gather per
+layer right-aligns every row again. This keeps each row's acceptance independent of the
+others (no rollback to the batch minimum). Rows joining a running batch (continuous
+batching) are prefilled in their own forward pass and their caches join the batch's,
+left-padded.
+"""
+
+import inspect
+from collections.abc import Sequence
+from contextlib import contextmanager, nullcontext
+
+import torch
+
+# Compact (gather) a cache once padding + holes exceed this fraction of its length.
+_COMPACT_FRACTION = 0.25
+
+
+def cache_keyword(model) -> str:
+    """transformers ≥ 5 names the cache argument `cache`; 4.x named it `past_key_values`."""
+    params = inspect.signature(model.forward).parameters
+    return "cache" if "cache" in params else "past_key_values"
+
+
+def sync(device: torch.device) -> None:
+    """Wait for the device's queued work (CUDA), so that wall-clock timings are real."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+@contextmanager
+def eval_mode(*models):
+    """Switch the models (None skipped) to eval mode for the block; restore their modes."""
+    modes = [(m, m.training) for m in models if m is not None]
+    for m, _ in modes:
+        m.eval()
+    try:
+        yield
+    finally:
+        for m, training in modes:
+            m.train(training)
+
+
+class KVStream:
+    """A model's state for the active rows: KV cache, key mask [B, L], next position ids [B]."""
+
+    def __init__(self, model, vocab_size: int, device: torch.device, capture=None):
+        from transformers import DynamicCache
+
+        self.model = model
+        self.cache = DynamicCache(config=model.config)
+        self.cache_kw = cache_keyword(model)
+        self.mask = torch.zeros(0, 0, dtype=torch.bool, device=device)
+        self.pos = torch.zeros(0, dtype=torch.long, device=device)
+        self.vocab_size = vocab_size
+        self.capture = capture  # a drafts.eagle3_head.FeatureCapture: also return features
+        self.output = None  # the last forward's model output
+        self.features = None  # the last forward's captured features (with a capture)
+
+    def forward(self, tokens: torch.Tensor, valid: torch.Tensor, keep: int, **inputs):
+        """Append tokens [B, k] (valid [B, k], left-padded) -> last `keep` logits [B, keep, V].
+
+        `inputs` go to the model as they are (an EAGLE-3 head's `hidden_states` [B, k, H]).
+        With a capture, `self.features` holds the captured features [B, k, F] afterwards.
+        """
+        positions = (self.pos[:, None] + valid.long().cumsum(1) - 1).clamp_min(0)
+        self.mask = torch.cat([self.mask, valid], dim=1)
+        with self.capture or nullcontext():
+            self.output = self.model(
+                input_ids=tokens,
+                attention_mask=self.mask,
+                position_ids=positions,
+                use_cache=True,
+                logits_to_keep=keep,
+                **{self.cache_kw: self.cache},
+                **inputs,
+            )
+        self.features = self.capture.features() if self.capture else None
+        self.pos += valid.sum(1)
+        return self.output.logits[..., : self.vocab_size]
+
+    def _layers(self):
+        for layer in self.cache.layers:
+            if type(layer).__name__ != "DynamicLayer":
+                raise NotImplementedError(
+                    f"cache layer {type(layer).__name__} (sliding-window or linear attention) "
+                    "cannot be rolled back per row; this engine needs full-attention layers"
+                )
+            if layer.is_initialized:
+                yield layer
+
+    def admit(self, prefixes: Sequence[Sequence[int]], hidden=None):
+        """Add rows whose caches hold `prefixes` (prefilled here, in a separate forward pass).
+
+        hidden: per row a [len(prefix), H] tensor passed as `hidden_states` (EAGLE-3 heads).
+        Returns (last logits [n, V] | None, features [n, k, F] | None, valid [n, k]).
+        """
+        device = self.mask.device
+        new = KVStream(self.model, self.vocab_size, device, self.capture)
+        new.mask = torch.zeros(len(prefixes), 0, dtype=torch.bool, device=device)
+        new.pos = torch.zeros(len(prefixes), dtype=torch.long, device=device)
+        logits, valid = None, torch.zeros(len(prefixes), 0, dtype=torch.bool, device=device)
+        if max(len(p) for p in prefixes) > 0:
+            tokens, valid = left_pad(prefixes, device)
+            extra = {} if hidden is None else {"hidden_states": left_pad_rows(hidden, valid)}
+            logits = new.forward(tokens, valid, keep=1, **extra)[:, -1]
+        result = logits, new.features if new.mask.shape[1] else None, valid
+        if self.mask.shape[0] == 0:
+            self.cache, self.mask, self.pos = new.cache, new.mask, new.pos
+            return result
+        mine, theirs = list(self._layers()), list(new._layers())
+        assert mine, "rows join an empty batch or one that has run a decoding round"
+        length = max(self.mask.shape[1], new.mask.shape[1])
+        for i, layer in enumerate(mine):
+            for name in ("keys", "values"):
+                a = getattr(layer, name)
+                b = (
+                    getattr(theirs[i], name)
+                    if theirs
+                    else a.new_zeros(len(prefixes), a.shape[1], 0, a.shape[3])
+                )
+                setattr(layer, name, torch.cat([pad_left(a, length, 2), pad_left(b, length, 2)]))
+        self.mask = torch.cat([pad_left(self.mask, length, 1), pad_left(new.mask, length, 1)])
+        self.pos = torch.cat([self.pos, new.pos])
+        self._tidy()
+        return result
+
+    def _slice(self, index: slice) -> None:
+        for layer in self._layers():
+            layer.keys = layer.keys[:, :, index]
+            layer.values = layer.values[:, :, index]
+        self.mask = self.mask[:, index]
+
+    def drop_last(self, counts: torch.Tensor) -> None:
+        """Forget the last counts[b] valid tokens of each row b (all appended in the last calls)."""
+        common = int(counts.min())
+        if common:
+            self._slice(slice(0, self.mask.shape[1] - common))
+        rest = counts - common
+        if bool(rest.any()):
+            length = self.mask.shape[1]
+            tail = torch.arange(length, device=self.mask.device)[None, :] >= length - rest[:, None]
+            self.mask = self.mask & ~tail
+        self.pos -= counts
+        self._tidy()
+
+    def select_rows(self, rows: torch.Tensor) -> None:
+        """Keep only the rows at `rows` [n] (long), in that order."""
+        if rows.numel() == 0:
+            self.__init__(self.model, self.vocab_size, self.mask.device, self.capture)
+            return
+        for layer in self._layers():
+            layer.keys = layer.keys.index_select(0, rows)
+            layer.values = layer.values.index_select(0, rows)
+        self.mask = self.mask.index_select(0, rows)
+        self.pos = self.pos.index_select(0, rows)
+        self._tidy()
+
+    def _tidy(self) -> None:
+        """Drop all-padding leading columns; right-align rows if holes + padding grew too large."""
+        length = self.mask.shape[1]
+        if length == 0:
+            return
+        first = int(self.mask.any(0).long().argmax())
+        if first:
+            self._slice(slice(first, length))
+            length -= first
+        longest = int(self.mask.sum(1).max())
+        if length - longest > _COMPACT_FRACTION * length:
+            # Stable sort puts each row's masked entries first and keeps valid ones in order.
+            order = torch.sort(self.mask.to(torch.int8), dim=1, stable=True).indices
+            keep = order[:, length - longest :]
+            for layer in self._layers():
+                index = keep[:, None, :, None].expand(
+                    -1, layer.keys.shape[1], -1, layer.keys.shape[3]
+                )
+                layer.keys = layer.keys.gather(2, index)
+                layer.values = layer.values.gather(2, index)
+            self.mask = self.mask.gather(1, keep)
+
+
+def pad_left(t: torch.Tensor, length: int, dim: int) -> torch.Tensor:
+    """Zero/False-pad `t` on the left of `dim` up to `length`."""
+    missing = length - t.shape[dim]
+    if missing == 0:
+        return t
+    shape = list(t.shape)
+    shape[dim] = missing
+    return torch.cat([t.new_zeros(shape), t], dim=dim)
+
+
+def left_pad(
+    rows: Sequence[Sequence[int]], device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Ragged token lists -> (tokens [B, k], valid [B, k] bool), right-aligned."""
+    width = max(len(r) for r in rows)
+    tokens = torch.tensor([[0] * (width - len(r)) + list(r) for r in rows], dtype=torch.long)
+    lengths = torch.tensor([len(r) for r in rows])
+    valid = torch.arange(width)[None, :] >= width - lengths[:, None]
+    return tokens.to(device), valid.to(device)
+
+
+def left_pad_rows(rows: Sequence[torch.Tensor], valid: torch.Tensor) -> torch.Tensor:
+    """Per-row [len_i, H] tensors -> [B, k, H] placed where `valid` [B, k] is True (zeros else)."""
+    out = rows[0].new_zeros(*valid.shape, rows[0].shape[-1])
+    out[valid] = torch.cat(list(rows)).to(out.dtype)
+    return out

@@ -1,0 +1,198 @@
+"""What speculative decoding measures, and what the models of it predict (docs/theory.md §1).
+
+The τ formulas (tokens committed per round, bonus or correction token included, so
+τ ∈ [1, γ + 1]): `tau_iid` for one acceptance α at every slot, `tau_chain` for per-slot
+acceptances α_i. Measured: `acceptance_stats` over an engine run's rounds. Predicted along
+the generated text: `positional_alpha` (offline α, `losses.acceptance`) and `pathwise_tau`.
+The speedup model (Leviathan et al. 2023, Thm 3.8): `speedup_model`, `best_gamma_model`,
+with the cost ratios `cost_ratios` measures.
+"""
+
+import math
+from collections.abc import Sequence
+from itertools import takewhile
+
+import torch
+
+from specdistill import drafts, losses
+from specdistill.drafts.cache import eval_mode
+from specdistill.eval.engine import Round
+
+# ----------------------------------------------------------------------------- τ formulas
+
+
+def tau_iid(alpha: float, gamma: int) -> float:
+    """Expected tokens per round for i.i.d. acceptance `alpha`: (1 − α^(γ+1)) / (1 − α)."""
+    if not 0.0 <= alpha <= 1.0:
+        raise ValueError(f"alpha must be in [0, 1], got {alpha}")
+    if alpha == 1.0:
+        return float(gamma + 1)
+    return (1.0 - alpha ** (gamma + 1)) / (1.0 - alpha)
+
+
+def tau_chain(alphas: Sequence[float], gamma: int) -> float:
+    """τ = 1 + Σ_{j≤γ} Π_{i≤j} α_i for per-slot (per-depth) α; slots past the last reuse it."""
+    tau, run = 1.0, 1.0
+    for i in range(gamma):
+        run *= alphas[min(i, len(alphas) - 1)]
+        tau += run
+    return tau
+
+
+# ----------------------------------------------------------------------------- measured
+
+
+def acceptance_stats(rounds: Sequence[Round]) -> dict:
+    """Acceptance metrics over speculative rounds (γ ≥ 1, not length-capped).
+
+    tau: mean tokens per row-round (accepted drafts + 1), counted per round (docs/theory.md
+    §1); slot_acceptance[i-1]: P(slot i accepted | slots < i accepted), over rounds with γ ≥ i;
+    rejection_histogram[i-1]: row-rounds whose first rejection was slot i; `no_rejection`
+    counts row-rounds that accepted all γ; acceptance_rate: accepted / (accepted + rejections).
+    `tau_from_slots` = `tau_chain`(slot_acceptance) equals tau for a fixed γ.
+    """
+    pairs = [(r.gamma, n) for r in rounds if r.gamma > 0 and not r.capped for n in r.accepted]
+    if not pairs:
+        raise ValueError("no speculative rounds to summarise")
+    max_gamma = max(g for g, _ in pairs)
+    reached = [0] * max_gamma
+    passed = [0] * max_gamma
+    rejections = [0] * max_gamma
+    for g, n in pairs:
+        for i in range(min(n + 1, g)):
+            reached[i] += 1
+            passed[i] += i < n
+        if n < g:
+            rejections[n] += 1
+    slot = [passed[i] / reached[i] if reached[i] else math.nan for i in range(max_gamma)]
+    reached_slots = list(takewhile(lambda rate: not math.isnan(rate), slot))
+    n_accepted = sum(n for _, n in pairs)
+    n_rejected = sum(rejections)
+    return {
+        "tau": sum(n + 1 for _, n in pairs) / len(pairs),
+        "tau_from_slots": tau_chain(reached_slots, len(reached_slots)),
+        "slot_acceptance": slot,
+        "rejection_histogram": rejections,
+        "no_rejection": len(pairs) - n_rejected,
+        "acceptance_rate": n_accepted / (n_accepted + n_rejected)
+        if n_accepted + n_rejected
+        else 1.0,
+        "row_rounds": len(pairs),
+        "mean_gamma": sum(g for g, _ in pairs) / len(pairs),
+    }
+
+
+def alpha_for_tau(tau: float, gamma: int) -> float:
+    """The i.i.d. α whose expected τ(α, γ) equals `tau` (bisection; τ is increasing in α)."""
+    tau = min(max(tau, 1.0), gamma + 1.0)
+    lo, hi = 0.0, 1.0
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if tau_iid(mid, gamma) < tau else (lo, mid)
+    return (lo + hi) / 2
+
+
+def percentiles(values: Sequence[float]) -> dict:
+    """p50 / p95 / p99 / mean of the non-NaN values (NaN each when there are none)."""
+    data = torch.tensor([v for v in values if not math.isnan(v)], dtype=torch.float64)
+    if data.numel() == 0:
+        return {"p50": math.nan, "p95": math.nan, "p99": math.nan, "mean": math.nan}
+    qs = torch.quantile(data, torch.tensor([0.5, 0.95, 0.99], dtype=torch.float64)).tolist()
+    return {"p50": qs[0], "p95": qs[1], "p99": qs[2], "mean": float(data.mean())}
+
+
+def cost_ratios(spec: Sequence[Round], baseline: Sequence[Round]) -> tuple[float, float]:
+    """(c, v) from speculative rounds and target-only rounds (prefill is never in a round).
+
+    c = draft time per drafted token ÷ target time per decoding step (docs/theory.md §1);
+    v = verification time per round ÷ target time per decoding step. The ideal speedup
+    τ/(γc + 1) assumes v = 1; v > 1 is the extra cost of scoring γ + 1 tokens in one pass
+    (on CPUs, matrix-matrix instead of matrix-vector kernels).
+    """
+    spec_rounds = [r for r in spec if r.gamma > 0]
+    if not spec_rounds or not baseline:
+        return math.nan, math.nan
+    target_per_step = sum(r.verify_s for r in baseline) / len(baseline)
+    draft_per_token = sum(r.draft_s for r in spec_rounds) / sum(r.gamma for r in spec_rounds)
+    verify_per_round = sum(r.verify_s for r in spec_rounds) / len(spec_rounds)
+    return draft_per_token / target_per_step, verify_per_round / target_per_step
+
+
+# ----------------------------------------------------------------------------- models
+
+
+def speedup_model(alpha: float, gamma: int, c: float) -> float:
+    """Leviathan et al. Thm 3.8: (1 − α^(γ+1)) / ((1 − α)(γc + 1)) (docs/theory.md §1)."""
+    return tau_iid(alpha, gamma) / (gamma * c + 1.0)
+
+
+def best_gamma_model(alpha: float, c: float, max_gamma: int = 16) -> int:
+    """The γ in 1..max_gamma that maximises `speedup_model` at (α, c)."""
+    return max(range(1, max_gamma + 1), key=lambda g: speedup_model(alpha, g, c))
+
+
+@torch.inference_mode()
+def positional_alpha(
+    target,
+    draft,
+    prompt: Sequence[int],
+    output: Sequence[int],
+    *,
+    temperature: float,
+    top_p: float | None = None,
+    top_k: int | None = None,
+    vocab_size: int | None = None,
+    depth: int = 1,
+) -> list[float] | list[list[float]]:
+    """Offline α along the generated text, teacher-forced on prompt + output.
+
+    α = `losses.acceptance` at the verifier's temperature / top-p / top-k, which filter p only
+    (argmax agreement at temperature 0). The draft type (`drafts.type_of`) gives the logits:
+    standalone draft: len(output) + 1 floats; entry j is α for the token after
+    prompt + output[:j].
+    EAGLE-3 head: `depth` lists; entry [k][s] is the α of the k-th draft (0-based) of a round
+    that starts at generated position s (it predicts output[s + k]), the head unrolled on the
+    teacher-forced text as in training (0 where the text runs out).
+    vocab_size: logit columns compared (default: as the engine, the smaller head).
+    """
+    kind = drafts.type_of(draft)
+    heads = [target.get_output_embeddings().weight.shape[0], kind.vocab_size_of(draft)]
+    vocab_size = vocab_size or min(heads)
+    ids = torch.tensor([list(prompt) + list(output)], device=target.device)
+    with eval_mode(target, draft):
+        depths = kind.path_logits(target, draft, ids, len(prompt), depth, vocab_size)
+    alphas = [
+        _alpha(d_logits, t_logits, mask, temperature, top_p, top_k).tolist()
+        for d_logits, t_logits, mask in depths
+    ]
+    return alphas if kind.per_depth_alpha else alphas[0]
+
+
+def _alpha(d_logits, t_logits, mask, temperature: float, top_p, top_k) -> torch.Tensor:
+    """α per row as the verifier sees it: [N, V], [N, V], mask [N] | None -> [N] (0 masked)."""
+    return losses.acceptance(d_logits, t_logits, temperature, mask, top_p=top_p, top_k=top_k)
+
+
+def pathwise_tau(rounds: Sequence[Round], alphas: Sequence) -> float:
+    """τ predicted from per-position offline α along the generated text, at the rounds' starts.
+
+    A round that starts at generated position s with γ drafts is predicted to commit
+    `tau_chain`(α_1..α_γ) tokens, α_i = alphas[request][s+i−1] (standalone) or
+    alphas[request][i−1][s] (EAGLE-3, per depth), from `positional_alpha` (0 past the text).
+    At temperature 0 this equals the measured τ exactly (α is argmax agreement on the path);
+    at T > 0 it is unbiased for γ = 1 (slot 1 is accepted with probability α_s given the text
+    so far), an approximation beyond.
+    """
+    total, count = 0.0, 0
+    for r in rounds:
+        if r.gamma == 0 or r.capped:
+            continue
+        for request, s in zip(r.requests, r.starts, strict=True):
+            a = alphas[request]
+            if bool(a) and isinstance(a[0], list):  # per depth
+                slots = [a[i][s] if i < len(a) and s < len(a[i]) else 0.0 for i in range(r.gamma)]
+            else:
+                slots = [a[s + i] if s + i < len(a) else 0.0 for i in range(r.gamma)]
+            total += tau_chain(slots, r.gamma)
+            count += 1
+    return total / count

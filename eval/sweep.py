@@ -1,0 +1,200 @@
+"""The speculative-decoding evaluation sweep: one function for the CLI and for training.
+
+Per temperature, the target alone decodes every prompt (the baseline), then the draft +
+target decode them at each γ (and with adaptive γ, `Settings.adaptive`). For each
+configuration the result holds measured τ, τ predicted from offline α on the same prompts
+and generated text (i.i.d., and pathwise), per-slot conditional acceptance, where
+rejections fall, draft / verify time, tokens/s for speculative and target-only decoding,
+the speedup, the ideal speedup and engine efficiency, TTFT and per-token latency
+percentiles, and per temperature the best γ.
+
+`python eval/speculative.py` writes it as a report (eval/report.py); the trainer's periodic
+evaluation (`eval.speculative.every`) logs τ, speedup and the best γ from it.
+"""
+
+import math
+from dataclasses import asdict, dataclass
+
+from specdistill import drafts
+from specdistill.eval import stats
+from specdistill.eval.engine import AdaptiveGamma, Generation, generate
+
+# |measured τ − predicted τ| / predicted τ within which the i.i.d. prediction agrees.
+TAU_TOLERANCE = 0.10
+
+
+@dataclass
+class Settings:
+    gammas: list[int]
+    adaptive: bool = False
+    temperatures: tuple[float, ...] = (0.0,)
+    top_p: float | None = None  # filters the target's p (None = off)
+    top_k: int | None = None
+    batch_size: int = 1
+    max_new_tokens: int = 128
+    eos_token_id: int | None = None
+    seed: int = 0
+
+
+def sweep(
+    target, draft, prompt_ids: list[list[int]], settings: Settings
+) -> tuple[dict, dict[str, Generation]]:
+    """Run every configuration. Returns (result dict, {config name: its `Generation`}).
+
+    result: "settings", "tau_tolerance", "baselines" {temperature: decode stats},
+    "configs" [one entry per (temperature, γ)], "best_gamma" {temperature: {"measured",
+    "speedup", "predicted"}} (temperatures as f"{T:g}"). Models are switched to eval mode
+    for the runs and restored; pass the bare models (not DDP / accelerate wrappers).
+    """
+    # Warm-up, so that the first timed run does not pay for lazy initialisation.
+    warm = dict(max_new_tokens=4, temperature=0.0)
+    generate(target, None, prompt_ids[:1], **warm)
+    generate(target, draft, prompt_ids[:1], gamma=2, **warm)
+    result: dict = {
+        "settings": asdict(settings),
+        "tau_tolerance": TAU_TOLERANCE,
+        "baselines": {},
+        "configs": [],
+    }
+    runs: dict[str, Generation] = {}
+    for temperature in settings.temperatures:
+        baseline = _run(target, None, prompt_ids, settings, temperature)
+        base_name = f"T={temperature:g} target-only"
+        result["baselines"][f"{temperature:g}"] = {"name": base_name, **_decode_stats(baseline)}
+        runs[base_name] = baseline
+        gammas: list = list(settings.gammas)
+        if settings.adaptive:
+            ordered = sorted(settings.gammas)
+            gammas.append(
+                AdaptiveGamma(
+                    start=ordered[len(ordered) // 2], min_gamma=ordered[0], max_gamma=ordered[-1]
+                )
+            )
+        fixed = []
+        for gamma in gammas:
+            entry, g = _config(target, draft, prompt_ids, settings, temperature, gamma, baseline)
+            result["configs"].append(entry)
+            runs[entry["name"]] = g
+            if entry["gamma"] != "adaptive":
+                fixed.append(entry)
+        best = max(fixed, key=lambda e: e["tokens_per_s"])
+        result.setdefault("best_gamma", {})[f"{temperature:g}"] = {
+            "measured": best["gamma"],
+            "speedup": best["speedup"],
+            "predicted": best["best_gamma_predicted"],
+        }
+    return result, runs
+
+
+def _mean(values) -> float:
+    values = list(values)
+    return sum(values) / len(values) if values else math.nan
+
+
+def _decode_stats(g: Generation) -> dict:
+    return {
+        "tokens": g.n_tokens,
+        "wall_s": g.wall_s,
+        "tokens_per_s": g.tokens_per_s,
+        "requests_per_s": len(g.sequences) / g.wall_s,
+        "ttft_s": stats.percentiles(g.ttft_s),
+        "token_latency_s": stats.percentiles(g.token_latency_s),
+        "request_latency_s": stats.percentiles(g.latency_s),
+        "queue_s": stats.percentiles(g.queue_s),
+        "rounds": len(g.rounds),
+        "verify_s_per_round": _mean(r.verify_s for r in g.rounds),
+        "prefill_s": g.prefill_s,
+    }
+
+
+def _run(target, draft, prompt_ids, settings: Settings, temperature: float, **kwargs):
+    return generate(
+        target,
+        draft,
+        prompt_ids,
+        temperature=temperature,
+        top_p=settings.top_p,
+        top_k=settings.top_k,
+        max_new_tokens=settings.max_new_tokens,
+        seed=settings.seed,
+        batch_size=settings.batch_size,
+        eos_token_id=settings.eos_token_id,
+        **kwargs,
+    )
+
+
+def _config(target, draft, prompt_ids, settings: Settings, temperature: float, gamma, baseline):
+    g = _run(target, draft, prompt_ids, settings, temperature, gamma=gamma)
+    measured = stats.acceptance_stats(g.rounds)
+    depth = max([r.gamma for r in g.rounds] + [1])
+    alphas = [
+        stats.positional_alpha(
+            target,
+            draft,
+            prompt,
+            out,
+            temperature=temperature,
+            top_p=settings.top_p,
+            top_k=settings.top_k,
+            depth=depth,
+        )
+        for prompt, out in zip(prompt_ids, g.sequences, strict=True)
+    ]
+    used = [r.gamma for r in g.rounds if r.gamma > 0 and not r.capped for _ in r.requests]
+    if drafts.type_of(draft).per_depth_alpha:
+        # Per depth k, over the round starts s >= 1 (the target itself emits token 0).
+        alpha_depth = [
+            _mean(
+                per_request[k][s]
+                for per_request, out in zip(alphas, g.sequences, strict=True)
+                for s in range(1, len(out) - k)
+            )
+            for k in range(depth)
+        ]
+        alpha = alpha_depth[0]
+        tau_pred = _mean(stats.tau_chain(alpha_depth, gm) for gm in used)
+    else:
+        # Offline α over the generated positions (the extra entry past the end is not one).
+        alpha = _mean(
+            a
+            for per_request, out in zip(alphas, g.sequences, strict=True)
+            for a in per_request[: len(out)]
+        )
+        alpha_depth = None
+        tau_pred = _mean(stats.tau_iid(alpha, gm) for gm in used)
+    c, v = stats.cost_ratios(g.rounds, baseline.rounds)
+    mean_gamma = measured["mean_gamma"]
+    ideal = measured["tau"] / (mean_gamma * c + 1.0)
+    speedup = g.tokens_per_s / baseline.tokens_per_s
+    draft_s = sum(r.draft_s for r in g.rounds)
+    adaptive = isinstance(gamma, AdaptiveGamma)
+    entry = {
+        "name": f"T={temperature:g} " + ("adaptive" if adaptive else f"gamma={gamma}"),
+        "temperature": temperature,
+        "gamma": "adaptive" if adaptive else gamma,
+        "tau": measured["tau"],
+        "tau_pred": tau_pred,
+        "tau_pred_pathwise": stats.pathwise_tau(g.rounds, alphas),
+        "tau_gap": (measured["tau"] - tau_pred) / tau_pred,
+        "tau_within_tolerance": abs(measured["tau"] - tau_pred) <= TAU_TOLERANCE * tau_pred,
+        "alpha_offline": alpha,
+        "alpha_offline_depth": alpha_depth,
+        "alpha_measured": stats.alpha_for_tau(measured["tau"], round(mean_gamma)),
+        "acceptance_rate": measured["acceptance_rate"],
+        "slot_acceptance": measured["slot_acceptance"],
+        "rejection_histogram": measured["rejection_histogram"],
+        "no_rejection": measured["no_rejection"],
+        "mean_gamma": mean_gamma,
+        "draft_time_share": draft_s / sum(r.round_s for r in g.rounds),
+        "draft_s": draft_s,
+        "verify_s": sum(r.verify_s for r in g.rounds),
+        "cost_ratio_c": c,
+        "verify_cost_ratio": v,
+        "speedup": speedup,
+        "ideal_speedup": ideal,
+        "engine_efficiency": speedup / ideal,
+        "best_gamma_predicted": stats.best_gamma_model(alpha, c) if not math.isnan(c) else None,
+        "target_tokens_per_s": baseline.tokens_per_s,
+        **_decode_stats(g),
+    }
+    return entry, g
