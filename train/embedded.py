@@ -50,6 +50,7 @@ from transformers import (
 )
 
 from specdistill.data.stdlib import stdlib_files
+from specdistill.publish import publish_dir
 
 # Bump when a change to this file changes what a build produces: cached builds with
 # another version are rebuilt.
@@ -201,7 +202,7 @@ def build(name: str, *, force: bool = False) -> Path:
         try:
             with _num_threads(spec.threads):
                 _train_model(name, spec, tokenizer_dir, tmp)
-            _publish(tmp, final)
+            publish_dir(tmp, final)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
     return final
@@ -273,41 +274,21 @@ def _is_current(path: Path, spec: dict) -> bool:
 
 
 def _new_tmp_dir(name: str) -> Path:
-    return Path(tempfile.mkdtemp(prefix=f".tmp-{name}-", dir=_embedded_root()))
+    """A build directory beside the cache, moved into place by `publish_dir` when complete."""
+    tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{name}-", dir=_embedded_root()))
+    tmp.chmod(0o755)  # mkdtemp makes it private; the cache is as readable as any model dir
+    return tmp
 
 
 def _remove_leftovers() -> None:
     """Delete temp dirs of killed builds. Only called while holding the build lock, when no
-    other build can be running, so every temp dir is stale."""
-    for path in sorted(_embedded_root().glob(".tmp-*")) + sorted(_embedded_root().glob(".old-*")):
+    other build can be running, so every temp dir is stale. A replaced build is moved aside
+    beside its final path (`publish_dir`): tokenizers' into `tokenizers/`."""
+    root = _embedded_root()
+    stale = [*root.glob(".tmp-*"), *root.glob(".old-*"), *root.glob("tokenizers/.old-*")]
+    for path in sorted(stale):
         _log(f"removing leftover of an interrupted build: {path}")
         shutil.rmtree(path, ignore_errors=True)
-
-
-def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _publish(tmp: Path, final: Path) -> None:
-    """Move the complete build `tmp` to `final`, replacing an outdated build there."""
-    for file in tmp.rglob("*"):
-        if file.is_file():
-            _fsync(file)
-    _fsync(tmp)
-    tmp.chmod(0o755)  # mkdtemp makes it private; the cache is as readable as any model dir
-    final.parent.mkdir(parents=True, exist_ok=True)
-    old = None
-    if final.exists():
-        old = Path(tempfile.mkdtemp(prefix=f".old-{final.name}-", dir=_embedded_root()))
-        os.replace(final, old)  # rename onto the empty dir `old`
-    os.replace(tmp, final)
-    _fsync(final.parent)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
 
 
 def _write_record(path: Path, spec: EmbeddedSpec | CorpusSpec, **fields) -> None:
@@ -360,7 +341,7 @@ def _ensure_tokenizer(corpus: CorpusSpec) -> Path:
     try:
         wrapped.save_pretrained(tmp)
         _write_record(tmp, corpus, wall_time_s=round(time.perf_counter() - start, 1))
-        _publish(tmp, final)
+        publish_dir(tmp, final)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return final
