@@ -7,6 +7,9 @@
 
 Overrides are `key.sub=value` (values parsed as YAML). Outputs in `train.output_dir`:
 recipe.yaml, metrics.jsonl, eval.json, checkpoints/, final/ (the trained draft).
+A non-empty output_dir is refused unless the run continues it (train.resume=auto, as the
+shipped recipes set, or a checkpoint path) or replaces it (train.overwrite=true); a rerun of
+a finished run with train.resume=auto prints its result and exits (docs/reliability.md).
 An anticipated error (a bad recipe, missing data or model) prints one line and exits 2;
 `--debug` or SPECDISTILL_DEBUG=1 shows the traceback instead.
 """
