@@ -36,7 +36,7 @@ from specdistill.drafts.cache import sync
 from specdistill.eval import stats
 from specdistill.eval.engine import Generation, generate
 from specdistill.eval.prompts import encode_prompts, load_prompts
-from specdistill.train.models import check_tokenizers, load_model, load_tokenizer
+from specdistill.drafts.hub import check_tokenizers, load_model, load_tokenizer
 
 HUMANEVAL = Path(__file__).resolve().parent / "prompts" / "HumanEval.jsonl.gz"
 

@@ -9,7 +9,7 @@ cores), caches it as an ordinary Hugging Face model directory under
 `from_pretrained` calls as a hub model. The cache root is `$SPECDISTILL_CACHE` or
 `~/.cache/specdistill`. Build by hand with
 
-    python -c "from train.embedded import resolve_model; resolve_model('embedded:code')"
+    python -c "from specdistill.drafts.embedded import resolve_model; resolve_model('embedded:code')"
 
 The corpus is the running interpreter's standard library (`data.stdlib`): the tokenizer
 and models train on the "train" split and report next-token loss on the "heldout" split.

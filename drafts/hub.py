@@ -1,6 +1,6 @@
 """Loading the target / draft pair through the ordinary Hugging Face path.
 
-`embedded:<name>` resolves to a locally built model directory (train/embedded.py); any
+`embedded:<name>` resolves to a locally built model directory (drafts/embedded.py); any
 other string is a local directory or a Hugging Face model id, loaded the same way.
 
 A name that looks like a path must be a model directory: a missing one, or one without
@@ -19,7 +19,7 @@ from urllib.parse import urlparse
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from specdistill.train.embedded import PREFIX, resolve_model
+from specdistill.drafts.embedded import PREFIX, resolve_model
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -43,9 +43,10 @@ def load_model(name: str, *, dtype: str = "float32", revision: str | None = None
 def load_draft(name: str, *, dtype: str = "float32", revision: str | None = None):
     """A standalone draft (like `load_model`) or an EAGLE-3 head dir (drafts/eagle3_head.py)."""
     path = local_model_dir(name)  # checks a local path before the imports
-    from specdistill.drafts.eagle3_head import Eagle3Head, is_eagle3_dir
+    from specdistill import drafts
+    from specdistill.drafts.eagle3_head import Eagle3Head
 
-    if path is not None and is_eagle3_dir(path):
+    if path is not None and drafts.detect(path) is drafts.Eagle3:
         return Eagle3Head.from_pretrained(path, dtype=DTYPES[dtype])
     return load_model(name, dtype=dtype, revision=revision)
 

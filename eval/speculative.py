@@ -151,7 +151,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
     from specdistill import drafts
     from specdistill.eval import report, sweep
     from specdistill.eval.prompts import encode_prompts, load_prompts
-    from specdistill.train.models import check_tokenizers, load_draft, load_model, load_tokenizer
+    from specdistill.drafts.hub import check_tokenizers, load_draft, load_model, load_tokenizer
 
     # A bad prompt file or --out fails now, not after the models have loaded and decoded.
     prompts = load_prompts(args.prompts, limit=args.num_prompts)

@@ -67,9 +67,9 @@ def test_malformed_json_names_file_and_line(tmp_path):
 
 @pytest.fixture
 def no_models(monkeypatch):
-    """Stand-in for specdistill.train.models that records every load instead of loading."""
+    """Stand-in for specdistill.drafts.hub that records every load instead of loading."""
     calls = []
-    fake = types.ModuleType("train.models")
+    fake = types.ModuleType("specdistill.drafts.hub")
 
     def load(name, *args, **kwargs):
         calls.append(name)
@@ -77,7 +77,7 @@ def no_models(monkeypatch):
 
     fake.load_tokenizer = fake.load_model = fake.load_draft = load
     fake.check_tokenizers = lambda *args: None
-    monkeypatch.setitem(sys.modules, "specdistill.train.models", fake)
+    monkeypatch.setitem(sys.modules, "specdistill.drafts.hub", fake)
     return calls
 
 

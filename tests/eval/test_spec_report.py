@@ -68,12 +68,12 @@ def test_cli_writes_report(tmp_path, tokenizer, monkeypatch):
     vocab = len(WORDS)
     target = tiny_llama(0, vocab=vocab, hidden=32, layers=2, init=0.2)
     draft = perturbed(target, 0.02, seed=1)
-    fake = types.ModuleType("train.models")
+    fake = types.ModuleType("specdistill.drafts.hub")
     fake.load_tokenizer = lambda name: tokenizer
     fake.load_model = lambda name, dtype: {"tiny:target": target, "tiny:draft": draft}[name]
     fake.load_draft = fake.load_model
     fake.check_tokenizers = lambda *args: None
-    monkeypatch.setitem(sys.modules, "specdistill.train.models", fake)
+    monkeypatch.setitem(sys.modules, "specdistill.drafts.hub", fake)
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text(
         "\n".join(json.dumps({"prompt": p}) for p in ["a b c", "d e f g h", "i", "j k"])

@@ -395,7 +395,7 @@ def test_shipped_eagle3_recipe_runs_on_the_embedded_tiny_target(
     """recipes/code-eagle3.yaml end to end on the embedded path (the 2-layer "tiny" target,
     built in seconds, on the stdlib corpus), then the saved head drafts in the engine."""
     from specdistill.eval.engine import generate
-    from specdistill.train.embedded import resolve_model
+    from specdistill.drafts.embedded import resolve_model
 
     monkeypatch.setenv("SPECDISTILL_CACHE", str(tmp_path / "cache"))
     overrides = [

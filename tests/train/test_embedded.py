@@ -11,7 +11,7 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from specdistill.data.stdlib import stdlib_files
-from specdistill.train import embedded
+from specdistill.drafts import embedded
 
 
 @pytest.fixture(scope="module")

@@ -10,9 +10,10 @@ from pathlib import Path
 import pytest
 
 from specdistill.errors import run_guarded
-from specdistill.train import distill, models
+from specdistill.drafts import hub as models
+from specdistill.train import distill
 from specdistill.train.config import RecipeError, load_recipe
-from specdistill.train.models import ModelNotFoundError, load_draft, load_model, load_tokenizer
+from specdistill.drafts.hub import ModelNotFoundError, load_draft, load_model, load_tokenizer
 
 REPO = Path(__file__).resolve().parents[2]
 LOADERS = [load_tokenizer, load_model, load_draft]

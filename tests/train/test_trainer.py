@@ -10,7 +10,7 @@ from accelerate.state import AcceleratorState, GradientState
 from safetensors.torch import load_file
 
 from specdistill.train.config import load_recipe
-from specdistill.train.models import TokenizerMismatchError, check_tokenizers, load_tokenizer
+from specdistill.drafts.hub import TokenizerMismatchError, check_tokenizers, load_tokenizer
 from specdistill.train.trainer import Trainer
 
 REPO = Path(__file__).parents[2]

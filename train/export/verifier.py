@@ -23,7 +23,7 @@ def recipe_target(directory: Path | None) -> str | None:
 
 def resolve_embedded(name: str) -> str:
     """`embedded:<name>` -> its built directory when built (never builds); else unchanged."""
-    from specdistill.train.embedded import PREFIX, _model_dir
+    from specdistill.drafts.embedded import PREFIX, _model_dir
 
     if not name.startswith(PREFIX):
         return name
