@@ -48,7 +48,7 @@ def train(kind: str, loss: str, steps: int, out: Path, overrides: list[str], ret
             "eval.every=0",
         ],
     )
-    return run_dir, Trainer(recipe).run()
+    return run_dir, Trainer.from_recipe(recipe).run()
 
 
 def main() -> None:

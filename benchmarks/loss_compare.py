@@ -35,7 +35,7 @@ def run(recipe_path: str, loss: str, seed: int, out: Path, overrides: list[str])
             "eval.every=0",
         ],
     )
-    return Trainer(recipe).run()
+    return Trainer.from_recipe(recipe).run()
 
 
 def fmt(values: list[float]) -> str:

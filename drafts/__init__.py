@@ -26,6 +26,12 @@ TYPES = {"standalone": Standalone, "eagle3": Eagle3}
 DETECTED = (Eagle3, SGLangEagle3, Standalone)
 
 
+def build(cfg, target, tokenizer, train_data, *, print=print):
+    """(draft module, draft type instance) for a recipe's `draft` section (`cfg.type` names
+    the type), built or loaded for `target`; `train_data` gives an EAGLE-3 head its V_d."""
+    return TYPES[cfg.type].build(cfg, target, tokenizer, train_data, print=print)
+
+
 def detect(draft) -> type:
     """The draft type class of a directory (or of an in-memory draft module).
 

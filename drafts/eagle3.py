@@ -43,6 +43,37 @@ class Eagle3:
         self.dtype = head.fc.weight.dtype
         self.d2t = head.d2t if head.draft_vocab_size < vocab_size else None
 
+    @classmethod
+    def build(cls, cfg, target, tokenizer, train_data, *, print=print):
+        """(head, its type) for a recipe's `draft` section: a fresh head on `target` (its V_d
+        from the loss-masked tokens of `train_data`) when `cfg.model` is null, else the head
+        saved in that directory, which must cover the target's vocabulary."""
+        from specdistill.drafts import hub
+
+        vocab_size = hub.shared_vocab_size(target, None, tokenizer)
+        if cfg.model is None:
+            head = new_eagle3_head(target, cfg, train_data, vocab_size)
+        elif cls.detect(cfg.model):
+            head = Eagle3Head.from_pretrained(cfg.model)
+            if head.config.vocab_size != vocab_size:
+                raise ValueError(
+                    f"draft.model {cfg.model} is a head over {head.config.vocab_size} tokens; "
+                    f"the target's tokenizer has {vocab_size}"
+                )
+        else:
+            raise ValueError(
+                f"draft.type=eagle3: draft.model must be null (a fresh head) or an EAGLE-3 "
+                f"checkpoint directory, got {cfg.model!r}"
+            )
+        head.lm_head.weight.requires_grad_(not cfg.freeze_lm_head)
+        trainable = sum(p.numel() for p in head.parameters() if p.requires_grad)
+        print(
+            f"eagle3 head: aux layers {head.aux_layers}, V_d {head.draft_vocab_size}, "
+            f"{trainable / 1e6:.2f}M trainable parameters"
+        )
+        head = head.to(hub.DTYPES[cfg.dtype])
+        return head, cls(head, cfg.ttt_steps, vocab_size)
+
     def count_mask(self, batch: dict) -> Tensor:
         valid = batch["loss_mask"].bool() & batch["attention_mask"].bool()
         length = valid.shape[1] - self.steps - 1

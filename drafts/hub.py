@@ -43,10 +43,11 @@ def load_model(name: str, *, dtype: str = "float32", revision: str | None = None
 def load_draft(name: str, *, dtype: str = "float32", revision: str | None = None):
     """A standalone draft (like `load_model`) or an EAGLE-3 head dir (drafts/eagle3_head.py)."""
     path = local_model_dir(name)  # checks a local path before the imports
-    from specdistill import drafts
-    from specdistill.drafts.eagle3_head import Eagle3Head
+    # The head's own check (what `drafts.Eagle3.detect` uses): the drafts package imports
+    # this module, so this module does not import the package.
+    from specdistill.drafts.eagle3_head import Eagle3Head, is_eagle3_dir
 
-    if path is not None and drafts.detect(path) is drafts.Eagle3:
+    if path is not None and is_eagle3_dir(path):
         return Eagle3Head.from_pretrained(path, dtype=DTYPES[dtype])
     return load_model(name, dtype=dtype, revision=revision)
 

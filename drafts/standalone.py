@@ -31,6 +31,21 @@ class Standalone:
     def __init__(self, vocab_size: int):
         self.vocab_size = vocab_size
 
+    @classmethod
+    def build(cls, cfg, target, tokenizer, train_data, *, print=print):
+        """(draft LM, its type) for a recipe's `draft` section: the model `cfg.model` loaded
+        like any HF model, checked to share the target's tokenizer, wrapped in a peft LoRA
+        adapter when `cfg.lora.r` > 0."""
+        from specdistill.drafts import hub
+
+        draft_tok = hub.load_tokenizer(cfg.model, cfg.revision)
+        hub.check_tokenizers(tokenizer, draft_tok, target.name_or_path, cfg.model)
+        draft = hub.load_model(cfg.model, dtype=cfg.dtype, revision=cfg.revision)
+        vocab_size = hub.shared_vocab_size(target, draft, tokenizer)
+        if cfg.lora.r > 0:
+            draft = wrap_lora(draft, cfg.lora)
+        return draft, cls(vocab_size)
+
     def count_mask(self, batch: dict) -> Tensor:
         """The positions a step's loss is normalised by (depth 0's mask)."""
         return target_mask(batch)
@@ -132,3 +147,18 @@ class StandaloneDrafter:
         """Keep the rows at positions `keep` (also as `index` [n] on the device)."""
         self.pending = [self.pending[i] for i in keep]
         self.stream.select_rows(index)
+
+
+def wrap_lora(draft, lora):
+    """`draft` inside a peft LoRA adapter (`lora`: r, alpha, dropout, target_modules); merged
+    back into the weights when the trained draft is saved."""
+    from peft import LoraConfig, get_peft_model
+
+    config = LoraConfig(
+        r=lora.r,
+        lora_alpha=lora.alpha,
+        lora_dropout=lora.dropout,
+        target_modules=lora.target_modules,
+        task_type="CAUSAL_LM",
+    )
+    return get_peft_model(draft, config)

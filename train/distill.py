@@ -73,7 +73,7 @@ def main(argv: list[str] | None = None) -> int:
     # heavy imports only once the recipe is known to be valid
     from specdistill.train.trainer import Trainer
 
-    Trainer(recipe).run()
+    Trainer.from_recipe(recipe).run()
     return 0
 
 

@@ -13,17 +13,13 @@ back to the previous one, and metrics.jsonl is cut back to the resumed checkpoin
 guaranteed, and the test of each guarantee: docs/reliability.md.
 """
 
-import ast
 import json
-import logging
 import math
 import os
-import re
 import shutil
 import sys
 import time
-from contextlib import contextmanager, nullcontext
-from dataclasses import dataclass
+from contextlib import nullcontext
 from pathlib import Path
 
 import torch
@@ -46,10 +42,22 @@ from specdistill.train.config import (
     load_recipe,
     recipe_to_dict,
 )
-from specdistill.drafts.eagle3_head import Eagle3Head
 from specdistill.drafts.embedded import resolve_model
+from specdistill.train.rundir import (
+    CHECKPOINT_PREFIX,
+    STATE_FILE,
+    CheckpointError,
+    RunPlan,
+    list_checkpoints,
+    prepare_output_dir,
+    progress_line,
+    quiet_library_bars,
+    quiet_tied_head_warning,
+    recipe_changes,
+    remove_leftovers,
+    restore_int_keys,
+)
 
-CHECKPOINT_PREFIX = "step-"
 
 
 def trainable_parameters(module) -> int:
@@ -64,282 +72,38 @@ def lr_lambda(step: int, warmup: int, total: int, min_ratio: float) -> float:
     return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
-STATE_FILE = "trainer_state.json"
-# Recipe keys a resumed run may change: they do not change the trained draft. Everything else
-# (target, draft, data, loss, the rest of train, the seed) does, and is refused.
-HARMLESS_KEYS = {
-    "train.save_every",
-    "train.keep_checkpoints",
-    "train.log_every",
-    "train.resume",
-    "train.overwrite",
-    "train.output_dir",
-}
-HARMLESS_SECTIONS = ("eval.", "wandb.")
-# Where accelerate logs "Removed shared tensor ... while saving" (clean_state_dict_for_safetensors)
-ACCELERATE_SAVE_LOGGER = "accelerate.utils.other"
-
-
-class CheckpointError(ValueError):
-    """No checkpoint to resume from could be loaded; the message names each one and why."""
-
-
-@dataclass
-class RunPlan:
-    """What `prepare_output_dir` decided, before any model is loaded."""
-
-    out: Path
-    resume_from: list[Path]  # checkpoints to try, newest first (then older ones); [] = fresh
-    finished: dict | None = None  # eval.json of a complete run of this recipe: nothing to do
-    clear: bool = False  # train.overwrite=true on a non-empty output_dir
-
-
-def list_checkpoints(out: Path) -> list[Path]:
-    """The complete checkpoints in `out`, oldest first (a partial one is still a .tmp-* dir)."""
-    root = out / "checkpoints"
-    if not root.is_dir():
-        return []
-    done = [p for p in root.glob(f"{CHECKPOINT_PREFIX}*") if (p / STATE_FILE).is_file()]
-    return sorted(done, key=checkpoint_step)
-
-
-def checkpoint_step(path: Path) -> int:
-    return int(path.name.removeprefix(CHECKPOINT_PREFIX))
-
-
-def prepare_output_dir(recipe: Recipe) -> RunPlan:
-    """Check train.output_dir and train.resume against each other and against what is on disk,
-    before any model or data is loaded (minutes on a real model) and before anything is
-    written: a run that cannot go on must fail at once and leave an earlier run untouched.
-
-    A non-empty output_dir is refused unless the run resumes (train.resume=auto or a path) or
-    replaces it (train.overwrite=true): two runs in one directory would mix their metrics,
-    final/ and checkpoints. A run resumes only a checkpoint whose recipe differs from this one
-    in keys that do not change the trained draft (`recipe_changes`). With train.resume=auto,
-    a run that is already complete is reported as `finished` instead of trained again.
-    """
-    t = recipe.train
-    out = Path(t.output_dir)
-    if out.exists() and not out.is_dir():
-        raise RecipeError(f"train.output_dir {out} exists and is not a directory")
-    used = out.is_dir() and any(out.iterdir())
-    if t.resume not in ("no", "auto"):
-        path = Path(t.resume)
-        if not (path / STATE_FILE).is_file():
-            raise RecipeError(
-                f"train.resume: {path} is not a checkpoint directory (it has no {STATE_FILE}); "
-                f"name one of {out / 'checkpoints'}/{CHECKPOINT_PREFIX}*, or pass "
-                "train.resume=auto for the newest one"
-            )
-        if t.overwrite and out.resolve() in (path.resolve(), *path.resolve().parents):
-            raise RecipeError(
-                f"train.overwrite=true would delete train.resume={path}: it lies in "
-                f"train.output_dir {out}"
-            )
-        check_recipe(path / "recipe.yaml", recipe)
-        return RunPlan(out, [path], clear=used and t.overwrite)
-    if t.overwrite or not used:
-        return RunPlan(out, [], clear=used)
-    if t.resume == "no":
-        raise RecipeError(
-            f"train.output_dir {out} is not empty (it holds an earlier run); pass "
-            "train.resume=auto to continue that run, or train.overwrite=true to delete it and "
-            "start over (or choose another train.output_dir)"
-        )
-    found = list_checkpoints(out)[::-1]
-    for path in found:
-        check_recipe(path / "recipe.yaml", recipe)
-    if not found:
-        if not (out / "recipe.yaml").is_file():
-            raise RecipeError(
-                f"train.resume=auto: train.output_dir {out} is not empty but holds no run "
-                "(no recipe.yaml, no checkpoint); pass train.overwrite=true to delete its "
-                "contents, or choose another train.output_dir"
-            )
-        check_recipe(out / "recipe.yaml", recipe)
-    report = _read_report(out)
-    if report is not None and report.get("steps") == t.max_steps:
-        return RunPlan(out, found, finished=report)
-    if report is not None and not found:
-        raise RecipeError(
-            f"train.resume=auto: {out} holds a finished run of {report.get('steps')} steps and "
-            f"no checkpoint to continue it to train.max_steps={t.max_steps} from; pass "
-            "train.overwrite=true to train again from the start"
-        )
-    return RunPlan(out, found)
-
-
-def _read_report(out: Path) -> dict | None:
-    """eval.json of a complete run in `out`: written last, after final/ (`Trainer.save_final`)."""
-    if not (out / "final").is_dir():
-        return None
-    try:
-        return json.loads((out / "eval.json").read_text())
-    except (OSError, ValueError):
-        return None
-
-
-def check_recipe(saved: Path, recipe: Recipe) -> list[str]:
-    """Refuse to continue the run whose recipe is `saved` if `recipe` differs from it in a key
-    that changes the trained draft; return the harmless changes ('key: old → new')."""
-    try:
-        old = load_recipe(saved)
-    except RecipeError as e:
-        raise RecipeError(f"train.resume: cannot read the run's recipe {saved}: {e}") from None
-    altering, harmless = recipe_changes(old, recipe)
-    if altering:
-        raise RecipeError(
-            f"train.resume: the run in {saved.parent} was trained with a different recipe; "
-            f"these changes would alter the trained draft: {'; '.join(altering)}. Resume "
-            "with the run's values, or start a new run (another train.output_dir, or "
-            "train.overwrite=true)"
-        )
-    return harmless
-
-
-def recipe_changes(old: Recipe, new: Recipe) -> tuple[list[str], list[str]]:
-    """(changes that alter the trained draft, changes that do not), each 'key: old → new'.
-
-    train.max_steps may grow (the run trains on; the cosine schedule stretches from the
-    resumed step), not shrink: the checkpoint may already be past the new end.
-    """
-    a, b = _flatten(recipe_to_dict(old)), _flatten(recipe_to_dict(new))
-    altering, harmless = [], []
-    for key in [*b, *(k for k in a if k not in b)]:
-        before, after = a.get(key, "<unset>"), b.get(key, "<unset>")
-        if before == after:
-            continue
-        line = f"{key}: {before} → {after}"
-        if key == "train.max_steps":
-            (harmless if after > before else altering).append(line)
-        elif key in HARMLESS_KEYS or key.startswith(HARMLESS_SECTIONS):
-            harmless.append(line)
-        else:
-            altering.append(line)
-    return altering, harmless
-
-
-def _flatten(tree: dict, prefix: str = "") -> dict:
-    flat = {}
-    for key, value in tree.items():
-        if isinstance(value, dict):
-            flat.update(_flatten(value, f"{prefix}{key}."))
-        else:
-            flat[f"{prefix}{key}"] = value
-    return flat
-
-
-def restore_int_keys(metrics: dict | None) -> dict | None:
-    """JSON turns the integer γ keys of tau_pred into strings ("5"); give them back, so that
-    `tau_pred[5]` works on a result read from trainer_state.json or eval.json."""
-    if metrics is None:
-        return None
-    return {
-        key: {int(g): t for g, t in value.items()}
-        if key.startswith("tau_pred") and isinstance(value, dict)
-        else value
-        for key, value in metrics.items()
-    }
-
-
-def remove_leftovers(out: Path) -> None:
-    """Delete what a kill left of an atomic publish (specdistill/publish.py): temporary dirs
-    and files, and replaced dirs not yet deleted. None of them is ever read."""
-    for folder in (out, out / "checkpoints"):
-        for path in (*folder.glob(".tmp-*"), *folder.glob(".old-*"), *folder.glob(".*.tmp-*")):
-            if path.is_dir():
-                shutil.rmtree(path, ignore_errors=True)
-            else:
-                path.unlink(missing_ok=True)
-
-
-def progress_line(record: dict, max_steps: int) -> str:
-    """One plain log line, for a log that is not a terminal (a progress bar's carriage-return
-    redraws would fill it with hundreds of partial lines)."""
-    return (
-        f"step {record['step']}/{max_steps} | loss {record['loss']:.4f} | "
-        f"alpha {record['alpha']:.4f} | lr {record['lr']:.2e} | {record['elapsed_s']:.1f} s"
-    )
-
-
-class TiedHeadWarningFilter(logging.Filter):
-    """Drops accelerate's "Removed shared tensor {...} while saving" when the removed tensors
-    are exactly the draft's output head tied to its input embeddings. safetensors cannot store
-    one tensor twice, and from_pretrained / load_state tie the head again, so for a tied head
-    the warning is noise printed at every checkpoint. Any other removed tensor still warns."""
-
-    PATTERN = re.compile(r"Removed shared tensor (\{.*?\}) while saving")
-
-    def __init__(self, names: set[str]):
-        super().__init__()
-        self.names = names
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        match = self.PATTERN.search(record.getMessage())  # after accelerate's "[RANK i] "
-        return match is None or not ast.literal_eval(match.group(1)) <= self.names
-
-
-def tied_head_names(model) -> set[str]:
-    """State-dict names of `model`'s output head weight when it is the input embedding matrix,
-    with and without DDP's "module." prefix (accelerate saves the wrapped model)."""
-    try:
-        head, embeddings = model.get_output_embeddings(), model.get_input_embeddings()
-    except (AttributeError, NotImplementedError):
-        return set()
-    if head is None or embeddings is None or head.weight is not embeddings.weight:
-        return set()
-    names = {f"{name}.weight" for name, module in model.named_modules() if module is head}
-    return names | {f"module.{name}" for name in names}
-
-
-@contextmanager
-def quiet_library_bars():
-    """No transformers / hub progress bars ("Loading weights", "Writing model shards") while
-    stderr is not a terminal: in a log file each one is a line of carriage-return redraws."""
-    from transformers.utils import logging as hf_logging
-
-    if sys.stderr.isatty() or not hf_logging.is_progress_bar_enabled():
-        yield
-        return
-    hf_logging.disable_progress_bar()
-    try:
-        yield
-    finally:
-        hf_logging.enable_progress_bar()
-
-
-@contextmanager
-def quiet_tied_head_warning(model):
-    """While saving `model`: no "Removed shared tensor" warning for its tied output head."""
-    noise = TiedHeadWarningFilter(tied_head_names(model))
-    logger = logging.getLogger(ACCELERATE_SAVE_LOGGER)
-    logger.addFilter(noise)
-    try:
-        yield
-    finally:
-        logger.removeFilter(noise)
-
-
 class Trainer:
-    def __init__(self, recipe: Recipe):
-        self.recipe = recipe
-        r = recipe
-        # Before any model load: a run that cannot go on fails in seconds, writing nothing.
-        self.plan = prepare_output_dir(recipe)
-        self.out = self.plan.out
+    """Trains `draft` against the frozen `target` as `recipe` says, writing into its output_dir.
+
+    Built from parts (tests and benchmarks hand in their own models, data or accelerator);
+    `Trainer.from_recipe(recipe)` does the usual wiring: validate the output_dir, start
+    accelerate, load the target, the data and the draft.
+    """
+
+    def __init__(
+        self,
+        recipe: Recipe,
+        *,
+        accelerator: Accelerator,
+        plan: RunPlan,
+        target=None,
+        draft=None,
+        kind=None,
+        tokenizer=None,
+        train_data=None,
+        eval_data=None,
+    ):
+        """target, draft (a module, not yet prepared), kind (its draft type, drafts/),
+        tokenizer and the datasets may be None only when `plan` is a finished run."""
+        self.recipe = r = recipe
+        self.plan, self.out = plan, plan.out
+        self.accelerator = acc = accelerator
         self.step = 0
         self.alpha_before: dict | None = None
         self.history: list[dict] = []
         self._perms: dict[int, torch.Tensor] = {}
         self._wandb = None
-        # cpu=True without a GPU: processes started by torchrun / `accelerate launch --multi_gpu`
-        # then form a gloo group (accelerate only does that when told it is on the CPU).
-        self.accelerator = Accelerator(
-            mixed_precision=r.train.mixed_precision, cpu=not torch.cuda.is_available()
-        )
-        acc = self.accelerator
-        set_seed(r.train.seed)
-        if self.plan.finished is not None:
+        if plan.finished is not None:
             return  # nothing to train: run() reports the stored result
         world = acc.num_processes
         per_step = r.train.micro_batch_size * world
@@ -349,43 +113,13 @@ class Trainer:
                 f"train.micro_batch_size × processes ({r.train.micro_batch_size} × {world})"
             )
         self.accum = r.train.global_batch_size // per_step
-
-        # Only the main process builds an embedded model; the others wait, then load it.
-        with acc.main_process_first(), quiet_library_bars():
-            self.tokenizer = models.load_tokenizer(r.target.model, r.target.revision)
-            if r.draft.type == "standalone":  # an eagle3 head is built below, on the target
-                draft_tok = models.load_tokenizer(r.draft.model, r.draft.revision)
-                models.check_tokenizers(self.tokenizer, draft_tok, r.target.model, r.draft.model)
-                draft = models.load_model(
-                    r.draft.model, dtype=r.draft.dtype, revision=r.draft.revision
-                )
-            self.target = models.load_model(
-                r.target.model, dtype=r.target.dtype, revision=r.target.revision
-            )
-            self.train_data, self.eval_data = build_datasets(
-                self.tokenizer,
-                r.data.train,
-                r.data.eval,
-                max_length=r.data.max_length,
-                pack=r.data.pack,
-                eval_fraction=r.data.eval_fraction,
-                skip_malformed=r.data.skip_malformed,
-                seed=r.train.seed,
-            )
-        if r.draft.type == "standalone":
-            self.vocab_size = models.shared_vocab_size(self.target, draft, self.tokenizer)
-            self.kind = drafts.Standalone(self.vocab_size)
-        else:
-            self.vocab_size = models.shared_vocab_size(self.target, None, self.tokenizer)
-            draft = self._eagle3_head()
-            self.kind = drafts.Eagle3(draft, r.draft.ttt_steps, self.vocab_size)
+        self.tokenizer, self.kind = tokenizer, kind
+        self.vocab_size = kind.vocab_size
+        self.train_data, self.eval_data = train_data, eval_data
         if self.tokenizer.pad_token_id is None:
             self.tokenizer.pad_token = self.tokenizer.eos_token
-        self.target.eval().requires_grad_(False).to(acc.device)
-        if r.draft.lora.r > 0:
-            draft = self._wrap_lora(draft)
+        self.target = target.eval().requires_grad_(False).to(acc.device)
         draft.train()
-
         params = [p for p in draft.parameters() if p.requires_grad]
         optimizer = torch.optim.AdamW(
             params, lr=r.train.lr, weight_decay=r.train.weight_decay, betas=(0.9, 0.95)
@@ -397,41 +131,53 @@ class Trainer:
         self.draft, self.optimizer = acc.prepare(draft, optimizer)
         acc.register_for_checkpointing(self.scheduler)
 
-    def _eagle3_head(self):
-        d = self.recipe.draft
-        if d.model is None:
-            head = drafts.eagle3.new_eagle3_head(self.target, d, self.train_data, self.vocab_size)
-        elif drafts.Eagle3.detect(d.model):
-            head = Eagle3Head.from_pretrained(d.model)
-            if head.config.vocab_size != self.vocab_size:
-                raise RecipeError(
-                    f"draft.model {d.model} is a head over {head.config.vocab_size} tokens; "
-                    f"the target's tokenizer has {self.vocab_size}"
-                )
-        else:
-            raise RecipeError(
-                f"draft.type=eagle3: draft.model must be null (a fresh head) or an EAGLE-3 "
-                f"checkpoint directory, got {d.model!r}"
+    @classmethod
+    def from_recipe(cls, recipe: Recipe, accelerator: Accelerator | None = None) -> "Trainer":
+        """The whole wiring of a run from its recipe. The output_dir is validated before any
+        model loads, so that a run that cannot go on fails in seconds and writes nothing."""
+        r = recipe
+        plan = prepare_output_dir(recipe)
+        # cpu=True without a GPU: processes started by torchrun / `accelerate launch --multi_gpu`
+        # then form a gloo group (accelerate only does that when told it is on the CPU).
+        acc = accelerator or Accelerator(
+            mixed_precision=r.train.mixed_precision, cpu=not torch.cuda.is_available()
+        )
+        set_seed(r.train.seed)
+        if plan.finished is not None:
+            return cls(recipe, accelerator=acc, plan=plan)
+        # Only the main process builds an embedded model; the others wait, then load it.
+        with acc.main_process_first(), quiet_library_bars():
+            tokenizer = models.load_tokenizer(r.target.model, r.target.revision)
+            target = models.load_model(
+                r.target.model, dtype=r.target.dtype, revision=r.target.revision
             )
-        head.lm_head.weight.requires_grad_(not d.freeze_lm_head)
-        self.accelerator.print(
-            f"eagle3 head: aux layers {head.aux_layers}, V_d {head.draft_vocab_size}, "
-            f"{trainable_parameters(head) / 1e6:.2f}M trainable parameters"
+            train_data, eval_data = build_datasets(
+                tokenizer,
+                r.data.train,
+                r.data.eval,
+                max_length=r.data.max_length,
+                pack=r.data.pack,
+                eval_fraction=r.data.eval_fraction,
+                skip_malformed=r.data.skip_malformed,
+                seed=r.train.seed,
+            )
+            try:
+                draft, kind = drafts.build(r.draft, target, tokenizer, train_data, print=acc.print)
+            except models.TokenizerMismatchError:
+                raise
+            except ValueError as e:  # a draft that does not fit this target or recipe
+                raise RecipeError(str(e)) from None
+        return cls(
+            recipe,
+            accelerator=acc,
+            plan=plan,
+            target=target,
+            draft=draft,
+            kind=kind,
+            tokenizer=tokenizer,
+            train_data=train_data,
+            eval_data=eval_data,
         )
-        return head.to(models.DTYPES[d.dtype])
-
-    def _wrap_lora(self, draft):
-        from peft import LoraConfig, get_peft_model
-
-        lora = self.recipe.draft.lora
-        config = LoraConfig(
-            r=lora.r,
-            lora_alpha=lora.alpha,
-            lora_dropout=lora.dropout,
-            target_modules=lora.target_modules,
-            task_type="CAUSAL_LM",
-        )
-        return get_peft_model(draft, config)
 
     # ----------------------------------------------------------------------------- data
     def _permutation(self, epoch: int) -> torch.Tensor:

@@ -6,7 +6,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from accelerate.state import AcceleratorState, GradientState
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 from specdistill import losses
@@ -252,13 +251,6 @@ def test_eagle3_depth_losses_have_gradients_only_in_the_head():
 # ----------------------------------------------------------------------------- trainer
 
 
-@pytest.fixture(autouse=False)
-def fresh_accelerate_state():
-    AcceleratorState._reset_state(True)
-    GradientState._reset_state()
-    yield
-    AcceleratorState._reset_state(True)
-    GradientState._reset_state()
 
 
 @pytest.fixture(scope="module")
@@ -316,7 +308,7 @@ def eagle_overrides(tiny_pair, target, out, **extra) -> list[str]:
 
 
 def test_trainer_trains_an_eagle3_head_and_saves_it(
-    tiny_pair, sharp_target, tmp_path, fresh_accelerate_state
+    tiny_pair, sharp_target, tmp_path
 ):
     out = tmp_path / "run"
     speculative = {
@@ -327,7 +319,7 @@ def test_trainer_trains_an_eagle3_head_and_saves_it(
         "eval.speculative.max_new_tokens": 8,
     }
     recipe = load_recipe(None, eagle_overrides(tiny_pair, sharp_target, out, **speculative))
-    result = Trainer(recipe).run()
+    result = Trainer.from_recipe(recipe).run()
     assert result["alpha"] > result["alpha_before"] + 0.05
     assert len(result["alpha_depth"]) == 3
     assert result["tau_pred"][1] == pytest.approx(1 + result["alpha_depth"][0])
@@ -343,7 +335,7 @@ def test_trainer_trains_an_eagle3_head_and_saves_it(
     assert [m["step"] for m in spec] == [15, 30]
     assert all(1.0 <= m["spec/tau_3"] <= 4.0 for m in spec)
     # continue from the saved head
-    more = Trainer(
+    more = Trainer.from_recipe(
         load_recipe(
             None,
             eagle_overrides(
@@ -358,7 +350,7 @@ def test_trainer_trains_an_eagle3_head_and_saves_it(
 
 
 def test_frozen_lm_head_stays_the_targets(
-    tiny_pair, sharp_target, tmp_path, fresh_accelerate_state
+    tiny_pair, sharp_target, tmp_path
 ):
     overrides = eagle_overrides(
         tiny_pair,
@@ -366,7 +358,7 @@ def test_frozen_lm_head_stays_the_targets(
         tmp_path / "frozen",
         **{"draft.freeze_lm_head": "true", "draft.vocab_size": "null", "train.max_steps": 3},
     )
-    trainer = Trainer(load_recipe(None, overrides))
+    trainer = Trainer.from_recipe(load_recipe(None, overrides))
     trainer.run()
     head = Eagle3Head.from_pretrained(tmp_path / "frozen" / "final")
     target = LlamaForCausalLM.from_pretrained(sharp_target)
@@ -390,7 +382,7 @@ def test_eagle3_recipe_errors(tiny_pair, tmp_path):
 
 
 def test_shipped_eagle3_recipe_runs_on_the_embedded_tiny_target(
-    tmp_path, monkeypatch, fresh_accelerate_state
+    tmp_path, monkeypatch
 ):
     """recipes/code-eagle3.yaml end to end on the embedded path (the 2-layer "tiny" target,
     built in seconds, on the stdlib corpus), then the saved head drafts in the engine."""
@@ -414,7 +406,7 @@ def test_shipped_eagle3_recipe_runs_on_the_embedded_tiny_target(
         f"train.output_dir={tmp_path / 'run'}",
     ]
     recipe = load_recipe(Path(__file__).parents[2] / "recipes" / "code-eagle3.yaml", overrides)
-    result = Trainer(recipe).run()
+    result = Trainer.from_recipe(recipe).run()
     assert result["steps"] == 6 and len(result["alpha_depth"]) == 3
     head = Eagle3Head.from_pretrained(tmp_path / "run" / "final")
     target = LlamaForCausalLM.from_pretrained(resolve_model("embedded:tiny"))

@@ -11,35 +11,26 @@ from pathlib import Path
 
 import pytest
 import torch
-from accelerate.state import AcceleratorState, GradientState
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
 
 from specdistill import publish
 from specdistill.drafts import hub as models
 from specdistill.train.config import RecipeError, load_recipe
 from specdistill.train.distill import main as distill_main
-from specdistill.train.trainer import CheckpointError, TiedHeadWarningFilter, Trainer
+from specdistill.train.rundir import CheckpointError, TiedHeadWarningFilter
+from specdistill.train.trainer import Trainer
 from tests.train.test_trainer import Killed, draft_weights, metrics, overrides
 
 REPO = Path(__file__).parents[2]
 
 
-def reset_accelerate() -> None:
-    AcceleratorState._reset_state(True)
-    GradientState._reset_state()
 
 
-@pytest.fixture(autouse=True)
-def fresh_accelerate_state():
-    reset_accelerate()
-    yield
-    reset_accelerate()
 
 
 def train(tiny_pair, out: Path, **extra) -> Trainer:
     """One run of the tiny pair into `out` (extra: dotted recipe keys)."""
-    reset_accelerate()
-    trainer = Trainer(load_recipe(None, overrides(tiny_pair, out, **extra)))
+    trainer = Trainer.from_recipe(load_recipe(None, overrides(tiny_pair, out, **extra)))
     trainer.run()
     return trainer
 
@@ -122,7 +113,6 @@ def test_the_readme_recipe_run_twice_reports_the_finished_run(
 
     monkeypatch.setattr(models, "load_model", no_loading)
     monkeypatch.setattr(models, "load_tokenizer", no_loading)
-    reset_accelerate()
     assert distill_main(args) == 0
     second = capsys.readouterr().out
     assert "already holds the finished run" in second
@@ -185,9 +175,8 @@ def test_a_bad_resume_is_refused_before_loading_and_writes_nothing(
         ),
     ]
     for extra, message in bad:
-        reset_accelerate()
         with pytest.raises(RecipeError, match=message):
-            Trainer(load_recipe(None, overrides(tiny_pair, out, **base, **extra)))
+            Trainer.from_recipe(load_recipe(None, overrides(tiny_pair, out, **base, **extra)))
         assert snapshot(out) == before
 
 
@@ -236,8 +225,7 @@ def test_a_run_killed_before_its_first_checkpoint_restarts_cleanly(
 def test_a_failed_final_save_leaves_no_final_and_no_eval_json(tiny_pair, tmp_path):
     out = tmp_path / "run"
     extra = {"train.max_steps": 4, "train.save_every": 4}
-    reset_accelerate()
-    trainer = Trainer(load_recipe(None, overrides(tiny_pair, out, **extra)))
+    trainer = Trainer.from_recipe(load_recipe(None, overrides(tiny_pair, out, **extra)))
 
     def dies_midway(*args, **kwargs):  # the draft's weights are written, the tokenizer not
         raise Killed

@@ -5,7 +5,7 @@ import json
 from specdistill.train.config import load_recipe
 from specdistill.train.trainer import Trainer
 from tests.train.conftest import TEXT
-from tests.train.test_trainer import fresh_accelerate_state, metrics, overrides  # noqa: F401
+from tests.train.test_trainer import metrics, overrides
 
 
 def write_jsonl(path, rows: list) -> str:
@@ -24,7 +24,7 @@ def test_skipped_records_are_counted_in_outputs(tiny_pair, tmp_path):
         "data.skip_malformed": "true",
         "train.max_steps": 2,
     }
-    result = Trainer(load_recipe(None, overrides(tiny_pair, out, **extra))).run()
+    result = Trainer.from_recipe(load_recipe(None, overrides(tiny_pair, out, **extra))).run()
     expected = {
         "train": {"invalid JSON": 2, "not a JSON object": 1},
         "eval": {"no text or messages": 1},
@@ -42,6 +42,6 @@ def test_skipped_records_are_counted_in_outputs(tiny_pair, tmp_path):
 def test_nothing_skipped_is_an_empty_count(tiny_pair, tmp_path):
     out = tmp_path / "run"
     extra = {"data.skip_malformed": "true", "train.max_steps": 2}
-    result = Trainer(load_recipe(None, overrides(tiny_pair, out, **extra))).run()
+    result = Trainer.from_recipe(load_recipe(None, overrides(tiny_pair, out, **extra))).run()
     assert result["data_skipped"] == {"train": {}, "eval": {}}
     assert not [m for m in metrics(out) if "data/skipped" in m]

@@ -6,7 +6,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from accelerate.state import AcceleratorState, GradientState
 from safetensors.torch import load_file
 
 from specdistill.train.config import load_recipe
@@ -16,13 +15,6 @@ from specdistill.train.trainer import Trainer
 REPO = Path(__file__).parents[2]
 
 
-@pytest.fixture(autouse=True)
-def fresh_accelerate_state():
-    AcceleratorState._reset_state(True)
-    GradientState._reset_state()
-    yield
-    AcceleratorState._reset_state(True)
-    GradientState._reset_state()
 
 
 def overrides(tiny_pair, out: Path, **extra) -> list[str]:
@@ -60,7 +52,7 @@ def draft_weights(out: Path) -> dict[str, torch.Tensor]:
 def test_distillation_raises_alpha_and_writes_outputs(tiny_pair, tmp_path):
     out = tmp_path / "run"
     recipe = load_recipe(None, overrides(tiny_pair, out, **{"train.max_steps": 30}))
-    result = Trainer(recipe).run()
+    result = Trainer.from_recipe(recipe).run()
     assert result["alpha"] > result["alpha_before"] + 0.02
     report = json.loads((out / "eval.json").read_text())
     for key in ("alpha", "alpha_greedy", "alpha_before", "tau_pred", "steps"):
@@ -91,7 +83,7 @@ def test_tokenizer_mismatch_is_an_error_before_training(tiny_pair, other_tokeniz
         None, overrides(tiny_pair, tmp_path / "run", **{"draft.model": str(other_tokenizer_draft)})
     )
     with pytest.raises(TokenizerMismatchError):
-        Trainer(recipe)
+        Trainer.from_recipe(recipe)
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
 
 
@@ -102,7 +94,7 @@ class Killed(RuntimeError):
 def test_resume_gives_the_same_draft_as_an_uninterrupted_run(tiny_pair, tmp_path, monkeypatch):
     extra = {"train.max_steps": 10, "train.save_every": 4, "loss.name": "lk_lambda"}
     full = tmp_path / "full"
-    Trainer(load_recipe(None, overrides(tiny_pair, full, **extra))).run()
+    Trainer.from_recipe(load_recipe(None, overrides(tiny_pair, full, **extra))).run()
 
     killed = tmp_path / "killed"
     original = Trainer.train_step
@@ -114,13 +106,11 @@ def test_resume_gives_the_same_draft_as_an_uninterrupted_run(tiny_pair, tmp_path
 
     monkeypatch.setattr(Trainer, "train_step", dies_at_step_6)
     with pytest.raises(Killed):
-        Trainer(load_recipe(None, overrides(tiny_pair, killed, **extra))).run()
+        Trainer.from_recipe(load_recipe(None, overrides(tiny_pair, killed, **extra))).run()
     monkeypatch.setattr(Trainer, "train_step", original)
     assert [p.name for p in (killed / "checkpoints").iterdir()] == ["step-0000004"]
 
-    AcceleratorState._reset_state(True)
-    GradientState._reset_state()
-    resumed = Trainer(
+    resumed = Trainer.from_recipe(
         load_recipe(None, overrides(tiny_pair, killed, **extra, **{"train.resume": "auto"}))
     )
     resumed.run()
@@ -182,10 +172,8 @@ def test_two_processes_match_one_process_at_equal_global_batch(tiny_pair, tmp_pa
 def test_chunked_loss_trains_exactly_like_the_direct_loss(tiny_pair, tmp_path):
     extra = {"train.max_steps": 4, "loss.name": "lk_lambda"}
     direct, chunked = tmp_path / "direct", tmp_path / "chunked"
-    Trainer(load_recipe(None, overrides(tiny_pair, direct, **extra))).run()
-    AcceleratorState._reset_state(True)
-    GradientState._reset_state()
-    Trainer(
+    Trainer.from_recipe(load_recipe(None, overrides(tiny_pair, direct, **extra))).run()
+    Trainer.from_recipe(
         load_recipe(None, overrides(tiny_pair, chunked, **extra, **{"loss.chunk_size": 7}))
     ).run()
     a = [m for m in metrics(direct) if "loss" in m]
@@ -207,7 +195,7 @@ def test_periodic_speculative_eval_logs_measured_tau(tiny_pair, tmp_path):
         "eval.speculative.max_new_tokens": 8,
         "eval.temperature": 0,
     }
-    result = Trainer(load_recipe(None, overrides(tiny_pair, out, **extra))).run()
+    result = Trainer.from_recipe(load_recipe(None, overrides(tiny_pair, out, **extra))).run()
     spec = [m for m in metrics(out) if "spec/best_gamma" in m]
     assert [m["step"] for m in spec] == [2, 4]
     for m in spec:
