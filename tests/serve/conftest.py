@@ -1,0 +1,63 @@
+"""A server on the tiny pair (tests/train/conftest.py), started on 127.0.0.1 in a thread."""
+
+import pytest
+import torch
+
+from tests.train import conftest as train_conftest
+from tests.train.conftest import make_model, make_tokenizer
+
+tiny_pair = train_conftest.tiny_pair  # the same session fixture
+
+
+@pytest.fixture(autouse=True, scope="session")
+def one_thread():
+    """Tiny models gain nothing from intra-op threads on a shared CPU."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="session")
+def published(tiny_pair, tmp_path_factory):
+    """A published root: v000001 = the tiny draft, v000002 = a second (perturbed) draft of
+    the same tokenizer, v000003 = broken (config.json only); current -> v000001."""
+    import shutil
+
+    from specdistill.publish import atomic_write_text
+
+    target, draft, _ = tiny_pair
+    root = tmp_path_factory.mktemp("published")
+    shutil.copytree(draft, root / "v000001")
+    (root / "v000001" / "manifest.json").write_text('{"version": "v000001"}')
+    tokenizer = make_tokenizer()
+    other = make_model(tokenizer, hidden=16, layers=1, seed=7)
+    other.save_pretrained(root / "v000002")
+    tokenizer.save_pretrained(root / "v000002")
+    (root / "v000002" / "manifest.json").write_text('{"version": "v000002"}')
+    (root / "v000003").mkdir()
+    (root / "v000003" / "config.json").write_text('{"model_type": "llama", "broken": ')
+    (root / "v000003" / "manifest.json").write_text('{"version": "v000003"}')
+    atomic_write_text(root / "current", "v000001\n")
+    return root
+
+
+@pytest.fixture(scope="module")
+def server(tiny_pair, tmp_path_factory):
+    """(base URL, Server) with the tiny draft, a traffic log and top-3 logprobs logged."""
+    from specdistill.serve.server import Server
+
+    target, draft, _ = tiny_pair
+    traffic = tmp_path_factory.mktemp("traffic")
+    srv = Server(str(target), str(draft), gamma=3, max_batch=4, traffic=str(traffic),
+                 log_top_logprobs=3, model_name="tiny")
+    url = srv.start()
+    yield url, srv
+    srv.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    import openai
+
+    return openai.OpenAI(base_url=server[0] + "/v1", api_key="none", max_retries=0, timeout=60)
