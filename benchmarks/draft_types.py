@@ -20,11 +20,10 @@ from pathlib import Path
 
 import torch
 from accelerate.state import AcceleratorState, GradientState
-
-from specdistill.eval.sweep import Settings, sweep
-from specdistill.eval.prompts import encode_prompts, load_prompts
-from specdistill.train.config import load_recipe
 from specdistill.drafts.hub import load_draft, load_model, load_tokenizer
+from specdistill.eval.prompts import encode_prompts, load_prompts
+from specdistill.eval.sweep import Settings, sweep
+from specdistill.train.config import load_recipe
 from specdistill.train.trainer import Trainer
 
 REPO = Path(__file__).resolve().parents[1]

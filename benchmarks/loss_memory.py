@@ -27,7 +27,6 @@ import time
 from pathlib import Path
 
 import torch
-
 from specdistill.losses import chunked_loss, compute_loss
 
 

@@ -37,8 +37,15 @@ def run_load(args, draft: str, prompts: list[list[int]]) -> dict:
     import openai
 
     traffic = tempfile.mkdtemp(prefix="serve-load-traffic-")
-    server = Server(args.target, draft, gamma=args.gamma, max_batch=args.max_batch,
-                    traffic=traffic, dtype=args.dtype, device=args.device)
+    server = Server(
+        args.target,
+        draft,
+        gamma=args.gamma,
+        max_batch=args.max_batch,
+        traffic=traffic,
+        dtype=args.dtype,
+        device=args.device,
+    )
     url = server.start("127.0.0.1", 0)
     client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=300)
     results, failures, lock = [], [], threading.Lock()
@@ -56,8 +63,12 @@ def run_load(args, draft: str, prompts: list[list[int]]) -> dict:
             ttft, tokens, spec = None, 0, None
             try:
                 stream = client.completions.create(
-                    model="m", prompt=prompt, max_tokens=args.max_tokens,
-                    temperature=args.temperature, seed=n, stream=True,
+                    model="m",
+                    prompt=prompt,
+                    max_tokens=args.max_tokens,
+                    temperature=args.temperature,
+                    seed=n,
+                    stream=True,
                     stream_options={"include_usage": True},
                 )
                 for chunk in stream:
@@ -86,8 +97,9 @@ def run_load(args, draft: str, prompts: list[list[int]]) -> dict:
     ttft = [r[1] for r in results]
     tokens = sum(r[2] for r in results)
     steps = sum(r[3]["speculative_decoding"]["num_spec_steps"] for r in results if r[3])
-    accepted = sum(r[3]["speculative_decoding"]["num_accepted_draft_tokens"]
-                   for r in results if r[3])
+    accepted = sum(
+        r[3]["speculative_decoding"]["num_accepted_draft_tokens"] for r in results if r[3]
+    )
     return {
         "draft": draft,
         "served": len(results),
@@ -107,8 +119,9 @@ def run_load(args, draft: str, prompts: list[list[int]]) -> dict:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--target", default="embedded:code")
     parser.add_argument("--draft", default="embedded:code-draft")
     parser.add_argument("--prompts", default="benchmarks/prompts/HumanEval.jsonl.gz")
@@ -133,23 +146,48 @@ def main(argv=None) -> int:
     from specdistill.drafts.hub import load_tokenizer
 
     tokenizer = load_tokenizer(args.target)
-    prompts = encode_prompts(load_prompts(args.prompts, limit=args.num_prompts), tokenizer,
-                             max_tokens=args.max_prompt_tokens)
+    prompts = encode_prompts(
+        load_prompts(args.prompts, limit=args.num_prompts),
+        tokenizer,
+        max_tokens=args.max_prompt_tokens,
+    )
     runs = [run_load(args, args.draft, prompts), run_load(args, "none", prompts)]
     ok = True
-    print(f"{args.clients} clients x {args.seconds:.0f} s, max_tokens {args.max_tokens}, "
-          f"temperature {args.temperature}, gamma {args.gamma}, target {args.target}")
-    header = ("draft", "served", "failures", "logged", "p50 lat", "p95 lat", "p50 ttft",
-              "p95 ttft", "tok/s", "mean acc len")
+    print(
+        f"{args.clients} clients x {args.seconds:.0f} s, max_tokens {args.max_tokens}, "
+        f"temperature {args.temperature}, gamma {args.gamma}, target {args.target}"
+    )
+    header = (
+        "draft",
+        "served",
+        "failures",
+        "logged",
+        "p50 lat",
+        "p95 lat",
+        "p50 ttft",
+        "p95 ttft",
+        "tok/s",
+        "mean acc len",
+    )
     print(" | ".join(header))
     for r in runs:
         acc = r["mean_acceptance_length"]
-        print(" | ".join([
-            r["draft"], str(r["served"]), str(r["failures"]), str(r["logged"]),
-            f"{r['p50_latency_s']:.3f}", f"{r['p95_latency_s']:.3f}",
-            f"{r['p50_ttft_s']:.3f}", f"{r['p95_ttft_s']:.3f}", f"{r['tokens_per_s']:.1f}",
-            "-" if acc is None else f"{acc:.2f}",
-        ]))
+        print(
+            " | ".join(
+                [
+                    r["draft"],
+                    str(r["served"]),
+                    str(r["failures"]),
+                    str(r["logged"]),
+                    f"{r['p50_latency_s']:.3f}",
+                    f"{r['p95_latency_s']:.3f}",
+                    f"{r['p50_ttft_s']:.3f}",
+                    f"{r['p95_ttft_s']:.3f}",
+                    f"{r['tokens_per_s']:.1f}",
+                    "-" if acc is None else f"{acc:.2f}",
+                ]
+            )
+        )
         if r["failures"]:
             ok = False
             print("  failures, e.g.:", *r["failure_examples"], sep="\n    ")

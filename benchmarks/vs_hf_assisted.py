@@ -31,12 +31,11 @@ import time
 from pathlib import Path
 
 import torch
-
 from specdistill.drafts.cache import sync
+from specdistill.drafts.hub import check_tokenizers, load_model, load_tokenizer
 from specdistill.eval import stats
 from specdistill.eval.engine import Generation, generate
 from specdistill.eval.prompts import encode_prompts, load_prompts
-from specdistill.drafts.hub import check_tokenizers, load_model, load_tokenizer
 
 HUMANEVAL = Path(__file__).resolve().parent / "prompts" / "HumanEval.jsonl.gz"
 
@@ -72,9 +71,7 @@ def hf_generate(target, draft, ids: list[int], *, temperature, gamma, max_new_to
 
 def engine_runs(target, draft, prompt_ids, **kwargs) -> tuple[float, list[Generation]]:
     start = clock(target.device)
-    runs = [
-        generate(target, draft, [ids], seed=i, **kwargs) for i, ids in enumerate(prompt_ids)
-    ]
+    runs = [generate(target, draft, [ids], seed=i, **kwargs) for i, ids in enumerate(prompt_ids)]
     return clock(target.device) - start, runs
 
 
@@ -90,9 +87,7 @@ def compare(target, draft, prompt_ids, *, temperature: float, gamma: int, max_ne
     """Both engines on the same requests at one temperature: tokens/s, ratios and efficiency."""
     common = dict(temperature=temperature, max_new_tokens=max_new_tokens)
     # Warm-up: first calls pay for allocator growth and lazy initialisation.
-    generate(
-        target, draft, prompt_ids[:1], gamma=gamma, temperature=temperature, max_new_tokens=8
-    )
+    generate(target, draft, prompt_ids[:1], gamma=gamma, temperature=temperature, max_new_tokens=8)
     hf_generate(
         target,
         draft,

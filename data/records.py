@@ -15,7 +15,6 @@ every later error can point at it.
 from dataclasses import dataclass
 from typing import Any
 
-
 # What a DataError is about, in short stable words, for counting skipped records: the first
 # phrase found in its message (written here, in sources.py or in tokenize.py) gives it.
 REASONS = (

@@ -9,7 +9,7 @@ cores), caches it as an ordinary Hugging Face model directory under
 `from_pretrained` calls as a hub model. The cache root is `$SPECDISTILL_CACHE` or
 `~/.cache/specdistill`. Build by hand with
 
-    python -c "from specdistill.drafts.embedded import resolve_model; resolve_model('embedded:code')"
+    python -c "from specdistill.drafts.embedded import resolve_model as r; r('embedded:code')"
 
 The corpus is the running interpreter's standard library (`data.stdlib`): the tokenizer
 and models train on the "train" split and report next-token loss on the "heldout" split.
@@ -41,6 +41,7 @@ import tokenizers
 import torch
 import torch.nn.functional as F
 import transformers
+from specdistill.data.stdlib import stdlib_files
 from tokenizers import decoders, models, pre_tokenizers, trainers
 from transformers import (
     GenerationConfig,
@@ -49,7 +50,6 @@ from transformers import (
     PreTrainedTokenizerFast,
 )
 
-from specdistill.data.stdlib import stdlib_files
 from specdistill.publish import publish_dir
 
 # Bump when a change to this file changes what a build produces: cached builds with

@@ -17,9 +17,8 @@ from pathlib import Path
 from urllib.parse import urlparse
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
-
 from specdistill.drafts.embedded import PREFIX, resolve_model
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -61,9 +60,7 @@ def _from_pretrained(auto_class, name: str, revision: str | None, **kwargs):
     if auto_class is AutoModelForCausalLM:  # else its PEFT adapter lookup goes online
         kwargs["adapter_kwargs"] = {"local_files_only": True}
     try:
-        return auto_class.from_pretrained(
-            name, revision=revision, local_files_only=True, **kwargs
-        )
+        return auto_class.from_pretrained(name, revision=revision, local_files_only=True, **kwargs)
     except OSError as e:
         why = "HF_HUB_OFFLINE is set" if hub_offline() else f"no connection to {hub_address()[0]}"
         raise ModelNotFoundError(

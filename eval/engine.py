@@ -28,11 +28,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
-
-from specdistill import drafts
 from specdistill.drafts.cache import KVStream, eval_mode, left_pad, sync
 from specdistill.eval import verify
 from specdistill.losses.sampling import check_filters, probabilities
+
+from specdistill import drafts
 
 # ----------------------------------------------------------------------------- γ policy
 
@@ -234,9 +234,7 @@ class _Sampler:
         """Verification of γ ≥ 1 drafts: logits [B, γ+1, V] -> (n_accepted [B], next [B])."""
         if self.greedy:
             return verify.verify_greedy(logits, drafted)
-        return verify.verify_sampled(
-            self.p(logits), torch.stack(q, dim=1), drafted, self.generator
-        )
+        return verify.verify_sampled(self.p(logits), torch.stack(q, dim=1), drafted, self.generator)
 
     def _sample(self, logits, distribution):
         if self.greedy:
@@ -751,7 +749,15 @@ class Engine:
 
     def _forget(self, r: int) -> None:
         b = self.batch
-        for table in (b.prompts, b.max_new, b.outputs, b.ttft, b.latency, b.admitted_at,
-                      b.stats, b.logprobs_k):
+        for table in (
+            b.prompts,
+            b.max_new,
+            b.outputs,
+            b.ttft,
+            b.latency,
+            b.admitted_at,
+            b.stats,
+            b.logprobs_k,
+        ):
             table.pop(r, None)
         self.sampler.drop(r)

@@ -148,10 +148,11 @@ def main(argv: Sequence[str] | None = None) -> dict:
     if args.threads:
         torch.set_num_threads(args.threads)
 
-    from specdistill import drafts
+    from specdistill.drafts.hub import check_tokenizers, load_draft, load_model, load_tokenizer
     from specdistill.eval import report, sweep
     from specdistill.eval.prompts import encode_prompts, load_prompts
-    from specdistill.drafts.hub import check_tokenizers, load_draft, load_model, load_tokenizer
+
+    from specdistill import drafts
 
     # A bad prompt file or --out fails now, not after the models have loaded and decoded.
     prompts = load_prompts(args.prompts, limit=args.num_prompts)

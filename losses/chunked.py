@@ -12,8 +12,6 @@ double backward through this loss.
 """
 
 import torch
-from torch import Tensor
-
 from specdistill.losses.api import (
     SparseTarget,
     Target,
@@ -24,6 +22,7 @@ from specdistill.losses.api import (
     prepare,
 )
 from specdistill.losses.divergences import check_params
+from torch import Tensor
 
 
 def chunked_loss(

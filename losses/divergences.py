@@ -197,7 +197,6 @@ def check_params(name: str, params: dict) -> None:
         raise ValueError(f"loss {name!r}: unknown params {unknown}; valid params: {sorted(valid)}")
 
 
-
 # The declared values of the loss parameters (and of compute_loss's sampling keywords),
 # checked without any tensor, so that a recipe is validated before a model is loaded. The
 # functions check the same bounds when they run; topk_ce's k <= vocabulary size can only be
@@ -215,8 +214,9 @@ PARAM_CHECKS: dict[str, tuple[Callable[[Any], bool], str]] = {
 
 def check_param_values(name: str, params: dict) -> None:
     """Raise ValueError for an unknown parameter or a value outside its declared set."""
-    check_params(name, {k: v for k, v in params.items() if k not in ("top_p", "top_k",
-                                                                     "mask_out_of_vocab")})
+    check_params(
+        name, {k: v for k, v in params.items() if k not in ("top_p", "top_k", "mask_out_of_vocab")}
+    )
     for key, value in params.items():
         ok, allowed = PARAM_CHECKS.get(key, (lambda v: True, ""))
         if not ok(value):

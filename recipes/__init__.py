@@ -1,1 +1,2 @@
-"""Shipped recipes (YAML), installed as package data so `specdistill distill --recipe code` finds them."""
+"""Shipped recipes (YAML), installed as package data: `--recipe code` names
+`code.yaml` here when no file of that name exists."""

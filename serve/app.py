@@ -27,7 +27,6 @@ from prometheus_client import (
     disable_created_metrics,
     generate_latest,
 )
-
 from specdistill.eval.engine import Sampling
 from specdistill.serve.traffic import SCHEMA_VERSION, TrafficLog
 from specdistill.serve.worker import EngineWorker, Job
@@ -58,33 +57,53 @@ class Metrics:
         disable_created_metrics()  # no `_created` series next to each counter
         r = self.registry = CollectorRegistry()
         self.num_drafts = Counter(
-            PREFIX + "spec_decode_num_drafts", "Speculative rounds (one draft each) per row.",
-            registry=r)
+            PREFIX + "spec_decode_num_drafts",
+            "Speculative rounds (one draft each) per row.",
+            registry=r,
+        )
         self.num_draft_tokens = Counter(
-            PREFIX + "spec_decode_num_draft_tokens", "Draft tokens proposed.", registry=r)
+            PREFIX + "spec_decode_num_draft_tokens", "Draft tokens proposed.", registry=r
+        )
         self.num_accepted_tokens = Counter(
-            PREFIX + "spec_decode_num_accepted_tokens", "Draft tokens accepted.", registry=r)
+            PREFIX + "spec_decode_num_accepted_tokens", "Draft tokens accepted.", registry=r
+        )
         self.accepted_per_pos = Counter(
             PREFIX + "spec_decode_num_accepted_tokens_per_pos",
-            "Draft tokens accepted at each draft position (0-based).", ["position"], registry=r)
+            "Draft tokens accepted at each draft position (0-based).",
+            ["position"],
+            registry=r,
+        )
         self.generation_tokens = Counter(
-            PREFIX + "generation_tokens", "Generated tokens.", registry=r)
+            PREFIX + "generation_tokens", "Generated tokens.", registry=r
+        )
         self.prompt_tokens = Counter(PREFIX + "prompt_tokens", "Prompt tokens.", registry=r)
         self.request_success = Counter(
-            PREFIX + "request_success", "Completed requests.", ["finished_reason"], registry=r)
+            PREFIX + "request_success", "Completed requests.", ["finished_reason"], registry=r
+        )
         self.latency = Histogram(
-            PREFIX + "e2e_request_latency_seconds", "Request latency (arrival to last token).",
-            buckets=LATENCY_BUCKETS, registry=r)
+            PREFIX + "e2e_request_latency_seconds",
+            "Request latency (arrival to last token).",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
         self.ttft = Histogram(
-            PREFIX + "time_to_first_token_seconds", "Time to first token.",
-            buckets=LATENCY_BUCKETS, registry=r)
+            PREFIX + "time_to_first_token_seconds",
+            "Time to first token.",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
         self.running = Gauge(PREFIX + "num_requests_running", "Requests in flight.", registry=r)
         self.draft_version = Gauge(
-            PREFIX + "draft_version", "Published draft version number (0: none or unversioned).",
-            registry=r)
+            PREFIX + "draft_version",
+            "Published draft version number (0: none or unversioned).",
+            registry=r,
+        )
         self.draft_info = Gauge(
-            PREFIX + "draft_version_info", "The draft version serving new requests (value 1).",
-            ["version"], registry=r)
+            PREFIX + "draft_version_info",
+            "The draft version serving new requests (value 1).",
+            ["version"],
+            registry=r,
+        )
 
     def finished(self, stats: dict, n_prompt: int, n_out: int, reason: str, latency, ttft):
         self.num_drafts.inc(stats["num_spec_steps"])
@@ -218,8 +237,10 @@ def parse(body: dict, tokenizer, config: ServerConfig, chat: bool) -> Parsed:
             prompt = prompt[0]
         if isinstance(prompt, str):
             prompt_ids = tokenizer(prompt)["input_ids"]
-        elif isinstance(prompt, list) and prompt and all(
-            isinstance(t, int) and not isinstance(t, bool) for t in prompt
+        elif (
+            isinstance(prompt, list)
+            and prompt
+            and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt)
         ):
             prompt_ids = list(prompt)
             if max(prompt_ids) >= len(tokenizer) or min(prompt_ids) < 0:
@@ -367,13 +388,17 @@ class Run:
             content = []
             for t, (lp, top) in zip(ids, entries, strict=False):
                 s = self._tok(t)
-                content.append({
-                    "token": s, "logprob": lp, "bytes": list(s.encode()),
-                    "top_logprobs": [
-                        {"token": (a := self._tok(i)), "logprob": v, "bytes": list(a.encode())}
-                        for i, v in top[:k]
-                    ],
-                })
+                content.append(
+                    {
+                        "token": s,
+                        "logprob": lp,
+                        "bytes": list(s.encode()),
+                        "top_logprobs": [
+                            {"token": (a := self._tok(i)), "logprob": v, "bytes": list(a.encode())}
+                            for i, v in top[:k]
+                        ],
+                    }
+                )
             return {"content": content}
         tokens = [self._tok(t) for t in ids[: len(entries)]]
         offsets, pos = [], offset
@@ -395,8 +420,12 @@ class Run:
         latency = time.perf_counter() - self.start
         stats = self.stats or {}
         s.metrics.finished(
-            stats, len(self.p.prompt_ids), len(self.completion_ids), self.finish_reason,
-            latency, self.ttft,
+            stats,
+            len(self.p.prompt_ids),
+            len(self.completion_ids),
+            self.finish_reason,
+            latency,
+            self.ttft,
         )
         if s.traffic is None:
             return
@@ -437,8 +466,9 @@ class Run:
 
 
 class AppState:
-    def __init__(self, tokenizer, worker: EngineWorker, config: ServerConfig,
-                 traffic: TrafficLog | None):
+    def __init__(
+        self, tokenizer, worker: EngineWorker, config: ServerConfig, traffic: TrafficLog | None
+    ):
         self.tokenizer, self.worker, self.config, self.traffic = tokenizer, worker, config, traffic
         self.metrics = Metrics()
 
@@ -466,16 +496,20 @@ def build_app(state: AppState) -> FastAPI:
     async def models():
         return {
             "object": "list",
-            "data": [{
-                "id": state.config.model_name, "object": "model", "created": 0,
-                "owned_by": "specdistill", "draft_version": state.worker.version,
-            }],
+            "data": [
+                {
+                    "id": state.config.model_name,
+                    "object": "model",
+                    "created": 0,
+                    "owned_by": "specdistill",
+                    "draft_version": state.worker.version,
+                }
+            ],
         }
 
     @app.get("/metrics")
     async def metrics():
-        return Response(state.metrics.expose(state.worker.version),
-                        media_type=CONTENT_TYPE_LATEST)
+        return Response(state.metrics.expose(state.worker.version), media_type=CONTENT_TYPE_LATEST)
 
     @app.post("/v1/completions")
     async def completions(request: Request):
@@ -515,8 +549,12 @@ def build_app(state: AppState) -> FastAPI:
     async def stream(run: Run):
         p = run.p
         obj = "chat.completion.chunk" if p.chat else "text_completion"
-        base = {"id": run.id, "object": obj, "created": run.created,
-                "model": state.config.model_name}
+        base = {
+            "id": run.id,
+            "object": obj,
+            "created": run.created,
+            "model": state.config.model_name,
+        }
         first = True
         sent_ids = 0
         offset = 0
@@ -532,11 +570,15 @@ def build_app(state: AppState) -> FastAPI:
                 if delta or (lps and p.logprobs is not None) or first or run.finished:
                     lp_json = run.logprobs_json(lps, ids, offset) if lps else None
                     offset += len(delta)
-                    choice = {"index": 0, "logprobs": lp_json,
-                              "finish_reason": run.finish_reason if run.finished else None}
+                    choice = {
+                        "index": 0,
+                        "logprobs": lp_json,
+                        "finish_reason": run.finish_reason if run.finished else None,
+                    }
                     if p.chat:
-                        choice["delta"] = ({"role": "assistant", "content": delta} if first
-                                           else {"content": delta})
+                        choice["delta"] = (
+                            {"role": "assistant", "content": delta} if first else {"content": delta}
+                        )
                     else:
                         choice["text"] = delta
                     chunk = {**base, "choices": [choice]}
@@ -563,8 +605,11 @@ async def collect(run: Run) -> dict:
     await run.log()
     p = run.p
     ids = run.completion_ids
-    choice = {"index": 0, "finish_reason": run.finish_reason,
-              "logprobs": run.logprobs_json(run.logprobs, ids)}
+    choice = {
+        "index": 0,
+        "finish_reason": run.finish_reason,
+        "logprobs": run.logprobs_json(run.logprobs, ids),
+    }
     if p.chat:
         choice["message"] = {"role": "assistant", "content": run.text.text}
         obj = "chat.completion"
@@ -572,8 +617,11 @@ async def collect(run: Run) -> dict:
         choice["text"] = run.text.text
         obj = "text_completion"
     return {
-        "id": run.id, "object": obj, "created": run.created,
-        "model": run.s.config.model_name, "choices": [choice], "usage": run.usage(),
+        "id": run.id,
+        "object": obj,
+        "created": run.created,
+        "model": run.s.config.model_name,
+        "choices": [choice],
+        "usage": run.usage(),
         **run.extras(),
     }
-

@@ -21,8 +21,9 @@ import re
 import threading
 from pathlib import Path
 
-from specdistill import drafts
 from specdistill.drafts.hub import check_tokenizers, load_draft, load_tokenizer
+
+from specdistill import drafts
 
 log = logging.getLogger("specdistill.serve")
 VERSION = re.compile(r"^v\d{6}$")
@@ -73,8 +74,9 @@ def read_manifest(version_dir: Path) -> dict:
 class DraftWatcher(threading.Thread):
     """Polls ROOT/current; loads each new version and calls `install(draft, version)`."""
 
-    def __init__(self, root, target, tokenizer, install, *, poll_s: float = 2.0,
-                 dtype: str = "float32"):
+    def __init__(
+        self, root, target, tokenizer, install, *, poll_s: float = 2.0, dtype: str = "float32"
+    ):
         super().__init__(name="specdistill-drafts", daemon=True)
         self.root = Path(root)
         self.target, self.tokenizer = target, tokenizer

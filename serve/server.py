@@ -51,7 +51,6 @@ class Server:
         shard_bytes: int | None = None,
     ):
         import torch
-
         from specdistill.drafts.hub import load_model, load_tokenizer
         from specdistill.serve.app import AppState, ServerConfig, build_app
         from specdistill.serve.drafts import DraftWatcher, load_checked
@@ -75,15 +74,20 @@ class Server:
         draft_model = None
         if drafts_root is not None:
             self.watcher = DraftWatcher(
-                drafts_root, self.target, self.tokenizer, self._install, poll_s=poll_s,
+                drafts_root,
+                self.target,
+                self.tokenizer,
+                self._install,
+                poll_s=poll_s,
                 dtype=dtype,
             )
             found = self.watcher.poll()
             if found is not None:
                 draft_model, version = found
             else:
-                log.warning("%s: no loadable draft version yet; serving the target alone",
-                            drafts_root)
+                log.warning(
+                    "%s: no loadable draft version yet; serving the target alone", drafts_root
+                )
         elif draft is not None and draft != "none":
             draft_model = load_checked(draft, self.target, self.tokenizer, dtype=dtype)
             version = draft
@@ -96,9 +100,7 @@ class Server:
             eos_token_id=self.tokenizer.eos_token_id,
             vocab_size=len(self.tokenizer),
         )
-        self.traffic = (
-            TrafficLog(traffic, shard_bytes or DEFAULT_SHARD_BYTES) if traffic else None
-        )
+        self.traffic = TrafficLog(traffic, shard_bytes or DEFAULT_SHARD_BYTES) if traffic else None
         config = ServerConfig(
             model_name=model_name or target,
             target_name=target,
@@ -131,7 +133,9 @@ class Server:
         config = uvicorn.Config(self.app, log_level="warning", lifespan="off")
         self._uvicorn = uvicorn.Server(config)
         self._thread = threading.Thread(
-            target=self._uvicorn.run, kwargs={"sockets": [sock]}, daemon=True,
+            target=self._uvicorn.run,
+            kwargs={"sockets": [sock]},
+            daemon=True,
             name="specdistill-http",
         )
         self._thread.start()
@@ -179,10 +183,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--traffic", default=None, help="directory of the traffic log")
-    parser.add_argument("--traffic-shard-mb", type=float, default=64.0,
-                        help="rotate traffic shards past this size")
-    parser.add_argument("--log-top-logprobs", type=int, default=0,
-                        help="log the target's top-K logprobs per token (K <= 20)")
+    parser.add_argument(
+        "--traffic-shard-mb", type=float, default=64.0, help="rotate traffic shards past this size"
+    )
+    parser.add_argument(
+        "--log-top-logprobs",
+        type=int,
+        default=0,
+        help="log the target's top-K logprobs per token (K <= 20)",
+    )
     parser.add_argument("--max-batch", type=int, default=8, help="rows decoded together")
     parser.add_argument("--poll-s", type=float, default=2.0, help="--drafts: seconds between polls")
     parser.add_argument("--max-tokens", type=int, default=16, help="default max_tokens")

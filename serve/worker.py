@@ -127,8 +127,12 @@ class EngineWorker(threading.Thread):
             try:
                 new = self._engine(draft, version)
             except Exception as e:  # noqa: BLE001 - a bad version must not stop the server
-                log.error("draft version %s: engine failed to start (%s); keeping %s",
-                          version, e, self.version)
+                log.error(
+                    "draft version %s: engine failed to start (%s); keeping %s",
+                    version,
+                    e,
+                    self.version,
+                )
                 return
             if self.current.busy:
                 self.draining.append(self.current)

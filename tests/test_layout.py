@@ -61,8 +61,10 @@ def modules() -> dict[str, Path]:
         for path in root.rglob("*.py"):
             rel = path.relative_to(root).with_suffix("")
             parts = [p for p in rel.parts if p != "__init__"]
-            if package == "specdistill" and parts and parts[0] in (
-                "data", "losses", "drafts", "eval", "serve", "train", "recipes"
+            if (
+                package == "specdistill"
+                and parts
+                and parts[0] in ("data", "losses", "drafts", "eval", "serve", "train", "recipes")
             ):
                 continue
             found[".".join([package, *parts])] = path
@@ -95,8 +97,9 @@ def imports(path: Path, module: str, known: set[str]) -> set[str]:
                 anchor = anchor[: len(anchor) - (node.level - 1)]
                 base = ".".join([*anchor, base] if base else anchor)
             # `from pkg import name`: the submodule pkg.name when there is one, else pkg
-            names = [f"{base}.{a.name}" if f"{base}.{a.name}" in known else base
-                     for a in node.names]
+            names = [
+                f"{base}.{a.name}" if f"{base}.{a.name}" in known else base for a in node.names
+            ]
         for name in names:
             if not name.startswith("specdistill"):
                 continue
@@ -152,25 +155,34 @@ def test_imports_follow_the_layers():
         for dst in sorted(dsts)
         if layer(dst) != layer(src) and layer(dst) not in ALLOWED[layer(src)]
     ]
-    assert not bad, "imports against the layer order:\n" + "\n".join(bad) + (
-        "\n\nthe graph between folders:\n" + folder_graph(g)
+    assert not bad, (
+        "imports against the layer order:\n"
+        + "\n".join(bad)
+        + ("\n\nthe graph between folders:\n" + folder_graph(g))
     )
 
 
 def test_no_import_cycles():
     g = graph()
     cycle = find_cycle(g)
-    assert cycle is None, "import cycle: " + " -> ".join(cycle) + (
-        "\n\nthe graph between folders:\n" + folder_graph(g)
+    assert cycle is None, (
+        "import cycle: "
+        + " -> ".join(cycle)
+        + ("\n\nthe graph between folders:\n" + folder_graph(g))
     )
 
 
 def test_checks_can_fail():
     """The checkers above see a planted cycle and a planted upward arrow."""
-    planted = {"specdistill.eval.a": {"specdistill.train.b"}, "specdistill.train.b": {
-        "specdistill.eval.a"}}
-    assert find_cycle(planted) == ["specdistill.eval.a", "specdistill.train.b",
-                                   "specdistill.eval.a"]
+    planted = {
+        "specdistill.eval.a": {"specdistill.train.b"},
+        "specdistill.train.b": {"specdistill.eval.a"},
+    }
+    assert find_cycle(planted) == [
+        "specdistill.eval.a",
+        "specdistill.train.b",
+        "specdistill.eval.a",
+    ]
     assert "train" not in ALLOWED[layer("specdistill.eval.a")]
     assert "eval -> train" in folder_graph(planted)
 
@@ -179,14 +191,28 @@ def test_wheel_has_one_top_level_name(tmp_path):
     """`pip wheel .` installs `specdistill` and nothing else at the top level."""
     src = tmp_path / "src"
     shutil.copytree(
-        REPO, src, ignore=shutil.ignore_patterns(".git", "runs", "build", "*.egg-info",
-                                                 "__pycache__", "wandb")
+        REPO,
+        src,
+        ignore=shutil.ignore_patterns(
+            ".git", "runs", "build", "*.egg-info", "__pycache__", "wandb"
+        ),
     )
     out = tmp_path / "wheel"
     subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", str(src), "--no-deps", "--no-build-isolation",
-         "-q", "-w", str(out)],
-        check=True, capture_output=True,
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            str(src),
+            "--no-deps",
+            "--no-build-isolation",
+            "-q",
+            "-w",
+            str(out),
+        ],
+        check=True,
+        capture_output=True,
     )
     (wheel,) = out.glob("*.whl")
     names = zipfile.ZipFile(wheel).namelist()

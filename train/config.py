@@ -350,7 +350,11 @@ def validate(recipe: Recipe, explicit: set[str] = frozenset()) -> None:
 EAGLE3_KEYS = {
     f"draft.{k}"
     for k in (
-        "vocab_size", "aux_layers", "ttt_steps", "intermediate_size", "norm_before_residual",
+        "vocab_size",
+        "aux_layers",
+        "ttt_steps",
+        "intermediate_size",
+        "norm_before_residual",
         "freeze_lm_head",
     )
 }
@@ -397,8 +401,9 @@ def _validate_loss(lo: LossConfig) -> None:
     """Check the loss name and the type of each parameter against the loss functions'
     signatures (coercing e.g. `eta: 3` to 3.0), then ask the loss library itself for the
     value checks: it knows each loss's ranges."""
-    from specdistill import losses
     from specdistill.losses.divergences import check_param_values
+
+    from specdistill import losses
 
     if lo.name not in losses.LOSSES:
         raise RecipeError(f"loss: unknown loss {lo.name!r}; {_hint(lo.name, list(losses.LOSSES))}")
@@ -470,13 +475,26 @@ def _recipe_type(tp):
     return Any
 
 
+def _recipe_path(path: Path) -> Path:
+    """`path` itself, or a shipped recipe (specdistill.recipes) when `path` is a bare name
+    such as `code` or `code.yaml` and no such file exists here."""
+    if path.is_file():
+        return path
+    from importlib.resources import files
+
+    shipped = Path(str(files("specdistill.recipes")))
+    name = path.name if path.suffix in (".yaml", ".yml") else f"{path.name}.yaml"
+    if path.parent == Path(".") and (shipped / name).is_file():
+        return shipped / name
+    names = sorted(p.stem for p in shipped.glob("*.yaml"))
+    raise RecipeError(f"recipe file not found: {path} (shipped recipes: {', '.join(names)})")
+
+
 def load_recipe(path: str | Path | None, overrides: list[str] = ()) -> Recipe:
     """Read a YAML recipe (or start from defaults when `path` is None) and apply overrides."""
     raw: dict = {}
     if path is not None:
-        path = Path(path)
-        if not path.is_file():
-            raise RecipeError(f"recipe file not found: {path}")
+        path = _recipe_path(Path(path))
         try:
             raw = yaml.safe_load(path.read_text())
         except yaml.YAMLError as e:

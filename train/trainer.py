@@ -26,15 +26,11 @@ import torch
 import yaml
 from accelerate import Accelerator
 from accelerate.utils import set_seed
-from tqdm.auto import tqdm
-
-from specdistill import losses
 from specdistill.data import build_datasets, collate
-from specdistill.drafts.align import shifted_hidden, target_mask
-from specdistill.eval.offline import acceptance_sums, summarise
-from specdistill import drafts
 from specdistill.drafts import hub as models
-from specdistill.publish import atomic_write_text, publish_dir
+from specdistill.drafts.align import shifted_hidden, target_mask
+from specdistill.drafts.embedded import resolve_model
+from specdistill.eval.offline import acceptance_sums, summarise
 from specdistill.train.config import (
     Recipe,
     RecipeError,
@@ -42,7 +38,6 @@ from specdistill.train.config import (
     load_recipe,
     recipe_to_dict,
 )
-from specdistill.drafts.embedded import resolve_model
 from specdistill.train.rundir import (
     CHECKPOINT_PREFIX,
     STATE_FILE,
@@ -57,7 +52,10 @@ from specdistill.train.rundir import (
     remove_leftovers,
     restore_int_keys,
 )
+from tqdm.auto import tqdm
 
+from specdistill import drafts, losses
+from specdistill.publish import atomic_write_text, publish_dir
 
 
 def trainable_parameters(module) -> int:

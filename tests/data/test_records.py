@@ -1,5 +1,4 @@
 import pytest
-
 from specdistill.data.records import ChatRecord, DataError, TextRecord, record_from_row
 
 

@@ -2,7 +2,6 @@ import math
 
 import pytest
 import torch
-
 from specdistill.eval.offline import summarise
 from specdistill.eval.stats import tau_chain, tau_iid
 

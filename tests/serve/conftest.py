@@ -49,8 +49,15 @@ def server(tiny_pair, tmp_path_factory):
 
     target, draft, _ = tiny_pair
     traffic = tmp_path_factory.mktemp("traffic")
-    srv = Server(str(target), str(draft), gamma=3, max_batch=4, traffic=str(traffic),
-                 log_top_logprobs=3, model_name="tiny")
+    srv = Server(
+        str(target),
+        str(draft),
+        gamma=3,
+        max_batch=4,
+        traffic=str(traffic),
+        log_top_logprobs=3,
+        model_name="tiny",
+    )
     url = srv.start()
     yield url, srv
     srv.stop()

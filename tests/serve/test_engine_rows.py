@@ -2,8 +2,8 @@
 and seeds, cancellation."""
 
 import torch
-
 from specdistill.eval.engine import Engine, Sampling
+
 from tests.eval.test_speculative import perturbed, reference_greedy, tiny_llama
 
 
@@ -44,8 +44,10 @@ def test_seeded_request_does_not_depend_on_its_batch():
     r = alone.add(prompt, max_new_tokens=20, sampling=Sampling(1.0, top_p=0.9, seed=11))
     (expected,) = _run(alone, [r])
     crowd = Engine(target, draft, gamma=3, capacity=4)
-    others = [crowd.add([1, 2, 3], max_new_tokens=30, sampling=Sampling(0.5, seed=1)),
-              crowd.add([9] * 7, max_new_tokens=5)]
+    others = [
+        crowd.add([1, 2, 3], max_new_tokens=30, sampling=Sampling(0.5, seed=1)),
+        crowd.add([9] * 7, max_new_tokens=5),
+    ]
     crowd.step()
     r = crowd.add(prompt, max_new_tokens=20, sampling=Sampling(1.0, top_p=0.9, seed=11))
     got = _run(crowd, [r, *others])[0]

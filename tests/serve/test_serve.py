@@ -10,14 +10,17 @@ import openai
 import pytest
 import torch
 from prometheus_client.parser import text_string_to_metric_families
-from transformers import AutoModelForCausalLM, AutoTokenizer
-
 from specdistill.serve.traffic import TrafficError, TrafficLog, read_traffic
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 PROMPTS = ["def add(a, b):", "class Point:\n    def", "for i in range(10):"]
 SPEC_KEYS = {
-    "mean_acceptance_length", "draft_acceptance_rate", "acceptance_histogram",
-    "num_spec_steps", "num_draft_tokens", "num_accepted_draft_tokens",
+    "mean_acceptance_length",
+    "draft_acceptance_rate",
+    "acceptance_histogram",
+    "num_spec_steps",
+    "num_draft_tokens",
+    "num_accepted_draft_tokens",
 }
 
 
@@ -32,10 +35,13 @@ def hf_greedy(hf, ids: list[int], n: int) -> list[int]:
     model, tok = hf
     with torch.no_grad():
         out = model.generate(
-            torch.tensor([ids]), max_new_tokens=n, do_sample=False,
-            eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
+            torch.tensor([ids]),
+            max_new_tokens=n,
+            do_sample=False,
+            eos_token_id=tok.eos_token_id,
+            pad_token_id=tok.pad_token_id,
         )
-    return out[0, len(ids):].tolist()
+    return out[0, len(ids) :].tolist()
 
 
 def records_by_id(server) -> dict:
@@ -50,8 +56,11 @@ def test_completion_stats_and_greedy_equals_hf(client, server, hf):
 
     def one(i, prompt, stream):
         if stream:
-            chunks = list(client.completions.create(
-                model="tiny", prompt=prompt, max_tokens=24, temperature=0, stream=True))
+            chunks = list(
+                client.completions.create(
+                    model="tiny", prompt=prompt, max_tokens=24, temperature=0, stream=True
+                )
+            )
             results[i] = ("".join(c.choices[0].text for c in chunks), chunks[-1])
         else:
             r = client.completions.create(model="tiny", prompt=prompt, max_tokens=24, temperature=0)
@@ -77,7 +86,8 @@ def test_completion_stats_and_greedy_equals_hf(client, server, hf):
         assert sum(spec["acceptance_histogram"]) == spec["num_accepted_draft_tokens"]
         assert len(spec["acceptance_histogram"]) == 3
         assert spec["mean_acceptance_length"] == pytest.approx(
-            1 + spec["num_accepted_draft_tokens"] / spec["num_spec_steps"])
+            1 + spec["num_accepted_draft_tokens"] / spec["num_spec_steps"]
+        )
         assert last.draft_version == str(server[1].worker.version)
 
 
@@ -94,11 +104,19 @@ def test_usage_n_and_models(client):
 
 def test_chat_stream_equals_non_stream(client, hf):
     messages = [{"role": "system", "content": "code"}, {"role": "user", "content": "add"}]
-    r = client.chat.completions.create(model="tiny", messages=messages, max_tokens=16,
-                                       temperature=0)
-    chunks = list(client.chat.completions.create(
-        model="tiny", messages=messages, max_tokens=16, temperature=0, stream=True,
-        stream_options={"include_usage": True}))
+    r = client.chat.completions.create(
+        model="tiny", messages=messages, max_tokens=16, temperature=0
+    )
+    chunks = list(
+        client.chat.completions.create(
+            model="tiny",
+            messages=messages,
+            max_tokens=16,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
     assert chunks[0].choices[0].delta.role == "assistant"
     streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert streamed == r.choices[0].message.content
@@ -114,8 +132,9 @@ def test_chat_stream_equals_non_stream(client, hf):
 
 def test_logprobs_are_the_targets(client, hf):
     model, tok = hf
-    r = client.completions.create(model="tiny", prompt=PROMPTS[1], max_tokens=6, temperature=0,
-                                  logprobs=3)
+    r = client.completions.create(
+        model="tiny", prompt=PROMPTS[1], max_tokens=6, temperature=0, logprobs=3
+    )
     lp = r.choices[0].logprobs
     assert len(lp.token_logprobs) == 6 and all(len(t) <= 3 for t in lp.top_logprobs)
     ids = tok(PROMPTS[1])["input_ids"]
@@ -125,28 +144,51 @@ def test_logprobs_are_the_targets(client, hf):
     expected = logits.log_softmax(-1).gather(-1, torch.tensor(out)[:, None])[:, 0]
     assert lp.token_logprobs == pytest.approx(expected.tolist(), abs=1e-4)
     # greedy: the chosen token is the most probable one
-    assert all(v == pytest.approx(max(top.values())) for v, top in
-               zip(lp.token_logprobs, lp.top_logprobs, strict=True))
-    c = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x"}],
-                                       max_tokens=4, temperature=0, logprobs=True, top_logprobs=2)
+    assert all(
+        v == pytest.approx(max(top.values()))
+        for v, top in zip(lp.token_logprobs, lp.top_logprobs, strict=True)
+    )
+    c = client.chat.completions.create(
+        model="tiny",
+        messages=[{"role": "user", "content": "x"}],
+        max_tokens=4,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=2,
+    )
     content = c.choices[0].logprobs.content
     assert len(content) == 4 and all(len(e.top_logprobs) == 2 for e in content)
 
 
 def test_stop_strings_and_seed(client):
-    full = client.completions.create(model="tiny", prompt=PROMPTS[2], max_tokens=24,
-                                     temperature=0).choices[0].text
+    full = (
+        client.completions.create(model="tiny", prompt=PROMPTS[2], max_tokens=24, temperature=0)
+        .choices[0]
+        .text
+    )
     stop = full[len(full) // 2 : len(full) // 2 + 2]
-    cut = client.completions.create(model="tiny", prompt=PROMPTS[2], max_tokens=24,
-                                    temperature=0, stop=[stop]).choices[0]
+    cut = client.completions.create(
+        model="tiny", prompt=PROMPTS[2], max_tokens=24, temperature=0, stop=[stop]
+    ).choices[0]
     assert cut.finish_reason == "stop" and cut.text == full[: full.index(stop)]
-    streamed = client.completions.create(model="tiny", prompt=PROMPTS[2], max_tokens=24,
-                                         temperature=0, stop=[stop], stream=True)
+    streamed = client.completions.create(
+        model="tiny", prompt=PROMPTS[2], max_tokens=24, temperature=0, stop=[stop], stream=True
+    )
     assert "".join(c.choices[0].text for c in streamed) == cut.text
 
     def sampled(seed):
-        return client.completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=16,
-                                         temperature=1.0, top_p=0.9, seed=seed).choices[0].text
+        return (
+            client.completions.create(
+                model="tiny",
+                prompt=PROMPTS[0],
+                max_tokens=16,
+                temperature=1.0,
+                top_p=0.9,
+                seed=seed,
+            )
+            .choices[0]
+            .text
+        )
 
     a = sampled(5)
     noise = [threading.Thread(target=sampled, args=(s,)) for s in (1, 2)]
@@ -162,11 +204,16 @@ def test_metrics(client, server):
     client.completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=8, temperature=0)
     text = httpx.get(server[0] + "/metrics").text
     families = {f.name: f for f in text_string_to_metric_families(text)}
-    value = {f.name: sum(s.value for s in f.samples if s.name.endswith("_total"))
-             for f in families.values() if f.type == "counter"}
+    value = {
+        f.name: sum(s.value for s in f.samples if s.name.endswith("_total"))
+        for f in families.values()
+        if f.type == "counter"
+    }
     assert value["specdistill:spec_decode_num_drafts"] > 0
-    assert value["specdistill:spec_decode_num_draft_tokens"] == 3 * value[
-        "specdistill:spec_decode_num_drafts"]
+    assert (
+        value["specdistill:spec_decode_num_draft_tokens"]
+        == 3 * value["specdistill:spec_decode_num_drafts"]
+    )
     per_pos = families["specdistill:spec_decode_num_accepted_tokens_per_pos"].samples
     assert {s.labels["position"] for s in per_pos} <= {"0", "1", "2"}
     assert sum(s.value for s in per_pos) == value["specdistill:spec_decode_num_accepted_tokens"]
@@ -185,9 +232,16 @@ def test_metrics(client, server):
 def test_disconnect_frees_the_row(server):
     url, srv = server
     with httpx.Client(timeout=30) as http:
-        with http.stream("POST", url + "/v1/completions", json={
-            "prompt": PROMPTS[0], "max_tokens": 2000, "temperature": 0, "stream": True,
-        }) as response:
+        with http.stream(
+            "POST",
+            url + "/v1/completions",
+            json={
+                "prompt": PROMPTS[0],
+                "max_tokens": 2000,
+                "temperature": 0,
+                "stream": True,
+            },
+        ) as response:
             next(response.iter_lines())
     deadline = time.monotonic() + 10
     while srv.worker.current.busy and time.monotonic() < deadline:
@@ -197,8 +251,13 @@ def test_disconnect_frees_the_row(server):
 
 def test_traffic_records_round_trip(client, server):
     r = client.chat.completions.create(
-        model="tiny", messages=[{"role": "user", "content": "hello"}], max_tokens=5,
-        temperature=0.7, seed=1, extra_body={"metadata": {"category": "greeting"}})
+        model="tiny",
+        messages=[{"role": "user", "content": "hello"}],
+        max_tokens=5,
+        temperature=0.7,
+        seed=1,
+        extra_body={"metadata": {"category": "greeting"}},
+    )
     rec = records_by_id(server)[r.id]
     assert rec["category"] == "greeting" and rec["prompt"] == [{"role": "user", "content": "hello"}]
     assert rec["sampling"]["temperature"] == 0.7 and rec["sampling"]["seed"] == 1
@@ -233,13 +292,20 @@ def test_traffic_log_rotates_and_skips_torn_lines(tmp_path, server):
 def test_hot_swap_under_load(tiny_pair, published, tmp_path):
     """Versions switch while concurrent clients stream requests: no failures, both versions
     named, a broken version skipped with the old one still serving."""
-    from specdistill.publish import atomic_write_text
     from specdistill.serve.server import Server
+
+    from specdistill.publish import atomic_write_text
 
     root = tmp_path / "published"
     shutil.copytree(published, root)
-    srv = Server(str(tiny_pair[0]), drafts_root=str(root), gamma=2, max_batch=4,
-                 traffic=str(tmp_path / "traffic"), poll_s=0.1)
+    srv = Server(
+        str(tiny_pair[0]),
+        drafts_root=str(root),
+        gamma=2,
+        max_batch=4,
+        traffic=str(tmp_path / "traffic"),
+        poll_s=0.1,
+    )
     url = srv.start()
     client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=60)
     seen, failures, stop = [], [], threading.Event()
@@ -248,8 +314,13 @@ def test_hot_swap_under_load(tiny_pair, published, tmp_path):
         while not stop.is_set():
             try:
                 started = time.monotonic()
-                r = client.completions.create(model="m", prompt=PROMPTS[i % 3], max_tokens=12,
-                                              temperature=0.8 * (i % 2), seed=i)
+                r = client.completions.create(
+                    model="m",
+                    prompt=PROMPTS[i % 3],
+                    max_tokens=12,
+                    temperature=0.8 * (i % 2),
+                    seed=i,
+                )
                 seen.append((started, r.draft_version, r.id))
             except Exception as e:  # noqa: BLE001
                 failures.append(e)

@@ -1,7 +1,6 @@
 from pathlib import Path
 
 import pytest
-
 from specdistill.train.config import Recipe, RecipeError, dump_recipe, load_recipe, parse_override
 
 RECIPES = sorted((Path(__file__).parents[2] / "recipes").glob("*.yaml"))
@@ -84,14 +83,20 @@ def test_unknown_key_names_it_and_suggests(tmp_path):
         ("train.max_steps=ten", r"train.max_steps must be an integer, got 'ten'"),
         ("train.lr=-1", r"train.lr must be > 0"),
         ("train.global_batch_size=12", r"must be a multiple of train.micro_batch_size"),
-        ("train.mixed_precision=fp8", r"train.mixed_precision must be one of no, bf16, fp16, got .fp8."),
+        (
+            "train.mixed_precision=fp8",
+            r"train.mixed_precision must be one of no, bf16, fp16, got .fp8.",
+        ),
         ("eval.temperature=-0.5", r"eval.temperature must be >= 0"),
         ("data.pack=maybe", r"data.pack must be true or false"),
         ("loss.name=nope", r"loss: .*nope"),
         ("loss.eta=-1", r"loss: .*eta"),
         ("loss.beta=0.5", r"loss: .*beta"),  # lk_lambda takes no beta
         ("loss.lambda_mode=sometimes", r"loss: .*lambda_mode"),
-        ("target.dtype=float8", r"target.dtype must be one of float32, bfloat16, float16, got .float8."),
+        (
+            "target.dtype=float8",
+            r"target.dtype must be one of float32, bfloat16, float16, got .float8.",
+        ),
         ("loss.chunk_size=0", r"loss.chunk_size must be >= 1"),
     ],
 )
@@ -143,8 +148,19 @@ def test_loss_parameters_checked_by_declaration_not_a_dummy_vocabulary():
 
 
 def test_enumerations_name_their_allowed_values():
-    with pytest.raises(RecipeError, match=r"draft.type must be one of standalone, eagle3, got "
-                                          r"'eagle'; did you mean 'eagle3'\?"):
+    with pytest.raises(
+        RecipeError,
+        match=r"draft.type must be one of standalone, eagle3, got "
+        r"'eagle'; did you mean 'eagle3'\?",
+    ):
         load_recipe(None, ["draft.type=eagle"])
     with pytest.raises(RecipeError, match=r"wandb.mode must be one of offline, online, disabled"):
         load_recipe(None, ["wandb.mode=on"])
+
+
+def test_a_shipped_recipe_by_name(tmp_path, monkeypatch):
+    """`--recipe code` works from any directory (the recipes are package data)."""
+    monkeypatch.chdir(tmp_path)
+    assert load_recipe("code").train.output_dir == load_recipe("code.yaml").train.output_dir
+    with pytest.raises(RecipeError, match=r"recipe file not found: cod \(shipped recipes: .*code"):
+        load_recipe("cod")

@@ -6,10 +6,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
-
-from specdistill import losses
-from specdistill.train.config import RecipeError, load_recipe
 from specdistill.drafts import Eagle3
 from specdistill.drafts.eagle3 import token_counts
 from specdistill.drafts.eagle3_head import (
@@ -21,7 +17,11 @@ from specdistill.drafts.eagle3_head import (
     check_vocab_map,
     default_aux_layers,
 )
+from specdistill.train.config import RecipeError, load_recipe
 from specdistill.train.trainer import Trainer
+from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+from specdistill import losses
 
 V = 64
 
@@ -251,8 +251,6 @@ def test_eagle3_depth_losses_have_gradients_only_in_the_head():
 # ----------------------------------------------------------------------------- trainer
 
 
-
-
 @pytest.fixture(scope="module")
 def sharp_target(tiny_pair, tmp_path_factory):
     """The tiny pair's tokenizer on a target with peaked, context-dependent distributions (a
@@ -307,9 +305,7 @@ def eagle_overrides(tiny_pair, target, out, **extra) -> list[str]:
     return [f"{k}={v}" for k, v in base.items()]
 
 
-def test_trainer_trains_an_eagle3_head_and_saves_it(
-    tiny_pair, sharp_target, tmp_path
-):
+def test_trainer_trains_an_eagle3_head_and_saves_it(tiny_pair, sharp_target, tmp_path):
     out = tmp_path / "run"
     speculative = {
         "eval.speculative.every": 15,  # real decoding with the head during training
@@ -349,9 +345,7 @@ def test_trainer_trains_an_eagle3_head_and_saves_it(
     assert torch.equal(more.accelerator.unwrap_model(more.draft).fc.weight, head.fc.weight)
 
 
-def test_frozen_lm_head_stays_the_targets(
-    tiny_pair, sharp_target, tmp_path
-):
+def test_frozen_lm_head_stays_the_targets(tiny_pair, sharp_target, tmp_path):
     overrides = eagle_overrides(
         tiny_pair,
         sharp_target,
@@ -381,13 +375,11 @@ def test_eagle3_recipe_errors(tiny_pair, tmp_path):
         load_recipe(None, ["loss.depth_weighting=end_to_end", "loss.name=fkl"])
 
 
-def test_shipped_eagle3_recipe_runs_on_the_embedded_tiny_target(
-    tmp_path, monkeypatch
-):
+def test_shipped_eagle3_recipe_runs_on_the_embedded_tiny_target(tmp_path, monkeypatch):
     """recipes/code-eagle3.yaml end to end on the embedded path (the 2-layer "tiny" target,
     built in seconds, on the stdlib corpus), then the saved head drafts in the engine."""
-    from specdistill.eval.engine import generate
     from specdistill.drafts.embedded import resolve_model
+    from specdistill.eval.engine import generate
 
     monkeypatch.setenv("SPECDISTILL_CACHE", str(tmp_path / "cache"))
     overrides = [

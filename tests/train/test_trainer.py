@@ -7,14 +7,11 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
-
-from specdistill.train.config import load_recipe
 from specdistill.drafts.hub import TokenizerMismatchError, check_tokenizers, load_tokenizer
+from specdistill.train.config import load_recipe
 from specdistill.train.trainer import Trainer
 
 REPO = Path(__file__).parents[2]
-
-
 
 
 def overrides(tiny_pair, out: Path, **extra) -> list[str]:

@@ -39,13 +39,13 @@ import sys
 import tempfile
 from pathlib import Path
 
+from specdistill.drafts.eagle3_head import VocabMapError
+from specdistill.train.export import hf, sglang, vllm
+from specdistill.train.export.common import ExportError, Options, Plan
 from torch import nn
 
 from specdistill import drafts
-from specdistill.drafts.eagle3_head import VocabMapError
 from specdistill.publish import publish_dir
-from specdistill.train.export import hf, sglang, vllm
-from specdistill.train.export.common import ExportError, Options, Plan
 
 MODULES = {"vllm": vllm, "sglang": sglang, "hf": hf}
 FORMATS = tuple(MODULES)
@@ -211,8 +211,10 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     print(f"wrote {args.fmt} export of the {kind.name} draft to {out}")
     tokens = plan.speculative_tokens
-    hint = MODULES[args.fmt].HINTS[kind.name].format(
-        out=out, target=plan.verifier or "TARGET", tokens=tokens, draft_tokens=tokens + 1
+    hint = (
+        MODULES[args.fmt]
+        .HINTS[kind.name]
+        .format(out=out, target=plan.verifier or "TARGET", tokens=tokens, draft_tokens=tokens + 1)
     )
     print("serve with: " + hint)
     return 0

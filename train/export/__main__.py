@@ -2,8 +2,9 @@
 
 import sys
 
-from specdistill.errors import run_guarded
 from specdistill.train.export import main
+
+from specdistill.errors import run_guarded
 
 if __name__ == "__main__":
     sys.exit(run_guarded(main, sys.argv[1:]))
