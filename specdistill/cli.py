@@ -4,6 +4,7 @@
     specdistill speculate --target embedded:code --draft runs/code/final --prompts p.jsonl --out o
     specdistill export --draft runs/code-eagle3/final --format vllm --out exported
     specdistill serve --target embedded:code --draft embedded:code-draft --port 8000
+    specdistill online --recipe recipes/online.yaml      # and: online rollback --drafts ROOT
 
 Each verb is a module with a `main(argv)`; the script paths (`train/distill.py`,
 `eval/speculative.py`, `python -m specdistill.train.export`) call the same functions.
@@ -25,6 +26,10 @@ VERBS = {
         "run lossless speculative decoding; measure tau, speedup and the best gamma",
     ),
     "export": ("specdistill.train.export", "export a trained draft for vLLM, SGLang or HF"),
+    "online": (
+        "specdistill.train.online",
+        "learn from served traffic: refresh, gate, publish drafts; `online rollback`",
+    ),
     "serve": (
         "specdistill.serve.server",
         "serve an OpenAI-compatible API with speculative decoding (hot-swapped drafts)",

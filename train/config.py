@@ -137,6 +137,41 @@ class WandbConfig:
 
 
 @dataclass
+class OnlineConfig:
+    """`specdistill online` (train/online.py): learn from the server's traffic log."""
+
+    traffic: str | None = None  # the server's --traffic directory (shards traffic-NNNNNN.jsonl)
+    drafts: str = "runs/online/drafts"  # the published root the server follows (--drafts)
+    output_dir: str = "runs/online"  # OUT: state/, rejects.jsonl, decisions.jsonl, metrics.jsonl
+    follow: bool = False  # true: tail new shards and appended lines; false: one pass, then exit
+    poll_s: float = 2.0
+    refresh_records: int = 64  # a refresh after this many new trainable records ...
+    refresh_seconds: float = 600.0  # ... or this many seconds (with >= min_refresh_records)
+    min_refresh_records: int = 1
+    refresh_steps: int = 20  # optimiser steps per refresh (more if the new records need them)
+    max_refreshes: int = 0  # 0 = no limit
+    recent_size: int = 512  # the bounded store of recent records
+    reservoir_size: int = 512  # a uniform reservoir sample of the records older than that
+    anchor: list[str] = field(default_factory=list)  # traffic dirs / .jsonl files: a fixed set
+    recent_ratio: float = 0.7  # share of a refresh's sequences from the recent store
+    anchor_ratio: float = 0.0  # share of the rest (the replay) taken from the anchor set
+    holdout_size: int = 64  # the newest trainable records, held out for the gate
+    min_holdout: int = 8  # fewer held-out sequences: no promotion
+    max_record_tokens: int | None = None  # prompt + completion; null = data.max_length
+    max_line_bytes: int = 4 * 1024 * 1024
+    dedup_size: int = 100_000  # prompt hashes remembered for deduplication
+    bootstrap_samples: int = 1000
+    confidence: float = 0.95  # two-sided level of the paired bootstrap interval of Δα
+    min_gain: float = 0.0  # promote only if the interval's lower bound is above this
+    min_category_samples: int = 10
+    max_regression: float = 0.05  # a category (>= min_category_samples) may drop this much
+    keep_versions: int = 5
+    watch_window: int = 50  # served records per rolling-α window
+    watch_trailing: int = 5  # windows in the trailing level
+    watch_drop: float = 0.1  # alert when a window's α is this far below the trailing level
+
+
+@dataclass
 class Recipe:
     target: TargetConfig = field(default_factory=TargetConfig)
     draft: DraftConfig = field(default_factory=DraftConfig)
@@ -145,6 +180,7 @@ class Recipe:
     train: TrainConfig = field(default_factory=TrainConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     wandb: WandbConfig = field(default_factory=WandbConfig)
+    online: OnlineConfig = field(default_factory=OnlineConfig)
 
 
 _LOSS_FIELDS = {f.name for f in dataclasses.fields(LossConfig)} - {"params"}
@@ -339,11 +375,39 @@ def validate(recipe: Recipe, explicit: set[str] = frozenset()) -> None:
         ),
         (recipe.draft.lora.r >= 0, f"draft.lora.r must be >= 0, got {recipe.draft.lora.r}"),
         *_draft_checks(recipe, explicit),
+        *_online_checks(recipe.online),
     ]
     for ok, message in checks:
         if not ok:
             raise RecipeError(message)
     _validate_loss(lo)
+
+
+def _online_checks(o: OnlineConfig) -> list[tuple[bool, str]]:
+    return [
+        (o.refresh_records >= 1, f"online.refresh_records must be >= 1, got {o.refresh_records}"),
+        (o.refresh_steps >= 1, f"online.refresh_steps must be >= 1, got {o.refresh_steps}"),
+        (o.min_refresh_records >= 1, "online.min_refresh_records must be >= 1"),
+        (
+            o.recent_size >= 1 and o.reservoir_size >= 0,
+            "online.recent_size must be >= 1 and online.reservoir_size >= 0",
+        ),
+        (0 < o.recent_ratio <= 1, f"online.recent_ratio must be in (0, 1], got {o.recent_ratio}"),
+        (0 <= o.anchor_ratio <= 1, f"online.anchor_ratio must be in [0, 1], got {o.anchor_ratio}"),
+        (
+            o.holdout_size >= 1 and o.min_holdout >= 1,
+            "online.holdout_size and online.min_holdout must be >= 1",
+        ),
+        (0 < o.confidence < 1, f"online.confidence must be in (0, 1), got {o.confidence}"),
+        (o.bootstrap_samples >= 100, "online.bootstrap_samples must be >= 100"),
+        (o.max_regression >= 0, f"online.max_regression must be >= 0, got {o.max_regression}"),
+        (o.keep_versions >= 2, f"online.keep_versions must be >= 2, got {o.keep_versions}"),
+        (
+            o.watch_window >= 1 and o.watch_trailing >= 1,
+            "online.watch_window and online.watch_trailing must be >= 1",
+        ),
+        (o.poll_s > 0, f"online.poll_s must be > 0, got {o.poll_s}"),
+    ]
 
 
 # Keys that configure an EAGLE-3 head; setting one on a standalone draft is a mistake.

@@ -32,7 +32,7 @@ HARMLESS_KEYS = {
     "train.overwrite",
     "train.output_dir",
 }
-HARMLESS_SECTIONS = ("eval.", "wandb.")
+HARMLESS_SECTIONS = ("eval.", "wandb.", "online.")  # distill ignores online.
 # Where accelerate logs "Removed shared tensor ... while saving" (clean_state_dict_for_safetensors)
 ACCELERATE_SAVE_LOGGER = "accelerate.utils.other"
 

@@ -1,0 +1,572 @@
+"""Online distillation from the server's traffic log: read, refresh, gate, publish, watch.
+
+    specdistill online --recipe recipes/online.yaml [key.sub=value ...] [--follow | --once]
+    specdistill online rollback [VERSION] --drafts ROOT      # default: the parent of current
+    python train/online.py --recipe recipes/online.yaml
+
+The job reads `online.traffic` (the shards `specdistill serve --traffic` writes) after its
+committed cursor, screens each record (schema, the target identity as serve/traffic.py
+computes it, size, token range; the refused ones are counted by reason and written to
+OUT/rejects.jsonl), deduplicates prompts and files the rest into the store
+(train/online_traffic.py): the newest `online.holdout_size` records are held out for the
+gate, older ones are trainable. Every `online.refresh_records` new trainable records (or
+`online.refresh_seconds`), a refresh runs `online.refresh_steps` optimiser steps of the
+Trainer's own `train_step` on every new record once plus replay (recent store, reservoir,
+anchor), warm-started from the running draft and its optimiser state, against the frozen
+target with the recipe's loss. The gate (train/online_gate.py) compares candidate and the
+served incumbent (ROOT/current) on the held-out slice; a promotion is published as a new
+version (train/online_versions.py). Each decision goes to OUT/decisions.jsonl and stdout.
+
+Crash safety: the cursor, the store, the counters, the ids of the trained records, the
+running draft and its optimiser state, and the sizes of the three logs are committed
+together, atomically (OUT/state, via publish_dir), after each refresh and at the end of a
+pass. A restart loads that state and cuts the logs back to the committed sizes, so a record
+read after the last commit is read again, once: none is skipped, none is counted twice.
+
+Not done: sparse top-k training from the records' top_logprobs (the frozen target is always
+run for the targets); EAGLE-3 drafts (standalone only); multi-process training.
+"""
+
+import argparse
+import copy
+import dataclasses
+import json
+import math
+import os
+import shutil
+import signal
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+
+from specdistill.train.config import RecipeError, load_recipe
+
+from specdistill.errors import run_guarded
+
+STATE = "state"
+
+
+class _Faults:
+    """Crash injection for the tests: SPECDISTILL_ONLINE_FAULT=point:n kills the process
+    (SIGKILL) the n-th time `point` is reached; tests may also replace `hook`."""
+
+    def __init__(self):
+        spec = os.environ.get("SPECDISTILL_ONLINE_FAULT", "")
+        self.point, _, n = spec.rpartition(":") if spec.count(":") > 1 else spec.partition(":")
+        self.left = int(n or 1)
+        self.hook = None
+
+    def __call__(self, point: str) -> None:
+        if self.hook is not None:
+            self.hook(point)
+        if self.point and point == self.point:
+            self.left -= 1
+            if self.left <= 0:
+                os.kill(os.getpid(), signal.SIGKILL)
+
+
+FAULT = _Faults()
+
+
+def _truncate(path: Path, size: int) -> None:
+    if path.exists() and path.stat().st_size > size:
+        os.truncate(path, size)
+
+
+class OnlineJob:
+    def __init__(self, recipe, *, print=print):
+        import torch
+        from accelerate import Accelerator
+        from specdistill.drafts import hub
+        from specdistill.serve.traffic import model_identity
+        from specdistill.train import online_versions
+        from specdistill.train.online_traffic import Cursor, Store, load_anchor
+        from specdistill.train.online_watch import Watch
+        from specdistill.train.rundir import RunPlan
+        from specdistill.train.trainer import Trainer
+
+        from specdistill import drafts
+
+        online_versions.FAULT = FAULT
+        self.print = print
+        r = copy.deepcopy(recipe)
+        if r.draft.type != "standalone":
+            raise RecipeError("specdistill online supports draft.type=standalone only")
+        # A refresh is a continuation, not a schedule: constant learning rate.
+        r.train = dataclasses.replace(r.train, warmup_steps=0, min_lr_ratio=1.0)
+        self.recipe, o = r, r.online
+        self.o = o
+        if o.traffic is None:
+            raise RecipeError("online.traffic must name the server's --traffic directory")
+        self.out = Path(o.output_dir)
+        self.root = Path(o.drafts)
+        self.out.mkdir(parents=True, exist_ok=True)
+        self.max_tokens = o.max_record_tokens or r.data.max_length
+        self.tokenizer = hub.load_tokenizer(r.target.model, r.target.revision)
+        if self.tokenizer.pad_token_id is None:
+            self.tokenizer.pad_token = self.tokenizer.eos_token
+        self.target = hub.load_model(
+            r.target.model, dtype=r.target.dtype, revision=r.target.revision
+        )
+        self.identity = model_identity(r.target.model, self.target)
+        self.vocab_size = len(self.tokenizer)
+        draft, kind = drafts.build(
+            r.draft, self.target, self.tokenizer, None, print=lambda *a: None
+        )
+        self.kind = kind
+        acc = Accelerator(cpu=not torch.cuda.is_available())
+        plan = RunPlan(out=self.out, resume_from=[])
+        self.trainer = Trainer(
+            r,
+            accelerator=acc,
+            plan=plan,
+            target=self.target,
+            draft=draft,
+            kind=kind,
+            tokenizer=self.tokenizer,
+            train_data=None,
+            eval_data=None,
+        )
+        self.cursor = Cursor()
+        self.store = Store(
+            o.recent_size, o.reservoir_size, o.holdout_size, o.dedup_size, rng_state=r.train.seed
+        )
+        self.store.anchor = load_anchor(o.anchor, self.identity, self.max_tokens, self.vocab_size)
+        self.watch = Watch(o.watch_window, o.watch_trailing, o.watch_drop)
+        self.counts: Counter = Counter()
+        self.trained_ids: list[str] = []
+        self.refreshes = 0
+        self.records_since = 0  # new trainable records since the last refresh
+        self.window_start: float | None = None  # time of the first record of this window
+        self.last_refresh = time.time()
+        self.known_current: str | None = None  # the version the running draft descends from
+        self._incumbent = (None, None)  # (version, model)
+        self._recover()
+
+    # ----------------------------------------------------------------------------- state
+    def _recover(self) -> None:
+        import torch
+        from specdistill.serve.drafts import read_current
+        from specdistill.train import online_versions
+
+        online_versions.clean(self.root)
+        state_dir = self.out / STATE
+        olds = sorted(self.out.glob(f".old-{STATE}-*"))
+        if not state_dir.exists() and olds:  # a kill between publish_dir's two renames
+            os.replace(olds[-1], state_dir)
+        for p in self.out.iterdir():
+            if p.name.startswith((".tmp-", ".old-")) and p.is_dir():
+                shutil.rmtree(p, ignore_errors=True)
+        student = self.trainer.accelerator.unwrap_model(self.trainer.draft)
+        if (state_dir / "state.json").is_file():
+            s = json.loads((state_dir / "state.json").read_text())
+            if s["identity"] != self.identity:
+                raise RecipeError(
+                    f"{state_dir}: state of target {s['identity']}, the recipe's target is "
+                    f"{self.identity}; use another online.output_dir"
+                )
+            self.cursor.shard, self.cursor.offset, self.cursor.lines = (
+                s["cursor"]["shard"],
+                s["cursor"]["offset"],
+                s["cursor"]["lines"],
+            )
+            self.store.load(s["store"])
+            self.watch.load(s["watch"])
+            self.counts = Counter(s["counts"])
+            self.trained_ids = s["trained_ids"]
+            self.refreshes = s["refreshes"]
+            self.records_since = s["records_since"]
+            self.known_current = s["known_current"]
+            self.trainer.step = s["step"]
+            blob = torch.load(state_dir / "trainer.pt", map_location="cpu", weights_only=False)
+            student.load_state_dict(blob["draft"])
+            self.trainer.optimizer.load_state_dict(blob["optimizer"])
+            self.trainer.scheduler.load_state_dict(blob["scheduler"])
+            for name, size in s["log_bytes"].items():
+                _truncate(self.out / name, size)
+            self.print(
+                f"online: resumed at {self.cursor.as_dict()} after "
+                f"{self.refreshes} refreshes, {len(self.trained_ids)} records trained"
+            )
+        else:
+            for name in ("rejects.jsonl", "decisions.jsonl", "metrics.jsonl"):
+                (self.out / name).unlink(missing_ok=True)
+            current = read_current(self.root)
+            if current is None:
+                version = self._publish(student, {"reason": "initial draft", "records_trained": 0})
+                self.print(f"online: published the initial draft as {version}")
+            else:
+                student.load_state_dict(self._load_version(current).state_dict())
+                self.known_current = current
+                self.print(f"online: starting from the served version {current}")
+        self._follow_external_change()
+
+    def commit(self) -> None:
+        """Everything the job knows, as of now, replaces OUT/state in one rename."""
+        import torch
+
+        from specdistill.publish import publish_dir
+
+        FAULT("commit:before")
+        tmp = self.out / f".tmp-{STATE}"
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir()
+        student = self.trainer.accelerator.unwrap_model(self.trainer.draft)
+        torch.save(
+            {
+                "draft": student.state_dict(),
+                "optimizer": self.trainer.optimizer.state_dict(),
+                "scheduler": self.trainer.scheduler.state_dict(),
+            },
+            tmp / "trainer.pt",
+        )
+        logs = {}
+        for name in ("rejects.jsonl", "decisions.jsonl", "metrics.jsonl"):
+            p = self.out / name
+            logs[name] = p.stat().st_size if p.exists() else 0
+        state = {
+            "identity": self.identity,
+            "cursor": self.cursor.as_dict(),
+            "store": self.store.state(),
+            "watch": self.watch.state(),
+            "counts": dict(self.counts),
+            "trained_ids": self.trained_ids,
+            "refreshes": self.refreshes,
+            "records_since": self.records_since,
+            "known_current": self.known_current,
+            "step": self.trainer.step,
+            "log_bytes": logs,
+            "time": time.time(),
+        }
+        (tmp / "state.json").write_text(json.dumps(state))
+        FAULT("commit:written")
+        publish_dir(tmp, self.out / STATE)
+        FAULT("commit:after")
+
+    # ----------------------------------------------------------------------------- versions
+    def _load_version(self, version: str):
+        from specdistill.serve.drafts import load_checked, read_manifest
+
+        path = self.root / version
+        manifest = read_manifest(path)
+        model_dir = path / manifest["draft_dir"] if manifest.get("draft_dir") else path
+        return load_checked(str(model_dir), self.target, self.tokenizer)
+
+    def incumbent(self):
+        """(version, model) of what ROOT/current names now."""
+        from specdistill.serve.drafts import read_current
+
+        current = read_current(self.root)
+        if current is not None and self._incumbent[0] != current:
+            self._incumbent = (current, self._load_version(current).eval())
+        return self._incumbent
+
+    def _follow_external_change(self) -> None:
+        """A rollback (or another publisher) moved `current`: the running draft restarts
+        from the version now served."""
+        from specdistill.serve.drafts import read_current
+
+        current = read_current(self.root)
+        if current is not None and current != self.known_current:
+            student = self.trainer.accelerator.unwrap_model(self.trainer.draft)
+            student.load_state_dict(self._load_version(current).state_dict())
+            self.print(
+                f"online: current moved {self.known_current} -> {current}; "
+                "the running draft restarts from it"
+            )
+            self._log(
+                "metrics.jsonl",
+                {
+                    "kind": "external_change",
+                    "from": self.known_current,
+                    "to": current,
+                    "time": time.time(),
+                },
+            )
+            self.known_current = current
+
+    def _publish(self, model, manifest: dict) -> str:
+        from specdistill.drafts.embedded import resolve_model
+        from specdistill.train.online_versions import publish_version
+
+        verifier = resolve_model(self.recipe.target.model)
+        manifest = {
+            "target": {"name": self.recipe.target.model, "identity": self.identity},
+            "draft_type": self.kind.name,
+            **manifest,
+        }
+        version = publish_version(
+            self.root,
+            lambda d: self.kind.save(model, d, self.tokenizer, verifier=verifier),
+            manifest,
+            keep=self.o.keep_versions,
+        )
+        self.known_current = version
+        return version
+
+    # ----------------------------------------------------------------------------- input
+    def _log(self, name: str, record: dict) -> None:
+        with open(self.out / name, "a") as f:
+            f.write(json.dumps(record) + "\n")
+
+    def _reject(self, reason: str, detail: str, shard, offset, raw, record=None) -> None:
+        self.counts[f"rejected/{reason}"] += 1
+        self._log(
+            "rejects.jsonl",
+            {
+                "reason": reason,
+                "detail": detail,
+                "shard": shard,
+                "offset": offset,
+                "id": record.get("id") if isinstance(record, dict) else None,
+                "line": raw[:2000].decode("utf-8", "replace") if raw else None,
+            },
+        )
+
+    def read(self) -> int:
+        """Consume the complete lines after the cursor, up to the point a refresh is due;
+        returns the number of new records stored."""
+        from specdistill.train.online_traffic import compact, prompt_hash, read_new, screen
+
+        added = 0
+        for shard, offset, raw, reason in read_new(
+            self.o.traffic, self.cursor, self.o.max_line_bytes
+        ):
+            self.counts["lines"] += 1
+            if raw is None:
+                self._reject(reason, "", shard, offset, None)
+            else:
+                record, reason, detail = screen(
+                    raw, self.identity, max_tokens=self.max_tokens, vocab_size=self.vocab_size
+                )
+                if reason == "blank_line":
+                    self.counts["blank_lines"] += 1
+                elif reason is not None:
+                    self._reject(reason, detail, shard, offset, raw, record)
+                else:
+                    self.counts["records_seen"] += 1
+                    metric = self.watch.add(record)
+                    if metric is not None:
+                        self._watch_metric(metric)
+                    if self.store.add(compact(record), prompt_hash(record)):
+                        self.counts["records_accepted"] += 1
+                        added += 1
+                    else:
+                        self.counts["duplicate_prompt"] += 1
+            FAULT("read:line")
+            if len(self.store.new) >= self.o.refresh_records:
+                break  # refresh first: every refresh_records records, however many wait
+        self.records_since = len(self.store.new)
+        return added
+
+    def _watch_metric(self, metric: dict) -> None:
+        metric["time"] = time.time()
+        self._log("metrics.jsonl", metric)
+        for line in metric["alerts"]:
+            self.print(f"ALERT online watch: {line}", file=sys.stderr)
+
+    # ----------------------------------------------------------------------------- refresh
+    def due(self, final: bool = False) -> bool:
+        n = len(self.store.new)
+        if n >= self.o.refresh_records:
+            return True
+        if n >= self.o.min_refresh_records:
+            return final or time.time() - self.last_refresh >= self.o.refresh_seconds
+        return False
+
+    def refresh(self) -> dict:
+        """K optimiser steps on the new records + replay, the gate, maybe a publish, commit."""
+        from specdistill.data.dataset import TokenDataset
+        from specdistill.train.online_gate import decide, sequence_alpha
+        from specdistill.train.online_traffic import to_tokens
+
+        self._follow_external_change()
+        r, o, tr = self.recipe, self.o, self.trainer
+        g = r.train.global_batch_size
+        fresh, replay = self.store.refresh_mix(
+            o.refresh_steps * g,
+            o.recent_ratio,
+            o.anchor_ratio,
+            seed=r.train.seed * 7919 + self.refreshes,
+        )
+        items = fresh + replay
+        tr.train_data = TokenDataset(
+            [to_tokens(it) for it in items], n_records=len(items), skipped={}
+        )
+        tr._perms = {}
+        steps = max(o.refresh_steps, math.ceil(len(items) / g))
+        losses = []
+        for s in range(steps):  # the Trainer's own step: loss, accumulation, clipping
+            record = tr.train_step(s)
+            tr.step += 1
+            losses.append(record["loss"])
+            FAULT("refresh:step")
+        student = tr.accelerator.unwrap_model(tr.draft)
+        version, incumbent = self.incumbent()
+        held = list(self.store.holdout)
+        pad = self.tokenizer.pad_token_id
+        cand = sequence_alpha(self.kind, self.target, student, held, pad) if held else []
+        inc = sequence_alpha(self.kind, self.target, incumbent, held, pad) if held else []
+        verdict = decide(
+            cand, inc, [it["category"] for it in held], o, seed=r.train.seed + self.refreshes
+        )
+        self.refreshes += 1
+        decision = {
+            "refresh": self.refreshes,
+            "time": time.time(),
+            "decision": "promoted" if verdict["promote"] else "rejected",
+            "why": verdict["why"],
+            "incumbent": version,
+            "steps": steps,
+            "loss": sum(losses) / len(losses),
+            "records_new": len(fresh),
+            "records_replay": len(replay),
+            **{k: v for k, v in verdict.items() if k not in ("promote", "why")},
+        }
+        FAULT("refresh:gated")
+        if verdict["promote"]:
+            window = (
+                [min(it["time"] for it in fresh), max(it["time"] for it in fresh)]
+                if fresh
+                else None
+            )
+            decision["version"] = self._publish(
+                student,
+                {
+                    "reason": "promoted",
+                    "traffic_window": window,
+                    "records_trained": len(self.trained_ids) + len(fresh),
+                    "alpha": verdict["alpha_candidate"],
+                    "alpha_incumbent": verdict["alpha_incumbent"],
+                    "delta": verdict["delta"],
+                    "ci": verdict["ci"],
+                    "confidence": verdict["confidence"],
+                    "loss": decision["loss"],
+                    "cursor": self.cursor.as_dict(),
+                },
+            )
+        self._log("decisions.jsonl", decision)
+        self.print(
+            f"online refresh {self.refreshes}: {decision['decision']} "
+            f"({decision['why']}); loss {decision['loss']:.4f}, {len(fresh)} new + "
+            f"{len(replay)} replayed records"
+            + (f" -> {decision['version']}" if "version" in decision else "")
+        )
+        self.store.mark_trained(it["id"] for it in fresh)
+        self.trained_ids.extend(it["id"] for it in fresh)
+        self.counts["records_trained"] += len(fresh)
+        self.counts["promotions" if verdict["promote"] else "rejections"] += 1
+        self._log(
+            "metrics.jsonl",
+            {
+                "kind": "refresh",
+                **{
+                    k: decision[k]
+                    for k in (
+                        "refresh",
+                        "time",
+                        "decision",
+                        "loss",
+                        "records_new",
+                        "alpha_candidate",
+                        "alpha_incumbent",
+                    )
+                },
+                "counts": dict(self.counts),
+            },
+        )
+        self.last_refresh = time.time()
+        self.records_since = len(self.store.new)
+        self.commit()
+        return decision
+
+    # ----------------------------------------------------------------------------- run
+    def run(self, follow: bool | None = None) -> dict:
+        follow = self.o.follow if follow is None else follow
+        stop = {"now": False}
+        import threading
+
+        catch = follow and threading.current_thread() is threading.main_thread()
+        if catch:  # SIGTERM ends a follow job after the current step, with a commit
+
+            def handler(signum, frame):
+                stop["now"] = True
+
+            old = signal.signal(signal.SIGTERM, handler)
+        try:
+            while True:
+                self.read()
+                limit = self.o.max_refreshes
+                while self.due(final=not follow) and not (limit and self.refreshes >= limit):
+                    self.refresh()
+                    self.read()
+                if not follow or stop["now"] or (limit and self.refreshes >= limit):
+                    break
+                time.sleep(self.o.poll_s)
+        finally:
+            if catch:
+                signal.signal(signal.SIGTERM, old)
+        self.commit()
+        summary = self.summary()
+        self.print("online: " + json.dumps(summary))
+        return summary
+
+    def summary(self) -> dict:
+        rejected = {
+            k.split("/", 1)[1]: v for k, v in self.counts.items() if k.startswith("rejected/")
+        }
+        return {
+            "cursor": self.cursor.as_dict(),
+            "records_seen": self.counts["records_seen"],
+            "records_accepted": self.counts["records_accepted"],
+            "records_trained": len(self.trained_ids),
+            "records_rejected": sum(rejected.values()),
+            "rejected_by_reason": rejected,
+            "duplicates": self.counts["duplicate_prompt"],
+            "refreshes": self.refreshes,
+            "promotions": self.counts["promotions"],
+            "rejections": self.counts["rejections"],
+            "heldout": len(self.store.holdout),
+        }
+
+
+# --------------------------------------------------------------------------------- CLI
+def rollback_main(argv: list[str]) -> int:
+    from specdistill.train.online_versions import rollback
+
+    p = argparse.ArgumentParser(
+        prog="specdistill online rollback",
+        description="repoint ROOT/current (default: to its parent)",
+    )
+    p.add_argument("version", nargs="?", help="vNNNNNN (default: the current one's parent)")
+    p.add_argument("--drafts", required=True, help="the published root (ROOT)")
+    args = p.parse_args(argv)
+    old, new = rollback(args.drafts, args.version)
+    print(f"rolled back {args.drafts}: current {old} -> {new}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] == "rollback":
+        return rollback_main(argv[1:])
+    p = argparse.ArgumentParser(
+        prog="specdistill online",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--recipe", help="YAML recipe with an online: section")
+    mode = p.add_mutually_exclusive_group()
+    mode.add_argument("--follow", action="store_true", help="tail new shards and lines")
+    mode.add_argument("--once", action="store_true", help="one pass over the traffic, then exit")
+    p.add_argument("overrides", nargs="*", help="key.sub=value overrides")
+    args = p.parse_args(argv)
+    recipe = load_recipe(args.recipe, args.overrides)
+    follow = True if args.follow else False if args.once else None
+    OnlineJob(recipe).run(follow=follow)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(run_guarded(main, sys.argv[1:]))

@@ -1,0 +1,125 @@
+"""The promotion gate: per-sequence α of candidate and incumbent on the held-out newest
+traffic, a paired bootstrap interval of Δα, and a per-category regression check.
+
+α of one sequence is the mean over its completion positions of Σ_x min(p(x), q(x)) at the
+temperature the request was served at (0: greedy agreement), teacher-forced along the
+completion the target produced (docs/theory.md §1). Δα = mean over held-out sequences of
+(α_candidate − α_incumbent); the interval is the percentile bootstrap of that mean, pairs
+resampled together (both drafts are scored on the very same sequences).
+"""
+
+from collections import defaultdict
+
+import numpy as np
+import torch
+from specdistill.data.dataset import collate
+from specdistill.train.online_traffic import to_tokens
+
+from specdistill import losses
+
+
+@torch.no_grad()
+def sequence_alpha(kind, target, draft, items: list[dict], pad_token_id: int, *, batch: int = 8):
+    """α per item (mean over its completion positions) at each item's temperature."""
+    device = next(target.parameters()).device
+    was_training = draft.training
+    draft.eval()
+    out = np.zeros(len(items))
+    by_temp = defaultdict(list)
+    for i, it in enumerate(items):
+        by_temp[float(it["temperature"])].append(i)
+    for temperature, idx in by_temp.items():
+        for start in range(0, len(idx), batch):
+            chunk = idx[start : start + batch]
+            seqs = []
+            for i in chunk:
+                t = to_tokens(items[i])
+                seqs.append(
+                    {
+                        "input_ids": torch.from_numpy(t.ids).long(),
+                        "loss_mask": torch.from_numpy(t.mask),
+                    }
+                )
+            b = {k: v.to(device) for k, v in collate(seqs, pad_token_id).items()}
+            d_logits, t_logits, masks = kind.depths(draft, target, b)
+            alpha = losses.acceptance(
+                d_logits[0], t_logits[0], temperature, masks[0], d2t=kind.d2t
+            ).double()
+            per = alpha.sum(-1) / masks[0].sum(-1).clamp_min(1)
+            out[chunk] = per.cpu().numpy()
+    if was_training:
+        draft.train()
+    return out
+
+
+def paired_bootstrap(delta, *, samples: int = 1000, confidence: float = 0.95, seed: int = 0):
+    """(mean, lower, upper): percentile bootstrap interval of mean(delta) at `confidence`."""
+    delta = np.asarray(delta, dtype=np.float64)
+    n = len(delta)
+    if n == 0:
+        raise ValueError("no paired samples")
+    rng = np.random.default_rng(seed)
+    means = delta[rng.integers(0, n, size=(samples, n))].mean(axis=1)
+    tail = (1 - confidence) / 2
+    lower, upper = np.quantile(means, [tail, 1 - tail])
+    return float(delta.mean()), float(lower), float(upper)
+
+
+def decide(cand, inc, categories, cfg, *, seed: int = 0) -> dict:
+    """The gate's verdict on per-sequence α arrays of candidate and incumbent.
+
+    `cfg`: the recipe's online section (min_gain, confidence, bootstrap_samples,
+    min_category_samples, max_regression, min_holdout)."""
+    cand, inc = np.asarray(cand, dtype=np.float64), np.asarray(inc, dtype=np.float64)
+    n = len(cand)
+    result = {"n_heldout": n, "alpha_candidate": None, "alpha_incumbent": None}
+    if n < cfg.min_holdout:
+        return {
+            **result,
+            "promote": False,
+            "why": f"held-out slice has {n} < min_holdout {cfg.min_holdout} sequences",
+        }
+    delta = cand - inc
+    mean, lower, upper = paired_bootstrap(
+        delta, samples=cfg.bootstrap_samples, confidence=cfg.confidence, seed=seed
+    )
+    per_cat = {}
+    groups = defaultdict(list)
+    for i, c in enumerate(categories):
+        groups[c if c is not None else "(none)"].append(i)
+    regressed = []
+    for c, idx in sorted(groups.items()):
+        d = float(delta[idx].mean())
+        per_cat[c] = {
+            "n": len(idx),
+            "alpha_candidate": float(cand[idx].mean()),
+            "alpha_incumbent": float(inc[idx].mean()),
+            "delta": d,
+        }
+        if len(idx) >= cfg.min_category_samples and d < -cfg.max_regression:
+            regressed.append(c)
+    result.update(
+        alpha_candidate=float(cand.mean()),
+        alpha_incumbent=float(inc.mean()),
+        delta=mean,
+        ci=[lower, upper],
+        confidence=cfg.confidence,
+        min_gain=cfg.min_gain,
+        categories=per_cat,
+    )
+    if lower <= cfg.min_gain:
+        why = (
+            f"CI lower bound {lower:+.4f} of delta-alpha {mean:+.4f} is not above "
+            f"min_gain {cfg.min_gain:g}"
+        )
+        return {**result, "promote": False, "why": why}
+    if regressed:
+        why = "categories regress by more than max_regression {:g}: {}".format(
+            cfg.max_regression,
+            ", ".join(f"{c} ({per_cat[c]['delta']:+.4f})" for c in regressed),
+        )
+        return {**result, "promote": False, "why": why}
+    why = (
+        f"delta-alpha {mean:+.4f}, CI [{lower:+.4f}, {upper:+.4f}] above min_gain {cfg.min_gain:g}"
+    )
+    return {**result, "promote": True, "why": why}

@@ -1,0 +1,259 @@
+"""The online job's input: a cursor over the server's traffic shards, record screening, and
+the bounded training store (recent records, a reservoir of older ones, an anchor set, the
+held-out newest slice). Everything here is plain data that `state()` / `from_state()` turn
+into JSON, so that the job can commit it atomically with each refresh (train/online.py).
+
+Cursor: (shard name, byte offset of the next unread line, lines consumed). Only complete
+lines (ending in a newline) are consumed; a final line without its newline is left for
+later while its shard is the newest (the server may be writing it), and rejected as torn
+once a newer shard exists (the server never appends after a torn line, docs/traffic.md).
+"""
+
+import hashlib
+import json
+import random
+from collections import Counter, deque
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+from specdistill.data.tokenize import Tokens
+from specdistill.serve.traffic import SHARD, TrafficError, shards, validate
+
+
+@dataclass
+class Cursor:
+    shard: str | None = None  # the shard being read (None: before the first)
+    offset: int = 0  # bytes of `shard` consumed
+    lines: int = 0  # lines consumed in all shards (records, rejects, blank lines)
+
+    def as_dict(self) -> dict:
+        return {"shard": self.shard, "offset": self.offset, "lines": self.lines}
+
+
+def read_new(directory, cursor: Cursor, max_line_bytes: int):
+    """Yield (shard name, offset, raw line bytes | None, reason) for each complete line after
+    `cursor`, advancing it as each one is yielded (the caller processes it before the next).
+    `raw` is None for an oversized or torn line (reason says which)."""
+    d = Path(directory)
+    if not d.is_dir():
+        return
+    names = [p.name for p in shards(d)]
+    if cursor.shard is not None and cursor.shard not in names:
+        raise FileNotFoundError(f"{d / cursor.shard}: the shard the cursor is in has gone")
+    start = names.index(cursor.shard) if cursor.shard is not None else 0
+    for i in range(start, len(names)):
+        name = names[i]
+        if name != cursor.shard:
+            cursor.shard, cursor.offset = name, 0
+        newest = i == len(names) - 1
+        with open(d / name, "rb") as f:
+            f.seek(cursor.offset)
+            while True:
+                at = cursor.offset
+                raw = f.readline(max_line_bytes + 1)
+                if not raw:
+                    break
+                if len(raw) > max_line_bytes or not raw.endswith(b"\n"):
+                    total, complete = len(raw), raw.endswith(b"\n")
+                    while not complete:  # find the end of this line
+                        chunk = f.readline(1 << 20)
+                        if not chunk:
+                            break
+                        total += len(chunk)
+                        complete = chunk.endswith(b"\n")
+                    if not complete and newest:
+                        return  # possibly still being written: wait for its newline
+                    cursor.offset = at + total
+                    cursor.lines += 1
+                    yield name, at, None, ("oversized_line" if complete else "torn_line")
+                    if not complete:
+                        break
+                    continue
+                cursor.offset += len(raw)
+                cursor.lines += 1
+                yield name, at, raw, None
+
+
+def screen(raw: bytes, identity: str, *, max_tokens: int, vocab_size: int):
+    """(record, None) for a usable line, or (record or None, reason, detail) otherwise."""
+    if not raw.strip():
+        return None, "blank_line", ""
+    try:
+        record = validate(json.loads(raw))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        return None, "malformed_json", str(e)
+    except TrafficError as e:
+        return None, "schema", str(e)
+    if record["target"]["identity"] != identity:
+        return (
+            record,
+            "target_identity",
+            (
+                f"record of target {record['target']['name']!r} ({record['target']['identity']}), "
+                f"job's target is {identity}"
+            ),
+        )
+    n_prompt, n_completion = len(record["prompt_token_ids"]), len(record["completion_token_ids"])
+    if n_completion == 0:
+        return record, "empty_completion", ""
+    if n_prompt == 0:
+        return record, "empty_prompt", ""
+    if n_prompt + n_completion > max_tokens:
+        return record, "oversized", f"{n_prompt + n_completion} tokens > {max_tokens}"
+    ids = record["prompt_token_ids"] + record["completion_token_ids"]
+    if min(ids) < 0 or max(ids) >= vocab_size:
+        return record, "token_out_of_range", f"ids must be in [0, {vocab_size})"
+    temperature = record["sampling"].get("temperature")
+    if not isinstance(temperature, int | float) or isinstance(temperature, bool) or temperature < 0:
+        return record, "schema", f"sampling.temperature {temperature!r}"
+    return record, None, ""
+
+
+def prompt_hash(record: dict) -> str:
+    return hashlib.sha256(json.dumps(record["prompt_token_ids"]).encode()).hexdigest()[:32]
+
+
+def compact(record: dict) -> dict:
+    """What the store keeps of a record: enough to train and evaluate on it."""
+    return {
+        "id": record["id"],
+        "time": record["time"],
+        "prompt_token_ids": record["prompt_token_ids"],
+        "completion_token_ids": record["completion_token_ids"],
+        "temperature": float(record["sampling"]["temperature"]),
+        "category": record["category"],
+    }
+
+
+def to_tokens(item: dict) -> Tokens:
+    """Prompt + completion ids; the loss mask is True on the completion tokens."""
+    p, c = item["prompt_token_ids"], item["completion_token_ids"]
+    ids = np.array(p + c, dtype=np.int32)
+    mask = np.zeros(len(ids), dtype=bool)
+    mask[len(p) :] = True
+    mask[0] = False
+    return Tokens(ids, mask)
+
+
+@dataclass
+class Store:
+    """Recent records (bounded), a reservoir sample of older ones, the anchor set, and the
+    held-out newest slice. A record enters `holdout` first; the one it pushes out (older)
+    becomes trainable: `new` (not yet trained) and `recent`; the one `recent` pushes out goes
+    to the reservoir (Algorithm R). Duplicate prompts (by hash) are refused at the door."""
+
+    recent_size: int
+    reservoir_size: int
+    holdout_size: int
+    dedup_size: int
+    holdout: deque = field(default_factory=deque)
+    recent: deque = field(default_factory=deque)
+    new: list = field(default_factory=list)  # trainable records not yet trained
+    reservoir: list = field(default_factory=list)
+    reservoir_seen: int = 0  # records offered to the reservoir
+    anchor: list = field(default_factory=list)
+    seen: deque = field(default_factory=deque)  # prompt hashes, oldest first
+    seen_set: set = field(default_factory=set)
+    rng_state: int = 0  # the reservoir's RNG seed for the next draw
+
+    def add(self, item: dict, phash: str) -> bool:
+        """False (and nothing stored) for a duplicate prompt."""
+        if phash in self.seen_set:
+            return False
+        self.seen.append(phash)
+        self.seen_set.add(phash)
+        while len(self.seen) > self.dedup_size:
+            self.seen_set.discard(self.seen.popleft())
+        self.holdout.append(item)
+        while len(self.holdout) > self.holdout_size:
+            self._to_recent(self.holdout.popleft())
+        return True
+
+    def _to_recent(self, item: dict) -> None:
+        self.recent.append(item)
+        self.new.append(item)
+        while len(self.recent) > self.recent_size:
+            old = self.recent.popleft()
+            self._offer_reservoir(old)
+
+    def _offer_reservoir(self, item: dict) -> None:
+        if self.reservoir_size == 0:
+            return
+        self.reservoir_seen += 1
+        rng = random.Random(self.rng_state * 1_000_003 + self.reservoir_seen)
+        if len(self.reservoir) < self.reservoir_size:
+            self.reservoir.append(item)
+        else:
+            j = rng.randrange(self.reservoir_seen)
+            if j < self.reservoir_size:
+                self.reservoir[j] = item
+
+    def new_items(self) -> list[dict]:
+        """The trainable records not trained yet (all in `recent`, or pushed beyond it)."""
+        return list(self.new)
+
+    def refresh_mix(self, n_total: int, recent_ratio: float, anchor_ratio: float, seed: int):
+        """(new items, replay items): every new record once, plus replay drawn from the other
+        recent records (to `recent_ratio` of n_total), the reservoir and the anchor set."""
+        rng = random.Random(seed)
+        fresh = self.new_items()
+        fresh_ids = {it["id"] for it in fresh}
+        n_total = max(n_total, len(fresh))
+        n_recent = max(len(fresh), round(recent_ratio * n_total))
+        others = [it for it in self.recent if it["id"] not in fresh_ids]
+        replay = rng.sample(others, min(len(others), n_recent - len(fresh)))
+        n_old = n_total - len(fresh) - len(replay)
+        n_anchor = min(len(self.anchor), round(anchor_ratio * n_old)) if self.anchor else 0
+        pool = [it for it in self.reservoir if it["id"] not in fresh_ids]
+        replay += rng.sample(pool, min(len(pool), n_old - n_anchor))
+        replay += rng.sample(self.anchor, n_anchor)
+        return fresh, replay
+
+    def mark_trained(self, ids) -> None:
+        done = set(ids)
+        self.new = [it for it in self.new if it["id"] not in done]
+
+    def state(self) -> dict:
+        return {
+            "holdout": list(self.holdout),
+            "recent": list(self.recent),
+            "new": self.new,
+            "reservoir": self.reservoir,
+            "reservoir_seen": self.reservoir_seen,
+            "seen": list(self.seen),
+            "rng_state": self.rng_state,
+        }
+
+    def load(self, state: dict) -> None:
+        self.holdout = deque(state["holdout"])
+        self.recent = deque(state["recent"])
+        self.new = list(state["new"])
+        self.reservoir = list(state["reservoir"])
+        self.reservoir_seen = state["reservoir_seen"]
+        self.seen = deque(state["seen"])
+        self.seen_set = set(self.seen)
+        self.rng_state = state["rng_state"]
+
+
+def load_anchor(sources: list[str], identity: str, max_tokens: int, vocab_size: int) -> list:
+    """The anchor set: the usable records of traffic directories or .jsonl files."""
+    items = []
+    for source in sources:
+        path = Path(source)
+        files = shards(path) if path.is_dir() else [path]
+        for f in files:
+            for raw in f.read_bytes().split(b"\n"):
+                record, reason, *_ = screen(
+                    raw, identity, max_tokens=max_tokens, vocab_size=vocab_size
+                )
+                if reason is None:
+                    items.append(compact(record))
+    return items
+
+
+def count_reasons(counter: Counter) -> dict:
+    return dict(counter.most_common())
+
+
+__all__ = ["SHARD", "Cursor", "Store", "compact", "load_anchor", "read_new", "screen", "to_tokens"]

@@ -1,0 +1,109 @@
+"""Published draft versions: ROOT/vNNNNNN/ (the draft as its type saves it, plus
+manifest.json) and ROOT/current, the layout the server follows (serve/drafts.py).
+
+A version is written under ROOT/.tmp-vNNNNNN, flushed and renamed into place
+(specdistill.publish.publish_dir); only then is `current` replaced (atomic_write_text). A
+kill at any point leaves `current` naming a complete version; leftovers (.tmp-*, .old-*)
+are removed by the next `clean`. Pruning keeps the newest `keep` versions and never removes
+the one `current` names or its parent.
+"""
+
+import json
+import re
+import shutil
+import time
+from pathlib import Path
+
+from specdistill.serve.drafts import read_current, read_manifest
+
+from specdistill.publish import atomic_write_text, publish_dir
+
+VERSION = re.compile(r"^v(\d{6})$")
+
+# Fault injection for the crash tests: called with a point's name; the default does nothing.
+FAULT = lambda point: None  # noqa: E731
+
+
+def versions(root) -> list[str]:
+    """Complete versions of ROOT (a directory with manifest.json), oldest first."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    found = [
+        p.name for p in root.iterdir() if VERSION.match(p.name) and (p / "manifest.json").is_file()
+    ]
+    return sorted(found)
+
+
+def clean(root) -> None:
+    """Delete what a killed publish left (.tmp-*, .old-*)."""
+    root = Path(root)
+    if not root.is_dir():
+        return
+    for p in root.iterdir():
+        if p.name.startswith((".tmp-", ".old-")) and p.is_dir():
+            shutil.rmtree(p, ignore_errors=True)
+
+
+def next_version(root) -> str:
+    root = Path(root)
+    used = (
+        [int(m[1]) for p in root.iterdir() if (m := VERSION.match(p.name))] if root.is_dir() else []
+    )
+    return f"v{max(used, default=0) + 1:06d}"
+
+
+def publish_version(root, save, manifest: dict, *, keep: int = 5) -> str:
+    """Write a new version with `save(directory)` and its manifest, then point `current` at
+    it. Returns the version name."""
+    root = Path(root)
+    root.mkdir(parents=True, exist_ok=True)
+    clean(root)
+    version = next_version(root)
+    tmp = root / f".tmp-{version}"
+    tmp.mkdir()
+    save(tmp)
+    FAULT("publish:saved")
+    manifest = {"version": version, "parent": read_current(root), "time": time.time(), **manifest}
+    (tmp / "manifest.json").write_text(json.dumps(manifest, indent=1))
+    FAULT("publish:manifest")
+    publish_dir(tmp, root / version)
+    FAULT("publish:renamed")
+    atomic_write_text(root / "current", version + "\n")
+    prune(root, keep)
+    return version
+
+
+def prune(root, keep: int) -> list[str]:
+    root = Path(root)
+    current = read_current(root)
+    protected = {current}
+    if current and (root / current).is_dir():
+        protected.add(read_manifest(root / current).get("parent"))
+    removed = []
+    for v in versions(root)[:-keep] if keep > 0 else []:
+        if v not in protected:
+            shutil.rmtree(root / v, ignore_errors=True)
+            removed.append(v)
+    return removed
+
+
+def rollback(root, version: str | None = None) -> tuple[str, str]:
+    """Point ROOT/current at `version` (default: the parent of the current one).
+    Returns (from, to). Appends the event to ROOT/rollbacks.jsonl."""
+    root = Path(root)
+    current = read_current(root)
+    if current is None:
+        raise FileNotFoundError(f"{root / 'current'}: no current version to roll back from")
+    if version is None:
+        version = read_manifest(root / current).get("parent")
+        if not version:
+            raise ValueError(f"{root / current}: version {current} has no parent to roll back to")
+    if not VERSION.match(version):
+        raise ValueError(f"{version!r} is not a version like v000001")
+    if not (root / version / "manifest.json").is_file():
+        raise FileNotFoundError(f"{root / version}: no such complete version")
+    atomic_write_text(root / "current", version + "\n")
+    with open(root / "rollbacks.jsonl", "a") as f:
+        f.write(json.dumps({"time": time.time(), "from": current, "to": version}) + "\n")
+    return current, version

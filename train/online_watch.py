@@ -1,0 +1,94 @@
+"""Served α, watched: the records' own speculative statistics (draft_acceptance_rate,
+accepted / drafted tokens of the request), pooled per window of `window` records, overall
+and per category. A window whose α falls more than `drop` below the trailing level (the
+mean of the previous `trailing` windows) raises an alert: one line on stderr and a metric.
+"""
+
+from collections import defaultdict
+
+
+class Watch:
+    def __init__(self, window: int, trailing: int, drop: float):
+        self.window, self.trailing, self.drop = window, trailing, drop
+        self.buffer: list[list] = []  # [accepted, drafted, category, draft_version]
+        self.history: list[float] = []  # α of the last windows
+        self.cat_history: dict[str, list[float]] = defaultdict(list)
+        self.windows = 0
+
+    def add(self, record: dict) -> dict | None:
+        """Count one served record; the window's metric record when it completes one."""
+        spec = record.get("speculative") or {}
+        drafted = spec.get("num_draft_tokens") or 0
+        if not isinstance(drafted, int | float) or drafted <= 0:
+            return None  # decoded without a draft: nothing to measure
+        accepted = spec.get("num_accepted_draft_tokens")
+        if not isinstance(accepted, int | float):
+            rate = spec.get("draft_acceptance_rate") or 0.0
+            accepted = rate * drafted
+        self.buffer.append(
+            [
+                float(accepted),
+                float(drafted),
+                record.get("category") or "(none)",
+                record.get("draft_version"),
+            ]
+        )
+        if len(self.buffer) < self.window:
+            return None
+        return self._close()
+
+    def _close(self) -> dict:
+        acc = sum(b[0] for b in self.buffer)
+        drafted = sum(b[1] for b in self.buffer)
+        alpha = acc / drafted
+        cats = defaultdict(lambda: [0.0, 0.0])
+        for a, d, c, _ in self.buffer:
+            cats[c][0] += a
+            cats[c][1] += d
+        per_cat = {c: v[0] / v[1] for c, v in sorted(cats.items())}
+        versions = sorted({str(b[3]) for b in self.buffer})
+        trail = self.history[-self.trailing :]
+        level = sum(trail) / len(trail) if trail else None
+        alerts = []
+        if level is not None and alpha < level - self.drop:
+            alerts.append(
+                f"served alpha {alpha:.4f} is {level - alpha:.4f} below its trailing "
+                f"level {level:.4f}"
+            )
+        for c, a in per_cat.items():
+            ct = self.cat_history[c][-self.trailing :]
+            if ct and a < sum(ct) / len(ct) - self.drop:
+                alerts.append(
+                    f"category {c}: served alpha {a:.4f} below trailing {sum(ct) / len(ct):.4f}"
+                )
+            self.cat_history[c].append(a)
+        self.history.append(alpha)
+        self.history = self.history[-self.trailing :]
+        for c in self.cat_history:
+            self.cat_history[c] = self.cat_history[c][-self.trailing :]
+        self.windows += 1
+        self.buffer = []
+        return {
+            "kind": "watch",
+            "window": self.windows,
+            "served_alpha": alpha,
+            "trailing_alpha": level,
+            "per_category": per_cat,
+            "draft_versions": versions,
+            "alert": bool(alerts),
+            "alerts": alerts,
+        }
+
+    def state(self) -> dict:
+        return {
+            "buffer": self.buffer,
+            "history": self.history,
+            "cat_history": dict(self.cat_history),
+            "windows": self.windows,
+        }
+
+    def load(self, state: dict) -> None:
+        self.buffer = state["buffer"]
+        self.history = state["history"]
+        self.cat_history = defaultdict(list, state["cat_history"])
+        self.windows = state["windows"]
