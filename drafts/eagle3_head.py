@@ -1,4 +1,4 @@
-"""EAGLE-3 draft head (REFERENCE §4): fused target features -> one decoder layer -> V_d logits.
+"""EAGLE-3 draft head (docs/theory.md §4): fused target features -> one decoder layer -> V_d logits.
 
     features = concat(target hidden states entering aux layers l_low, l_mid, l_high)  [.., 3·H_t]
     h        = fc(features)                                                         [.., H]
@@ -15,7 +15,7 @@ step-0 entries at positions <= t and to its own chain's entries of steps 1..k, e
 it sees when drafting (`unroll`). The embedding is the target's, frozen.
 
 The module's parameter names are those of the `speculators` Eagle-3 format that vLLM loads
-(REFERENCE §5), so a checkpoint is written by `save_pretrained` without renaming.
+(docs/theory.md §5), so a checkpoint is written by `save_pretrained` without renaming.
 d2t / t2d map the draft vocabulary V_d into the target's V: target_id = i + d2t[i];
 t2d[v] is True for the V_d target ids. Every load and save checks the map (`check_vocab_map`).
 """
@@ -505,7 +505,7 @@ class Eagle3Head(nn.Module):
         verifier_arch=None,
         speculative_tokens: int | None = None,
     ):
-        """config.json + model.safetensors in the speculators layout (REFERENCE §5)."""
+        """config.json + model.safetensors in the speculators layout (docs/theory.md §5)."""
         from safetensors.torch import save_file
 
         check_vocab_map(self.d2t, self.t2d, self.config.vocab_size, self.draft_vocab_size)
