@@ -2,6 +2,7 @@
 
     specdistill distill --recipe recipes/code.yaml train.max_steps=50
     specdistill speculate --target embedded:code --draft runs/code/final --prompts p.jsonl --out o
+    specdistill drift --draft D --target-before A --target-after B --prompts p.jsonl --out o
     specdistill export --draft runs/code-eagle3/final --format vllm --out exported
     specdistill serve --target embedded:code --draft embedded:code-draft --port 8000
     specdistill online --recipe recipes/online.yaml      # and: online rollback --drafts ROOT
@@ -25,14 +26,22 @@ VERBS = {
         "specdistill.eval.speculative",
         "run lossless speculative decoding; measure tau, speedup and the best gamma",
     ),
+    "drift": (
+        "specdistill.eval.drift",
+        "measure the draft's α drift after a target fine-tune (per category, with intervals)",
+    ),
     "export": ("specdistill.train.export", "export a trained draft for vLLM, SGLang or HF"),
     "online": (
         "specdistill.train.online",
-        "learn from served traffic: refresh, gate, publish drafts; `online rollback`",
+        "learn from served traffic: refresh, gate, publish drafts; `online rollback`, `online demo`",
     ),
     "serve": (
         "specdistill.serve.server",
         "serve an OpenAI-compatible API with speculative decoding (hot-swapped drafts)",
+    ),
+    "convert-traffic": (
+        "specdistill.serve.convert",
+        "turn vLLM responses or SGLang request dumps into the traffic log",
     ),
 }
 
