@@ -20,6 +20,7 @@ from pathlib import Path
 
 import torch
 from accelerate.state import AcceleratorState, GradientState
+
 from specdistill.drafts.hub import load_draft, load_model, load_tokenizer
 from specdistill.eval.prompts import encode_prompts, load_prompts
 from specdistill.eval.sweep import Settings, sweep

@@ -14,6 +14,7 @@ import statistics
 from pathlib import Path
 
 from accelerate.state import AcceleratorState, GradientState
+
 from specdistill.train.config import load_recipe
 from specdistill.train.trainer import Trainer
 

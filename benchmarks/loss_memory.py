@@ -27,6 +27,7 @@ import time
 from pathlib import Path
 
 import torch
+
 from specdistill.losses import chunked_loss, compute_loss
 
 

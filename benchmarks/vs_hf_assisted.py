@@ -31,6 +31,7 @@ import time
 from pathlib import Path
 
 import torch
+
 from specdistill.drafts.cache import sync
 from specdistill.drafts.hub import check_tokenizers, load_model, load_tokenizer
 from specdistill.eval import stats

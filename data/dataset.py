@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+
 from specdistill.data.records import DataError, Record
 from specdistill.data.sources import read_records
 from specdistill.data.tokenize import Tokens, tokenize_records

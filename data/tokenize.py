@@ -37,6 +37,7 @@ import itertools
 from typing import NamedTuple
 
 import numpy as np
+
 from specdistill.data.records import ChatRecord, DataError, Record, TextRecord
 
 BATCH = 1024  # records per tokenizer call: fast tokenizers encode a batch in parallel

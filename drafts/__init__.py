@@ -16,9 +16,10 @@ interface, one entry in `TYPES` and one in `DETECTED` (before `Standalone`, the 
 
 from pathlib import Path
 
+from torch import nn
+
 from specdistill.drafts.eagle3 import Eagle3, SGLangEagle3
 from specdistill.drafts.standalone import Standalone
-from torch import nn
 
 TYPES = {"standalone": Standalone, "eagle3": Eagle3}
 # Asked in this order by `detect`; Standalone (any HF model directory) is the fallback, last.

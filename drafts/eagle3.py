@@ -9,6 +9,8 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import torch
+from torch import Tensor
+
 from specdistill.drafts.cache import left_pad, left_pad_rows
 from specdistill.drafts.eagle3_head import (
     Eagle3Head,
@@ -19,7 +21,6 @@ from specdistill.drafts.eagle3_head import (
     is_sglang_eagle3_dir,
 )
 from specdistill.drafts.standalone import StandaloneDrafter
-from torch import Tensor
 
 Depths = tuple[list[Tensor], list[Tensor], list[Tensor]]
 

@@ -41,7 +41,6 @@ import tokenizers
 import torch
 import torch.nn.functional as F
 import transformers
-from specdistill.data.stdlib import stdlib_files
 from tokenizers import decoders, models, pre_tokenizers, trainers
 from transformers import (
     GenerationConfig,
@@ -50,6 +49,7 @@ from transformers import (
     PreTrainedTokenizerFast,
 )
 
+from specdistill.data.stdlib import stdlib_files
 from specdistill.publish import publish_dir
 
 # Bump when a change to this file changes what a build produces: cached builds with

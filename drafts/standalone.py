@@ -9,9 +9,10 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import torch
+from torch import Tensor
+
 from specdistill.drafts.align import shifted_logits, target_mask
 from specdistill.drafts.cache import KVStream, left_pad
-from torch import Tensor
 
 Depths = tuple[list[Tensor], list[Tensor], list[Tensor]]
 

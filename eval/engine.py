@@ -28,11 +28,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
+
+from specdistill import drafts
 from specdistill.drafts.cache import KVStream, eval_mode, left_pad, sync
 from specdistill.eval import verify
 from specdistill.losses.sampling import check_filters, probabilities
-
-from specdistill import drafts
 
 # ----------------------------------------------------------------------------- γ policy
 

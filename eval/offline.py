@@ -9,9 +9,9 @@ bonus token included, so τ ∈ [1, γ + 1] (`eval.stats.tau_iid`; per depth `ta
 from collections.abc import Iterable
 
 import torch
-from specdistill.eval.stats import tau_chain, tau_iid
 
 from specdistill import losses
+from specdistill.eval.stats import tau_chain, tau_iid
 
 
 @torch.no_grad()

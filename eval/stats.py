@@ -13,10 +13,10 @@ from collections.abc import Sequence
 from itertools import takewhile
 
 import torch
-from specdistill.drafts.cache import eval_mode
-from specdistill.eval.engine import Round
 
 from specdistill import drafts, losses
+from specdistill.drafts.cache import eval_mode
+from specdistill.eval.engine import Round
 
 # ----------------------------------------------------------------------------- τ formulas
 

@@ -15,10 +15,9 @@ evaluation (`eval.speculative.every`) logs τ, speedup and the best γ from it.
 import math
 from dataclasses import asdict, dataclass
 
+from specdistill import drafts
 from specdistill.eval import stats
 from specdistill.eval.engine import AdaptiveGamma, Generation, generate
-
-from specdistill import drafts
 
 # |measured τ − predicted τ| / predicted τ within which the i.i.d. prediction agrees.
 TAU_TOLERANCE = 0.10

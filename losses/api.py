@@ -12,9 +12,10 @@ vocabulary into a larger target vocabulary.
 from typing import NamedTuple
 
 import torch
+from torch import Tensor
+
 from specdistill.losses.divergences import LOG_P_FLOOR, LOSSES, check_params, log_acceptance
 from specdistill.losses.sampling import check_filters, filter_logits
-from torch import Tensor
 
 
 class SparseTarget(NamedTuple):

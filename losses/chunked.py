@@ -12,6 +12,8 @@ double backward through this loss.
 """
 
 import torch
+from torch import Tensor
+
 from specdistill.losses.api import (
     SparseTarget,
     Target,
@@ -22,7 +24,6 @@ from specdistill.losses.api import (
     prepare,
 )
 from specdistill.losses.divergences import check_params
-from torch import Tensor
 
 
 def chunked_loss(

@@ -8,6 +8,8 @@ accepted, so the expected number of accepted drafts is E = Σ_j Π_{i<=j} α_i.
 from collections.abc import Sequence
 
 import torch
+from torch import Tensor
+
 from specdistill.losses.api import (
     SparseTarget,
     Target,
@@ -16,7 +18,6 @@ from specdistill.losses.api import (
     prepare,
 )
 from specdistill.losses.divergences import check_params, log_acceptance
-from torch import Tensor
 
 WEIGHTINGS = ("geometric", "expected_length", "end_to_end")
 

@@ -27,6 +27,7 @@ from prometheus_client import (
     disable_created_metrics,
     generate_latest,
 )
+
 from specdistill.eval.engine import Sampling
 from specdistill.serve.traffic import SCHEMA_VERSION, TrafficLog
 from specdistill.serve.worker import EngineWorker, Job

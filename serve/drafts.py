@@ -21,9 +21,8 @@ import re
 import threading
 from pathlib import Path
 
-from specdistill.drafts.hub import check_tokenizers, load_draft, load_tokenizer
-
 from specdistill import drafts
+from specdistill.drafts.hub import check_tokenizers, load_draft, load_tokenizer
 
 log = logging.getLogger("specdistill.serve")
 VERSION = re.compile(r"^v\d{6}$")

@@ -51,6 +51,7 @@ class Server:
         shard_bytes: int | None = None,
     ):
         import torch
+
         from specdistill.drafts.hub import load_model, load_tokenizer
         from specdistill.serve.app import AppState, ServerConfig, build_app
         from specdistill.serve.drafts import DraftWatcher, load_checked

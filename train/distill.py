@@ -18,9 +18,8 @@ import argparse
 import os
 import sys
 
-from specdistill.train.config import RecipeError, load_recipe
-
 from specdistill.errors import debugging, one_line, run_guarded
+from specdistill.train.config import RecipeError, load_recipe
 
 
 def single_process_despite_request() -> bool:

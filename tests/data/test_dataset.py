@@ -4,11 +4,11 @@ from pathlib import Path
 
 import pytest
 import torch
+
 from specdistill.data import DataError, DataStats, build_datasets, collate
 from specdistill.data.dataset import split_records
 from specdistill.data.records import TextRecord
 from specdistill.data.stdlib import stdlib_files
-
 from tests.data.conftest import make_tokenizer
 
 DOCS = ["def f(x):\n    return x + 1\n", "hello world", "the quick brown fox", "A"]

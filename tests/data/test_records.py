@@ -1,4 +1,5 @@
 import pytest
+
 from specdistill.data.records import ChatRecord, DataError, TextRecord, record_from_row
 
 

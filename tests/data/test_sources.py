@@ -6,6 +6,7 @@ import datasets
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+
 from specdistill.data.records import ChatRecord, DataError, TextRecord
 from specdistill.data.sources import HubDataset, read_records, resolve
 from specdistill.data.stdlib import stdlib_files

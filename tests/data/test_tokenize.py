@@ -2,11 +2,11 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from specdistill.data.records import ChatRecord, DataError, TextRecord
-from specdistill.data.tokenize import Tokens, tokenize_records
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
+from specdistill.data.records import ChatRecord, DataError, TextRecord
+from specdistill.data.tokenize import Tokens, tokenize_records
 from tests.data.conftest import EOS, make_tokenizer
 from tests.train.conftest import make_tokenizer as make_train_tokenizer
 

@@ -8,6 +8,7 @@ import sys
 import types
 
 import pytest
+
 from specdistill.eval import speculative as spec
 from specdistill.eval.prompts import PromptError, load_prompts
 

@@ -2,6 +2,7 @@ import math
 
 import pytest
 import torch
+
 from specdistill.eval.offline import summarise
 from specdistill.eval.stats import tau_chain, tau_iid
 

@@ -7,11 +7,11 @@ import types
 from pathlib import Path
 
 import pytest
-from specdistill.eval import speculative as spec
-from specdistill.eval.prompts import encode_prompts, load_prompts, prompt_text
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
+from specdistill.eval import speculative as spec
+from specdistill.eval.prompts import encode_prompts, load_prompts, prompt_text
 from tests.eval.test_speculative import perturbed, tiny_llama
 
 WORDS = ["<pad>", "<eos>", "<unk>", "user", "assistant", ":", *"abcdefghijklmnopqrstuvwxyz"]

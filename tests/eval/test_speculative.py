@@ -7,15 +7,15 @@ import math
 import pytest
 import torch
 from scipy import stats
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from specdistill import losses
 from specdistill.drafts import cache
 from specdistill.eval import engine, verify
 from specdistill.eval import stats as metrics
 from specdistill.eval.stats import tau_iid
 from specdistill.eval.sweep import Settings, sweep
 from specdistill.losses import sampling
-from transformers import LlamaConfig, LlamaForCausalLM
-
-from specdistill import losses
 
 
 def tiny_llama(seed: int, *, vocab: int, hidden: int, layers: int, init: float) -> LlamaForCausalLM:

@@ -7,6 +7,9 @@ import copy
 import pytest
 import torch
 from scipy import stats
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from specdistill import losses
 from specdistill.drafts import Eagle3
 from specdistill.drafts.eagle3 import Eagle3Drafter
 from specdistill.drafts.eagle3_head import Eagle3Head, build_vocab_map
@@ -14,9 +17,6 @@ from specdistill.eval import engine, verify
 from specdistill.eval import stats as metrics
 from specdistill.eval.sweep import Settings, sweep
 from specdistill.losses import sampling
-from transformers import LlamaConfig, LlamaForCausalLM
-
-from specdistill import losses
 from tests.eval.test_speculative import reference_greedy
 
 

@@ -6,8 +6,8 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from specdistill.losses import LOSSES, SparseTarget, chunked_loss, compute_loss
 
+from specdistill.losses import LOSSES, SparseTarget, chunked_loss, compute_loss
 from tests.losses.common import PARAMS
 
 N, H, V = 23, 6, 9

@@ -6,8 +6,8 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from specdistill.losses import LOSSES, acceptance, compute_loss
 
+from specdistill.losses import LOSSES, acceptance, compute_loss
 from tests.losses.common import DIVERGENCES, PARAMS, logits_of
 
 P = [0.5, 0.5, 0.0]

@@ -2,8 +2,8 @@
 
 import pytest
 import torch
-from specdistill.losses import acceptance, compute_loss, multi_depth_loss
 
+from specdistill.losses import acceptance, compute_loss, multi_depth_loss
 from tests.losses.common import logits_of
 
 K, B, S, V = 3, 2, 5, 7

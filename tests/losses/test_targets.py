@@ -5,8 +5,8 @@ import math
 
 import pytest
 import torch
-from specdistill.losses import LOSSES, SparseTarget, acceptance, compute_loss
 
+from specdistill.losses import LOSSES, SparseTarget, acceptance, compute_loss
 from tests.losses.common import PARAMS, logits_of
 
 

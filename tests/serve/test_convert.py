@@ -5,6 +5,7 @@ import os
 import pickle
 
 import pytest
+
 from specdistill.drafts.hub import load_tokenizer
 from specdistill.serve.convert import convert, main
 from specdistill.serve.traffic import model_identity, read_traffic

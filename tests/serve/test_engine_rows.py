@@ -2,8 +2,8 @@
 and seeds, cancellation."""
 
 import torch
-from specdistill.eval.engine import Engine, Sampling
 
+from specdistill.eval.engine import Engine, Sampling
 from tests.eval.test_speculative import perturbed, reference_greedy, tiny_llama
 
 

@@ -10,8 +10,9 @@ import openai
 import pytest
 import torch
 from prometheus_client.parser import text_string_to_metric_families
-from specdistill.serve.traffic import TrafficError, TrafficLog, read_traffic
 from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from specdistill.serve.traffic import TrafficError, TrafficLog, read_traffic
 
 PROMPTS = ["def add(a, b):", "class Point:\n    def", "for i in range(10):"]
 SPEC_KEYS = {
@@ -292,9 +293,8 @@ def test_traffic_log_rotates_and_skips_torn_lines(tmp_path, server):
 def test_hot_swap_under_load(tiny_pair, published, tmp_path):
     """Versions switch while concurrent clients stream requests: no failures, both versions
     named, a broken version skipped with the old one still serving."""
-    from specdistill.serve.server import Server
-
     from specdistill.publish import atomic_write_text
+    from specdistill.serve.server import Server
 
     root = tmp_path / "published"
     shutil.copytree(published, root)

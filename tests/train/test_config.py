@@ -1,6 +1,7 @@
 from pathlib import Path
 
 import pytest
+
 from specdistill.train.config import Recipe, RecipeError, dump_recipe, load_recipe, parse_override
 
 RECIPES = sorted((Path(__file__).parents[2] / "recipes").glob("*.yaml"))

@@ -6,6 +6,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+from specdistill import losses
 from specdistill.drafts import Eagle3
 from specdistill.drafts.eagle3 import token_counts
 from specdistill.drafts.eagle3_head import (
@@ -19,9 +22,6 @@ from specdistill.drafts.eagle3_head import (
 )
 from specdistill.train.config import RecipeError, load_recipe
 from specdistill.train.trainer import Trainer
-from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
-
-from specdistill import losses
 
 V = 64
 

@@ -8,9 +8,10 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
 from specdistill.data.stdlib import stdlib_files
 from specdistill.drafts import embedded
-from transformers import AutoModelForCausalLM, AutoTokenizer
 
 
 @pytest.fixture(scope="module")

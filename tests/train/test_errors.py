@@ -8,12 +8,12 @@ import time
 from pathlib import Path
 
 import pytest
+
 from specdistill.drafts import hub as models
 from specdistill.drafts.hub import ModelNotFoundError, load_draft, load_model, load_tokenizer
+from specdistill.errors import run_guarded
 from specdistill.train import distill
 from specdistill.train.config import RecipeError, load_recipe
-
-from specdistill.errors import run_guarded
 
 REPO = Path(__file__).resolve().parents[2]
 LOADERS = [load_tokenizer, load_model, load_draft]

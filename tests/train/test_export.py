@@ -9,8 +9,6 @@ import pytest
 import torch
 import yaml
 from safetensors.torch import load_file, save_file
-from specdistill.drafts.eagle3_head import Eagle3Head, VocabMapError, build_vocab_map
-from specdistill.train.export import FORMATS, ExportError, export, load_export, main
 from transformers import (
     AutoTokenizer,
     LlamaConfig,
@@ -19,6 +17,8 @@ from transformers import (
     Qwen2ForCausalLM,
 )
 
+from specdistill.drafts.eagle3_head import Eagle3Head, VocabMapError, build_vocab_map
+from specdistill.train.export import FORMATS, ExportError, export, load_export, main
 from tests.train.conftest import make_tokenizer
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -624,10 +624,9 @@ def test_draft_types_detect_their_directories(head_dir, standalone_dir, tmp_path
 def test_a_third_draft_type_plugs_in(standalone_dir, tmp_path, monkeypatch):
     """A new type: a class in drafts/ (name, formats, layout, detect) and, per format it
     supports, a writer, a hint and (in its layout's module) a reader keyed by its name."""
+    from specdistill import drafts
     from specdistill.train.export import vllm
     from specdistill.train.export.common import Plan
-
-    from specdistill import drafts
 
     class Toy:
         name, formats, layout = "toy", ("vllm",), "vllm"

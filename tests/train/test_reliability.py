@@ -11,14 +11,14 @@ from pathlib import Path
 
 import pytest
 import torch
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
+
+from specdistill import publish
 from specdistill.drafts import hub as models
 from specdistill.train.config import RecipeError, load_recipe
 from specdistill.train.distill import main as distill_main
 from specdistill.train.rundir import CheckpointError, TiedHeadWarningFilter
 from specdistill.train.trainer import Trainer
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
-
-from specdistill import publish
 from tests.train.test_trainer import Killed, draft_weights, metrics, overrides
 
 REPO = Path(__file__).parents[2]

@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
+
 from specdistill.drafts.hub import TokenizerMismatchError, check_tokenizers, load_tokenizer
 from specdistill.train.config import load_recipe
 from specdistill.train.trainer import Trainer

@@ -39,13 +39,13 @@ import sys
 import tempfile
 from pathlib import Path
 
-from specdistill.drafts.eagle3_head import VocabMapError
-from specdistill.train.export import hf, sglang, vllm
-from specdistill.train.export.common import ExportError, Options, Plan
 from torch import nn
 
 from specdistill import drafts
+from specdistill.drafts.eagle3_head import VocabMapError
 from specdistill.publish import publish_dir
+from specdistill.train.export import hf, sglang, vllm
+from specdistill.train.export.common import ExportError, Options, Plan
 
 MODULES = {"vllm": vllm, "sglang": sglang, "hf": hf}
 FORMATS = tuple(MODULES)

@@ -2,9 +2,8 @@
 
 import sys
 
-from specdistill.train.export import main
-
 from specdistill.errors import run_guarded
+from specdistill.train.export import main
 
 if __name__ == "__main__":
     sys.exit(run_guarded(main, sys.argv[1:]))

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+
 from specdistill.drafts.eagle3_head import DEFAULT_SPECULATIVE_TOKENS, read_config
 
 WEIGHTS = "model.safetensors"
@@ -116,6 +117,7 @@ def check_head_files(directory: Path, vocab_size: int, layer: str) -> None:
     """Re-read an EAGLE-3 export: the vocab map and the exact weight names (`layer`: the
     decoder layer's prefix, `layers.0.` or `midlayer.`)."""
     from safetensors import safe_open
+
     from specdistill.drafts.eagle3_head import check_vocab_map
 
     config = config_of(directory) or {}

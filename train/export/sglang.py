@@ -18,6 +18,7 @@ import json
 from pathlib import Path
 
 import torch
+
 from specdistill.drafts.eagle3_head import SGLANG_ARCH, Eagle3Head, check_vocab_map
 from specdistill.train.export import verifier, vllm
 from specdistill.train.export.common import (

@@ -14,6 +14,8 @@ which vLLM loads as a draft model path. SGLang and the hf format write the same 
 
 from pathlib import Path
 
+from torch import nn
+
 from specdistill.drafts.eagle3_head import Eagle3Head, check_vocab_map
 from specdistill.train.export import verifier
 from specdistill.train.export.common import (
@@ -25,7 +27,6 @@ from specdistill.train.export.common import (
     speculative_tokens,
     weights_dtype,
 )
-from torch import nn
 
 # The serve hint's proposal length for a standalone draft (it records no training depth).
 STANDALONE_TOKENS = 5
