@@ -17,8 +17,9 @@ from pathlib import Path
 from urllib.parse import urlparse
 
 import torch
-from specdistill.drafts.embedded import PREFIX, resolve_model
 from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from specdistill.drafts.embedded import PREFIX, resolve_model
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -31,12 +32,153 @@ class ModelNotFoundError(OSError):
     """A model name names no usable local directory, or a hub model that cannot be fetched."""
 
 
+class AdapterMismatchError(ValueError):
+    """A peft adapter that was not trained on the base model it is applied to."""
+
+
 def load_tokenizer(name: str, revision: str | None = None):
     return _from_pretrained(AutoTokenizer, name, revision)
 
 
 def load_model(name: str, *, dtype: str = "float32", revision: str | None = None):
     return _from_pretrained(AutoModelForCausalLM, name, revision, dtype=DTYPES[dtype])
+
+
+# Config fields that must agree between an adapter's base model and the base it is put on.
+_ARCH_FIELDS = (
+    "model_type",
+    "hidden_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "intermediate_size",
+    "vocab_size",
+)
+
+
+def load_target(
+    name: str,
+    adapter: str | None = None,
+    *,
+    dtype: str = "float32",
+    revision: str | None = None,
+):
+    """A target: the model `name` (like `load_model`), with a peft LoRA adapter on top when
+    `adapter` names an adapter directory. The adapter is NOT merged: its LoRA layers stay
+    separate modules computing W·x + s·B·A·x, so the base weights are exactly the base's
+    (one base in memory can serve several fine-tunes). Returned as the
+    `peft.PeftModel` (it forwards `generate`, `get_output_embeddings`, `device`, ...);
+    `model.specdistill_adapter` records the adapter path.
+
+    Refuses (AdapterMismatchError) an adapter whose `base_model_name_or_path` names another
+    model, whose base architecture or vocabulary differs from `name`'s, or whose weights do
+    not fit the base's modules, with a message naming both.
+    """
+    model = load_model(name, dtype=dtype, revision=revision)
+    if adapter is None:
+        return model
+    from peft import PeftModel
+
+    adapter_dir = check_adapter(adapter, name, model)
+    try:
+        wrapped = PeftModel.from_pretrained(model, adapter_dir, is_trainable=False)
+    except RuntimeError as e:  # size mismatch of a LoRA weight against its base module
+        raise AdapterMismatchError(
+            f"adapter {adapter} does not fit the base model {name}: {str(e).splitlines()[0]}"
+        ) from e
+    wrapped.eval()
+    wrapped.specdistill_adapter = str(adapter_dir)
+    wrapped.name_or_path = f"{name}+{adapter}"
+    return wrapped
+
+
+def check_adapter(adapter: str, name: str, model) -> str:
+    """The adapter directory, after checking that it was trained for `name` (see
+    `load_target`); raises AdapterMismatchError or ModelNotFoundError."""
+    import json
+
+    path = Path(adapter).expanduser()
+    config_file = path / "adapter_config.json"
+    if not config_file.is_file():
+        raise ModelNotFoundError(
+            f"{adapter}: not a peft adapter directory (adapter_config.json missing)"
+        )
+    config = json.loads(config_file.read_text())
+    base_name = config.get("base_model_name_or_path")
+    ours = model.config
+    problems = []
+    if base_name and not _same_model_name(base_name, name):
+        try:
+            base_dir = local_model_dir(base_name)
+        except ModelNotFoundError:
+            base_dir = None
+        if base_dir is None:  # a hub id that is not ours
+            problems.append(f"it was trained on '{base_name}', not on '{name}'")
+        else:
+            theirs = json.loads((Path(base_dir) / "config.json").read_text())
+            diffs = [
+                f"{key} {theirs.get(key)} vs {getattr(ours, key, None)}"
+                for key in _ARCH_FIELDS
+                if key in theirs and theirs.get(key) != getattr(ours, key, None)
+            ]
+            if diffs:
+                problems.append(
+                    f"it was trained on '{base_name}', whose architecture differs ("
+                    + ", ".join(diffs)
+                    + ")"
+                )
+    # Vocabulary: an adapter that ships a tokenizer, or resized embedding rows, must match.
+    if (path / "tokenizer_config.json").is_file():
+        theirs_tok, ours_tok = load_tokenizer(str(path)), load_tokenizer(name)
+        if theirs_tok.get_vocab() != ours_tok.get_vocab():
+            problems.append(
+                f"its tokenizer differs from the base's ({len(theirs_tok)} vs {len(ours_tok)} "
+                "tokens, or the same size with other ids)"
+            )
+    rows = _adapter_embedding_rows(path)
+    if rows is not None and rows != ours.vocab_size:
+        problems.append(
+            f"its embedding / lm_head rows ({rows}) differ from the base's vocabulary "
+            f"({ours.vocab_size})"
+        )
+    if problems:
+        raise AdapterMismatchError(
+            f"adapter {adapter} does not belong to the base model {name}: "
+            + "; ".join(problems)
+            + ". Pass the base model the adapter was fine-tuned from (its adapter_config.json "
+            "says base_model_name_or_path)."
+        )
+    return str(path)
+
+
+def _same_model_name(a: str, b: str) -> bool:
+    """Whether two model names denote the same model: equal strings, the same resolved
+    directory, or a hub id and a local directory with the same final component."""
+    if a == b:
+        return True
+    try:
+        da, db = local_model_dir(a), local_model_dir(b)
+    except ModelNotFoundError:
+        da = db = None
+    if da is not None and db is not None:
+        return Path(da).resolve() == Path(db).resolve()
+    if (da is None) != (db is None):  # hub id vs a local snapshot of it
+        return Path(a.rstrip("/")).name.lower() == Path(b.rstrip("/")).name.lower()
+    return False
+
+
+def _adapter_embedding_rows(path: Path) -> int | None:
+    """Rows of a full embedding / lm_head the adapter saves (modules_to_save), if any."""
+    weights = path / "adapter_model.safetensors"
+    if not weights.is_file():
+        return None
+    from safetensors import safe_open
+
+    with safe_open(str(weights), "pt") as f:
+        for key in f.keys():
+            if ("embed_tokens" in key or "lm_head" in key) and "lora_" not in key:
+                return f.get_slice(key).get_shape()[0]
+    return None
 
 
 def load_draft(name: str, *, dtype: str = "float32", revision: str | None = None):

@@ -23,6 +23,7 @@ class Prompt:
     id: str
     text: str | None = None
     messages: list[dict] | None = None
+    category: str | None = None  # the record's `category` (Spec-Bench), for per-category reports
 
 
 class PromptError(ValueError):
@@ -37,16 +38,18 @@ def _record_prompt(record, index: int, where: str) -> Prompt:
     if not isinstance(record, dict):
         raise PromptError(f"{where}: expected a JSON object, got {type(record).__name__}")
     rid = str(record.get("question_id", record.get("task_id", record.get("id", index))))
+    category = record.get("category")
+    category = None if category is None else str(category)
     if "messages" in record:
-        return Prompt(rid, messages=record["messages"])
+        return Prompt(rid, messages=record["messages"], category=category)
     if "turns" in record:
         turns = record["turns"]
         if not isinstance(turns, list) or not turns:
             raise PromptError(f"{where}: 'turns' must be a non-empty list")
-        return Prompt(rid, messages=[{"role": "user", "content": turns[0]}])
+        return Prompt(rid, messages=[{"role": "user", "content": turns[0]}], category=category)
     for key in ("prompt", "text"):
         if key in record:
-            return Prompt(rid, text=record[key])
+            return Prompt(rid, text=record[key], category=category)
     raise PromptError(f"{where}: record has none of the fields {_FIELDS} (keys: {sorted(record)})")
 
 

@@ -109,6 +109,9 @@ def main(argv: Sequence[str] | None = None) -> dict:
     )
     positive = _at_least(1)
     parser.add_argument("--target", required=True, help="HF id, local dir or embedded:<name>")
+    parser.add_argument(
+        "--target-adapter", default=None, help="peft LoRA adapter dir on --target (not merged)"
+    )
     parser.add_argument("--draft", required=True, help="HF id, local dir or embedded:<name>")
     parser.add_argument("--prompts", required=True, help=".txt (one per line), .jsonl/.json(.gz)")
     parser.add_argument(
@@ -148,11 +151,10 @@ def main(argv: Sequence[str] | None = None) -> dict:
     if args.threads:
         torch.set_num_threads(args.threads)
 
-    from specdistill.drafts.hub import check_tokenizers, load_draft, load_model, load_tokenizer
+    from specdistill import drafts
+    from specdistill.drafts.hub import check_tokenizers, load_draft, load_target, load_tokenizer
     from specdistill.eval import report, sweep
     from specdistill.eval.prompts import encode_prompts, load_prompts
-
-    from specdistill import drafts
 
     # A bad prompt file or --out fails now, not after the models have loaded and decoded.
     prompts = load_prompts(args.prompts, limit=args.num_prompts)
@@ -168,7 +170,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
             f"the {kind.name} draft {args.draft} covers {kind.vocab_size_of(draft)} token ids; "
             f"the target's tokenizer has {len(tokenizer)}: it was trained for another target"
         )
-    target = load_model(args.target, dtype=args.dtype)
+    target = load_target(args.target, args.target_adapter, dtype=args.dtype)
     target.to(args.device)
     draft.to(args.device)
     prompt_ids = encode_prompts(prompts, tokenizer, max_tokens=args.max_prompt_tokens)
@@ -186,6 +188,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
     result, runs = sweep.sweep(target, draft, prompt_ids, settings)
     result["meta"] = {
         "target": args.target,
+        "target_adapter": args.target_adapter,
         "draft": args.draft,
         "prompts": args.prompts,
         "n_prompts": len(prompts),

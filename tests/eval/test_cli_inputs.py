@@ -75,7 +75,7 @@ def no_models(monkeypatch):
         calls.append(name)
         raise RuntimeError("stop: a model would load here")
 
-    fake.load_tokenizer = fake.load_model = fake.load_draft = load
+    fake.load_tokenizer = fake.load_model = fake.load_draft = fake.load_target = load
     fake.check_tokenizers = lambda *args: None
     monkeypatch.setitem(sys.modules, "specdistill.drafts.hub", fake)
     return calls

@@ -1,0 +1,248 @@
+"""Drift demo on the embedded default: fine-tune the target, watch the draft drift, repair it.
+
+    python benchmarks/drift_demo.py [--out runs/drift-demo] [--ft-steps 40] [--quick]
+
+1. Fine-tune `embedded:code` with a peft LoRA adapter for a few dozen steps on English prose
+   every machine has (the values of `pydoc_data.topics.topics`, the Python docs' topic
+   texts; a fifth of the topics are held out), so that the target drifts towards prose.
+2. Prompts in two categories: `code` (openings of functions in held-out standard-library
+   modules, `embedded:code-heldout`) and `prose` (openings of the held-out topics).
+3. Measure the old draft (`embedded:code-draft`) before / after the fine-tune
+   (eval/drift.py: α with paired bootstrap intervals per category, TV between targets).
+4. Repair (benchmarks/drift_repair.py, recipes/repair.yaml): the after-target's responses
+   to separate train prompts become the data; the old draft is refit for a few steps and
+   compared with training from the draft's starting point for 10× the steps.
+5. Re-measure the repaired draft on the same responses: before / after-fine-tune /
+   after-repair α with intervals, written to OUT/demo.json and OUT/demo.md.
+"""
+
+import argparse
+import json
+import random
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "benchmarks"))
+
+
+def topic_texts() -> tuple[list[str], list[str]]:
+    """(fine-tune texts, held-out texts) of pydoc's topics, split by a fixed shuffle."""
+    from pydoc_data.topics import topics
+
+    names = sorted(topics)
+    random.Random(0).shuffle(names)
+    cut = len(names) * 4 // 5
+    return [topics[n] for n in names[:cut]], [topics[n] for n in names[cut:]]
+
+
+def code_openings(n: int, seed: int) -> list[str]:
+    """Openings of `def` blocks in held-out stdlib modules (a few lines each)."""
+    from specdistill.data.stdlib import stdlib_files
+
+    rng = random.Random(seed)
+    found = []
+    for path in stdlib_files("heldout"):
+        lines = path.read_text(encoding="utf-8", errors="replace").splitlines()
+        for i, line in enumerate(lines):
+            if line.lstrip().startswith("def ") and i + 3 < len(lines):
+                found.append("\n".join(lines[i : i + 3]) + "\n")
+    rng.shuffle(found)
+    return found[:n]
+
+
+def prose_openings(texts: list[str], n: int, seed: int) -> list[str]:
+    """Spans of ~200 characters starting at sentence starts of held-out topics."""
+    rng = random.Random(seed)
+    spans = []
+    for text in texts:
+        for start in range(0, max(1, len(text) - 400), 600):
+            cut = text.find(". ", start)
+            if cut > 0:
+                spans.append(text[cut + 2 : cut + 202])
+    rng.shuffle(spans)
+    return spans[:n]
+
+
+def finetune_adapter(base: str, out: Path, steps: int, *, lr=2e-3, r=8, batch=8, seq=128) -> dict:
+    """Train a LoRA adapter on the fine-tune topics; save it (not merged) at `out`."""
+    from peft import LoraConfig, get_peft_model
+
+    from specdistill.drafts import hub
+
+    tokenizer = hub.load_tokenizer(base)
+    model = hub.load_model(base)
+    model.name_or_path = base  # recorded as the adapter's base_model_name_or_path
+    train_texts, _ = topic_texts()
+    ids = []
+    for text in train_texts:
+        ids += tokenizer(text)["input_ids"] + [tokenizer.eos_token_id]
+    data = torch.tensor(ids[: len(ids) // seq * seq]).view(-1, seq)
+    config = LoraConfig(
+        r=r,
+        lora_alpha=2 * r,
+        target_modules=[
+            "q_proj",
+            "k_proj",
+            "v_proj",
+            "o_proj",
+            "gate_proj",
+            "up_proj",
+            "down_proj",
+        ],
+        task_type="CAUSAL_LM",
+    )
+    model = get_peft_model(model, config)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr)
+    gen = torch.Generator().manual_seed(0)
+    model.train()
+    losses = []
+    for _ in range(steps):
+        rows = data[torch.randint(0, data.shape[0], (batch,), generator=gen)]
+        loss = model(input_ids=rows, labels=rows).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    model.save_pretrained(out)
+    return {"steps": steps, "loss_first": losses[0], "loss_last": sum(losses[-5:]) / 5}
+
+
+def prompts_file(path: Path, code: list[str], prose: list[str]) -> Path:
+    with open(path, "w") as f:
+        for i, text in enumerate(code):
+            f.write(json.dumps({"id": f"code-{i}", "category": "code", "prompt": text}) + "\n")
+        for i, text in enumerate(prose):
+            f.write(json.dumps({"id": f"prose-{i}", "category": "prose", "prompt": text}) + "\n")
+    return path
+
+
+def cell(report: dict, side: str) -> dict:
+    """α at the serving temperature with its interval, overall and per category."""
+    out = {"all": [report[f"alpha_{side}"], report[f"alpha_{side}_ci"]]}
+    for name, c in report["per_category"].items():
+        if not c["insufficient"]:
+            out[name] = [c[side], c[f"{side}_ci"]]
+    return out
+
+
+def main(argv=None) -> dict:
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument("--out", default="runs/drift-demo")
+    p.add_argument("--base", default="embedded:code")
+    p.add_argument("--draft", default="embedded:code-draft")
+    p.add_argument("--ft-steps", type=int, default=40)
+    p.add_argument("--eval-prompts", type=int, default=30, help="per category")
+    p.add_argument("--train-prompts", type=int, default=80, help="per category, repair data")
+    p.add_argument("--max-new-tokens", type=int, default=48)
+    p.add_argument("--refit-steps", type=int, default=10)
+    p.add_argument("--full-steps", type=int, default=100)
+    p.add_argument("--temperature", type=float, default=1.0)
+    args = p.parse_args(argv)
+    torch.set_num_threads(1)
+    t0 = time.time()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+
+    from drift_repair import compare
+
+    from specdistill.drafts import hub
+    from specdistill.eval import drift
+    from specdistill.eval.prompts import load_prompts
+
+    ft = finetune_adapter(args.base, out / "adapter", args.ft_steps)
+    print(f"fine-tune: {ft} ({time.time() - t0:.0f}s)", flush=True)
+
+    _, heldout_topics = topic_texts()
+    n_eval, n_train = args.eval_prompts, args.train_prompts
+    code = code_openings(n_eval + n_train, seed=1)
+    prose = prose_openings(heldout_topics, n_eval + n_train, seed=1)
+    eval_file = prompts_file(out / "prompts_eval.jsonl", code[:n_eval], prose[:n_eval])
+    train_file = prompts_file(out / "prompts_train.jsonl", code[n_eval:], prose[n_eval:])
+
+    tokenizer = hub.load_tokenizer(args.base)
+    before = hub.load_target(args.base)
+    after = hub.load_target(args.base, str(out / "adapter"))
+    old = hub.load_draft(args.draft)
+    settings = dict(temperature=args.temperature, max_new_tokens=args.max_new_tokens,
+                    min_samples=10, bootstrap=1000, batch_size=16)  # fmt: skip
+    eval_prompts = load_prompts(eval_file)
+    report, responses = drift.measure(before, after, old, tokenizer, eval_prompts, **settings)
+    report["meta"] = {"draft": args.draft, "target_before": args.base,
+                      "target_after": f"{args.base} + {out / 'adapter'}"}  # fmt: skip
+    drift.write(report, out / "drift", eval_prompts, responses, tokenizer)
+    print(f"drift measured ({time.time() - t0:.0f}s): α {report['alpha_before']:.4f} -> "
+          f"{report['alpha_after']:.4f}, TV {report['target_tv']:.4f}", flush=True)  # fmt: skip
+
+    # Repair data: the after-target's responses to the train prompts (and to the eval
+    # prompts, as the trainer's held-out set).
+    train_prompts = load_prompts(train_file)
+    gen = dict(temperature=args.temperature, max_new_tokens=args.max_new_tokens,
+               eos_token_id=tokenizer.eos_token_id, batch_size=16)  # fmt: skip
+    from specdistill.eval.prompts import encode_prompts
+
+    train_out = drift.generate_responses(after, encode_prompts(train_prompts, tokenizer), **gen)
+    drift.save_responses(out / "repair_train.jsonl", train_prompts, train_out, tokenizer)
+    drift.save_responses(out / "repair_eval.jsonl", eval_prompts, responses["after"], tokenizer)
+    print(f"repair data written ({time.time() - t0:.0f}s)", flush=True)
+
+    repair = compare(
+        base=args.base, adapter=str(out / "adapter"), draft=args.draft,
+        train=str(out / "repair_train.jsonl"), eval=str(out / "repair_eval.jsonl"),
+        out=out / "repair", refit_steps=args.refit_steps, full_steps=args.full_steps,
+    )  # fmt: skip
+    print(f"repair done ({time.time() - t0:.0f}s)", flush=True)
+
+    repaired = hub.load_draft(repair["refit_draft"])
+    scratch = hub.load_draft(str(out / "repair" / "from-start" / "final"))
+    after_repair, _ = drift.measure(before, after, repaired, tokenizer, eval_prompts, **settings)
+    from_start, _ = drift.measure(before, after, scratch, tokenizer, eval_prompts, **settings)
+    table = {
+        "before (old draft, old target)": cell(report, "before"),
+        "after fine-tune (old draft, new target)": cell(report, "after"),
+        f"after repair ({args.refit_steps} steps)": cell(after_repair, "after"),
+        f"from start ({args.full_steps} steps)": cell(from_start, "after"),
+    }
+    greedy = {
+        "before": report["alpha_greedy_before"],
+        "after fine-tune": report["alpha_greedy_after"],
+        "after repair": after_repair["alpha_greedy_after"],
+        "from start": from_start["alpha_greedy_after"],
+    }
+    gap = report["alpha_before"] - report["alpha_after"]
+    result = {
+        "fine_tune": ft,
+        "alpha": table,
+        "alpha_greedy": greedy,
+        "target_tv": report["target_tv"],
+        "drop_from_text": report["drop_from_text"],
+        "drop_from_target": report["drop_from_target"],
+        "verdict": report["verdict"],
+        "repair_recovered_vs_before": (after_repair["alpha_after"] - report["alpha_after"]) / gap
+        if gap > 0
+        else None,
+        "repair_benchmark": {k: v for k, v in repair.items() if k not in ("refit", "from_start")},
+        "refit_curve": repair["refit"]["curve"],
+        "from_start_curve": repair["from_start"]["curve"],
+        "seconds": time.time() - t0,
+    }
+    (out / "demo.json").write_text(json.dumps(result, indent=1))
+    lines = ["| | all | code | prose |", "|---|---|---|---|"]
+    for name, cells in table.items():
+        row = [f"{v[0]:.4f} [{v[1][0]:.4f}, {v[1][1]:.4f}]" if v else "n/a"
+               for v in (cells.get("all"), cells.get("code"), cells.get("prose"))]  # fmt: skip
+        lines.append(f"| {name} | " + " | ".join(row) + " |")
+    (out / "demo.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    print(json.dumps({k: v for k, v in result.items() if k not in ("alpha", "refit_curve",
+                      "from_start_curve")}, indent=1))  # fmt: skip
+    return result
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,788 @@
+"""α drift after a target fine-tune: measure it, explain it (the `drift` command line).
+
+    specdistill drift --draft runs/code/final --target-before embedded:code \\
+        --target-after embedded:code --adapter-after runs/ft/adapter \\
+        --prompts benchmarks/prompts/spec_bench_questions.jsonl --out runs/drift
+
+A target is a model directory, a hub id, `embedded:<name>`, or a base plus a peft LoRA
+adapter (`--adapter-before` / `--adapter-after`), loaded unmerged (`drafts.hub.load_target`).
+
+What is measured (docs/theory.md §1). Each target generates a response to every prompt (the
+project's engine, greedy at --temperature 0, else sampled). On its own responses each
+target is compared with the draft, teacher-forced: α = Σ min(p, q) at the serving
+temperature and α at T = 0 (argmax agreement), per position (per drafting depth for an
+EAGLE-3 head, chained into τ by `eval.stats.tau_chain`).
+
+- alpha_before: draft vs the before-target on the before-target's responses (what the draft
+  was measured on when it was fit); alpha_after: draft vs the after-target on the
+  after-target's responses (what the draft sees in serving after the fine-tune).
+- The drop splits in two, both on the after-target's text: alpha_before_on_after_text is the
+  draft vs the *before*-target there. alpha_before − alpha_before_on_after_text is the part
+  due to the text moving (new prompts' answers look different), alpha_before_on_after_text −
+  alpha_after the part due to the target's conditional distribution moving under the draft.
+- target_tv: mean ½Σ|p_before − p_after| between the two targets on the after-target's
+  responses, at the serving temperature (T = 1 when serving is greedy); and
+  target_argmax_disagreement. α_after ≥ α_before_on_after_text − TV (triangle inequality),
+  so the TV bounds how much acceptance the fine-tune alone can remove.
+- Intervals: a paired bootstrap over prompts (each prompt's before and after responses are a
+  pair), resampling prompts and taking ratios of sums (α over positions). Per category
+  (a prompt record's `category`) the same, for categories with at least --min-samples prompts;
+  smaller cells are reported as insufficient.
+- top_tokens: on the after-target's responses, Σ over positions of (α_before − α_after)
+  grouped by the after-target's argmax token (divided by the number of positions, so the
+  entries sum to the conditional part of the drop): which tokens lose the acceptance mass.
+- verdict: refit recommended when the whole interval of the drop of α (serving temperature)
+  lies above --threshold.
+
+Writes DIR/report.json, DIR/report.md, DIR/drift.png and DIR/responses_after.jsonl (the
+after-target's responses as training records: `data.train` of a repair run, recipes/repair.yaml).
+"""
+
+import argparse
+import json
+import math
+from collections import defaultdict
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+# ----------------------------------------------------------------------------- scoring
+
+
+@dataclass
+class PromptScore:
+    """Sums over one prompt's scored positions. Arrays are [K, 3] per depth: (Σ α at the
+    serving temperature, Σ α at T = 0, n positions)."""
+
+    category: str | None
+    before: np.ndarray  # draft vs before-target, on the before-target's response
+    after: np.ndarray  # draft vs after-target, on the after-target's response
+    cross: np.ndarray  # draft vs before-target, on the after-target's response
+    tv: np.ndarray = field(default_factory=lambda: np.zeros(3))  # (Σ TV, Σ argmax differ, n)
+
+
+def _depth_alphas(kind, target, draft, ids, n_prompt, n_out, depth, vocab_size, sampling):
+    """Per depth: (α_T [n_out], α_0 [n_out], valid [n_out], target logits [n_out, V])."""
+    temperature, top_p, top_k = sampling
+    from specdistill import losses
+
+    out = []
+    for d_logits, t_logits, mask in kind.path_logits(
+        target, draft, ids, n_prompt, depth, vocab_size
+    ):
+        d_logits, t_logits = d_logits[:n_out].float(), t_logits[:n_out].float()
+        valid = (
+            torch.ones(n_out, dtype=torch.bool, device=t_logits.device)
+            if mask is None
+            else mask[:n_out].to(t_logits.device)
+        )
+        if temperature > 0:
+            a_t = losses.acceptance(
+                d_logits, t_logits, temperature, valid, top_p=top_p, top_k=top_k
+            )
+        else:
+            a_t = losses.acceptance(d_logits, t_logits, 0.0, valid)
+        a_0 = losses.acceptance(d_logits, t_logits, 0.0, valid)
+        out.append((a_t, a_0, valid, t_logits))
+    return out
+
+
+def _sums(depths) -> np.ndarray:
+    return np.array(
+        [[float(a_t.sum()), float(a_0.sum()), float(valid.sum())] for a_t, a_0, valid, _ in depths]
+    )
+
+
+@torch.inference_mode()
+def score_prompt(
+    target_before,
+    target_after,
+    draft,
+    prompt: Sequence[int],
+    out_before: Sequence[int],
+    out_after: Sequence[int],
+    *,
+    temperature: float,
+    top_p: float | None = None,
+    top_k: int | None = None,
+    depth: int = 1,
+    vocab_size: int,
+    category: str | None = None,
+    token_loss: dict | None = None,
+) -> PromptScore:
+    """Teacher-forced α of `draft` against both targets on both responses of one prompt.
+
+    `token_loss` (token id -> [Σ (α_before − α_after), count]) is updated with the
+    after-text positions, grouped by the after-target's argmax.
+    """
+    from specdistill import drafts
+    from specdistill.drafts.cache import eval_mode
+    from specdistill.losses.sampling import probabilities
+
+    kind = drafts.type_of(draft)
+    sampling = (temperature, top_p, top_k)
+    device = next(target_after.parameters()).device
+    k = depth if kind.per_depth_alpha else 1
+    empty = np.zeros((k, 3))
+    with eval_mode(target_before, target_after, draft):
+        before = empty.copy()
+        if out_before:
+            ids = torch.tensor([list(prompt) + list(out_before)], device=device)
+            before = _sums(
+                _depth_alphas(
+                    kind,
+                    target_before,
+                    draft,
+                    ids,
+                    len(prompt),
+                    len(out_before),
+                    k,
+                    vocab_size,
+                    sampling,
+                )
+            )
+        after, cross, tv = empty.copy(), empty.copy(), np.zeros(3)
+        if out_after:
+            ids = torch.tensor([list(prompt) + list(out_after)], device=device)
+            args = (ids, len(prompt), len(out_after), k, vocab_size, sampling)
+            on_after = _depth_alphas(kind, target_after, draft, *args)
+            on_cross = _depth_alphas(kind, target_before, draft, *args)
+            after, cross = _sums(on_after), _sums(on_cross)
+            a_t, _, valid, logits_a = on_after[0]
+            b_t, _, valid_b, logits_b = on_cross[0]
+            valid = valid & valid_b
+            tv_temp = temperature if temperature > 0 else 1.0
+            p_a = probabilities(logits_a, tv_temp, top_p, top_k)
+            p_b = probabilities(logits_b.to(logits_a.device), tv_temp, top_p, top_k)
+            tv_pos = 0.5 * (p_a - p_b).abs().sum(-1)
+            differ = (logits_a.argmax(-1) != logits_b.argmax(-1)).float()
+            tv = np.array(
+                [float(tv_pos[valid].sum()), float(differ[valid].sum()), float(valid.sum())]
+            )
+            if token_loss is not None:
+                argmax = logits_a.argmax(-1)[valid].tolist()
+                loss = (b_t - a_t)[valid].tolist()
+                for tok, value in zip(argmax, loss, strict=True):
+                    entry = token_loss.setdefault(tok, [0.0, 0])
+                    entry[0] += value
+                    entry[1] += 1
+    return PromptScore(category, before, after, cross, tv)
+
+
+# ----------------------------------------------------------------------------- statistics
+
+
+def paired_bootstrap(
+    before: np.ndarray,
+    after: np.ndarray,
+    *,
+    samples: int = 1000,
+    confidence: float = 0.95,
+    seed: int = 0,
+) -> dict:
+    """α before / after / drop (= before − after) with paired bootstrap intervals.
+
+    before, after: [N, 2] per prompt (Σ α, n positions), the same prompts in the same order.
+    Prompts are resampled with replacement (the same draw for both sides); α is the ratio
+    of sums over the resampled prompts. Intervals are percentile intervals at `confidence`.
+    """
+    before, after = np.asarray(before, float), np.asarray(after, float)
+    if before.shape != after.shape or before.ndim != 2 or before.shape[1] != 2:
+        raise ValueError("before and after must both be [N, 2] arrays (Σ α, n) per prompt")
+    n = before.shape[0]
+    if n == 0:
+        raise ValueError("no prompts to bootstrap")
+
+    def ratio(x, axis=-1):
+        num, den = x[..., 0].sum(axis), x[..., 1].sum(axis)
+        return np.divide(num, den, out=np.full_like(num, np.nan, dtype=float), where=den > 0)
+
+    a_b, a_a = float(ratio(before[None])[0]), float(ratio(after[None])[0])
+    rng = np.random.default_rng(seed)
+    idx = rng.integers(0, n, size=(samples, n))
+    boot_b, boot_a = ratio(before[idx]), ratio(after[idx])
+    lo_q, hi_q = (1 - confidence) / 2, 1 - (1 - confidence) / 2
+
+    def interval(x):
+        x = x[~np.isnan(x)]
+        return (
+            [float(np.quantile(x, lo_q)), float(np.quantile(x, hi_q))] if x.size else [math.nan] * 2
+        )
+
+    return {
+        "n": n,
+        "before": a_b,
+        "after": a_a,
+        "drop": a_b - a_a,
+        "before_ci": interval(boot_b),
+        "after_ci": interval(boot_a),
+        "drop_ci": interval(boot_b - boot_a),
+    }
+
+
+def per_category(
+    categories: Sequence[str | None],
+    before: np.ndarray,
+    after: np.ndarray,
+    *,
+    min_samples: int = 10,
+    samples: int = 1000,
+    confidence: float = 0.95,
+    seed: int = 0,
+) -> dict:
+    """{category: paired_bootstrap(...) | {"n": n, "insufficient": True}} per category
+    (None -> "uncategorised"), cells with fewer than `min_samples` prompts insufficient."""
+    groups = defaultdict(list)
+    for i, c in enumerate(categories):
+        groups["uncategorised" if c is None else c].append(i)
+    before, after = np.asarray(before, float), np.asarray(after, float)
+    out = {}
+    for name in sorted(groups):
+        rows = groups[name]
+        if len(rows) < min_samples:
+            out[name] = {"n": len(rows), "insufficient": True, "min_samples": min_samples}
+            continue
+        cell = paired_bootstrap(
+            before[rows], after[rows], samples=samples, confidence=confidence, seed=seed
+        )
+        out[name] = {**cell, "insufficient": False}
+    return out
+
+
+def _ratio(rows: np.ndarray) -> float:
+    n = rows[..., -1].sum()
+    return float(rows[..., 0].sum() / n) if n > 0 else math.nan
+
+
+def _taus(per_depth: Sequence[float], max_gamma: int) -> dict:
+    from specdistill.eval.stats import tau_chain, tau_iid
+
+    if any(math.isnan(a) for a in per_depth):
+        return {}
+    if len(per_depth) == 1:
+        return {g: tau_iid(min(max(per_depth[0], 0.0), 1.0), g) for g in range(1, max_gamma + 1)}
+    return {g: tau_chain(per_depth, g) for g in range(1, max_gamma + 1)}
+
+
+def summarise(
+    scores: Sequence[PromptScore],
+    *,
+    token_loss: dict | None = None,
+    tokenizer=None,
+    threshold: float = 0.02,
+    min_samples: int = 10,
+    samples: int = 1000,
+    confidence: float = 0.95,
+    seed: int = 0,
+    max_gamma: int = 8,
+    top: int = 20,
+) -> dict:
+    """The drift report's numbers (the module docstring says what each one is)."""
+    if not scores:
+        raise ValueError("no prompts scored")
+    before = np.stack([s.before for s in scores])  # [N, K, 3]
+    after = np.stack([s.after for s in scores])
+    cross = np.stack([s.cross for s in scores])
+    tv = np.stack([s.tv for s in scores])  # [N, 3]
+    k = before.shape[1]
+    pairs_t = (before[:, 0][:, [0, 2]], after[:, 0][:, [0, 2]])
+    pairs_0 = (before[:, 0][:, [1, 2]], after[:, 0][:, [1, 2]])
+    boot = dict(samples=samples, confidence=confidence, seed=seed)
+    serving, greedy = paired_bootstrap(*pairs_t, **boot), paired_bootstrap(*pairs_0, **boot)
+    depth_b = [_ratio(before[:, i][:, [0, 2]]) for i in range(k)]
+    depth_a = [_ratio(after[:, i][:, [0, 2]]) for i in range(k)]
+    depth_b0 = [_ratio(before[:, i][:, [1, 2]]) for i in range(k)]
+    depth_a0 = [_ratio(after[:, i][:, [1, 2]]) for i in range(k)]
+    categories = [s.category for s in scores]
+    cats = per_category(categories, *pairs_t, min_samples=min_samples, **boot)
+    cats_0 = per_category(categories, *pairs_0, min_samples=min_samples, **boot)
+    for name, cell in cats.items():
+        if not cell["insufficient"]:
+            cell["greedy"] = {
+                key: cats_0[name][key] for key in ("before", "after", "drop", "drop_ci")
+            }
+    lo, hi = serving["drop_ci"]
+    refit = bool(lo > threshold)
+    verdict = {
+        "refit_recommended": refit,
+        "threshold": threshold,
+        "drop": serving["drop"],
+        "drop_ci": serving["drop_ci"],
+        "reason": (
+            f"the drop of α ({serving['drop']:.4f}, {confidence:.0%} interval "
+            f"[{lo:.4f}, {hi:.4f}]) lies entirely above the threshold {threshold}"
+            if refit
+            else f"the {confidence:.0%} interval of the drop of α [{lo:.4f}, {hi:.4f}] does not "
+            f"lie entirely above the threshold {threshold}"
+        ),
+    }
+    n_pos = tv[:, 2].sum()
+    report = {
+        "alpha_before": serving["before"],
+        "alpha_after": serving["after"],
+        "alpha_drop": serving["drop"],
+        "alpha_before_ci": serving["before_ci"],
+        "alpha_after_ci": serving["after_ci"],
+        "alpha_drop_ci": serving["drop_ci"],
+        "alpha_greedy_before": greedy["before"],
+        "alpha_greedy_after": greedy["after"],
+        "alpha_greedy_drop": greedy["drop"],
+        "alpha_greedy_drop_ci": greedy["drop_ci"],
+        "alpha_before_on_after_text": _ratio(cross[:, 0][:, [0, 2]]),
+        "alpha_greedy_before_on_after_text": _ratio(cross[:, 0][:, [1, 2]]),
+        "target_tv": float(tv[:, 0].sum() / n_pos) if n_pos else math.nan,
+        "target_argmax_disagreement": float(tv[:, 1].sum() / n_pos) if n_pos else math.nan,
+        "tau_before": _taus(depth_b, max_gamma),
+        "tau_after": _taus(depth_a, max_gamma),
+        "tau_greedy_before": _taus(depth_b0, max_gamma),
+        "tau_greedy_after": _taus(depth_a0, max_gamma),
+        "per_category": cats,
+        "n_prompts": len(scores),
+        "n_positions_before": int(before[:, 0, 2].sum()),
+        "n_positions_after": int(after[:, 0, 2].sum()),
+        "verdict": verdict,
+    }
+    report["drop_from_text"] = report["alpha_before"] - report["alpha_before_on_after_text"]
+    report["drop_from_target"] = report["alpha_before_on_after_text"] - report["alpha_after"]
+    if k > 1:
+        report["per_depth"] = {
+            "alpha_before": depth_b,
+            "alpha_after": depth_a,
+            "alpha_greedy_before": depth_b0,
+            "alpha_greedy_after": depth_a0,
+        }
+    if token_loss:
+        total = sum(count for _, count in token_loss.values())
+        ranked = sorted(token_loss.items(), key=lambda item: -item[1][0])[:top]
+        report["top_tokens"] = [
+            {
+                "token_id": int(tok),
+                "token": tokenizer.decode([tok]) if tokenizer is not None else str(tok),
+                "alpha_mass_lost": loss / total,
+                "count": count,
+                "mean_alpha_drop": loss / count,
+            }
+            for tok, (loss, count) in ranked
+        ]
+    return report
+
+
+# ----------------------------------------------------------------------------- pipeline
+
+
+def generate_responses(
+    target,
+    prompt_ids: list[list[int]],
+    *,
+    temperature: float,
+    top_p: float | None = None,
+    top_k: int | None = None,
+    max_new_tokens: int = 128,
+    eos_token_id: int | None = None,
+    seed: int = 0,
+    batch_size: int = 8,
+) -> list[list[int]]:
+    """Each prompt's response by `target` alone (the project's engine, no draft)."""
+    from specdistill.eval import engine
+
+    gen = engine.generate(
+        target,
+        None,
+        prompt_ids,
+        temperature=temperature,
+        top_p=top_p if temperature > 0 else None,
+        top_k=top_k if temperature > 0 else None,
+        max_new_tokens=max_new_tokens,
+        eos_token_id=eos_token_id,
+        seed=seed,
+        batch_size=batch_size,
+    )
+    return [list(s) for s in gen.sequences]
+
+
+def measure(
+    target_before,
+    target_after,
+    draft,
+    tokenizer,
+    prompts,
+    *,
+    temperature: float = 1.0,
+    top_p: float | None = None,
+    top_k: int | None = None,
+    max_new_tokens: int = 64,
+    max_prompt_tokens: int = 512,
+    stop_at_eos: bool = True,
+    batch_size: int = 8,
+    depth: int | None = None,
+    seed: int = 0,
+    threshold: float = 0.02,
+    min_samples: int = 10,
+    bootstrap: int = 1000,
+    confidence: float = 0.95,
+    max_gamma: int = 8,
+) -> tuple[dict, dict]:
+    """(report, responses {"before": [...], "after": [...]}) for `prompts` (eval.prompts)."""
+    from specdistill import drafts
+    from specdistill.eval.prompts import encode_prompts
+
+    kind = drafts.type_of(draft)
+    if depth is None:
+        depth = getattr(draft, "ttt_steps", None) or getattr(draft.config, "ttt_steps", 3) or 3
+    heads = [
+        target_before.get_output_embeddings().weight.shape[0],
+        target_after.get_output_embeddings().weight.shape[0],
+        kind.vocab_size_of(draft),
+    ]
+    vocab_size = min(heads)
+    prompt_ids = encode_prompts(prompts, tokenizer, max_tokens=max_prompt_tokens)
+    gen = dict(
+        temperature=temperature,
+        top_p=top_p,
+        top_k=top_k,
+        max_new_tokens=max_new_tokens,
+        eos_token_id=tokenizer.eos_token_id if stop_at_eos else None,
+        seed=seed,
+        batch_size=batch_size,
+    )
+    out_before = generate_responses(target_before, prompt_ids, **gen)
+    out_after = generate_responses(target_after, prompt_ids, **gen)
+    token_loss: dict = {}
+    scores = [
+        score_prompt(
+            target_before,
+            target_after,
+            draft,
+            p,
+            b,
+            a,
+            temperature=temperature,
+            top_p=top_p,
+            top_k=top_k,
+            depth=depth,
+            vocab_size=vocab_size,
+            category=prompt.category,
+            token_loss=token_loss,
+        )
+        for prompt, p, b, a in zip(prompts, prompt_ids, out_before, out_after, strict=True)
+    ]
+    report = summarise(
+        scores,
+        token_loss=token_loss,
+        tokenizer=tokenizer,
+        threshold=threshold,
+        min_samples=min_samples,
+        samples=bootstrap,
+        confidence=confidence,
+        seed=seed,
+        max_gamma=max_gamma,
+    )
+    report["temperature"] = temperature
+    report["draft_type"] = kind.name
+    return report, {"before": out_before, "after": out_after}
+
+
+def response_records(prompts, responses: list[list[int]], tokenizer) -> list[dict]:
+    """Training records (data/records.py) of prompts and a target's responses: chat records
+    ({"messages": [user, assistant]}) when the prompt is a chat and the tokenizer has a chat
+    template (only the response is then a loss token), else {"text": prompt + response}."""
+    records = []
+    for prompt, ids in zip(prompts, responses, strict=True):
+        eos = tokenizer.eos_token_id
+        body = tokenizer.decode([t for t in ids if t != eos])
+        if prompt.messages is not None and tokenizer.chat_template:
+            records.append({"messages": [*prompt.messages, {"role": "assistant", "content": body}]})
+        else:
+            from specdistill.eval.prompts import prompt_text
+
+            records.append({"text": prompt_text(prompt, tokenizer) + body})
+        if prompt.category is not None:
+            records[-1]["category"] = prompt.category
+    return records
+
+
+def save_responses(path, prompts, responses: list[list[int]], tokenizer) -> Path:
+    """Write `response_records` as JSONL at `path` (usable as a recipe's data.train)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w", encoding="utf-8") as f:
+        for record in response_records(prompts, responses, tokenizer):
+            f.write(json.dumps(record, ensure_ascii=False) + "\n")
+    return path
+
+
+# ----------------------------------------------------------------------------- output
+
+
+def _fmt(x, digits=4) -> str:
+    return "n/a" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.{digits}f}"
+
+
+def _ci(ci) -> str:
+    return f"[{_fmt(ci[0])}, {_fmt(ci[1])}]"
+
+
+def markdown(report: dict) -> str:
+    r = report
+    verdict = "REFIT RECOMMENDED" if r["verdict"]["refit_recommended"] else "no refit needed"
+    lines = [
+        "# α drift report",
+        "",
+        f"Draft: `{r.get('meta', {}).get('draft', '?')}` ({r.get('draft_type', '?')}); "
+        f"before: `{r.get('meta', {}).get('target_before', '?')}`; "
+        f"after: `{r.get('meta', {}).get('target_after', '?')}`. "
+        f"{r['n_prompts']} prompts, serving temperature {r.get('temperature')}.",
+        "",
+        "| | before | after | drop (95% CI) |",
+        "|---|---|---|---|",
+        f"| α (T={r.get('temperature')}) | {_fmt(r['alpha_before'])} | {_fmt(r['alpha_after'])} "
+        f"| {_fmt(r['alpha_drop'])} {_ci(r['alpha_drop_ci'])} |",
+        f"| α (T=0) | {_fmt(r['alpha_greedy_before'])} | {_fmt(r['alpha_greedy_after'])} "
+        f"| {_fmt(r['alpha_greedy_drop'])} {_ci(r['alpha_greedy_drop_ci'])} |",
+        "",
+        f"- α of the draft vs the *before*-target on the after-target's text: "
+        f"{_fmt(r['alpha_before_on_after_text'])} (drop from the text moving: "
+        f"{_fmt(r['drop_from_text'])}; from the target's distribution moving: "
+        f"{_fmt(r['drop_from_target'])})",
+        f"- TV between the targets on the after-target's text: {_fmt(r['target_tv'])}; "
+        f"argmax disagreement {_fmt(r['target_argmax_disagreement'])}",
+        f"- **Verdict**: {verdict} ({r['verdict']['reason']})",
+        "",
+        "## Predicted τ per γ",
+        "",
+        "| γ | τ before | τ after | τ before (T=0) | τ after (T=0) |",
+        "|---|---|---|---|---|",
+    ]
+    for g in r["tau_before"]:
+        lines.append(
+            f"| {g} | {_fmt(r['tau_before'][g], 3)} | {_fmt(r['tau_after'].get(g), 3)} | "
+            f"{_fmt(r['tau_greedy_before'].get(g), 3)} | {_fmt(r['tau_greedy_after'].get(g), 3)} |"
+        )
+    lines += [
+        "",
+        "## Per category",
+        "",
+        "| category | n | α before | α after | drop (95% CI) |",
+        "|---|---|---|---|---|",
+    ]
+    for name, cell in r["per_category"].items():
+        if cell["insufficient"]:
+            lines.append(f"| {name} | {cell['n']} | insufficient (< {cell['min_samples']}) | | |")
+        else:
+            lines.append(
+                f"| {name} | {cell['n']} | {_fmt(cell['before'])} | {_fmt(cell['after'])} | "
+                f"{_fmt(cell['drop'])} {_ci(cell['drop_ci'])} |"
+            )
+    if "per_depth" in r:
+        d = r["per_depth"]
+        lines += [
+            "",
+            "## Per draft position (EAGLE-3, chained)",
+            "",
+            "| depth | α before | α after | α before (T=0) | α after (T=0) |",
+            "|---|---|---|---|---|",
+        ]
+        for i in range(len(d["alpha_before"])):
+            lines.append(
+                f"| {i + 1} | {_fmt(d['alpha_before'][i])} | {_fmt(d['alpha_after'][i])} | "
+                f"{_fmt(d['alpha_greedy_before'][i])} | {_fmt(d['alpha_greedy_after'][i])} |"
+            )
+    if r.get("top_tokens"):
+        lines += [
+            "",
+            "## Tokens losing the most acceptance mass (after-target's argmax)",
+            "",
+            "| token | count | share of α lost | mean α drop |",
+            "|---|---|---|---|",
+        ]
+        for t in r["top_tokens"]:
+            lines.append(
+                f"| {json.dumps(t['token'])} | {t['count']} | {_fmt(t['alpha_mass_lost'])} | "
+                f"{_fmt(t['mean_alpha_drop'])} |"
+            )
+    return "\n".join(lines) + "\n"
+
+
+def plot(report: dict, path) -> Path | None:
+    """Per-category α before / after with intervals, and τ per γ (or α per depth)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    cells = {
+        "all": {
+            "before": report["alpha_before"],
+            "after": report["alpha_after"],
+            "before_ci": report["alpha_before_ci"],
+            "after_ci": report["alpha_after_ci"],
+        }
+    }
+    cells.update({k: v for k, v in report["per_category"].items() if not v["insufficient"]})
+    names = list(cells)
+    x = np.arange(len(names))
+    for offset, side, color in ((-0.2, "before", "tab:blue"), (0.2, "after", "tab:red")):
+        values = [cells[n][side] for n in names]
+        err = np.array(
+            [
+                [v - cells[n][f"{side}_ci"][0], cells[n][f"{side}_ci"][1] - v]
+                for n, v in zip(names, values, strict=True)
+            ]
+        ).T
+        axes[0].bar(x + offset, values, 0.4, yerr=err, color=color, label=side, capsize=3)
+    axes[0].set_xticks(x, names, rotation=30, ha="right")
+    axes[0].set_ylabel(f"α (T={report.get('temperature')})")
+    axes[0].set_title("acceptance per category (95% CI)")
+    axes[0].legend()
+    if "per_depth" in report:
+        d = report["per_depth"]
+        depths = np.arange(1, len(d["alpha_before"]) + 1)
+        axes[1].plot(depths, d["alpha_before"], "o-", label="before")
+        axes[1].plot(depths, d["alpha_after"], "o-", label="after")
+        axes[1].set_xlabel("draft position")
+        axes[1].set_ylabel("α")
+        axes[1].set_title("α per draft position")
+    else:
+        gammas = list(report["tau_before"])
+        axes[1].plot(gammas, list(report["tau_before"].values()), "o-", label="before")
+        axes[1].plot(gammas, list(report["tau_after"].values()), "o-", label="after")
+        axes[1].set_xlabel("γ")
+        axes[1].set_ylabel("predicted τ")
+        axes[1].set_title("predicted tokens per round")
+    axes[1].legend()
+    fig.tight_layout()
+    path = Path(path)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+def write(report: dict, out, prompts=None, responses=None, tokenizer=None) -> None:
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "report.json").write_text(json.dumps(report, indent=2, default=str) + "\n")
+    (out / "report.md").write_text(markdown(report))
+    plot(report, out / "drift.png")
+    if responses is not None:
+        save_responses(out / "responses_after.jsonl", prompts, responses["after"], tokenizer)
+
+
+# ----------------------------------------------------------------------------- CLI
+
+
+def main(argv: Sequence[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--draft", required=True, help="the draft (standalone or EAGLE-3 dir)")
+    parser.add_argument(
+        "--target-before", required=True, help="HF id, local dir or embedded:<name>"
+    )
+    parser.add_argument("--target-after", required=True, help="HF id, local dir or embedded:<name>")
+    parser.add_argument(
+        "--adapter-before", default=None, help="peft adapter dir on --target-before"
+    )
+    parser.add_argument("--adapter-after", default=None, help="peft adapter dir on --target-after")
+    parser.add_argument(
+        "--prompts", required=True, help=".txt, .jsonl/.json(.gz) (eval/prompts.py)"
+    )
+    parser.add_argument("--out", required=True, help="output directory (created)")
+    parser.add_argument(
+        "--temperature",
+        type=float,
+        default=1.0,
+        help="serving temperature: responses are sampled at it (0 = greedy)",
+    )
+    parser.add_argument("--top-p", type=float, default=None)
+    parser.add_argument("--top-k", type=int, default=None)
+    parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--max-prompt-tokens", type=int, default=512)
+    parser.add_argument("--num-prompts", type=int, default=64, help="use the first N prompts")
+    parser.add_argument("--no-stop-at-eos", action="store_true")
+    parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument(
+        "--depth", type=int, default=None, help="EAGLE-3 positions (default: ttt_steps)"
+    )
+    parser.add_argument(
+        "--threshold",
+        type=float,
+        default=0.02,
+        help="refit when the drop's interval lies entirely above this",
+    )
+    parser.add_argument("--min-samples", type=int, default=10, help="prompts per category cell")
+    parser.add_argument("--bootstrap", type=int, default=1000)
+    parser.add_argument("--confidence", type=float, default=0.95)
+    parser.add_argument("--max-gamma", type=int, default=8)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    args = parser.parse_args(argv)
+    if args.temperature < 0 or args.max_new_tokens < 1 or args.num_prompts < 1:
+        parser.error("--temperature must be >= 0, --max-new-tokens and --num-prompts >= 1")
+
+    from specdistill import drafts
+    from specdistill.drafts.hub import check_tokenizers, load_draft, load_target, load_tokenizer
+    from specdistill.eval.prompts import load_prompts
+
+    prompts = load_prompts(args.prompts, limit=args.num_prompts)
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    tokenizer = load_tokenizer(args.target_after)
+    check_tokenizers(
+        load_tokenizer(args.target_before), tokenizer, args.target_before, args.target_after
+    )
+    draft = load_draft(args.draft, dtype=args.dtype)
+    if drafts.type_of(draft).own_tokenizer:
+        check_tokenizers(tokenizer, load_tokenizer(args.draft), args.target_after, args.draft)
+    before = load_target(args.target_before, args.adapter_before, dtype=args.dtype)
+    after = load_target(args.target_after, args.adapter_after, dtype=args.dtype)
+    for model in (before, after, draft):
+        model.to(args.device)
+    report, responses = measure(
+        before,
+        after,
+        draft,
+        tokenizer,
+        prompts,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        max_new_tokens=args.max_new_tokens,
+        max_prompt_tokens=args.max_prompt_tokens,
+        stop_at_eos=not args.no_stop_at_eos,
+        batch_size=args.batch_size,
+        depth=args.depth,
+        seed=args.seed,
+        threshold=args.threshold,
+        min_samples=args.min_samples,
+        bootstrap=args.bootstrap,
+        confidence=args.confidence,
+        max_gamma=args.max_gamma,
+    )
+    report["meta"] = {
+        "draft": args.draft,
+        "target_before": args.target_before
+        + (f" + {args.adapter_before}" if args.adapter_before else ""),
+        "target_after": args.target_after
+        + (f" + {args.adapter_after}" if args.adapter_after else ""),
+        "prompts": args.prompts,
+        "max_new_tokens": args.max_new_tokens,
+        "device": args.device,
+        "dtype": args.dtype,
+    }
+    write(report, args.out, prompts, responses, tokenizer)
+    print(markdown(report))
+    return report
+
+
+if __name__ == "__main__":
+    import sys
+
+    from specdistill.errors import run_guarded
+
+    sys.exit(run_guarded(main, sys.argv[1:]))
