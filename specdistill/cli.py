@@ -4,6 +4,7 @@
     specdistill speculate --target embedded:code --draft runs/code/final --prompts p.jsonl --out o
     specdistill drift --draft D --target-before A --target-after B --prompts p.jsonl --out o
     specdistill export --draft runs/code-eagle3/final --format vllm --out exported
+    specdistill cache --recipe recipes/code.yaml --out runs/code-cache --top-n 64
     specdistill serve --target embedded:code --draft embedded:code-draft --port 8000
     specdistill online --recipe recipes/online.yaml      # and: online rollback --drafts ROOT
 
@@ -31,9 +32,17 @@ VERBS = {
         "measure the draft's α drift after a target fine-tune (per category, with intervals)",
     ),
     "export": ("specdistill.train.export", "export a trained draft for vLLM, SGLang or HF"),
+    "cache": (
+        "specdistill.train.cache",
+        "cache the target's top-N log-probabilities over a recipe's data (target.cache)",
+    ),
+    "regenerate": (
+        "specdistill.train.regenerate",
+        "answer a recipe's prompts with the target (resumable, deduplicated JSONL shards)",
+    ),
     "online": (
-        "specdistill.train.online",
-        "learn from served traffic: refresh, gate, publish drafts; `online rollback`, `online demo`",
+        "specdistill.train.online_cli",
+        "learn from served traffic: refresh, gate, publish drafts; `online rollback|demo`",
     ),
     "serve": (
         "specdistill.serve.server",

@@ -45,6 +45,12 @@ class TargetConfig:
     model: str = "embedded:code"  # HF id, local dir, or embedded:<name>
     dtype: Dtype = "float32"
     revision: str | None = None
+    # A peft LoRA adapter directory on `model` (a fine-tuned target), loaded unmerged
+    # (drafts.hub.load_target); null = the base model alone.
+    adapter: str | None = None
+    # A target cache directory (`specdistill cache`, train/cache.py): the loss reads the
+    # target's cached top-N instead of running it (standalone drafts; null = live target).
+    cache: str | None = None
 
 
 @dataclass
@@ -144,6 +150,10 @@ class OnlineConfig:
     drafts: str = "runs/online/drafts"  # the published root the server follows (--drafts)
     output_dir: str = "runs/online"  # OUT: state/, rejects.jsonl, decisions.jsonl, metrics.jsonl
     follow: bool = False  # true: tail new shards and appended lines; false: one pass, then exit
+    # "specdistill": replay + held-out gate. "osd": OSD's policy (arXiv 2310.07177): update on
+    # every refresh_records new records, no replay (buffer cleared), no hold-out, no gate,
+    # promote always (use it with loss.name=fkl, the paper's forward KL).
+    policy: Literal["specdistill", "osd"] = "specdistill"
     poll_s: float = 2.0
     refresh_records: int = 64  # a refresh after this many new trainable records ...
     refresh_seconds: float = 600.0  # ... or this many seconds (with >= min_refresh_records)
@@ -447,6 +457,17 @@ def _draft_checks(recipe: Recipe, explicit: set[str]) -> list[tuple[bool, str]]:
             "set loss.chunk_size=null",
         ),
         (
+            not eagle or recipe.target.cache is None,
+            "target.cache holds the target's top-N probabilities only; an eagle3 head also "
+            "needs the target's hidden states at every position, so it trains on the live "
+            "target: unset target.cache",
+        ),
+        (
+            recipe.target.cache is None or lo.chunk_size is None,
+            "target.cache gives a sparse top-N target, which needs no chunking: set "
+            "loss.chunk_size=null",
+        ),
+        (
             eagle or not (explicit & EAGLE3_KEYS),
             f"{', '.join(sorted(explicit & EAGLE3_KEYS))} apply to draft.type=eagle3 only",
         ),
@@ -465,9 +486,8 @@ def _validate_loss(lo: LossConfig) -> None:
     """Check the loss name and the type of each parameter against the loss functions'
     signatures (coercing e.g. `eta: 3` to 3.0), then ask the loss library itself for the
     value checks: it knows each loss's ranges."""
-    from specdistill.losses.divergences import check_param_values
-
     from specdistill import losses
+    from specdistill.losses.divergences import check_param_values
 
     if lo.name not in losses.LOSSES:
         raise RecipeError(f"loss: unknown loss {lo.name!r}; {_hint(lo.name, list(losses.LOSSES))}")

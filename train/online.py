@@ -2,6 +2,7 @@
 
     specdistill online --recipe recipes/online.yaml [key.sub=value ...] [--follow | --once]
     specdistill online rollback [VERSION] --drafts ROOT      # default: the parent of current
+    specdistill online demo --out DIR [--minutes M]           # serve + shift + learn + OSD
     python train/online.py --recipe recipes/online.yaml
 
 The job reads `online.traffic` (the shards `specdistill serve --traffic` writes) after its
@@ -36,13 +37,13 @@ import os
 import shutil
 import signal
 import sys
+import threading
 import time
 from collections import Counter
 from pathlib import Path
 
-from specdistill.train.config import RecipeError, load_recipe
-
 from specdistill.errors import run_guarded
+from specdistill.train.config import RecipeError, load_recipe
 
 STATE = "state"
 
@@ -78,6 +79,8 @@ class OnlineJob:
     def __init__(self, recipe, *, print=print):
         import torch
         from accelerate import Accelerator
+
+        from specdistill import drafts
         from specdistill.drafts import hub
         from specdistill.serve.traffic import model_identity
         from specdistill.train import online_versions
@@ -85,8 +88,6 @@ class OnlineJob:
         from specdistill.train.online_watch import Watch
         from specdistill.train.rundir import RunPlan
         from specdistill.train.trainer import Trainer
-
-        from specdistill import drafts
 
         online_versions.FAULT = FAULT
         self.print = print
@@ -99,6 +100,9 @@ class OnlineJob:
         self.o = o
         if o.traffic is None:
             raise RecipeError("online.traffic must name the server's --traffic directory")
+        if o.policy == "osd":  # OSD's buffer: cleared after each update; nothing held out
+            o = dataclasses.replace(o, holdout_size=0, recent_size=0, reservoir_size=0, anchor=[])
+            r.online = self.o = o
         self.out = Path(o.output_dir)
         self.root = Path(o.drafts)
         self.out.mkdir(parents=True, exist_ok=True)
@@ -142,11 +146,14 @@ class OnlineJob:
         self.last_refresh = time.time()
         self.known_current: str | None = None  # the version the running draft descends from
         self._incumbent = (None, None)  # (version, model)
+        self.pending: dict | None = None  # {"version", "manifest"}: a promotion being published
+        self.stop_event = threading.Event()  # set: a follow run ends after the current step
         self._recover()
 
     # ----------------------------------------------------------------------------- state
     def _recover(self) -> None:
         import torch
+
         from specdistill.serve.drafts import read_current
         from specdistill.train import online_versions
 
@@ -178,6 +185,7 @@ class OnlineJob:
             self.refreshes = s["refreshes"]
             self.records_since = s["records_since"]
             self.known_current = s["known_current"]
+            self.pending = s.get("pending")
             self.trainer.step = s["step"]
             blob = torch.load(state_dir / "trainer.pt", map_location="cpu", weights_only=False)
             student.load_state_dict(blob["draft"])
@@ -189,10 +197,18 @@ class OnlineJob:
                 f"online: resumed at {self.cursor.as_dict()} after "
                 f"{self.refreshes} refreshes, {len(self.trained_ids)} records trained"
             )
+            if self.pending is not None:
+                self._complete_pending()
         else:
             for name in ("rejects.jsonl", "decisions.jsonl", "metrics.jsonl"):
                 (self.out / name).unlink(missing_ok=True)
             current = read_current(self.root)
+            left = online_versions.versions(self.root)
+            if current is None and left:  # killed between a first publish and its `current`
+                from specdistill.publish import atomic_write_text
+
+                atomic_write_text(self.root / "current", left[-1] + "\n")
+                current = left[-1]
             if current is None:
                 version = self._publish(student, {"reason": "initial draft", "records_trained": 0})
                 self.print(f"online: published the initial draft as {version}")
@@ -201,6 +217,28 @@ class OnlineJob:
                 self.known_current = current
                 self.print(f"online: starting from the served version {current}")
         self._follow_external_change()
+
+    def _complete_pending(self) -> None:
+        """The committed state is the one after a promoted refresh whose version was being
+        published when the job died: finish that publish (or find it done) and commit, never
+        train those records again."""
+        from specdistill.publish import atomic_write_text
+        from specdistill.serve.drafts import read_current, read_manifest
+
+        version, manifest = self.pending["version"], self.pending["manifest"]
+        if (self.root / version / "manifest.json").is_file():
+            current = read_current(self.root)
+            if current != version and read_manifest(self.root / version).get("parent") == current:
+                atomic_write_text(self.root / "current", version + "\n")  # killed before this
+            self.known_current = read_current(self.root)
+            how = "found it published"
+        else:
+            student = self.trainer.accelerator.unwrap_model(self.trainer.draft)
+            self._publish(student, manifest, version=version)
+            how = "published it now"
+        self.pending = None
+        self.commit()
+        self.print(f"online: a publish of {version} was pending at the crash; {how}")
 
     def commit(self) -> None:
         """Everything the job knows, as of now, replaces OUT/state in one rename."""
@@ -235,6 +273,7 @@ class OnlineJob:
             "refreshes": self.refreshes,
             "records_since": self.records_since,
             "known_current": self.known_current,
+            "pending": self.pending,
             "step": self.trainer.step,
             "log_bytes": logs,
             "time": time.time(),
@@ -286,7 +325,7 @@ class OnlineJob:
             )
             self.known_current = current
 
-    def _publish(self, model, manifest: dict) -> str:
+    def _publish(self, model, manifest: dict, version: str | None = None) -> str:
         from specdistill.drafts.embedded import resolve_model
         from specdistill.train.online_versions import publish_version
 
@@ -301,6 +340,7 @@ class OnlineJob:
             lambda d: self.kind.save(model, d, self.tokenizer, verifier=verifier),
             manifest,
             keep=self.o.keep_versions,
+            version=version,
         )
         self.known_current = version
         return version
@@ -384,18 +424,23 @@ class OnlineJob:
         self._follow_external_change()
         r, o, tr = self.recipe, self.o, self.trainer
         g = r.train.global_batch_size
-        fresh, replay = self.store.refresh_mix(
-            o.refresh_steps * g,
-            o.recent_ratio,
-            o.anchor_ratio,
-            seed=r.train.seed * 7919 + self.refreshes,
-        )
+        osd = o.policy == "osd"
+        if osd:  # OSD (arXiv 2310.07177): the new records once, no replay
+            fresh, replay = self.store.new_items(), []
+        else:
+            fresh, replay = self.store.refresh_mix(
+                o.refresh_steps * g,
+                o.recent_ratio,
+                o.anchor_ratio,
+                seed=r.train.seed * 7919 + self.refreshes,
+            )
         items = fresh + replay
         tr.train_data = TokenDataset(
             [to_tokens(it) for it in items], n_records=len(items), skipped={}
         )
         tr._perms = {}
-        steps = max(o.refresh_steps, math.ceil(len(items) / g))
+        one_pass = math.ceil(len(items) / g)
+        steps = max(1, one_pass) if osd else max(o.refresh_steps, one_pass)
         losses = []
         for s in range(steps):  # the Trainer's own step: loss, accumulation, clipping
             record = tr.train_step(s)
@@ -404,13 +449,22 @@ class OnlineJob:
             FAULT("refresh:step")
         student = tr.accelerator.unwrap_model(tr.draft)
         version, incumbent = self.incumbent()
-        held = list(self.store.holdout)
-        pad = self.tokenizer.pad_token_id
-        cand = sequence_alpha(self.kind, self.target, student, held, pad) if held else []
-        inc = sequence_alpha(self.kind, self.target, incumbent, held, pad) if held else []
-        verdict = decide(
-            cand, inc, [it["category"] for it in held], o, seed=r.train.seed + self.refreshes
-        )
+        if osd:  # no gate: every update is served
+            verdict = {
+                "promote": True,
+                "why": "osd policy: no gate, promote always",
+                "n_heldout": 0,
+                "alpha_candidate": None,
+                "alpha_incumbent": None,
+            }
+        else:
+            held = list(self.store.holdout)
+            pad = self.tokenizer.pad_token_id
+            cand = sequence_alpha(self.kind, self.target, student, held, pad) if held else []
+            inc = sequence_alpha(self.kind, self.target, incumbent, held, pad) if held else []
+            verdict = decide(
+                cand, inc, [it["category"] for it in held], o, seed=r.train.seed + self.refreshes
+            )
         self.refreshes += 1
         decision = {
             "refresh": self.refreshes,
@@ -425,27 +479,30 @@ class OnlineJob:
             **{k: v for k, v in verdict.items() if k not in ("promote", "why")},
         }
         FAULT("refresh:gated")
+        manifest = None
         if verdict["promote"]:
+            from specdistill.train.online_versions import clean, next_version
+
             window = (
                 [min(it["time"] for it in fresh), max(it["time"] for it in fresh)]
                 if fresh
                 else None
             )
-            decision["version"] = self._publish(
-                student,
-                {
-                    "reason": "promoted",
-                    "traffic_window": window,
-                    "records_trained": len(self.trained_ids) + len(fresh),
-                    "alpha": verdict["alpha_candidate"],
-                    "alpha_incumbent": verdict["alpha_incumbent"],
-                    "delta": verdict["delta"],
-                    "ci": verdict["ci"],
-                    "confidence": verdict["confidence"],
-                    "loss": decision["loss"],
-                    "cursor": self.cursor.as_dict(),
-                },
-            )
+            clean(self.root)
+            decision["version"] = next_version(self.root)
+            manifest = {
+                "reason": "promoted",
+                "policy": o.policy,
+                "traffic_window": window,
+                "records_trained": len(self.trained_ids) + len(fresh),
+                "alpha": verdict["alpha_candidate"],
+                "alpha_incumbent": verdict["alpha_incumbent"],
+                "delta": verdict.get("delta"),
+                "ci": verdict.get("ci"),
+                "confidence": verdict.get("confidence"),
+                "loss": decision["loss"],
+                "cursor": self.cursor.as_dict(),
+            }
         self._log("decisions.jsonl", decision)
         self.print(
             f"online refresh {self.refreshes}: {decision['decision']} "
@@ -478,6 +535,16 @@ class OnlineJob:
         )
         self.last_refresh = time.time()
         self.records_since = len(self.store.new)
+        if manifest is not None:
+            # Publish pending: commit the state after this refresh and the version about to
+            # be published first, so that a kill from here until the next commit makes the
+            # restart finish (or find) the publish instead of training these records again.
+            self.pending = {"version": decision["version"], "manifest": manifest}
+            self.commit()
+            FAULT("refresh:pending")
+            self._publish(student, manifest, version=decision["version"])
+            FAULT("refresh:published")
+            self.pending = None
         self.commit()
         return decision
 
@@ -485,8 +552,6 @@ class OnlineJob:
     def run(self, follow: bool | None = None) -> dict:
         follow = self.o.follow if follow is None else follow
         stop = {"now": False}
-        import threading
-
         catch = follow and threading.current_thread() is threading.main_thread()
         if catch:  # SIGTERM ends a follow job after the current step, with a commit
 
@@ -501,7 +566,12 @@ class OnlineJob:
                 while self.due(final=not follow) and not (limit and self.refreshes >= limit):
                     self.refresh()
                     self.read()
-                if not follow or stop["now"] or (limit and self.refreshes >= limit):
+                if (
+                    not follow
+                    or stop["now"]
+                    or self.stop_event.is_set()
+                    or (limit and self.refreshes >= limit)
+                ):
                     break
                 time.sleep(self.o.poll_s)
         finally:

@@ -12,10 +12,10 @@ from collections import defaultdict
 
 import numpy as np
 import torch
-from specdistill.data.dataset import collate
-from specdistill.train.online_traffic import to_tokens
 
 from specdistill import losses
+from specdistill.data.dataset import collate
+from specdistill.train.online_traffic import to_tokens
 
 
 @torch.no_grad()

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
+
 from specdistill.data.tokenize import Tokens
 from specdistill.serve.traffic import SHARD, TrafficError, shards, validate
 

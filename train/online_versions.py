@@ -14,9 +14,8 @@ import shutil
 import time
 from pathlib import Path
 
-from specdistill.serve.drafts import read_current, read_manifest
-
 from specdistill.publish import atomic_write_text, publish_dir
+from specdistill.serve.drafts import read_current, read_manifest
 
 VERSION = re.compile(r"^v(\d{6})$")
 
@@ -53,13 +52,18 @@ def next_version(root) -> str:
     return f"v{max(used, default=0) + 1:06d}"
 
 
-def publish_version(root, save, manifest: dict, *, keep: int = 5) -> str:
+def publish_version(
+    root, save, manifest: dict, *, keep: int = 5, version: str | None = None
+) -> str:
     """Write a new version with `save(directory)` and its manifest, then point `current` at
-    it. Returns the version name."""
+    it. Returns the version name (`version`: that name, chosen beforehand by the caller, e.g.
+    the online job's publish-pending marker; default the next free one)."""
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
     clean(root)
-    version = next_version(root)
+    version = version or next_version(root)
+    if (root / version).exists():
+        raise FileExistsError(f"{root / version}: version already exists")
     tmp = root / f".tmp-{version}"
     tmp.mkdir()
     save(tmp)

@@ -26,11 +26,15 @@ import torch
 import yaml
 from accelerate import Accelerator
 from accelerate.utils import set_seed
+from tqdm.auto import tqdm
+
+from specdistill import drafts, losses
 from specdistill.data import build_datasets, collate
 from specdistill.drafts import hub as models
 from specdistill.drafts.align import shifted_hidden, target_mask
 from specdistill.drafts.embedded import resolve_model
 from specdistill.eval.offline import acceptance_sums, summarise
+from specdistill.publish import atomic_write_text, publish_dir
 from specdistill.train.config import (
     Recipe,
     RecipeError,
@@ -52,10 +56,6 @@ from specdistill.train.rundir import (
     remove_leftovers,
     restore_int_keys,
 )
-from tqdm.auto import tqdm
-
-from specdistill import drafts, losses
-from specdistill.publish import atomic_write_text, publish_dir
 
 
 def trainable_parameters(module) -> int:
@@ -90,6 +90,7 @@ class Trainer:
         tokenizer=None,
         train_data=None,
         eval_data=None,
+        cache=None,
     ):
         """target, draft (a module, not yet prepared), kind (its draft type, drafts/),
         tokenizer and the datasets may be None only when `plan` is a finished run."""
@@ -101,6 +102,7 @@ class Trainer:
         self.history: list[dict] = []
         self._perms: dict[int, torch.Tensor] = {}
         self._wandb = None
+        self.cache = cache  # a train.cache.TargetCache (target.cache), or None: the live target
         if plan.finished is not None:
             return  # nothing to train: run() reports the stored result
         world = acc.num_processes
@@ -146,8 +148,8 @@ class Trainer:
         # Only the main process builds an embedded model; the others wait, then load it.
         with acc.main_process_first(), quiet_library_bars():
             tokenizer = models.load_tokenizer(r.target.model, r.target.revision)
-            target = models.load_model(
-                r.target.model, dtype=r.target.dtype, revision=r.target.revision
+            target = models.load_target(
+                r.target.model, r.target.adapter, dtype=r.target.dtype, revision=r.target.revision
             )
             train_data, eval_data = build_datasets(
                 tokenizer,
@@ -165,6 +167,20 @@ class Trainer:
                 raise
             except ValueError as e:  # a draft that does not fit this target or recipe
                 raise RecipeError(str(e)) from None
+            cache = None
+            if r.target.cache is not None:  # checked against this run before any training
+                from specdistill.train.cache import CacheError, open_cache
+
+                try:
+                    cache = open_cache(
+                        r,
+                        tokenizer=tokenizer,
+                        target=target,
+                        train_data=train_data,
+                        vocab_size=kind.vocab_size,
+                    )
+                except CacheError as e:
+                    raise RecipeError(str(e)) from None
         return cls(
             recipe,
             accelerator=acc,
@@ -175,6 +191,7 @@ class Trainer:
             tokenizer=tokenizer,
             train_data=train_data,
             eval_data=eval_data,
+            cache=cache,
         )
 
     # ----------------------------------------------------------------------------- data
@@ -193,7 +210,11 @@ class Trainer:
         share = g // acc.num_processes
         mine = indices[acc.process_index * share : (acc.process_index + 1) * share]
         mb = self.recipe.train.micro_batch_size
-        return [self._collate(self.train_data, mine[i : i + mb]) for i in range(0, share, mb)]
+        batches = [self._collate(self.train_data, mine[i : i + mb]) for i in range(0, share, mb)]
+        if self.cache is not None:  # the cache is looked up by dataset index
+            for k, batch in enumerate(batches):
+                batch["sequence"] = torch.tensor(mine[k * mb : (k + 1) * mb])
+        return batches
 
     def _collate(self, dataset, indices: list[int]) -> dict:
         batch = collate([dataset[i] for i in indices], self.tokenizer.pad_token_id)
@@ -242,7 +263,10 @@ class Trainer:
         """(Σ loss over valid positions, detached Σ α at depth 0) for one micro-batch."""
         lo = self.recipe.loss
         if lo.chunk_size is None:
-            d_logits, t_logits, masks = self.kind.depths(self.draft, self.target, batch)
+            if self.cache is not None:  # the target's cached top-N (train/cache.py)
+                d_logits, t_logits, masks = self.cache.depths(self.draft, batch, self.vocab_size)
+            else:
+                d_logits, t_logits, masks = self.kind.depths(self.draft, self.target, batch)
             loss_sum, n_valid, alpha = losses.multi_depth_loss(
                 lo.name,
                 d_logits,
@@ -289,6 +313,11 @@ class Trainer:
             ("draft", self.accelerator.unwrap_model(self.draft)),
         ):
             head = model.get_output_embeddings()
+            if hasattr(head, "base_layer"):  # a peft LoRA layer: .weight misses its delta
+                raise RecipeError(
+                    f"loss.chunk_size cannot use the {role}'s output head: a LoRA adapter "
+                    "wraps it (set loss.chunk_size=null)"
+                )
             if head.bias is not None:
                 raise RecipeError(
                     f"loss.chunk_size needs a bias-free output head; the {role}'s has a bias "

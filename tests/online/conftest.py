@@ -57,8 +57,9 @@ def make_record(
 @pytest.fixture(scope="session")
 def traffic_pool(tiny_pair):
     """(identity, records): 96 records (code and prose) completed by the tiny target, greedy."""
-    from specdistill.serve.traffic import model_identity
     from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from specdistill.serve.traffic import model_identity
 
     target_dir = str(tiny_pair[0])
     tok = AutoTokenizer.from_pretrained(target_dir)

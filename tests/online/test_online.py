@@ -222,13 +222,13 @@ def test_worse_candidate_is_rejected_and_a_promotion_rolled_back(tiny_pair, traf
     import copy
 
     import torch
+
+    from specdistill.cli import main as cli
     from specdistill.drafts import Standalone
     from specdistill.drafts.hub import load_draft, load_model, load_tokenizer
     from specdistill.train.online_gate import decide, sequence_alpha
     from specdistill.train.online_traffic import compact
     from specdistill.train.online_versions import publish_version
-
-    from specdistill.cli import main as cli
 
     _, pool = traffic_pool
     target = load_model(str(tiny_pair[0]))
@@ -375,3 +375,65 @@ def test_follow_mode_tails_appended_lines_and_new_shards(tiny_pair, traffic_pool
     assert not worker.is_alive()
     assert result["refreshes"] == 2 and result["records_trained"] == 32
     assert result["cursor"]["shard"] == "traffic-000002.jsonl"
+
+
+def _draft_state(out):
+    import torch
+
+    return torch.load(out / "state" / "trainer.pt", map_location="cpu", weights_only=False)["draft"]
+
+
+@pytest.mark.parametrize(
+    "point", ["refresh:pending", "publish:saved", "publish:renamed", "refresh:published"]
+)
+def test_kill_between_publish_and_commit_completes_the_publish(
+    tiny_pair, traffic_pool, tmp_path, point
+):
+    """A kill after the publish-pending commit (before, during or after the publish, before
+    the final commit): the restart completes the publish and never retrains the records."""
+    import torch
+
+    from specdistill.train.online import FAULT
+
+    _, pool = traffic_pool
+    runs = {}
+    for name, crash_at in (("clean", None), ("crashed", point)):
+        d = tmp_path / name
+        write_shard(d / "traffic", 1, pool[:52])
+        recipe = online_recipe(tiny_pair, d, min_gain=-1.0, refresh_records=16)
+        steps, crashes = {"n": 0}, {"n": 0}
+
+        def hook(p, crash_at=crash_at, steps=steps, crashes=crashes):
+            if p == "refresh:step":
+                steps["n"] += 1
+            # the first promotion's publish (not the initial draft's)
+            if p == crash_at and steps["n"] and crashes["n"] == 0:
+                crashes["n"] += 1
+                raise Crash(p)
+
+        FAULT.hook = hook
+        try:
+            try:
+                summary = job(recipe).run()
+            except Crash:
+                summary = job(recipe).run()
+        finally:
+            FAULT.hook = None
+        assert crashes["n"] == (crash_at is not None)
+        runs[name] = (d, summary, steps["n"])
+    (a, sa, steps_a), (b, sb, steps_b) = runs["clean"], runs["crashed"]
+    assert steps_b == steps_a  # no optimiser step was run again
+    assert sb["records_trained"] == sa["records_trained"] == 52 - 12
+    assert sb["refreshes"] == sa["refreshes"] and sb["promotions"] == sa["promotions"]
+    trained = json.loads((b / "out" / "state" / "state.json").read_text())["trained_ids"]
+    assert len(trained) == len(set(trained)) == 40  # none twice
+    assert json.loads((b / "out" / "state" / "state.json").read_text())["pending"] is None
+    da, db = _draft_state(a / "out"), _draft_state(b / "out")
+    assert da.keys() == db.keys()
+    for k in da:
+        assert torch.equal(da[k], db[k]), k
+    # the same versions, the same current, no duplicate publish
+    names = lambda root: sorted(p.name for p in root.iterdir() if p.name.startswith("v"))  # noqa: E731
+    assert names(b / "drafts") == names(a / "drafts")
+    assert (b / "drafts" / "current").read_text() == (a / "drafts" / "current").read_text()
+    assert len(lines(b / "out" / "decisions.jsonl")) == len(lines(a / "out" / "decisions.jsonl"))

@@ -1,0 +1,494 @@
+"""A compact target cache: the frozen target's top-N log-probabilities, computed once.
+
+    specdistill cache --recipe recipes/code.yaml --out runs/code-cache --top-n 64
+    specdistill distill --recipe recipes/code.yaml target.cache=runs/code-cache
+
+`build_cache` runs the recipe's target over the recipe's training and eval sequences (the
+very TokenDataset items the trainer batches: same tokenizer, sources, max_length, packing,
+eval split and seed) and stores, for every valid position (a position t whose next token is
+a training target, `drafts.align.target_mask`), the target's N most probable tokens:
+
+    DIR/manifest.json              what the cache was built from, its sizes (MANIFEST below)
+    DIR/train-000000.safetensors   indices [R, N] int32, logprobs [R, N] float16,
+    DIR/train-000001.safetensors   rest [R] float16 (1 − Σ top-N p: the dropped mass),
+    DIR/eval-000000.safetensors    offsets [S + 1] int64 (sequence s's rows: offsets[s:s+2])
+
+A shard holds whole sequences, `first_sequence` to `first_sequence + sequences − 1`, rows in
+sequence order then position order. The log-probabilities are the target's at temperature 1
+over the tokenizer's ids (the columns the trainer compares, `hub.shared_vocab_size`); a
+loss temperature is applied when the cache is read (top-N is the same set at any
+temperature). The whole directory is written beside DIR and renamed into place
+(specdistill/publish.py), so a killed build leaves no half cache under DIR.
+
+With `target.cache: DIR` the trainer (standalone drafts) builds its depth-0 target from the
+cache, a `losses.SparseTarget` of the top-N renormalised (docs/theory.md §3, "Sparse
+targets": α on it is the exact α of the truncated p), instead of running the target. The
+manifest is compared with the run's tokenizer, target and data before any training
+(`open_cache`); held-out evaluation still runs the live target, so the reported α is the true
+one. docs/cache.md gives the sizes.
+"""
+
+import argparse
+import bisect
+import hashlib
+import json
+import os
+import shutil
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+FORMAT = "specdistill-target-cache"
+VERSION = 1
+MANIFEST = "manifest.json"
+SPLITS = ("train", "eval")
+VALUE_DTYPES = {"float16": torch.float16, "float32": torch.float32}
+DEFAULT_TOP_N = 64
+DEFAULT_SHARD_BYTES = 256 * 1024 * 1024
+
+
+class CacheError(ValueError):
+    """A cache directory that cannot serve this run (missing, damaged or built for another
+    tokenizer, target or dataset). The trainer re-raises it as a RecipeError."""
+
+
+# ----------------------------------------------------------------------------- identities
+def tokenizer_hash(tokenizer) -> str:
+    """sha256 over the tokenizer's vocabulary (token → id, as JSON with sorted keys) and its
+    eos id: equal for tokenizers that map every string to the same ids."""
+    h = hashlib.sha256()
+    h.update(json.dumps(tokenizer.get_vocab(), sort_keys=True, ensure_ascii=False).encode())
+    h.update(f"\0eos={tokenizer.eos_token_id}".encode())
+    return "sha256:" + h.hexdigest()
+
+
+def data_hash(dataset) -> str:
+    """sha256 over a TokenDataset's items: each sequence's length, token ids (int32) and loss
+    mask. Equal iff the trainer would see the same sequences in the same order."""
+    h = hashlib.sha256()
+    h.update(f"{len(dataset)}\0".encode())
+    for i in range(len(dataset)):
+        item = dataset[i]
+        ids = item["input_ids"].to(torch.int32).contiguous()
+        h.update(len(ids).to_bytes(8, "little"))
+        h.update(ids.numpy().tobytes())
+        h.update(item["loss_mask"].to(torch.uint8).contiguous().numpy().tobytes())
+    return "sha256:" + h.hexdigest()
+
+
+def target_identity(target_cfg, model=None) -> dict:
+    """What names the target's distributions: its model (`serve.traffic.model_identity`,
+    sha256 of config and weights), adapter (when the recipe has `target.adapter`), dtype."""
+    from specdistill.serve.traffic import model_identity
+
+    identity = model_identity(target_cfg.model, model)
+    adapter = getattr(target_cfg, "adapter", None)
+    if adapter:
+        identity += "+adapter:" + model_identity(adapter)
+    return {
+        "model": target_cfg.model,
+        "revision": target_cfg.revision,
+        "adapter": adapter,
+        "dtype": target_cfg.dtype,
+        "identity": identity,
+    }
+
+
+# ----------------------------------------------------------------------------- building
+def valid_rows(batch: dict) -> torch.Tensor:
+    """[B, L−1] bool: the positions the cache stores (the trainer's depth-0 mask)."""
+    from specdistill.drafts.align import target_mask
+
+    return target_mask(batch)
+
+
+@torch.no_grad()
+def top_n_rows(target, batch: dict, vocab_size: int, top_n: int):
+    """(indices [R, N] int64, logprobs [R, N] fp32, rest [R] fp32, rows per item [B]) of one
+    collated batch: the target's top-N log-softmax over `vocab_size` columns at each valid
+    position, items in order, positions in order."""
+    from specdistill.drafts.align import shifted_logits
+
+    logits = shifted_logits(target, batch, vocab_size)
+    mask = valid_rows(batch)
+    logp = logits[mask].float().log_softmax(-1)
+    values, indices = logp.topk(top_n, dim=-1)  # sorted, most probable first
+    rest = (1.0 - values.exp().sum(-1)).clamp_min(0.0)
+    return indices, values, rest, mask.sum(1)
+
+
+class _ShardWriter:
+    """Accumulates whole sequences' rows and writes a shard past `max_rows` rows."""
+
+    def __init__(self, root: Path, split: str, max_rows: int, value_dtype: torch.dtype):
+        self.root, self.split, self.max_rows, self.dtype = root, split, max_rows, value_dtype
+        self.shards: list[dict] = []
+        self.next_sequence = 0
+        self._reset()
+
+    def _reset(self) -> None:
+        self.indices, self.values, self.rest, self.counts = [], [], [], []
+        self.rows = 0
+
+    def add(self, indices, values, rest, counts) -> None:
+        start = 0
+        for n in counts.tolist():
+            self.indices.append(indices[start : start + n].to(torch.int32).cpu())
+            self.values.append(values[start : start + n].to(self.dtype).cpu())
+            self.rest.append(rest[start : start + n].to(self.dtype).cpu())
+            self.counts.append(n)
+            self.rows += n
+            start += n
+            if self.rows >= self.max_rows:
+                self.flush()
+
+    def flush(self) -> None:
+        if not self.counts:
+            return
+        from safetensors.torch import save_file
+
+        name = f"{self.split}-{len(self.shards):06d}.safetensors"
+        offsets = torch.zeros(len(self.counts) + 1, dtype=torch.int64)
+        offsets[1:] = torch.tensor(self.counts, dtype=torch.int64).cumsum(0)
+        tensors = {
+            "indices": torch.cat(self.indices).contiguous(),
+            "logprobs": torch.cat(self.values).contiguous(),
+            "rest": torch.cat(self.rest).contiguous(),
+            "offsets": offsets,
+        }
+        save_file(tensors, str(self.root / name), metadata={"format": FORMAT})
+        self.shards.append(
+            {
+                "file": name,
+                "first_sequence": self.next_sequence,
+                "sequences": len(self.counts),
+                "rows": self.rows,
+                "bytes": (self.root / name).stat().st_size,
+            }
+        )
+        self.next_sequence += len(self.counts)
+        self._reset()
+
+
+def build_cache(
+    recipe,
+    out: str | os.PathLike,
+    *,
+    top_n: int = DEFAULT_TOP_N,
+    values_dtype: str = "float16",
+    splits: tuple[str, ...] = SPLITS,
+    target=None,
+    tokenizer=None,
+    train_data=None,
+    eval_data=None,
+    batch_size: int | None = None,
+    shard_bytes: int = DEFAULT_SHARD_BYTES,
+    overwrite: bool = False,
+    device: str | torch.device | None = None,
+    print=print,
+) -> dict:
+    """Build the cache of `recipe`'s target over its data into `out`; return the manifest.
+
+    The models and datasets are loaded as `Trainer.from_recipe` loads them unless given.
+    `out` must not exist (or be empty) unless `overwrite`."""
+    from specdistill.data import build_datasets, collate
+    from specdistill.drafts import hub
+    from specdistill.publish import atomic_write_text, publish_dir
+
+    r = recipe
+    out = Path(out)
+    if top_n < 1:
+        raise CacheError(f"--top-n must be >= 1, got {top_n}")
+    if values_dtype not in VALUE_DTYPES:
+        raise CacheError(f"values dtype must be one of {', '.join(VALUE_DTYPES)}")
+    if out.exists() and any(out.iterdir()) and not overwrite:
+        raise CacheError(f"{out} exists and is not empty; pass --overwrite to replace it")
+    if tokenizer is None:
+        tokenizer = hub.load_tokenizer(r.target.model, r.target.revision)
+    if target is None:
+        target = hub.load_target(
+            r.target.model,
+            getattr(r.target, "adapter", None),
+            dtype=r.target.dtype,
+            revision=r.target.revision,
+        )
+    if train_data is None or eval_data is None:
+        train_data, eval_data = build_datasets(
+            tokenizer,
+            r.data.train,
+            r.data.eval,
+            max_length=r.data.max_length,
+            pack=r.data.pack,
+            eval_fraction=r.data.eval_fraction,
+            skip_malformed=r.data.skip_malformed,
+            seed=r.train.seed,
+        )
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    vocab_size = hub.shared_vocab_size(target, None, tokenizer)
+    if top_n > vocab_size:
+        raise CacheError(f"--top-n {top_n} exceeds the vocabulary ({vocab_size} tokens)")
+    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    target = target.eval().requires_grad_(False).to(device)
+    batch_size = batch_size or r.train.micro_batch_size
+    dtype = VALUE_DTYPES[values_dtype]
+    row_bytes = top_n * (4 + dtype.itemsize) + dtype.itemsize
+    max_rows = max(1, shard_bytes // row_bytes)
+
+    tmp = out.parent / f".tmp-{out.name}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    datasets = {"train": train_data, "eval": eval_data}
+    manifest_splits = {}
+    start = time.perf_counter()
+    try:
+        for split in splits:
+            data = datasets[split]
+            writer = _ShardWriter(tmp, split, max_rows, dtype)
+            for first in range(0, len(data), batch_size):
+                items = [data[i] for i in range(first, min(first + batch_size, len(data)))]
+                batch = {k: v.to(device) for k, v in collate(items, tokenizer.pad_token_id).items()}
+                writer.add(*top_n_rows(target, batch, vocab_size, top_n))
+            writer.flush()
+            rows = sum(s["rows"] for s in writer.shards)
+            manifest_splits[split] = {
+                "sequences": len(data),
+                "positions": rows,
+                "data_hash": data_hash(data),
+                "shards": writer.shards,
+            }
+            print(f"cache: {split}: {len(data)} sequences, {rows} positions")
+        total_bytes = sum(s["bytes"] for m in manifest_splits.values() for s in m["shards"])
+        positions = sum(m["positions"] for m in manifest_splits.values())
+        manifest = {
+            "format": FORMAT,
+            "version": VERSION,
+            "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            "build_seconds": round(time.perf_counter() - start, 3),
+            "tokenizer_hash": tokenizer_hash(tokenizer),
+            "target": target_identity(r.target, target),
+            "data": {
+                "train": list(r.data.train),
+                "eval": None if r.data.eval is None else list(r.data.eval),
+                "max_length": r.data.max_length,
+                "pack": r.data.pack,
+                "eval_fraction": r.data.eval_fraction,
+                "seed": r.train.seed,
+            },
+            "top_n": top_n,
+            "temperature": 1.0,  # raw log-softmax; the loss temperature is applied at read
+            "vocab_size": vocab_size,
+            "indices_dtype": "int32",
+            "values_dtype": values_dtype,
+            "rest_dtype": values_dtype,
+            # per stored position: N indices + N values + the remaining mass
+            "bytes_per_position": row_bytes,
+            # on disk, shard headers and offsets included, per stored position
+            "bytes_per_token": total_bytes / max(positions, 1),
+            "total_bytes": total_bytes,
+            "positions": positions,
+            "splits": manifest_splits,
+        }
+        atomic_write_text(tmp / MANIFEST, json.dumps(manifest, indent=1))
+        if out.exists():
+            if not overwrite and any(out.iterdir()):
+                raise CacheError(f"{out} appeared during the build; not replacing it")
+        publish_dir(tmp, out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return manifest
+
+
+# ----------------------------------------------------------------------------- reading
+class TargetCache:
+    """A built cache, read lazily (memory-mapped safetensors shards)."""
+
+    def __init__(self, path: str | os.PathLike):
+        self.path = Path(path)
+        manifest = self.path / MANIFEST
+        if not manifest.is_file():
+            raise CacheError(
+                f"target.cache {self.path}: no {MANIFEST} (not a target cache, or a build that "
+                f"did not finish); build it with `specdistill cache --recipe R --out {self.path}`"
+            )
+        try:
+            self.manifest = json.loads(manifest.read_text())
+        except ValueError as e:
+            raise CacheError(f"target.cache {manifest}: not valid JSON ({e})") from None
+        if self.manifest.get("format") != FORMAT or self.manifest.get("version") != VERSION:
+            raise CacheError(
+                f"target.cache {self.path}: format {self.manifest.get('format')!r} version "
+                f"{self.manifest.get('version')!r}, expected {FORMAT!r} version {VERSION}"
+            )
+        self.top_n = self.manifest["top_n"]
+        self._handles: dict[str, object] = {}
+
+    def check(self, *, tokenizer, target_cfg, target, datasets: dict, vocab_size: int) -> None:
+        """Raise CacheError unless the cache was built for this tokenizer, target and data.
+        `datasets`: split name -> TokenDataset, the splits the run will read."""
+        m, where = self.manifest, f"target.cache {self.path}"
+        rebuild = "; rebuild it (`specdistill cache --recipe R --out DIR`) or unset target.cache"
+        if m["tokenizer_hash"] != tokenizer_hash(tokenizer):
+            raise CacheError(
+                f"{where} was built with another tokenizer (vocabulary hash "
+                f"{m['tokenizer_hash'][:19]}… ≠ {tokenizer_hash(tokenizer)[:19]}… of "
+                f"{target_cfg.model}){rebuild}"
+            )
+        ours = target_identity(target_cfg, target)
+        theirs = m["target"]
+        if theirs["identity"] != ours["identity"] or theirs["dtype"] != ours["dtype"]:
+            raise CacheError(
+                f"{where} was built for another target: {theirs['model']} ({theirs['dtype']}, "
+                f"{theirs['identity'][:19]}…), this recipe's is {ours['model']} "
+                f"({ours['dtype']}, {ours['identity'][:19]}…){rebuild}"
+            )
+        if m["vocab_size"] != vocab_size:
+            raise CacheError(
+                f"{where} covers {m['vocab_size']} vocabulary columns, this run compares "
+                f"{vocab_size}{rebuild}"
+            )
+        for split, data in datasets.items():
+            if split not in m["splits"]:
+                raise CacheError(f"{where} has no {split} split{rebuild}")
+            stored = m["splits"][split]
+            if stored["data_hash"] != data_hash(data):
+                raise CacheError(
+                    f"{where} was built on another {split} dataset ({stored['sequences']} "
+                    f"sequences, data hash {stored['data_hash'][:19]}…; this recipe's has "
+                    f"{len(data)} sequences, {data_hash(data)[:19]}…): data sources, "
+                    f"max_length, pack, eval split or seed differ{rebuild}"
+                )
+
+    def _shard(self, split: str, sequence: int):
+        shards = self.manifest["splits"][split]["shards"]
+        firsts = [s["first_sequence"] for s in shards]
+        k = bisect.bisect_right(firsts, sequence) - 1
+        info = shards[k]
+        if not 0 <= sequence - info["first_sequence"] < info["sequences"]:
+            raise IndexError(f"sequence {sequence} is not in the {split} cache")
+        key = info["file"]
+        if key not in self._handles:
+            from safetensors import safe_open
+
+            self._handles[key] = safe_open(str(self.path / key), framework="pt")
+        return self._handles[key], sequence - info["first_sequence"]
+
+    def rows(self, split: str, sequence: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(indices [n, N] int64, logprobs [n, N] fp32) of one sequence's valid positions."""
+        handle, local = self._shard(split, sequence)
+        offsets = handle.get_slice("offsets")[local : local + 2]
+        a, b = int(offsets[0]), int(offsets[1])
+        indices = handle.get_slice("indices")[a:b].long()
+        logprobs = handle.get_slice("logprobs")[a:b].float()
+        return indices, logprobs
+
+    def sparse_target(self, split: str, sequences, mask: torch.Tensor):
+        """The batch's target as a SparseTarget [B, L−1, N] (top-N renormalised) for the mask
+        [B, L−1] of `valid_rows`; masked positions hold a uniform placeholder."""
+        from specdistill.losses import SparseTarget
+
+        n = self.top_n
+        shape = (*mask.shape, n)
+        indices = torch.arange(n, device=mask.device).expand(shape).clone()
+        probs = torch.full(shape, 1.0 / n, device=mask.device)
+        for b, sequence in enumerate(sequences):
+            idx, logp = self.rows(split, int(sequence))
+            where = mask[b].nonzero().squeeze(-1)
+            if len(where) != len(idx):
+                raise CacheError(
+                    f"target.cache {self.path}: {split} sequence {int(sequence)} has "
+                    f"{len(idx)} cached positions, the batch {len(where)}"
+                )
+            p = logp.exp()
+            p = p / p.sum(-1, keepdim=True)
+            indices[b, where] = idx.to(mask.device)
+            probs[b, where] = p.to(mask.device)
+        return SparseTarget(indices, probs)
+
+    def depths(self, draft, batch: dict, vocab_size: int, split: str = "train"):
+        """A standalone draft's (drafts, targets, masks) with the target from the cache, as
+        `Standalone.depths` returns them with the live target. `batch["sequence"]` [B]: the
+        dataset index of each row."""
+        from specdistill.drafts.align import shifted_logits
+
+        mask = valid_rows(batch)
+        target = self.sparse_target(split, batch["sequence"].tolist(), mask)
+        return [shifted_logits(draft, batch, vocab_size)], [target], [mask]
+
+
+def open_cache(recipe, *, tokenizer, target, train_data, vocab_size: int) -> TargetCache:
+    """The recipe's `target.cache`, checked against this run before any training."""
+    cache = TargetCache(recipe.target.cache)
+    cache.check(
+        tokenizer=tokenizer,
+        target_cfg=recipe.target,
+        target=target,
+        datasets={"train": train_data},
+        vocab_size=vocab_size,
+    )
+    return cache
+
+
+# ----------------------------------------------------------------------------- command
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="specdistill cache",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--recipe", help="YAML recipe (its target and data); defaults if omitted")
+    parser.add_argument("--out", required=True, help="the cache directory to create")
+    parser.add_argument(
+        "--top-n",
+        type=int,
+        default=DEFAULT_TOP_N,
+        help=f"tokens kept per position ({DEFAULT_TOP_N})",
+    )
+    parser.add_argument(
+        "--values-dtype",
+        choices=sorted(VALUE_DTYPES),
+        default="float16",
+        help="dtype of the stored log-probabilities and remaining mass (float16)",
+    )
+    parser.add_argument(
+        "--splits", default="train,eval", help="comma-separated splits to cache (train,eval)"
+    )
+    parser.add_argument(
+        "--batch-size", type=int, help="sequences per forward (train.micro_batch_size)"
+    )
+    parser.add_argument(
+        "--shard-mb", type=float, default=DEFAULT_SHARD_BYTES / 2**20, help="MiB per shard (256)"
+    )
+    parser.add_argument("--overwrite", action="store_true", help="replace an existing --out")
+    parser.add_argument("overrides", nargs="*", help="key.sub=value recipe overrides")
+    args = parser.parse_args(argv)
+    from specdistill.train.config import load_recipe
+
+    recipe = load_recipe(args.recipe, args.overrides)
+    splits = tuple(s.strip() for s in args.splits.split(",") if s.strip())
+    unknown = [s for s in splits if s not in SPLITS]
+    if unknown or not splits:
+        raise CacheError(f"--splits takes {', '.join(SPLITS)}, got {args.splits!r}")
+    manifest = build_cache(
+        recipe,
+        args.out,
+        top_n=args.top_n,
+        values_dtype=args.values_dtype,
+        splits=splits,
+        batch_size=args.batch_size,
+        shard_bytes=int(args.shard_mb * 2**20),
+        overwrite=args.overwrite,
+        print=lambda *a: print(*a, file=sys.stderr),
+    )
+    print(
+        f"cache: {manifest['positions']} positions, top-{manifest['top_n']}, "
+        f"{manifest['total_bytes'] / 2**20:.2f} MiB, {manifest['bytes_per_token']:.1f} bytes/token "
+        f"in {args.out}"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

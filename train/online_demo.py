@@ -1,0 +1,510 @@
+"""`specdistill online demo`: serve, shift the traffic's domain, learn from it, compare with OSD.
+
+    specdistill online demo --out runs/demo                 # bounded: about 25 minutes, 2 cores
+    specdistill online demo --out runs/demo --minutes 9     # a quick run
+
+In one process, on 127.0.0.1 only:
+  1. the online job's first version, DIR/drafts/v000001, is the draft (embedded:code-draft);
+  2. the server (serve/server.py `Server`) on the embedded pair with --drafts DIR/drafts and
+     --traffic DIR/traffic;
+  3. the online job (train/online.py) in follow mode on a thread, OUT = DIR/online;
+  4. a bounded load generator: `--clients` threads of the official openai client, temperature
+     1, in three timed phases: code (prompts cut from held-out standard-library modules, the
+     domain the embedded models were trained on), prose (paragraphs of the interpreter's own
+     help topics, `pydoc_data.topics.topics`), then code again.
+At the end the clients, the server and the job are stopped; then OSD's policy (arXiv
+2310.07177: an update on every `--osd-batch` records, no replay, no hold-out gate, promote
+always, forward KL) runs one pass over the same DIR/traffic (OUT = DIR/osd), and the offline α
+(teacher-forced, temperature 1, the gate's `sequence_alpha`) of the initial draft, of the
+final `current` of each policy is measured on held-out code and prose that no request used.
+
+Writes DIR/summary.json and DIR/served_alpha.png (served α over time, the shifts and each
+promotion marked). Served α = accepted / drafted tokens of the traffic records.
+"""
+
+import argparse
+import json
+import random
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+
+PHASES = ("code", "prose", "code")
+FRACTIONS = (0.25, 0.45, 0.30)  # of the load time, per phase
+
+
+# ------------------------------------------------------------------------------ prompts
+def code_texts(max_files: int | None = None) -> list[str]:
+    """Chunks (blank-line separated blocks, merged to >= 400 chars) of held-out stdlib code."""
+    from specdistill.data.stdlib import stdlib_files
+
+    files = stdlib_files("heldout")
+    if max_files:
+        files = files[:max_files]
+    chunks = []
+    for f in files:
+        try:
+            text = f.read_text(encoding="utf-8")
+        except (UnicodeDecodeError, OSError):
+            continue
+        cur = ""
+        for block in text.split("\n\n"):
+            cur = f"{cur}\n\n{block}" if cur else block
+            if len(cur) >= 400:
+                chunks.append(cur)
+                cur = ""
+    return chunks
+
+
+def prose_texts() -> list[str]:
+    """Paragraphs (>= 200 chars) of the interpreter's help topics."""
+    from pydoc_data.topics import topics
+
+    paragraphs = []
+    for key in sorted(topics):
+        for p in topics[key].split("\n\n"):
+            p = p.strip()
+            if len(p) >= 200 and not p.startswith(" "):  # prose, not indented code samples
+                paragraphs.append(p)
+    return paragraphs
+
+
+def split_pools(texts: list[str], seed: int) -> tuple[list[str], list[str]]:
+    """(traffic, evaluation): a fixed shuffle, every third text held out for evaluation."""
+    texts = list(texts)
+    random.Random(seed).shuffle(texts)
+    return [t for i, t in enumerate(texts) if i % 3], texts[::3]
+
+
+def eval_items(texts, tokenizer, category: str, n: int, prompt_tokens: int, total_tokens: int):
+    """Teacher-forced sequences: the first `prompt_tokens` ids as prompt, the rest (up to
+    `total_tokens`) as completion; temperature 1 like the traffic."""
+    items = []
+    for i, text in enumerate(texts):
+        ids = tokenizer(text)["input_ids"][:total_tokens]
+        if len(ids) < prompt_tokens + 8:
+            continue
+        items.append(
+            {
+                "id": f"eval-{category}-{i}",
+                "prompt_token_ids": ids[:prompt_tokens],
+                "completion_token_ids": ids[prompt_tokens:],
+                "temperature": 1.0,
+                "category": category,
+            }
+        )
+        if len(items) >= n:
+            break
+    return items
+
+
+def prompt_of(text: str, tokenizer, prompt_tokens: int) -> list[int]:
+    return tokenizer(text)["input_ids"][:prompt_tokens]
+
+
+# ------------------------------------------------------------------------------ load
+def run_load(url: str, pools: dict, phase_seconds, args, events: list) -> dict:
+    """The clients: phase by phase, each client sends prompts one after another."""
+    import openai
+
+    client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=120)
+    served, failures, lock = [], [], threading.Lock()
+    counter = {"n": 0}
+
+    def worker(deadline: float, category: str, pool: list):
+        while time.monotonic() < deadline:
+            with lock:
+                n = counter["n"]
+                counter["n"] += 1
+            prompt = pool[n % len(pool)]
+            try:
+                out = client.completions.create(
+                    model="m",
+                    prompt=prompt,
+                    max_tokens=args.max_tokens,
+                    temperature=1.0,
+                    seed=n,
+                    extra_body={"metadata": {"category": category}},
+                )
+                with lock:
+                    served.append({"id": out.id, "category": category})
+            except Exception as e:  # noqa: BLE001 - counted and reported
+                with lock:
+                    failures.append(repr(e)[:300])
+
+    for phase, (category, seconds) in enumerate(zip(PHASES, phase_seconds, strict=True)):
+        events.append(
+            {"event": "phase", "phase": phase + 1, "domain": category, "time": time.time()}
+        )
+        print(f"online demo: phase {phase + 1}: {category} traffic for {seconds:.0f} s", flush=True)
+        deadline = time.monotonic() + seconds
+        threads = [
+            threading.Thread(target=worker, args=(deadline, category, pools[category]))
+            for _ in range(args.clients)
+        ]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    events.append({"event": "end", "time": time.time()})
+    return {"served": served, "failures": failures}
+
+
+# ------------------------------------------------------------------------------ results
+def served_alpha(records) -> float | None:
+    drafted = sum(r["speculative"]["num_draft_tokens"] for r in records if r.get("speculative"))
+    accepted = sum(
+        r["speculative"]["num_accepted_draft_tokens"] for r in records if r.get("speculative")
+    )
+    return accepted / drafted if drafted else None
+
+
+def phase_of(record, starts: list[float]) -> int:
+    """1-based phase by the record's time (the time it completed)."""
+    phase = 1
+    for i, s in enumerate(starts):
+        if record["time"] >= s:
+            phase = i + 1
+    return phase
+
+
+def plot(path: Path, records, starts, promotions, window: int) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    records = sorted((r for r in records if r.get("speculative")), key=lambda r: r["time"])
+    t0 = starts[0]
+    xs, ys = [], []
+    for i in range(len(records)):
+        chunk = records[max(0, i - window + 1) : i + 1]
+        xs.append((records[i]["time"] - t0) / 60)
+        ys.append(served_alpha(chunk))
+    fig, ax = plt.subplots(figsize=(10, 4.5))
+    ax.plot(xs, ys, lw=1.2, label=f"served α (rolling {window} requests)")
+    for i, s in enumerate(starts[1:], 2):
+        ax.axvline((s - t0) / 60, color="k", ls="--", lw=1)
+        ax.text((s - t0) / 60, 1.0, f" {PHASES[i - 1]}", va="top", fontsize=9)
+    for j, (t, v) in enumerate(promotions):
+        ax.axvline(
+            (t - t0) / 60,
+            color="tab:green",
+            lw=0.8,
+            alpha=0.7,
+            label="promotion" if j == 0 else None,
+        )
+        ax.text((t - t0) / 60, 0.02, v, rotation=90, fontsize=7, color="tab:green")
+    ax.set_xlabel("minutes")
+    ax.set_ylabel("accepted / drafted tokens")
+    ax.set_ylim(0, 1.02)
+    ax.set_title("specdistill online demo: served acceptance, code → prose → code")
+    ax.legend(loc="lower right", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def offline_alpha(job, model, evals: dict) -> dict:
+    from specdistill.train.online_gate import sequence_alpha
+
+    pad = job.tokenizer.pad_token_id
+    return {
+        domain: float(np.mean(sequence_alpha(job.kind, job.target, model, items, pad)))
+        if items
+        else None
+        for domain, items in evals.items()
+    }
+
+
+# ------------------------------------------------------------------------------ main
+def recipe_for(args, out: Path, policy: str):
+    from specdistill.train.config import load_recipe
+
+    common = {
+        "target.model": args.target,
+        "draft.model": args.draft,
+        "draft.type": "standalone",
+        "data.max_length": 512,
+        "train.lr": args.lr,
+        "train.seed": args.seed,
+        "online.traffic": str(out / "traffic"),
+        "online.min_refresh_records": 1,
+    }
+    if policy == "osd":
+        specific = {
+            "loss.name": "fkl",
+            "train.global_batch_size": args.osd_batch,
+            "train.micro_batch_size": args.osd_batch,
+            "online.policy": "osd",
+            "online.drafts": str(out / "osd" / "drafts"),
+            "online.output_dir": str(out / "osd"),
+            "online.follow": False,
+            "online.refresh_records": args.osd_batch,
+            "online.refresh_steps": 1,
+            "online.keep_versions": 2,
+        }
+    else:
+        specific = {
+            "loss.name": args.loss,
+            "train.global_batch_size": args.batch,
+            "train.micro_batch_size": args.batch,
+            "online.drafts": str(out / "drafts"),
+            "online.output_dir": str(out / "online"),
+            "online.follow": True,
+            "online.poll_s": 1.0,
+            "online.refresh_records": args.refresh_records,
+            "online.refresh_seconds": 1e9,
+            "online.refresh_steps": args.refresh_steps,
+            "online.holdout_size": args.holdout,
+            "online.min_holdout": min(8, args.holdout),
+            "online.recent_size": 4 * args.refresh_records,
+            "online.reservoir_size": 4 * args.refresh_records,
+            "online.min_category_samples": max(2, args.holdout // 4),
+            "online.bootstrap_samples": 500,
+            "online.watch_window": max(5, args.refresh_records // 2),
+            "online.keep_versions": 1000,
+        }
+    return load_recipe(None, [f"{k}={json.dumps(v)}" for k, v in {**common, **specific}.items()])
+
+
+def demo(args) -> dict:
+    import torch
+
+    from specdistill.serve.server import Server
+    from specdistill.serve.traffic import read_traffic
+    from specdistill.train.online import OnlineJob
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    t_start = time.time()
+    out = Path(args.out)
+    if out.exists() and any(out.iterdir()):
+        raise SystemExit(f"{out}: not empty; the demo needs a fresh directory")
+    out.mkdir(parents=True, exist_ok=True)
+    load_s = args.minutes * 60 * args.load_share
+    phase_seconds = (
+        [float(x) for x in args.phase_seconds.split(",")]
+        if args.phase_seconds
+        else [load_s * f for f in FRACTIONS]
+    )
+    if len(phase_seconds) != 3:
+        raise SystemExit("--phase-seconds needs three numbers (code, prose, code)")
+
+    log = []
+    say = lambda *a, **k: log.append(" ".join(map(str, a)))  # noqa: E731
+    job = OnlineJob(
+        recipe_for(args, out, "specdistill"), print=lambda *a, **k: (say(*a), print(*a, flush=True))
+    )
+    tok = job.tokenizer
+    code_traffic, code_eval = split_pools(code_texts(args.max_code_files), args.seed)
+    prose_traffic, prose_eval = split_pools(prose_texts(), args.seed)
+    pools = {
+        "code": [prompt_of(t, tok, args.prompt_tokens) for t in code_traffic],
+        "prose": [prompt_of(t, tok, args.prompt_tokens) for t in prose_traffic],
+    }
+    evals = {
+        "code": eval_items(
+            code_eval, tok, "code", args.eval_sequences, args.prompt_tokens, args.eval_tokens
+        ),
+        "prose": eval_items(
+            prose_eval, tok, "prose", args.eval_sequences, args.prompt_tokens, args.eval_tokens
+        ),
+    }
+    initial = job._load_version("v000001")
+    alpha_initial = offline_alpha(job, initial, evals)
+    print(f"online demo: offline α of v000001 {alpha_initial}", flush=True)
+
+    server = Server(
+        args.target,
+        drafts_root=str(out / "drafts"),
+        traffic=str(out / "traffic"),
+        gamma=args.gamma,
+        max_batch=args.clients,
+        poll_s=1.0,
+        default_max_tokens=args.max_tokens,
+    )
+    url = server.start("127.0.0.1", 0)
+    print(f"online demo: server on {url} (loopback), drafts {out / 'drafts'}", flush=True)
+    job_result, job_error = {}, []
+
+    def run_job():
+        try:
+            job_result.update(job.run(follow=True))
+        except BaseException as e:  # noqa: BLE001 - reported in the summary
+            job_error.append(repr(e))
+
+    job_thread = threading.Thread(target=run_job, name="online-job", daemon=True)
+    job_thread.start()
+    events: list = []
+    try:
+        load = run_load(url, pools, phase_seconds, args, events)
+    finally:
+        server.stop()
+        job.stop_event.set()
+        job_thread.join(timeout=max(60.0, args.minutes * 60))
+    if job_thread.is_alive():
+        job_error.append("the online job did not stop in time")
+    records = read_traffic(out / "traffic")
+    starts = [e["time"] for e in events if e["event"] == "phase"]
+
+    # served α per phase, and in the prose phase before / after its first promotion
+    decisions = (
+        [json.loads(x) for x in (out / "online" / "decisions.jsonl").read_text().splitlines()]
+        if (out / "online" / "decisions.jsonl").exists()
+        else []
+    )
+    promoted = [(d["time"], d["version"]) for d in decisions if d["decision"] == "promoted"]
+    by_phase = {p: [r for r in records if phase_of(r, starts) == p] for p in (1, 2, 3)}
+    shift_versions = {v for t, v in promoted if t >= starts[1]}
+    phase2_old = [r for r in by_phase[2] if r["draft_version"] not in shift_versions]
+    phase2_new = [r for r in by_phase[2] if r["draft_version"] in shift_versions]
+    per_version = {}
+    for r in records:
+        per_version.setdefault(r["draft_version"], []).append(r)
+
+    final = job._load_version(job.incumbent()[0])
+    alpha_final = offline_alpha(job, final, evals)
+    specdistill_summary = job_result or job.summary()
+
+    # OSD's policy, after the fact, on the same recorded traffic
+    osd_job = OnlineJob(recipe_for(args, out, "osd"), print=lambda *a, **k: None)
+    t_osd = time.time()
+    osd_result = osd_job.run(follow=False)
+    osd_seconds = time.time() - t_osd
+    osd_final = osd_job._load_version(osd_job.incumbent()[0])
+    alpha_osd = offline_alpha(job, osd_final, evals)
+
+    rollbacks_file = out / "drafts" / "rollbacks.jsonl"
+    plot(out / "served_alpha.png", records, starts, promoted, args.plot_window)
+    served = load["served"]
+    summary = {
+        "alpha_before_shift": served_alpha(by_phase[1]),
+        "alpha_after_shift": served_alpha(phase2_old),
+        "alpha_after_refresh": served_alpha(phase2_new),
+        "alpha_original_domain_after": served_alpha(by_phase[3]),
+        "served_alpha_by_phase": {
+            f"{p}_{PHASES[p - 1]}": {"alpha": served_alpha(rs), "records": len(rs)}
+            for p, rs in by_phase.items()
+        },
+        "served_alpha_by_version": {
+            v: {"alpha": served_alpha(rs), "records": len(rs)}
+            for v, rs in sorted(per_version.items())
+        },
+        "offline_alpha": {"initial": alpha_initial, "final": alpha_final},
+        "records_seen": specdistill_summary["records_seen"],
+        "records_trained": specdistill_summary["records_trained"],
+        "records_rejected": specdistill_summary["records_rejected"],
+        "refreshes": specdistill_summary["refreshes"],
+        "promotions": specdistill_summary["promotions"],
+        "rollbacks": len(rollbacks_file.read_text().splitlines()) if rollbacks_file.exists() else 0,
+        "requests_served": len(served),
+        "failed_requests": len(load["failures"]),
+        "failure_examples": load["failures"][:3],
+        "records_logged": len(records),
+        "job_errors": job_error,
+        "phases": [
+            {
+                "phase": i + 1,
+                "domain": PHASES[i],
+                "seconds": s,
+                "start": starts[i] if i < len(starts) else None,
+            }
+            for i, s in enumerate(phase_seconds)
+        ],
+        "promotion_log": [{"time": t, "version": v} for t, v in promoted],
+        "specdistill": {
+            "policy": "specdistill: replay + held-out gate, recipe loss " + args.loss,
+            "offline_alpha": alpha_final,
+            "final_version": job.incumbent()[0],
+            **{
+                k: specdistill_summary[k]
+                for k in ("records_trained", "refreshes", "promotions", "rejections")
+            },
+        },
+        "osd": {
+            "policy": f"OSD: update every {args.osd_batch} records, no replay, no gate, fkl",
+            "offline_alpha": alpha_osd,
+            "final_version": osd_job.incumbent()[0],
+            "records_trained": osd_result["records_trained"],
+            "updates": osd_result["refreshes"],
+            "seconds": osd_seconds,
+        },
+        "eval_sequences": {k: len(v) for k, v in evals.items()},
+        "settings": {k: v for k, v in vars(args).items() if k != "func"},
+        "plot": str(out / "served_alpha.png"),
+        "wall_s": time.time() - t_start,
+    }
+    (out / "summary.json").write_text(json.dumps(summary, indent=1))
+    return summary
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(
+        prog="specdistill online demo",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--out", required=True, help="a new directory (DIR)")
+    p.add_argument(
+        "--minutes", type=float, default=25.0, help="budget; the load takes --load-share of it"
+    )
+    p.add_argument("--load-share", type=float, default=0.4)
+    p.add_argument(
+        "--phase-seconds", default=None, help="code,prose,code seconds (overrides --minutes)"
+    )
+    p.add_argument("--target", default="embedded:code")
+    p.add_argument("--draft", default="embedded:code-draft")
+    p.add_argument("--clients", type=int, default=3)
+    p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--prompt-tokens", type=int, default=48)
+    p.add_argument("--gamma", type=int, default=4)
+    p.add_argument("--loss", default="lk_lambda")
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--batch", type=int, default=16)
+    p.add_argument("--refresh-records", type=int, default=64)
+    p.add_argument("--refresh-steps", type=int, default=16)
+    p.add_argument("--holdout", type=int, default=48)
+    p.add_argument("--osd-batch", type=int, default=8)
+    p.add_argument("--eval-sequences", type=int, default=64)
+    p.add_argument("--eval-tokens", type=int, default=128)
+    p.add_argument("--max-code-files", type=int, default=None)
+    p.add_argument("--plot-window", type=int, default=40)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args(argv)
+    if args.minutes <= 0 or args.minutes > 30:
+        p.error("--minutes must be in (0, 30]")
+    s = demo(args)
+    keys = (
+        "alpha_before_shift",
+        "alpha_after_shift",
+        "alpha_after_refresh",
+        "alpha_original_domain_after",
+        "records_seen",
+        "records_trained",
+        "records_rejected",
+        "promotions",
+        "rollbacks",
+        "failed_requests",
+        "requests_served",
+        "records_logged",
+    )
+    print(json.dumps({k: s[k] for k in keys}, indent=1))
+    print(
+        "offline α (code, prose): initial",
+        s["offline_alpha"]["initial"],
+        "specdistill",
+        s["specdistill"]["offline_alpha"],
+        "osd",
+        s["osd"]["offline_alpha"],
+    )
+    print(f"wrote {Path(args.out) / 'summary.json'} and {s['plot']}")
+    ok = (
+        s["failed_requests"] == 0
+        and s["records_logged"] == s["requests_served"]
+        and not s["job_errors"]
+    )
+    return 0 if ok else 1

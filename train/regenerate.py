@@ -1,0 +1,362 @@
+"""Regenerate a recipe's training answers with the target itself (self-distillation data).
+
+    specdistill regenerate --recipe recipes/code.yaml --out runs/regen --temperature 0.7
+    specdistill distill --recipe recipes/code.yaml 'data.train=runs/regen/regen-*.jsonl'
+
+A draft learns best on text its target would write. This answers each prompt of the
+recipe's `data.train` records with the target, through the project's engine
+(`eval.engine.generate`, target alone, continuously batched), at the sampling parameters
+given (recorded in the manifest):
+
+- a chat record's prompt is its messages up to the last non-assistant one; the answer
+  replaces what followed: {"messages": [...prompt, {"role": "assistant", "content": answer}]};
+- a text record's prompt is its first `--text-prompt-tokens` tokens; the record becomes
+  {"text": prompt + answer}.
+
+Output, usable as `data.train` (the glob OUT/regen-*.jsonl; not OUT itself, whose manifest
+and failures file are not records):
+
+    OUT/manifest.json             target identity, sampling, sources, counts
+    OUT/regen-000001.jsonl, ...   one record per line, each with its `prompt_hash`
+    OUT/failures.jsonl            prompts that failed every attempt (hash, error, attempts)
+
+Each record is one `os.write` of a whole line, then fsync (as serve/traffic.py's log), and
+every run opens a new shard, so a kill leaves at most a torn final line, which the next run
+cuts off before writing (and `answered` skips).
+A rerun resumes: prompts whose hash is already in a shard are not answered again; prompts
+repeated in the data are answered once. A rerun with another target or other sampling
+parameters is refused (the shards would mix two distributions).
+"""
+
+import argparse
+import hashlib
+import json
+import os
+import re
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+SHARD = re.compile(r"^regen-(\d{6})\.jsonl$")
+MANIFEST = "manifest.json"
+FAILURES = "failures.jsonl"
+
+
+class RegenerateError(ValueError):
+    """An output directory that this run cannot continue."""
+
+
+@dataclass
+class Sampling:
+    temperature: float = 0.7
+    top_p: float | None = None
+    top_k: int | None = None
+    max_new_tokens: int = 256
+    seed: int = 0
+
+
+@dataclass
+class Job:
+    """One prompt: `prompt` is the chat messages (a list) or the text prefix (a str)."""
+
+    hash: str
+    prompt: list | str
+    origin: str
+
+
+def prompt_hash(prompt: list | str) -> str:
+    return hashlib.sha256(
+        json.dumps(prompt, sort_keys=True, ensure_ascii=False).encode()
+    ).hexdigest()
+
+
+def jobs_from_records(records, tokenizer, text_prompt_tokens: int) -> tuple[list[Job], int]:
+    """(one Job per distinct prompt, in data order; duplicates dropped)."""
+    from specdistill.data.records import ChatRecord
+
+    jobs, seen, duplicates = [], set(), 0
+    for record in records:
+        if isinstance(record, ChatRecord):
+            messages = record.messages
+            last = max((i for i, m in enumerate(messages) if m["role"] != "assistant"), default=-1)
+            if last < 0:
+                continue  # nothing to answer
+            prompt = [dict(m) for m in messages[: last + 1]]
+        else:
+            ids = tokenizer(record.text, add_special_tokens=False)["input_ids"]
+            if len(ids) <= 1:
+                continue
+            prompt = tokenizer.decode(ids[:text_prompt_tokens])
+        h = prompt_hash(prompt)
+        if h in seen:
+            duplicates += 1
+            continue
+        seen.add(h)
+        jobs.append(Job(h, prompt, record.origin))
+    return jobs, duplicates
+
+
+def answered(out: Path) -> set[str]:
+    """Prompt hashes already written in OUT's shards (a torn final line skipped)."""
+    done = set()
+    for path in sorted(p for p in out.iterdir() if SHARD.match(p.name)):
+        lines = path.read_bytes().split(b"\n")
+        for raw in lines[:-1]:  # lines[-1]: after the last newline (empty, or torn)
+            if raw.strip():
+                try:
+                    done.add(json.loads(raw)["prompt_hash"])
+                except (ValueError, KeyError):
+                    continue
+    return done
+
+
+class ShardWriter:
+    """Appends whole lines to OUT/regen-NNNNNN.jsonl: one write and an fsync per record, a
+    new shard each run and past `max_records`."""
+
+    def __init__(self, out: Path, max_records: int):
+        self.out, self.max_records = out, max_records
+        existing = [int(m[1]) for p in out.iterdir() if (m := SHARD.match(p.name))]
+        self.index = max(existing, default=0)
+        for index in existing:  # a kill mid-write: cut the torn final line off
+            path = out / f"regen-{index:06d}.jsonl"
+            data = path.read_bytes()
+            if data and not data.endswith(b"\n"):
+                os.truncate(path, data.rfind(b"\n") + 1)
+        self.fd = None
+        self.count = 0
+
+    def append(self, record: dict) -> None:
+        if self.fd is None or self.count >= self.max_records:
+            self._next()
+        line = (json.dumps(record, ensure_ascii=False) + "\n").encode()
+        if os.write(self.fd, line) != len(line):
+            raise OSError(f"short write to {self.out}")
+        os.fsync(self.fd)
+        self.count += 1
+
+    def _next(self) -> None:
+        self.close()
+        self.index += 1
+        path = self.out / f"regen-{self.index:06d}.jsonl"
+        self.fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        self.count = 0
+
+    def close(self) -> None:
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
+
+
+def _record(job: Job, answer: str, n_tokens: int) -> dict:
+    if isinstance(job.prompt, list):
+        body = {"messages": [*job.prompt, {"role": "assistant", "content": answer}]}
+    else:
+        body = {"text": job.prompt + answer}
+    return {**body, "prompt_hash": job.hash, "origin": job.origin, "completion_tokens": n_tokens}
+
+
+def _encode(jobs: list[Job], tokenizer) -> list[list[int]]:
+    from specdistill.eval.prompts import Prompt, encode_prompts
+
+    prompts = [
+        Prompt(j.hash, messages=j.prompt)
+        if isinstance(j.prompt, list)
+        else Prompt(j.hash, text=j.prompt)
+        for j in jobs
+    ]
+    return encode_prompts(prompts, tokenizer)
+
+
+def regenerate(
+    recipe,
+    out: str | os.PathLike,
+    *,
+    sampling: Sampling | None = None,
+    batch_size: int = 16,
+    shard_records: int = 1000,
+    retries: int = 2,
+    text_prompt_tokens: int = 64,
+    limit: int | None = None,
+    target=None,
+    tokenizer=None,
+    generate=None,
+    print=print,
+) -> dict:
+    """Answer the recipe's prompts not yet answered in `out`; return the manifest.
+    `generate` defaults to `eval.engine.generate` (tests pass a wrapper)."""
+    from specdistill.data.sources import read_records
+    from specdistill.drafts import hub
+    from specdistill.eval import engine
+    from specdistill.publish import atomic_write_text
+    from specdistill.train.cache import target_identity
+
+    generate = generate or engine.generate
+    sampling = sampling or Sampling()
+    r = recipe
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    if tokenizer is None:
+        tokenizer = hub.load_tokenizer(r.target.model, r.target.revision)
+    if target is None:
+        target = hub.load_target(
+            r.target.model,
+            getattr(r.target, "adapter", None),
+            dtype=r.target.dtype,
+            revision=r.target.revision,
+        )
+        if hasattr(target, "to"):
+            import torch
+
+            target = target.to("cuda" if torch.cuda.is_available() else "cpu")
+    identity = target_identity(r.target, target)
+    previous = None
+    if (out / MANIFEST).is_file():
+        previous = json.loads((out / MANIFEST).read_text())
+        if previous["target"]["identity"] != identity["identity"]:
+            raise RegenerateError(
+                f"{out} holds answers of another target ({previous['target']['model']}, "
+                f"{previous['target']['identity'][:19]}…); use another --out"
+            )
+        if previous["sampling"] != asdict(sampling):
+            raise RegenerateError(
+                f"{out} was generated with sampling {previous['sampling']}, this run asks for "
+                f"{asdict(sampling)}; use the same parameters or another --out"
+            )
+    records = [x for x in read_records(list(r.data.train)) if not isinstance(x, Exception)]
+    jobs, duplicates = jobs_from_records(records, tokenizer, text_prompt_tokens)
+    if limit:
+        jobs = jobs[:limit]
+    done = answered(out)
+    todo = [j for j in jobs if j.hash not in done]
+    manifest = {
+        "format": "specdistill-regenerated",
+        "target": identity,
+        "sampling": asdict(sampling),
+        "engine": "specdistill.eval.engine.generate (target only)",
+        "sources": list(r.data.train),
+        "text_prompt_tokens": text_prompt_tokens,
+        "prompts": len(jobs),
+        "duplicates_dropped": duplicates,
+        "started": (previous or {}).get("started")
+        or time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    }
+    atomic_write_text(out / MANIFEST, json.dumps({**manifest, "complete": False}, indent=1))
+    print(f"regenerate: {len(jobs)} prompts, {len(jobs) - len(todo)} already answered")
+    eos = tokenizer.eos_token_id
+    im_end = (
+        tokenizer.convert_tokens_to_ids("<|im_end|>")
+        if "<|im_end|>" in tokenizer.get_vocab()
+        else None
+    )
+    writer = ShardWriter(out, shard_records)
+    failures: list[dict] = []
+
+    def run(batch: list[Job], seed: int) -> list:
+        gen = generate(
+            target,
+            None,
+            _encode(batch, tokenizer),
+            temperature=sampling.temperature,
+            top_p=sampling.top_p,
+            top_k=sampling.top_k,
+            max_new_tokens=sampling.max_new_tokens,
+            seed=seed,
+            batch_size=batch_size,
+            eos_token_id=eos,
+        )
+        return gen.sequences
+
+    def write(job: Job, ids: list[int]) -> None:
+        stop = [t for t in (eos, im_end) if t is not None]
+        for t in stop:  # the answer ends before the end-of-turn / end-of-text token
+            if t in ids:
+                ids = ids[: ids.index(t)]
+        writer.append(_record(job, tokenizer.decode(ids, skip_special_tokens=True), len(ids)))
+
+    try:
+        for start in range(0, len(todo), batch_size):
+            batch = todo[start : start + batch_size]
+            seed = sampling.seed + int(batch[0].hash[:8], 16)
+            try:
+                for job, ids in zip(batch, run(batch, seed), strict=True):
+                    write(job, ids)
+                continue
+            except Exception as e:  # the batch failed: each prompt on its own, with retries
+                print(f"regenerate: a batch failed ({type(e).__name__}: {e}); retrying singly")
+            for job in batch:
+                error = None
+                for attempt in range(1, retries + 2):
+                    try:
+                        (ids,) = run([job], sampling.seed + int(job.hash[:8], 16) + attempt)
+                        write(job, ids)
+                        error = None
+                        break
+                    except Exception as e:
+                        error = f"{type(e).__name__}: {e}"
+                if error is not None:
+                    failure = {
+                        "prompt_hash": job.hash,
+                        "origin": job.origin,
+                        "error": error,
+                        "attempts": retries + 1,
+                        "time": time.time(),
+                    }
+                    failures.append(failure)
+                    with open(out / FAILURES, "a") as f:
+                        f.write(json.dumps(failure) + "\n")
+    finally:
+        writer.close()
+    done = answered(out)
+    manifest.update(
+        answered=sum(j.hash in done for j in jobs),
+        failed_this_run=len(failures),
+        complete=all(j.hash in done for j in jobs),
+        finished=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    )
+    atomic_write_text(out / MANIFEST, json.dumps(manifest, indent=1))
+    print(f"regenerate: {manifest['answered']}/{len(jobs)} answered, {len(failures)} failed")
+    return manifest
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="specdistill regenerate",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--recipe", help="YAML recipe (its target and data.train)")
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--temperature", type=float, default=0.7)
+    parser.add_argument("--top-p", type=float)
+    parser.add_argument("--top-k", type=int)
+    parser.add_argument("--max-new-tokens", type=int, default=256)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--batch-size", type=int, default=16)
+    parser.add_argument("--shard-records", type=int, default=1000)
+    parser.add_argument("--retries", type=int, default=2)
+    parser.add_argument("--text-prompt-tokens", type=int, default=64)
+    parser.add_argument("--limit", type=int, help="answer the first N distinct prompts only")
+    parser.add_argument("overrides", nargs="*", help="key.sub=value recipe overrides")
+    args = parser.parse_args(argv)
+    from specdistill.train.config import load_recipe
+
+    recipe = load_recipe(args.recipe, args.overrides)
+    sampling = Sampling(args.temperature, args.top_p, args.top_k, args.max_new_tokens, args.seed)
+    regenerate(
+        recipe,
+        args.out,
+        sampling=sampling,
+        batch_size=args.batch_size,
+        shard_records=args.shard_records,
+        retries=args.retries,
+        text_prompt_tokens=args.text_prompt_tokens,
+        limit=args.limit,
+        print=lambda *a: print(*a, file=sys.stderr),
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
