@@ -92,6 +92,18 @@ def alpha_for_tau(tau: float, gamma: int) -> float:
     return (lo + hi) / 2
 
 
+def alpha_from_counts(num_spec_steps: float, num_draft_tokens: float, num_accepted: float) -> float:
+    """Per-token α from a serving engine's counters (vLLM's spec_decode metrics, summed over
+    requests): the i.i.d. α whose τ(α, γ) equals the measured mean acceptance length
+    1 + accepted / steps, at γ = drafted / steps (rounded). The engines' own
+    "draft acceptance rate", accepted / drafted, is not α: the drafts after a rejection
+    count as drafted and can never be accepted, so at γ = 4 and α = 0.73 it reads 0.48."""
+    if num_spec_steps <= 0 or num_draft_tokens <= 0:
+        raise ValueError("no speculative steps to measure")
+    gamma = max(1, round(num_draft_tokens / num_spec_steps))
+    return alpha_for_tau(1.0 + num_accepted / num_spec_steps, gamma)
+
+
 def percentiles(values: Sequence[float]) -> dict:
     """p50 / p95 / p99 / mean of the non-NaN values (NaN each when there are none)."""
     data = torch.tensor([v for v in values if not math.isnan(v)], dtype=torch.float64)

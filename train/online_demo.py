@@ -31,6 +31,8 @@ from pathlib import Path
 
 import numpy as np
 
+from specdistill.eval.stats import alpha_from_counts
+
 PHASES = ("code", "prose", "code")
 FRACTIONS = (0.25, 0.45, 0.30)  # of the load time, per phase
 
@@ -154,11 +156,14 @@ def run_load(url: str, pools: dict, phase_seconds, args, events: list) -> dict:
 
 # ------------------------------------------------------------------------------ results
 def served_alpha(records) -> float | None:
-    drafted = sum(r["speculative"]["num_draft_tokens"] for r in records if r.get("speculative"))
-    accepted = sum(
-        r["speculative"]["num_accepted_draft_tokens"] for r in records if r.get("speculative")
-    )
-    return accepted / drafted if drafted else None
+    """Per-token α of the served draft over `records` (eval.stats.alpha_from_counts), from
+    their summed speculative counters; None without speculative steps."""
+    specs = [r["speculative"] for r in records if r.get("speculative")]
+    steps = sum(s["num_spec_steps"] for s in specs)
+    drafted = sum(s["num_draft_tokens"] for s in specs)
+    if not steps or not drafted:
+        return None
+    return alpha_from_counts(steps, drafted, sum(s["num_accepted_draft_tokens"] for s in specs))
 
 
 def phase_of(record, starts: list[float]) -> int:

@@ -1,16 +1,19 @@
-"""Served α, watched: the records' own speculative statistics (draft_acceptance_rate,
-accepted / drafted tokens of the request), pooled per window of `window` records, overall
-and per category. A window whose α falls more than `drop` below the trailing level (the
+"""Served α, watched: the records' own speculative statistics (steps, drafted and accepted
+tokens), pooled per window of `window` records, overall and per category, and turned into
+per-token α (eval.stats.alpha_from_counts; the engines' accepted / drafted rate is reported
+beside it as `acceptance_rate`). A window whose α falls more than `drop` below the trailing level (the
 mean of the previous `trailing` windows) raises an alert: one line on stderr and a metric.
 """
 
 from collections import defaultdict
 
+from specdistill.eval.stats import alpha_from_counts
+
 
 class Watch:
     def __init__(self, window: int, trailing: int, drop: float):
         self.window, self.trailing, self.drop = window, trailing, drop
-        self.buffer: list[list] = []  # [accepted, drafted, category, draft_version]
+        self.buffer: list[list] = []  # [accepted, drafted, category, draft_version, steps]
         self.history: list[float] = []  # α of the last windows
         self.cat_history: dict[str, list[float]] = defaultdict(list)
         self.windows = 0
@@ -25,12 +28,16 @@ class Watch:
         if not isinstance(accepted, int | float):
             rate = spec.get("draft_acceptance_rate") or 0.0
             accepted = rate * drafted
+        steps = spec.get("num_spec_steps") or 0
+        if not isinstance(steps, int | float) or steps <= 0:
+            return None  # counters without steps: τ, hence α, is unknown
         self.buffer.append(
             [
                 float(accepted),
                 float(drafted),
                 record.get("category") or "(none)",
                 record.get("draft_version"),
+                float(steps),
             ]
         )
         if len(self.buffer) < self.window:
@@ -40,12 +47,14 @@ class Watch:
     def _close(self) -> dict:
         acc = sum(b[0] for b in self.buffer)
         drafted = sum(b[1] for b in self.buffer)
-        alpha = acc / drafted
-        cats = defaultdict(lambda: [0.0, 0.0])
-        for a, d, c, _ in self.buffer:
+        steps = sum(b[4] for b in self.buffer)
+        alpha = alpha_from_counts(steps, drafted, acc)
+        cats = defaultdict(lambda: [0.0, 0.0, 0.0])
+        for a, d, c, _, n in self.buffer:
             cats[c][0] += a
             cats[c][1] += d
-        per_cat = {c: v[0] / v[1] for c, v in sorted(cats.items())}
+            cats[c][2] += n
+        per_cat = {c: alpha_from_counts(v[2], v[1], v[0]) for c, v in sorted(cats.items())}
         versions = sorted({str(b[3]) for b in self.buffer})
         trail = self.history[-self.trailing :]
         level = sum(trail) / len(trail) if trail else None
@@ -72,6 +81,7 @@ class Watch:
             "kind": "watch",
             "window": self.windows,
             "served_alpha": alpha,
+            "acceptance_rate": acc / drafted,
             "trailing_alpha": level,
             "per_category": per_cat,
             "draft_versions": versions,

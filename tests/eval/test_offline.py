@@ -30,3 +30,16 @@ def test_tau_chain_multiplies_per_slot_alphas():
     assert tau_chain([0.8], 3) == pytest.approx(tau_iid(0.8, 3))  # the last α is reused
     assert tau_chain([0.5, 0.4], 3) == pytest.approx(1 + 0.5 + 0.5 * 0.4 + 0.5 * 0.4 * 0.4)
     assert tau_chain([0.9, 0.7], 0) == 1.0
+
+
+def test_alpha_from_serving_counters_inverts_tau():
+    """The engines' accepted / drafted rate is not α; alpha_from_counts recovers α from the
+    mean acceptance length (1 + accepted / steps) at γ = drafted / steps."""
+    from specdistill.eval.stats import alpha_from_counts, tau_iid
+
+    alpha, gamma, steps = 0.73, 4, 1000
+    accepted = (tau_iid(alpha, gamma) - 1) * steps
+    assert alpha_from_counts(steps, gamma * steps, accepted) == pytest.approx(alpha, abs=1e-6)
+    assert accepted / (gamma * steps) == pytest.approx(0.48, abs=0.01)  # the engines' rate
+    with pytest.raises(ValueError, match="no speculative steps"):
+        alpha_from_counts(0, 0, 0)

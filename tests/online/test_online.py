@@ -292,6 +292,7 @@ def test_bootstrap_interval_has_its_coverage():
 
 
 def test_watch_alerts_when_served_alpha_drops(tiny_pair, traffic_pool, tmp_path):
+    from specdistill.eval.stats import alpha_from_counts
     from specdistill.train.online_watch import Watch
 
     _, pool = traffic_pool
@@ -303,6 +304,7 @@ def test_watch_alerts_when_served_alpha_drops(tiny_pair, traffic_pool, tmp_path)
             pool[i],
             speculative=dict(
                 pool[i]["speculative"],
+                num_spec_steps=2,
                 num_draft_tokens=10,
                 num_accepted_draft_tokens=round(rate * 10),
             ),
@@ -311,7 +313,10 @@ def test_watch_alerts_when_served_alpha_drops(tiny_pair, traffic_pool, tmp_path)
         if m:
             metrics.append(m)
     assert [m["alert"] for m in metrics] == [False, False, False, False, True, True]
-    assert abs(metrics[4]["served_alpha"] - 0.2) < 1e-9 and "code" in metrics[4]["per_category"]
+    # per-token α from the window's counters (20 steps of γ=5, 20 accepted), and the rate
+    assert metrics[4]["served_alpha"] == pytest.approx(alpha_from_counts(20, 100, 20))
+    assert metrics[4]["acceptance_rate"] == pytest.approx(0.2)
+    assert "code" in metrics[4]["per_category"]
     # the job writes them to metrics.jsonl and prints the alert
     write_shard(
         tmp_path / "traffic",
@@ -321,6 +326,7 @@ def test_watch_alerts_when_served_alpha_drops(tiny_pair, traffic_pool, tmp_path)
                 r,
                 speculative=dict(
                     r["speculative"],
+                    num_spec_steps=2,
                     num_draft_tokens=10,
                     num_accepted_draft_tokens=6 if i < 40 else 1,
                 ),
