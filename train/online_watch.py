@@ -1,8 +1,9 @@
 """Served α, watched: the records' own speculative statistics (steps, drafted and accepted
 tokens), pooled per window of `window` records, overall and per category, and turned into
 per-token α (eval.stats.alpha_from_counts; the engines' accepted / drafted rate is reported
-beside it as `acceptance_rate`). A window whose α falls more than `drop` below the trailing level (the
-mean of the previous `trailing` windows) raises an alert: one line on stderr and a metric.
+beside it as `acceptance_rate`). A window whose α falls more than `drop` below the trailing
+level (the mean of the previous `trailing` windows) raises an alert: one line on stderr and
+a metric.
 """
 
 from collections import defaultdict
