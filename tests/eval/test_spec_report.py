@@ -72,6 +72,7 @@ def test_cli_writes_report(tmp_path, tokenizer, monkeypatch):
     fake.load_tokenizer = lambda name: tokenizer
     fake.load_model = lambda name, dtype: {"tiny:target": target, "tiny:draft": draft}[name]
     fake.load_draft = fake.load_model
+    fake.load_target = lambda name, adapter=None, dtype="float32": fake.load_model(name, dtype)
     fake.check_tokenizers = lambda *args: None
     monkeypatch.setitem(sys.modules, "specdistill.drafts.hub", fake)
     prompts = tmp_path / "prompts.jsonl"
