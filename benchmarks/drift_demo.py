@@ -1,17 +1,21 @@
 """Drift demo on the embedded default: fine-tune the target, watch the draft drift, repair it.
 
-    python benchmarks/drift_demo.py [--out runs/drift-demo] [--ft-steps 40] [--quick]
+    python benchmarks/drift_demo.py [--out runs/drift-demo] [--draft runs/code/final]
 
 1. Fine-tune `embedded:code` with a peft LoRA adapter for a few dozen steps on English prose
    every machine has (the values of `pydoc_data.topics.topics`, the Python docs' topic
    texts; a fifth of the topics are held out), so that the target drifts towards prose.
 2. Prompts in two categories: `code` (openings of functions in held-out standard-library
    modules, `embedded:code-heldout`) and `prose` (openings of the held-out topics).
-3. Measure the old draft (`embedded:code-draft`) before / after the fine-tune
+3. Measure the old draft (`--draft`, default `embedded:code-draft`; a distilled one such as
+   `runs/code/final` shows the drift better) before / after the fine-tune
    (eval/drift.py: α with paired bootstrap intervals per category, TV between targets).
 4. Repair (benchmarks/drift_repair.py, recipes/repair.yaml): the after-target's responses
    to separate train prompts become the data; the old draft is refit for a few steps and
-   compared with training from the draft's starting point for 10× the steps.
+   compared with training from the draft's starting point (`--start`; by default the
+   `draft.model` of the run that produced `--draft` when it is a run's `final/`, e.g.
+   `embedded:code-draft` for `runs/code/final`, else a fresh initialisation) for 10× the
+   steps.
 5. Re-measure the repaired draft on the same responses: before / after-fine-tune /
    after-repair α with intervals, written to OUT/demo.json and OUT/demo.md.
 """
@@ -120,13 +124,27 @@ def prompts_file(path: Path, code: list[str], prose: list[str]) -> Path:
     return path
 
 
-def cell(report: dict, side: str) -> dict:
-    """α at the serving temperature with its interval, overall and per category."""
-    out = {"all": [report[f"alpha_{side}"], report[f"alpha_{side}_ci"]]}
+def cell(report: dict, side: str, greedy: bool = False) -> dict:
+    """α with its interval, overall and per category: at the serving temperature, or at
+    T=0 (`greedy`)."""
+    key = f"alpha_greedy_{side}" if greedy else f"alpha_{side}"
+    out = {"all": [report[key], report[f"{key}_ci"]]}
     for name, c in report["per_category"].items():
         if not c["insufficient"]:
+            c = c["greedy"] if greedy else c
             out[name] = [c[side], c[f"{side}_ci"]]
     return out
+
+
+def default_start(draft: str) -> str | None:
+    """The starting point of the run that produced `draft` (its `draft.model`), when `draft`
+    is a run's `final/` directory next to the run's recipe.yaml; None otherwise."""
+    recipe = Path(draft).expanduser().parent / "recipe.yaml"
+    if not recipe.is_file():
+        return None
+    import yaml
+
+    return ((yaml.safe_load(recipe.read_text()) or {}).get("draft") or {}).get("model")
 
 
 def main(argv=None) -> dict:
@@ -143,6 +161,13 @@ def main(argv=None) -> dict:
     p.add_argument("--refit-steps", type=int, default=10)
     p.add_argument("--full-steps", type=int, default=100)
     p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument(
+        "--start",
+        default="auto",
+        help="the from-start baseline's starting point: a model, 'fresh' (a fresh "
+        "initialisation of the draft's architecture) or 'auto' (the draft.model of the run "
+        "that produced --draft, else fresh)",
+    )
     args = p.parse_args(argv)
     torch.set_num_threads(1)
     t0 = time.time()
@@ -191,10 +216,13 @@ def main(argv=None) -> dict:
     drift.save_responses(out / "repair_eval.jsonl", eval_prompts, responses["after"], tokenizer)
     print(f"repair data written ({time.time() - t0:.0f}s)", flush=True)
 
+    start = default_start(args.draft) if args.start == "auto" else args.start
+    start = None if start in (None, "fresh") else start
     repair = compare(
         base=args.base, adapter=str(out / "adapter"), draft=args.draft,
         train=str(out / "repair_train.jsonl"), eval=str(out / "repair_eval.jsonl"),
         out=out / "repair", refit_steps=args.refit_steps, full_steps=args.full_steps,
+        start=start,
     )  # fmt: skip
     print(f"repair done ({time.time() - t0:.0f}s)", flush=True)
 
@@ -209,13 +237,16 @@ def main(argv=None) -> dict:
         f"from start ({args.full_steps} steps)": cell(from_start, "after"),
     }
     greedy = {
-        "before": report["alpha_greedy_before"],
-        "after fine-tune": report["alpha_greedy_after"],
-        "after repair": after_repair["alpha_greedy_after"],
-        "from start": from_start["alpha_greedy_after"],
+        "before (old draft, old target)": cell(report, "before", greedy=True),
+        "after fine-tune (old draft, new target)": cell(report, "after", greedy=True),
+        f"after repair ({args.refit_steps} steps)": cell(after_repair, "after", greedy=True),
+        f"from start ({args.full_steps} steps)": cell(from_start, "after", greedy=True),
     }
     gap = report["alpha_before"] - report["alpha_after"]
     result = {
+        "draft": args.draft,
+        "start": start or "fresh",
+        "settings": vars(args),
         "fine_tune": ft,
         "alpha": table,
         "alpha_greedy": greedy,
@@ -226,17 +257,22 @@ def main(argv=None) -> dict:
         "repair_recovered_vs_before": (after_repair["alpha_after"] - report["alpha_after"]) / gap
         if gap > 0
         else None,
+        "verdict_after_repair": after_repair["verdict"],
+        "from_start_vs_before": from_start["alpha_after"] - report["alpha_before"],
         "repair_benchmark": {k: v for k, v in repair.items() if k not in ("refit", "from_start")},
         "refit_curve": repair["refit"]["curve"],
         "from_start_curve": repair["from_start"]["curve"],
         "seconds": time.time() - t0,
     }
     (out / "demo.json").write_text(json.dumps(result, indent=1))
-    lines = ["| | all | code | prose |", "|---|---|---|---|"]
-    for name, cells in table.items():
-        row = [f"{v[0]:.4f} [{v[1][0]:.4f}, {v[1][1]:.4f}]" if v else "n/a"
-               for v in (cells.get("all"), cells.get("code"), cells.get("prose"))]  # fmt: skip
-        lines.append(f"| {name} | " + " | ".join(row) + " |")
+    lines = []
+    for title, rows in ((f"α at T={args.temperature:g}", table), ("α at T=0", greedy)):
+        lines += ["", f"{title}:", "", "| | all | code | prose |", "|---|---|---|---|"]
+        for name, cells in rows.items():
+            row = [f"{v[0]:.4f} [{v[1][0]:.4f}, {v[1][1]:.4f}]" if v else "n/a"
+                   for v in (cells.get("all"), cells.get("code"), cells.get("prose"))]  # fmt: skip
+            lines.append(f"| {name} | " + " | ".join(row) + " |")
+    lines = lines[1:]
     (out / "demo.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     print(json.dumps({k: v for k, v in result.items() if k not in ("alpha", "refit_curve",

@@ -302,7 +302,8 @@ def summarise(
     for name, cell in cats.items():
         if not cell["insufficient"]:
             cell["greedy"] = {
-                key: cats_0[name][key] for key in ("before", "after", "drop", "drop_ci")
+                key: cats_0[name][key]
+                for key in ("before", "after", "drop", "before_ci", "after_ci", "drop_ci")
             }
     lo, hi = serving["drop_ci"]
     refit = bool(lo > threshold)
@@ -331,6 +332,8 @@ def summarise(
         "alpha_greedy_after": greedy["after"],
         "alpha_greedy_drop": greedy["drop"],
         "alpha_greedy_drop_ci": greedy["drop_ci"],
+        "alpha_greedy_before_ci": greedy["before_ci"],
+        "alpha_greedy_after_ci": greedy["after_ci"],
         "alpha_before_on_after_text": _ratio(cross[:, 0][:, [0, 2]]),
         "alpha_greedy_before_on_after_text": _ratio(cross[:, 0][:, [1, 2]]),
         "target_tv": float(tv[:, 0].sum() / n_pos) if n_pos else math.nan,

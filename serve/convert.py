@@ -409,6 +409,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--target", required=True, help="the model the engine served")
     parser.add_argument("--out", required=True, help="traffic directory to append to")
     parser.add_argument(
+        "--target-adapter",
+        default=None,
+        help="the peft LoRA adapter the engine served on --target (its files enter the "
+        "identity, as with `specdistill serve --target-adapter`)",
+    )
+    parser.add_argument(
         "--target-identity",
         default=None,
         help="the identity the online job expects (a record's target.identity from "
@@ -421,8 +427,9 @@ def main(argv: list[str] | None = None) -> int:
 
     inputs = _inputs(Path(args.input))
     tokenizer = load_tokenizer(args.target)
-    identity = args.target_identity or model_identity(args.target)
-    target = {"name": args.target, "identity": identity}
+    identity = args.target_identity or model_identity(args.target, adapter=args.target_adapter)
+    name = f"{args.target}+{args.target_adapter}" if args.target_adapter else args.target
+    target = {"name": name, "identity": identity}
     result = convert(args.source, inputs, tokenizer, target, Path(args.out))
     reasons = ", ".join(f"{k}: {v}" for k, v in result["rejected"].items()) or "none"
     print(f"converted {result['converted']} records into {args.out}; rejected: {reasons}")

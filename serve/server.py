@@ -3,6 +3,8 @@
     specdistill serve --target embedded:code --draft embedded:code-draft --port 8000
     specdistill serve --target Qwen/Qwen2.5-7B-Instruct --drafts runs/published --traffic logs/
     specdistill serve --target embedded:code --draft none        # the target alone (baseline)
+    specdistill serve --target embedded:code --target-adapter runs/drift-demo/adapter \\
+        --draft runs/drift-demo/repair/refit/final      # a fine-tuned target: base + LoRA, unmerged
 
 Endpoints: POST /v1/completions, POST /v1/chat/completions (stream, logprobs, stop, seed),
 GET /v1/models, GET /health, GET /metrics (Prometheus). One engine thread owns the models
@@ -49,10 +51,11 @@ class Server:
         model_name: str | None = None,
         default_max_tokens: int = 16,
         shard_bytes: int | None = None,
+        target_adapter: str | None = None,
     ):
         import torch
 
-        from specdistill.drafts.hub import load_model, load_tokenizer
+        from specdistill.drafts.hub import load_target, load_tokenizer
         from specdistill.serve.app import AppState, ServerConfig, build_app
         from specdistill.serve.drafts import DraftWatcher, load_checked
         from specdistill.serve.traffic import DEFAULT_SHARD_BYTES, TrafficLog, model_identity
@@ -68,8 +71,11 @@ class Server:
             raise ValueError(f"--log-top-logprobs must be in [0, 20], got {log_top_logprobs}")
         device = device or ("cuda" if torch.cuda.is_available() else "cpu")
         self.tokenizer = load_tokenizer(target)
-        self.target = load_model(target, dtype=dtype).to(device).eval()
-        identity = model_identity(target, self.target)
+        # A peft adapter stays unmerged (drafts.hub.load_target); the identity the traffic
+        # records carry covers its files, so the online job refuses records of another adapter
+        # or of the bare base.
+        self.target = load_target(target, target_adapter, dtype=dtype).to(device).eval()
+        identity = model_identity(target, self.target, target_adapter)
         self.watcher = None
         version = None
         draft_model = None
@@ -104,7 +110,7 @@ class Server:
         self.traffic = TrafficLog(traffic, shard_bytes or DEFAULT_SHARD_BYTES) if traffic else None
         config = ServerConfig(
             model_name=model_name or target,
-            target_name=target,
+            target_name=target if not target_adapter else f"{target}+{target_adapter}",
             target_identity=identity,
             default_max_tokens=default_max_tokens,
             log_top_logprobs=log_top_logprobs if traffic else 0,
@@ -177,6 +183,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--target", required=True, help="HF id, local dir or embedded:<name>")
+    parser.add_argument(
+        "--target-adapter",
+        default=None,
+        help="a peft LoRA adapter directory put on the target, unmerged (the target identity "
+        "in the traffic log covers its files)",
+    )
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--draft", help="draft dir / HF id / embedded:<name>, or 'none'")
     source.add_argument("--drafts", help="a published root: ROOT/vNNNNNN/ + ROOT/current")
@@ -220,6 +232,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         model_name=args.served_model_name,
         default_max_tokens=args.max_tokens,
         shard_bytes=int(args.traffic_shard_mb * 1024 * 1024),
+        target_adapter=args.target_adapter,
     )
     server.serve(args.host, args.port)
     return 0

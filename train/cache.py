@@ -83,10 +83,8 @@ def target_identity(target_cfg, model=None) -> dict:
     sha256 of config and weights), adapter (when the recipe has `target.adapter`), dtype."""
     from specdistill.serve.traffic import model_identity
 
-    identity = model_identity(target_cfg.model, model)
     adapter = getattr(target_cfg, "adapter", None)
-    if adapter:
-        identity += "+adapter:" + model_identity(adapter)
+    identity = model_identity(target_cfg.model, model, adapter)  # the adapter's files too
     return {
         "model": target_cfg.model,
         "revision": target_cfg.revision,

@@ -110,10 +110,13 @@ class OnlineJob:
         self.tokenizer = hub.load_tokenizer(r.target.model, r.target.revision)
         if self.tokenizer.pad_token_id is None:
             self.tokenizer.pad_token = self.tokenizer.eos_token
-        self.target = hub.load_model(
-            r.target.model, dtype=r.target.dtype, revision=r.target.revision
+        # The recipe's target.adapter (a fine-tuned target, unmerged) is part of the target:
+        # the identity covers its files, as the server's does (`specdistill serve
+        # --target-adapter`), so records of the bare base or of another adapter are refused.
+        self.target = hub.load_target(
+            r.target.model, r.target.adapter, dtype=r.target.dtype, revision=r.target.revision
         )
-        self.identity = model_identity(r.target.model, self.target)
+        self.identity = model_identity(r.target.model, self.target, r.target.adapter)
         self.vocab_size = len(self.tokenizer)
         draft, kind = drafts.build(
             r.draft, self.target, self.tokenizer, None, print=lambda *a: None

@@ -130,3 +130,13 @@ def online_recipe(tiny_pair, tmp: Path, **online):
         **{f"online.{k}": v for k, v in online.items()},
     }
     return load_recipe(None, [f"{k}={json.dumps(v)}" for k, v in overrides.items()])
+
+
+@pytest.fixture(scope="session")
+def tiny_adapter(tiny_pair, tmp_path_factory):
+    """A peft LoRA adapter on the tiny target (a "fine-tune" of it), built with peft here."""
+    from tests.train.conftest import make_lora_adapter
+
+    return make_lora_adapter(
+        tiny_pair[0], tmp_path_factory.mktemp("tiny_adapter") / "adapter", scale=3.0
+    )

@@ -68,3 +68,13 @@ def client(server):
     import openai
 
     return openai.OpenAI(base_url=server[0] + "/v1", api_key="none", max_retries=0, timeout=60)
+
+
+@pytest.fixture(scope="session")
+def tiny_adapter(tiny_pair, tmp_path_factory):
+    """A peft LoRA adapter on the tiny target (a "fine-tune" of it), built with peft here."""
+    from tests.train.conftest import make_lora_adapter
+
+    return make_lora_adapter(
+        tiny_pair[0], tmp_path_factory.mktemp("tiny_adapter") / "adapter", scale=3.0
+    )

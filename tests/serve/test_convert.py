@@ -184,3 +184,16 @@ def test_cli_converts_and_reports(target, tmp_path, capsys):
                 str(tmp_path / "t"),
             ]
         )
+
+
+def test_cli_target_adapter_enters_the_identity(target, tiny_adapter, tmp_path):
+    """--target-adapter: the records carry base + adapter's identity, as the server's."""
+    path, tokenizer, _ = target
+    source = tmp_path / "proxy.jsonl"
+    source.write_text(json.dumps(vllm_lines(tokenizer)[0]) + "\n")
+    out = tmp_path / "t"
+    args = ["--from", "vllm", "--input", str(source), "--target", path, "--out", str(out)]
+    assert main([*args, "--target-adapter", str(tiny_adapter)]) == 0
+    (record,) = read_traffic(out)
+    assert record["target"]["identity"] == model_identity(path, adapter=str(tiny_adapter))
+    assert record["target"]["identity"] != model_identity(path)

@@ -81,3 +81,26 @@ def other_tokenizer_draft(tmp_path_factory):
     model.save_pretrained(root)
     tokenizer.save_pretrained(root)
     return root
+
+
+def make_lora_adapter(base_dir, out_dir, *, scale: float = 1.0, seed: int = 0):
+    """A random, non-trivially initialised peft LoRA adapter on the model at `base_dir`
+    (attention, MLP and lm_head), saved unmerged at `out_dir`; B scaled by `scale`."""
+    from peft import LoraConfig, get_peft_model
+
+    base = LlamaForCausalLM.from_pretrained(base_dir)
+    base.name_or_path = str(base_dir)  # recorded as base_model_name_or_path
+    torch.manual_seed(seed)
+    modules = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    config = LoraConfig(
+        r=4, lora_alpha=8, target_modules=modules + ["lm_head"], init_lora_weights=False
+    )
+    model = get_peft_model(base, config)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_B" in name:
+                param.normal_(0.0, 0.1).mul_(scale)
+            elif "lora_A" in name:
+                param.normal_(0.0, 0.1)
+    model.save_pretrained(out_dir)
+    return out_dir
