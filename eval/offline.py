@@ -4,13 +4,22 @@
 at temperature 0 it is argmax agreement. The predicted accepted length per round for a
 draft of γ tokens, with i.i.d. acceptance α, is τ(γ) = (1 − α^(γ+1)) / (1 − α),
 bonus token included, so τ ∈ [1, γ + 1] (`eval.stats.tau_iid`; per depth `tau_chain`).
+
+That model misses the measured τ (issue 15): real rounds start right after a rejection, at
+positions harder than average. `held_out_texts` has the target continue a few held-out
+prompts once per run; `tau_rounds_pred` replays rounds with their real boundaries along them
+(`eval.stats.tau_rounds`) for the current draft. `summarise(..., tau_rounds=...)` reports
+that as tau_pred and keeps the i.i.d. / chained value as tau_pred_iid.
 """
 
 from collections.abc import Iterable
 
 import torch
 
+from specdistill import drafts as draft_types
 from specdistill import losses
+from specdistill.eval import stats
+from specdistill.eval.engine import generate
 from specdistill.eval.stats import tau_chain, tau_iid
 
 
@@ -39,12 +48,19 @@ def acceptance_sums(
     return sums
 
 
-def summarise(sums: torch.Tensor, *, temperature: float, max_gamma: int) -> dict:
+def summarise(
+    sums: torch.Tensor,
+    *,
+    temperature: float,
+    max_gamma: int,
+    tau_rounds: dict[int, float] | None = None,
+) -> dict:
     """Turn `acceptance_sums` (possibly all-reduced; [3] or [K, 3]) into the reported metrics.
 
-    One depth: tau_pred is the i.i.d. formula. K depths (EAGLE-3 TTT): `alpha_depth` lists
-    the teacher-forced α of each depth and tau_pred chains them (docs/theory.md §1), the last
-    depth's α standing in for deeper drafts.
+    One depth: the i.i.d. formula on the mean α. K depths (EAGLE-3 TTT): `alpha_depth` lists
+    the teacher-forced α of each depth and they are chained (docs/theory.md §1), the last
+    depth's α standing in for deeper drafts. That value is tau_pred_iid; tau_pred is
+    `tau_rounds` ({γ: τ} from `tau_rounds_pred`) when given, else the same i.i.d. value.
     """
     sums = sums.reshape(-1, 3)
     n = int(sums[0, 2].item())
@@ -64,4 +80,73 @@ def summarise(sums: torch.Tensor, *, temperature: float, max_gamma: int) -> dict
         result["alpha_depth"] = per_depth
         result["alpha_greedy_depth"] = [float(s[1] / s[2]) if s[2] > 0 else 0.0 for s in sums]
         result["tau_pred"] = {g: tau_chain(per_depth, g) for g in range(1, max_gamma + 1)}
+    result["tau_pred_iid"] = dict(result["tau_pred"])
+    if tau_rounds:
+        result["tau_pred"] = {
+            g: tau_rounds.get(g, result["tau_pred"][g]) for g in result["tau_pred"]
+        }
+    return result
+
+
+@torch.no_grad()
+def held_out_texts(
+    target,
+    prompts: list[list[int]],
+    *,
+    temperature: float,
+    max_new_tokens: int,
+    seed: int = 0,
+    top_p: float | None = None,
+    top_k: int | None = None,
+) -> list[list[int]]:
+    """The target's own continuations of `prompts` (greedy at T = 0, sampled at T > 0),
+    generated once per run: the text `tau_rounds_pred` replays rounds along. No EOS stop,
+    so every text has max_new_tokens tokens."""
+    out = generate(
+        target,
+        None,
+        prompts,
+        temperature=temperature,
+        top_p=top_p,
+        top_k=top_k,
+        max_new_tokens=max_new_tokens,
+        seed=seed,
+    )
+    return out.sequences
+
+
+def tau_rounds_pred(
+    target,
+    draft,
+    prompts: list[list[int]],
+    outputs: list[list[int]],
+    *,
+    temperature: float,
+    max_gamma: int,
+    top_p: float | None = None,
+    top_k: int | None = None,
+) -> dict[int, float]:
+    """{γ: τ} for γ = 1..max_gamma with the real round boundaries (`stats.tau_rounds`),
+    pooled over the texts as the engine pools rounds, from the draft's offline α along the
+    target's texts (`held_out_texts`). Pass the bare models (no DDP wrapper). γ whose texts
+    are too short for one uncapped round (max_new_tokens ≤ γ + 1) are left out."""
+    per_depth = draft_types.type_of(draft).per_depth_alpha
+    alphas = [
+        stats.positional_alpha(
+            target,
+            draft,
+            p,
+            o,
+            temperature=temperature,
+            top_p=top_p,
+            top_k=top_k,
+            depth=max_gamma if per_depth else 1,
+        )
+        for p, o in zip(prompts, outputs, strict=True)
+    ]
+    result = {}
+    for g in range(1, max_gamma + 1):
+        tau = stats.tau_rounds_pooled(alphas, g)
+        if tau == tau:  # not NaN
+            result[g] = tau
     return result

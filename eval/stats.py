@@ -3,7 +3,9 @@
 The τ formulas (tokens committed per round, bonus or correction token included, so
 τ ∈ [1, γ + 1]): `tau_iid` for one acceptance α at every slot, `tau_chain` for per-slot
 acceptances α_i. Measured: `acceptance_stats` over an engine run's rounds. Predicted along
-the generated text: `positional_alpha` (offline α, `losses.acceptance`) and `pathwise_tau`.
+the generated text: `positional_alpha` (offline α, `losses.acceptance`), `pathwise_tau` (at
+the measured rounds' starts) and `tau_rounds` (the rounds replayed with their own boundaries,
+no engine run needed: what training reports as tau_pred).
 The speedup model (Leviathan et al. 2023, Thm 3.8): `speedup_model`, `best_gamma_model`,
 with the cost ratios `cost_ratios` measures.
 """
@@ -208,3 +210,92 @@ def pathwise_tau(rounds: Sequence[Round], alphas: Sequence) -> float:
             total += tau_chain(slots, r.gamma)
             count += 1
     return total / count
+
+
+# ----------------------------------------------------------------------------- round boundaries
+
+
+def _per_depth(alphas) -> bool:
+    return bool(alphas) and isinstance(alphas[0], Sequence | torch.Tensor)
+
+
+def round_counts(alphas, gamma: int, *, first: int | None = None) -> tuple[float, float]:
+    """(expected tokens, expected rounds) of γ-draft rounds along one text, counted as
+    `acceptance_stats` counts them (docs/theory.md §1, "Round boundaries").
+
+    alphas: offline α along a text of L tokens, as `positional_alpha` returns them:
+    standalone draft: L + 1 floats, alphas[j] the α of the draft token predicting output[j];
+    EAGLE-3 head: ≥ γ lists of L + 1 floats, alphas[k][s] the α of the k-th draft of a round
+    starting at s. first: the first round's start (default 0 standalone, 1 per depth: an
+    EAGLE-3 head's first token comes from the target's prefill).
+
+    A round starting at s accepts n < γ drafts with probability Π_{i<n} α_{s+i}·(1 − α_{s+n})
+    (per depth: Π_{k<n} α[k][s]·(1 − α[n][s])) and all γ with Π_{i<γ} α_{s+i}; it commits n + 1
+    tokens and the next round starts at s + n + 1. Only rounds with s + γ + 1 ≤ L count:
+    `generate` shortens γ for the rest (they need fewer than γ + 1 tokens) and
+    `acceptance_stats` excludes those capped rounds; once a round is capped every later one
+    is, so the counted rounds are those before the first start past L − γ − 1. Dynamic
+    program from the end: N(s) = 1 + Σ_n P(n|s)·N(s+n+1), T(s) = Σ_n P(n|s)·(n + 1 + T(s+n+1)),
+    N = T = 0 past the last counted start. At temperature 0 (α ∈ {0, 1}) it replays the
+    engine's rounds exactly (batch size 1); at T > 0 the α are measured on the target's text,
+    not on the accepted drafts (min(p, q)/α), so it is a model.
+    """
+    if gamma < 1:
+        raise ValueError(f"gamma must be ≥ 1, got {gamma}")
+    per_depth = _per_depth(alphas)
+    if per_depth:
+        if len(alphas) < gamma:
+            raise ValueError(
+                f"per-depth alphas have {len(alphas)} depths, γ = {gamma} needs {gamma}"
+            )
+        rows = [[float(a) for a in depth] for depth in alphas[:gamma]]
+        length = len(rows[0]) - 1
+        first = 1 if first is None else first
+
+        def slot(s: int, i: int) -> float:
+            return rows[i][s]
+
+    else:
+        row = [float(a) for a in alphas]
+        length = len(row) - 1
+        first = 0 if first is None else first
+
+        def slot(s: int, i: int) -> float:
+            return row[s + i]
+
+    last = length - gamma - 1  # the last start whose round is not capped
+    if last < first:
+        return 0.0, 0.0
+    # tokens[s], rounds[s] for s in first..last; starts past `last` contribute nothing.
+    tokens = [0.0] * (length + 2)
+    rounds = [0.0] * (length + 2)
+    for s in range(last, first - 1, -1):
+        run, t, r = 1.0, 0.0, 1.0
+        for n in range(gamma + 1):
+            a = slot(s, n) if n < gamma else 0.0  # all γ accepted: no rejection term
+            p = run * (1.0 - a) if n < gamma else run
+            if p:
+                nxt = s + n + 1
+                t += p * (n + 1 + tokens[nxt])
+                r += p * rounds[nxt]
+            if n < gamma:
+                run *= a
+        tokens[s], rounds[s] = t, r
+    return tokens[first], rounds[first]
+
+
+def tau_rounds(alphas, gamma: int, *, first: int | None = None) -> float:
+    """τ along one text with the real round boundaries: E[tokens] / E[rounds] of
+    `round_counts` (NaN when the text is too short for one uncapped round)."""
+    t, r = round_counts(alphas, gamma, first=first)
+    return t / r if r else math.nan
+
+
+def tau_rounds_pooled(texts: Sequence, gamma: int, *, first: int | None = None) -> float:
+    """τ over several texts, pooled as `acceptance_stats` pools rounds: Σ E[tokens] / Σ
+    E[rounds] (each text's alphas as `round_counts` takes them)."""
+    t = r = 0.0
+    for alphas in texts:
+        dt, dr = round_counts(alphas, gamma, first=first)
+        t, r = t + dt, r + dr
+    return t / r if r else math.nan

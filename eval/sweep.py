@@ -3,10 +3,11 @@
 Per temperature, the target alone decodes every prompt (the baseline), then the draft +
 target decode them at each γ (and with adaptive γ, `Settings.adaptive`). For each
 configuration the result holds measured τ, τ predicted from offline α on the same prompts
-and generated text (i.i.d., and pathwise), per-slot conditional acceptance, where
-rejections fall, draft / verify time, tokens/s for speculative and target-only decoding,
-the speedup, the ideal speedup and engine efficiency, TTFT and per-token latency
-percentiles, and per temperature the best γ.
+and generated text (i.i.d., pathwise at the measured round starts, and with the round
+boundaries replayed: `stats.tau_rounds`, the model training reports), per-slot conditional
+acceptance, where rejections fall, draft / verify time, tokens/s for speculative and
+target-only decoding, the speedup, the ideal speedup and engine efficiency, TTFT and
+per-token latency percentiles, and per temperature the best γ.
 
 `python eval/speculative.py` writes it as a report (eval/report.py); the trainer's periodic
 evaluation (`eval.speculative.every`) logs τ, speedup and the best γ from it.
@@ -43,8 +44,9 @@ def sweep(
 
     result: "settings", "tau_tolerance", "baselines" {temperature: decode stats},
     "configs" [one entry per (temperature, γ)], "best_gamma" {temperature: {"measured",
-    "speedup", "predicted"}} (temperatures as f"{T:g}"). Models are switched to eval mode
-    for the runs and restored; pass the bare models (not DDP / accelerate wrappers).
+    "speedup", "predicted", "predicted_rounds"}} (temperatures as f"{T:g}"). Models are
+    switched to eval mode for the runs and restored; pass the bare models (not DDP /
+    accelerate wrappers).
     """
     # Warm-up, so that the first timed run does not pay for lazy initialisation.
     warm = dict(max_new_tokens=4, temperature=0.0)
@@ -78,10 +80,22 @@ def sweep(
             if entry["gamma"] != "adaptive":
                 fixed.append(entry)
         best = max(fixed, key=lambda e: e["tokens_per_s"])
+        # Among the swept γ, the one the round-boundary τ and the measured c predict fastest.
+        priced = [
+            e
+            for e in fixed
+            if not math.isnan(e["tau_pred_rounds"]) and not math.isnan(e["cost_ratio_c"])
+        ]
+        rounds_best = (
+            max(priced, key=lambda e: e["tau_pred_rounds"] / (e["gamma"] * e["cost_ratio_c"] + 1))
+            if priced
+            else None
+        )
         result.setdefault("best_gamma", {})[f"{temperature:g}"] = {
             "measured": best["gamma"],
             "speedup": best["speedup"],
             "predicted": best["best_gamma_predicted"],
+            "predicted_rounds": None if rounds_best is None else rounds_best["gamma"],
         }
     return result, runs
 
@@ -162,12 +176,13 @@ def _config(target, draft, prompt_ids, settings: Settings, temperature: float, g
         )
         alpha_depth = None
         tau_pred = _mean(stats.tau_iid(alpha, gm) for gm in used)
+    adaptive = isinstance(gamma, AdaptiveGamma)
+    tau_rounds = math.nan if adaptive else stats.tau_rounds_pooled(alphas, gamma)
     c, v = stats.cost_ratios(g.rounds, baseline.rounds)
     mean_gamma = measured["mean_gamma"]
     ideal = measured["tau"] / (mean_gamma * c + 1.0)
     speedup = g.tokens_per_s / baseline.tokens_per_s
     draft_s = sum(r.draft_s for r in g.rounds)
-    adaptive = isinstance(gamma, AdaptiveGamma)
     entry = {
         "name": f"T={temperature:g} " + ("adaptive" if adaptive else f"gamma={gamma}"),
         "temperature": temperature,
@@ -175,6 +190,11 @@ def _config(target, draft, prompt_ids, settings: Settings, temperature: float, g
         "tau": measured["tau"],
         "tau_pred": tau_pred,
         "tau_pred_pathwise": stats.pathwise_tau(g.rounds, alphas),
+        # Round boundaries replayed along the text, without the measured round starts
+        # (`stats.tau_rounds`; fixed γ only; exact at T=0 with batch size 1 and no EOS stop).
+        "tau_pred_rounds": tau_rounds,
+        "tau_pred_rounds_error": (tau_rounds - measured["tau"]) / measured["tau"],
+        "tau_pred_iid_error": (tau_pred - measured["tau"]) / measured["tau"],
         "tau_gap": (measured["tau"] - tau_pred) / tau_pred,
         "tau_within_tolerance": abs(measured["tau"] - tau_pred) <= TAU_TOLERANCE * tau_pred,
         "alpha_offline": alpha,

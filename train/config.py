@@ -131,6 +131,12 @@ class EvalConfig:
     temperature: float = 1.0
     max_sequences: int = 64  # held-out sequences per evaluation
     max_gamma: int = 8  # tau_pred is reported for gamma = 1..max_gamma
+    # tau_pred replays rounds along the target's own continuations of tau_prompts held-out
+    # prompts (their first tau_prompt_tokens tokens), tau_tokens each, generated once per run
+    # (eval/offline.py); 0 prompts: tau_pred is the i.i.d. formula (also tau_pred_iid).
+    tau_prompts: int = 8
+    tau_prompt_tokens: int = 32
+    tau_tokens: int = 64
     speculative: SpeculativeEvalConfig = field(default_factory=SpeculativeEvalConfig)
 
 
@@ -358,6 +364,12 @@ def validate(recipe: Recipe, explicit: set[str] = frozenset()) -> None:
         (e.temperature >= 0, f"eval.temperature must be >= 0, got {e.temperature}"),
         (e.max_sequences >= 1, f"eval.max_sequences must be >= 1, got {e.max_sequences}"),
         (e.max_gamma >= 1, f"eval.max_gamma must be >= 1, got {e.max_gamma}"),
+        (e.tau_prompts >= 0, f"eval.tau_prompts must be >= 0, got {e.tau_prompts}"),
+        (
+            e.tau_prompt_tokens >= 1,
+            f"eval.tau_prompt_tokens must be >= 1, got {e.tau_prompt_tokens}",
+        ),
+        (e.tau_tokens >= 2, f"eval.tau_tokens must be >= 2, got {e.tau_tokens}"),
         (
             e.speculative.every >= 0,
             f"eval.speculative.every must be >= 0, got {e.speculative.every}",

@@ -33,7 +33,7 @@ from specdistill.data import build_datasets, collate
 from specdistill.drafts import hub as models
 from specdistill.drafts.align import shifted_hidden, target_mask
 from specdistill.drafts.embedded import resolve_model
-from specdistill.eval.offline import acceptance_sums, summarise
+from specdistill.eval.offline import acceptance_sums, held_out_texts, summarise, tau_rounds_pred
 from specdistill.publish import atomic_write_text, publish_dir
 from specdistill.train.config import (
     Recipe,
@@ -102,6 +102,7 @@ class Trainer:
         self.history: list[dict] = []
         self._perms: dict[int, torch.Tensor] = {}
         self._wandb = None
+        self._tau_texts: tuple[list, list] | None = None  # (prompts, target's outputs)
         self.cache = cache  # a train.cache.TargetCache (target.cache), or None: the live target
         if plan.finished is not None:
             return  # nothing to train: run() reports the stored result
@@ -332,9 +333,57 @@ class Trainer:
         sums = acceptance_sums(
             self.kind, self.target, self.draft, self.eval_batches(), temperature=e.temperature
         )
+        tau = None
+        if e.tau_prompts > 0:
+            prompts, outputs = self.tau_texts()
+            tau = tau_rounds_pred(
+                self.target,
+                acc.unwrap_model(self.draft),
+                prompts,
+                outputs,
+                temperature=e.temperature,
+                max_gamma=e.max_gamma,
+            )
         self.draft.train()
         sums = acc.reduce(sums.to(acc.device), "sum").cpu()
-        return summarise(sums, temperature=e.temperature, max_gamma=e.max_gamma)
+        return summarise(sums, temperature=e.temperature, max_gamma=e.max_gamma, tau_rounds=tau)
+
+    TAU_TEXTS = "tau_texts.json"
+
+    def tau_texts(self) -> tuple[list[list[int]], list[list[int]]]:
+        """The target's continuations of the first eval.tau_prompts held-out sequences (cut
+        to eval.tau_prompt_tokens), eval.tau_tokens each, at eval.temperature: generated once
+        per run, kept in memory and in OUT/tau_texts.json for a resumed run. Every process
+        computes the same texts (one seed); the main process writes the file."""
+        if self._tau_texts is not None:
+            return self._tau_texts
+        e = self.recipe.eval
+        n = min(e.tau_prompts, len(self.eval_data))
+        prompts = [self.eval_data[i]["input_ids"][: e.tau_prompt_tokens].tolist() for i in range(n)]
+        settings = {
+            "target": recipe_to_dict(self.recipe)["target"],
+            "temperature": e.temperature,
+            "tau_tokens": e.tau_tokens,
+            "seed": self.recipe.train.seed,
+        }
+        settings = json.loads(json.dumps(settings))  # as it reads back from the file
+        path = self.out / self.TAU_TEXTS
+        stored = json.loads(path.read_text()) if path.is_file() else None
+        if stored and stored.get("settings") == settings and stored.get("prompts") == prompts:
+            outputs = stored["outputs"]
+        else:
+            outputs = held_out_texts(
+                self.target,
+                prompts,
+                temperature=e.temperature,
+                max_new_tokens=e.tau_tokens,
+                seed=self.recipe.train.seed,
+            )
+            if self.accelerator.is_main_process:
+                record = {"settings": settings, "prompts": prompts, "outputs": outputs}
+                atomic_write_text(path, json.dumps(record))
+        self._tau_texts = (prompts, outputs)
+        return self._tau_texts
 
     def speculative_eval(self) -> dict | None:
         """Real speculative decoding (eval/sweep.py) on held-out prompts, main process only:
@@ -515,8 +564,8 @@ class Trainer:
     def _eval_record(self, metrics: dict) -> dict:
         record = {"step": self.step}
         for key, value in metrics.items():
-            if key == "tau_pred":
-                record.update({f"eval/tau_pred_{g}": t for g, t in value.items()})
+            if key.startswith("tau_pred") and isinstance(value, dict):  # tau_pred, tau_pred_iid
+                record.update({f"eval/{key}_{g}": t for g, t in value.items()})
             elif isinstance(value, list):  # per depth (eagle3): eval/alpha_depth_0, ...
                 record.update({f"eval/{key}_{k}": v for k, v in enumerate(value)})
             else:

@@ -133,6 +133,21 @@ def test_greedy_pathwise_tau_matches_measured_for_a_head(pair, prompts):
     assert metrics.pathwise_tau(out.rounds, alphas) == pytest.approx(measured, abs=1e-12)
 
 
+@pytest.mark.parametrize("gamma", [1, 3, 5])
+def test_greedy_tau_rounds_matches_measured_for_a_head(pair, prompts, gamma):
+    """Per-depth α along the target's greedy text, rounds replayed from s = 1 (the first token
+    is the target's): `tau_rounds` equals the engine's τ without knowing its round starts."""
+    target, head = pair
+    out = engine.generate(target, head, prompts, gamma=gamma, batch_size=1, max_new_tokens=N_NEW)
+    greedy = engine.generate(target, None, prompts, max_new_tokens=N_NEW).sequences
+    alphas = [
+        metrics.positional_alpha(target, head, p, o, temperature=0.0, depth=gamma)
+        for p, o in zip(prompts, greedy, strict=True)
+    ]
+    measured = metrics.acceptance_stats(out.rounds)["tau"]
+    assert metrics.tau_rounds_pooled(alphas, gamma) == pytest.approx(measured, abs=1e-12)
+
+
 def test_report_runs_with_a_head(pair, prompts):
     target, head = pair
     settings = Settings(gammas=[2, 4], temperatures=(0.0, 1.0), max_new_tokens=12)

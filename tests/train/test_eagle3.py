@@ -318,7 +318,10 @@ def test_trainer_trains_an_eagle3_head_and_saves_it(tiny_pair, sharp_target, tmp
     result = Trainer.from_recipe(recipe).run()
     assert result["alpha"] > result["alpha_before"] + 0.05
     assert len(result["alpha_depth"]) == 3
-    assert result["tau_pred"][1] == pytest.approx(1 + result["alpha_depth"][0])
+    # The chained i.i.d. value; tau_pred replays rounds along the target's texts (issue 15).
+    assert result["tau_pred_iid"][1] == pytest.approx(1 + result["alpha_depth"][0])
+    assert set(result["tau_pred"]) == set(result["tau_pred_iid"])
+    assert all(1.0 <= t <= g + 1 for g, t in result["tau_pred"].items())
     head = Eagle3Head.from_pretrained(out / "final")
     assert head.draft_vocab_size == 200 and head.aux_layers == [0, 1]
     # V_d = the most frequent loss-masked training tokens: the data's tokens are all in it

@@ -244,6 +244,7 @@ def test_a_failed_final_save_leaves_no_final_and_no_eval_json(tiny_pair, tmp_pat
         "final",
         "metrics.jsonl",
         "recipe.yaml",
+        "tau_texts.json",  # the target's held-out texts tau_pred replays rounds along
     ]
 
 

@@ -58,6 +58,13 @@ def test_distillation_raises_alpha_and_writes_outputs(tiny_pair, tmp_path):
     assert report["steps"] == 30
     assert set(report["tau_pred"]) == {str(g) for g in range(1, 9)}
     assert 1.0 <= report["tau_pred"]["5"] <= 6.0
+    # tau_pred replays rounds along the target's own texts (issue 15), generated once and kept
+    # for a resume; the i.i.d. value stays as tau_pred_iid.
+    assert set(report["tau_pred_iid"]) == set(report["tau_pred"])
+    texts = json.loads((out / "tau_texts.json").read_text())
+    assert len(texts["outputs"]) == len(texts["prompts"]) >= 1
+    assert all(len(o) == 64 for o in texts["outputs"])
+    assert any(f"eval/tau_pred_iid_{g}" in m for m in metrics(out) for g in (5,))
     assert load_recipe(out / "recipe.yaml") == recipe
     train_records = [m for m in metrics(out) if "loss" in m]
     assert [m["step"] for m in train_records] == list(range(1, 31))
