@@ -1,6 +1,6 @@
 """Drift demo on the embedded default: fine-tune the target, watch the draft drift, repair it.
 
-    python benchmarks/drift_demo.py [--out runs/drift-demo] [--draft runs/code/final]
+    python -m benchmarks.drift_demo [--out runs/drift-demo] [--draft runs/code/final]
 
 1. Fine-tune `embedded:code` with a peft LoRA adapter for a few dozen steps on English prose
    every machine has (the values of `pydoc_data.topics.topics`, the Python docs' topic
@@ -174,8 +174,7 @@ def main(argv=None) -> dict:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
 
-    from drift_repair import compare
-
+    from benchmarks.drift_repair import compare
     from specdistill.drafts import hub
     from specdistill.eval import drift
     from specdistill.eval.prompts import load_prompts

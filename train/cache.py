@@ -191,9 +191,10 @@ def build_cache(
 
     The models and datasets are loaded as `Trainer.from_recipe` loads them unless given.
     `out` must not exist (or be empty) unless `overwrite`."""
-    from specdistill.data import build_datasets, collate
+    from specdistill.data import collate
     from specdistill.drafts import hub
     from specdistill.publish import atomic_write_text, publish_dir
+    from specdistill.train.config import recipe_datasets
 
     r = recipe
     out = Path(out)
@@ -213,16 +214,7 @@ def build_cache(
             revision=r.target.revision,
         )
     if train_data is None or eval_data is None:
-        train_data, eval_data = build_datasets(
-            tokenizer,
-            r.data.train,
-            r.data.eval,
-            max_length=r.data.max_length,
-            pack=r.data.pack,
-            eval_fraction=r.data.eval_fraction,
-            skip_malformed=r.data.skip_malformed,
-            seed=r.train.seed,
-        )
+        train_data, eval_data = recipe_datasets(r, tokenizer)
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     vocab_size = hub.shared_vocab_size(target, None, tokenizer)

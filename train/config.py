@@ -616,5 +616,23 @@ def _dotted_keys(tree: dict, prefix: str = ""):
             yield from _dotted_keys(value, f"{prefix}{key}.")
 
 
+def recipe_datasets(recipe: Recipe, tokenizer):
+    """(train, eval) TokenDatasets of the recipe's `data` section, as the trainer sees them
+    (the target cache must see the very same sequences)."""
+    from specdistill.data import build_datasets
+
+    d = recipe.data
+    return build_datasets(
+        tokenizer,
+        d.train,
+        d.eval,
+        max_length=d.max_length,
+        pack=d.pack,
+        eval_fraction=d.eval_fraction,
+        skip_malformed=d.skip_malformed,
+        seed=recipe.train.seed,
+    )
+
+
 def dump_recipe(recipe: Recipe, path: str | Path) -> None:
     Path(path).write_text(yaml.safe_dump(recipe_to_dict(recipe), sort_keys=False))

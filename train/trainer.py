@@ -29,7 +29,7 @@ from accelerate.utils import set_seed
 from tqdm.auto import tqdm
 
 from specdistill import drafts, losses
-from specdistill.data import build_datasets, collate
+from specdistill.data import collate
 from specdistill.drafts import hub as models
 from specdistill.drafts.align import shifted_hidden, target_mask
 from specdistill.drafts.embedded import resolve_model
@@ -40,6 +40,7 @@ from specdistill.train.config import (
     RecipeError,
     dump_recipe,
     load_recipe,
+    recipe_datasets,
     recipe_to_dict,
 )
 from specdistill.train.rundir import (
@@ -152,16 +153,7 @@ class Trainer:
             target = models.load_target(
                 r.target.model, r.target.adapter, dtype=r.target.dtype, revision=r.target.revision
             )
-            train_data, eval_data = build_datasets(
-                tokenizer,
-                r.data.train,
-                r.data.eval,
-                max_length=r.data.max_length,
-                pack=r.data.pack,
-                eval_fraction=r.data.eval_fraction,
-                skip_malformed=r.data.skip_malformed,
-                seed=r.train.seed,
-            )
+            train_data, eval_data = recipe_datasets(r, tokenizer)
             try:
                 draft, kind = drafts.build(r.draft, target, tokenizer, train_data, print=acc.print)
             except models.TokenizerMismatchError:
