@@ -9,19 +9,13 @@ import torch
 from specdistill.drafts import hub
 from specdistill.eval import drift
 from specdistill.eval.prompts import load_prompts
-from tests.train.conftest import TEXT, make_model, make_tokenizer, tiny_pair  # noqa: F401
-
-# lm_head too: the tiny random target is near-uniform, and only its head moves p much.
-LORA_MODULES = [
-    "q_proj",
-    "k_proj",
-    "v_proj",
-    "o_proj",
-    "gate_proj",
-    "up_proj",
-    "down_proj",
-    "lm_head",
-]
+from tests.train.conftest import (  # noqa: F401
+    TEXT,
+    make_lora_adapter,
+    make_model,
+    make_tokenizer,
+    tiny_pair,
+)
 
 
 @pytest.fixture(scope="module")
@@ -33,24 +27,6 @@ def prompt_file(tmp_path_factory):
             category = "code" if i % 3 else "loops"
             f.write(json.dumps({"id": i, "category": category, "prompt": starts[i % 4]}) + "\n")
     return path
-
-
-def make_adapter(base_dir, out_dir, scale: float, seed: int = 0):
-    """A random, non-trivially initialised LoRA adapter on `base_dir`, B scaled by `scale`."""
-    from peft import LoraConfig, get_peft_model
-
-    base = hub.load_model(str(base_dir))
-    torch.manual_seed(seed)
-    config = LoraConfig(r=4, lora_alpha=8, target_modules=LORA_MODULES, init_lora_weights=False)
-    model = get_peft_model(base, config)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if "lora_B" in name:
-                param.normal_(0.0, 0.1).mul_(scale)
-            elif "lora_A" in name:
-                param.normal_(0.0, 0.1)
-    model.save_pretrained(out_dir)
-    return out_dir
 
 
 def test_self_drift_is_exactly_zero(tiny_pair, prompt_file, tmp_path):  # noqa: F811
@@ -97,7 +73,7 @@ def test_lora_scale_gives_monotone_drift(tiny_pair, prompt_file, tmp_path):  # n
     prompts = load_prompts(prompt_file)
     tvs, drops = [], []
     for scale in (0.0, 0.5, 1.0, 2.0):
-        adapter = make_adapter(target_dir, tmp_path / f"adapter-{scale}", scale)
+        adapter = make_lora_adapter(target_dir, tmp_path / f"adapter-{scale}", scale=scale)
         after = hub.load_target(str(target_dir), str(adapter))
         assert type(after).__name__ == "PeftModel"  # wrapped, not merged
         report, _ = drift.measure(
@@ -114,7 +90,7 @@ def test_lora_scale_gives_monotone_drift(tiny_pair, prompt_file, tmp_path):  # n
 
 def test_unmerged_adapter_changes_only_lora_modules(tiny_pair, tmp_path):  # noqa: F811
     target_dir, _, _ = tiny_pair
-    adapter = make_adapter(target_dir, tmp_path / "adapter", 1.0)
+    adapter = make_lora_adapter(target_dir, tmp_path / "adapter", scale=1.0)
     wrapped = hub.load_target(str(target_dir), str(adapter))
     base = hub.load_model(str(target_dir))
     inner = dict(wrapped.get_base_model().named_parameters())
@@ -129,7 +105,7 @@ def test_unmerged_adapter_changes_only_lora_modules(tiny_pair, tmp_path):  # noq
 
 def test_adapter_for_another_base_is_refused(tiny_pair, tmp_path):  # noqa: F811
     target_dir, draft_dir, _ = tiny_pair
-    adapter = make_adapter(draft_dir, tmp_path / "draft-adapter", 1.0)
+    adapter = make_lora_adapter(draft_dir, tmp_path / "draft-adapter", scale=1.0)
     with pytest.raises(hub.AdapterMismatchError) as err:
         hub.load_target(str(target_dir), str(adapter))
     message = str(err.value)

@@ -8,21 +8,13 @@ import torch
 
 from specdistill.eval import engine
 from specdistill.eval import stats as metrics
-from tests.eval.test_speculative import perturbed, tiny_llama
-
-N_NEW = 24
-
-
-@pytest.fixture(scope="module")
-def pair():
-    target = tiny_llama(0, vocab=96, hidden=64, layers=2, init=0.2)
-    return target, perturbed(target, 0.015, seed=1)
-
-
-@pytest.fixture(scope="module")
-def prompts():
-    g = torch.Generator().manual_seed(3)
-    return [torch.randint(0, 96, (n,), generator=g).tolist() for n in (3, 11, 6, 1, 8)]
+from tests.eval.test_speculative import (  # noqa: F401  (pair, prompts: fixtures)
+    N_NEW,
+    pair,
+    perturbed,
+    prompts,
+    tiny_llama,
+)
 
 
 def test_closed_forms():

@@ -2,25 +2,13 @@
 
 import openai
 import pytest
-import torch
 from transformers import AutoTokenizer
 
 from specdistill.drafts import hub
 from specdistill.serve.traffic import model_identity, read_traffic
+from tests.serve.test_serve import hf_greedy
 
 PROMPTS = ["def add(a, b):", "class Point:\n    def", "for i in range(10):"]
-
-
-def greedy(model, tok, ids, n):
-    with torch.no_grad():
-        out = model.generate(
-            torch.tensor([ids]),
-            max_new_tokens=n,
-            do_sample=False,
-            eos_token_id=tok.eos_token_id,
-            pad_token_id=tok.pad_token_id,
-        )
-    return out[0, len(ids) :].tolist()
 
 
 @pytest.fixture(scope="module")
@@ -56,8 +44,8 @@ def test_greedy_equals_the_adapter_models_generate(tiny_pair, tiny_adapter, adap
     ids_by_response = {}
     for prompt in PROMPTS:
         ids = tok(prompt)["input_ids"]
-        expected = greedy(tuned, tok, ids, 16)
-        differs |= expected != greedy(base, tok, ids, 16)
+        expected = hf_greedy((tuned, tok), ids, 16)
+        differs |= expected != hf_greedy((base, tok), ids, 16)
         r = client.completions.create(model="tiny", prompt=prompt, max_tokens=16, temperature=0)
         assert r.choices[0].text == tok.decode(expected, skip_special_tokens=True)
         ids_by_response[r.id] = expected
