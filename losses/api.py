@@ -14,18 +14,39 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from specdistill.losses.divergences import LOG_P_FLOOR, LOSSES, check_params, log_acceptance
+from specdistill.losses.divergences import (
+    LOG_P_FLOOR,
+    LOSSES,
+    check_params,
+    log_acceptance,
+    params_of,
+)
 from specdistill.losses.sampling import check_filters, filter_logits
 
 
 class SparseTarget(NamedTuple):
-    """Target kept as its top-N entries: ``indices: [..., N]`` (int64 target-vocab ids),
-    ``probs: [..., N]``. The probabilities are renormalised over the N entries, so
+    """Target kept as its top-N entries: ``indices: [..., N]`` (int64 target-vocab ids,
+    distinct), ``probs: [..., N]``, and optionally ``rest: [...]``, the mass of every other
+    token.
+
+    Without ``rest`` the probabilities are renormalised over the N entries, so
     α = Σ min(p, q) is exact for that truncated target. Temperature and top-p/top-k act on
-    the N entries only (the dropped tail is unknown)."""
+    the N entries only.
+
+    With ``rest`` (docs/theory.md §3, "Sparse targets with a rest bin"), ``probs`` are the
+    target's own probabilities of the N tokens (not renormalised; probs and rest together are
+    scaled to sum to 1, which absorbs rounding) and both sides are compared on N + 1 bins: the
+    N tokens and one rest bin holding p's remaining mass and the draft's mass off the N
+    tokens, Σ_{x ∉ top N} q(x). Every loss is then that loss between the two coarsened
+    distributions (``ce`` and ``topk_ce`` rank tokens, never the rest bin); α is
+    Σ_{top N} min(p, q) + min(p_rest, q_rest), an upper bound of the true α. Only at
+    temperature 1, unfiltered and without d2t: the tail's mass at another temperature or
+    under a filter is unknown. With N ≥ V there is no token outside the N and ``rest`` is
+    ignored (the N entries are renormalised)."""
 
     indices: Tensor
     probs: Tensor
+    rest: Tensor | None = None
 
 
 Target = Tensor | SparseTarget
@@ -35,11 +56,19 @@ class Prepared(NamedTuple):
     """Inputs of a divergence: ``draft_logp, target_logp: [..., V_d]``, ``mask: [...]``.
 
     target_logp is the raw target on the draft vocabulary: with d2t it sums to the target's
-    mass on V_d (< 1). Masked rows of both hold finite placeholders."""
+    mass on V_d (< 1). Masked rows of both hold finite placeholders. ``rest_bin``: the last
+    dim is instead the N + 1 bins of a SparseTarget with ``rest`` (the N tokens, then the
+    rest bin; both sides sum to 1)."""
 
     draft_logp: Tensor
     target_logp: Tensor
     mask: Tensor
+    rest_bin: bool = False
+
+
+# Losses that read the target only through its ranking of tokens (its argmax, its top k): on
+# a rest bin they rank the N known tokens, the rest bin being no token.
+RANKING_LOSSES = ("ce", "topk_ce")
 
 
 def compute_loss(
@@ -148,8 +177,24 @@ def masked_loss(name: str, prepared: Prepared, params: dict) -> Tensor:
     if needs_alpha_bar(name, params):
         alpha_sum = alpha_sum_of(prepared)
         params = {**params, "alpha_bar": alpha_sum / prepared.mask.sum().clamp_min(1)}
-    loss = LOSSES[name](prepared.draft_logp, prepared.target_logp, **params)
+    loss = _divergence(name, prepared, params)
     return torch.where(prepared.mask, loss, 0.0)
+
+
+def _divergence(name: str, prepared: Prepared, params: dict) -> Tensor:
+    """``LOSSES[name]`` on the prepared pair; on a rest bin, the ranking losses (also as
+    parts of a mix) see the rest bin's target as −inf, so that it never ranks."""
+    if prepared.rest_bin:
+        if name == "mix":
+            return sum(
+                weight * _divergence(part, prepared, params_of(part, params))
+                for part, weight in params["parts"].items()
+            )
+        if name in RANKING_LOSSES:
+            target = prepared.target_logp.clone()
+            target[..., -1] = float("-inf")
+            return LOSSES[name](prepared.draft_logp, target, **params)
+    return LOSSES[name](prepared.draft_logp, prepared.target_logp, **params)
 
 
 def needs_alpha_bar(name: str, params: dict) -> bool:
@@ -201,6 +246,11 @@ def prepare(
             f"= {list(draft_logits.shape[:-1])}"
         )
     dtype = _dtype(draft_logits)
+    if isinstance(target, SparseTarget) and target.rest is not None:
+        _check_rest_bin(temperature, top_p, top_k, d2t)
+        if target.indices.shape[-1] < vocab_size:
+            return _prepare_rest_bin(draft_logits, target, mask, full_mask, dtype)
+        target = SparseTarget(target.indices, target.probs)  # N = V: no token outside them
     target = target_logp(
         target,
         full_mask,
@@ -271,6 +321,63 @@ def target_logp(
     if mask is not None:  # finite placeholders in masked rows, whatever they held
         target_logp.masked_fill_(~mask[..., None], 0.0)
     return target_logp
+
+
+def _check_rest_bin(
+    temperature: float, top_p: float | None, top_k: int | None, d2t: Tensor | None
+) -> None:
+    if temperature != 1.0 or top_p is not None or top_k is not None:
+        raise ValueError(
+            "a SparseTarget with rest is the target at temperature 1, unfiltered: the mass of "
+            "its dropped tokens at another temperature or under top-p/top-k is unknown "
+            f"(got temperature={temperature}, top_p={top_p}, top_k={top_k})"
+        )
+    if d2t is not None:
+        raise ValueError(
+            "a SparseTarget with rest does not take d2t (a truncated draft vocabulary)"
+        )
+
+
+def _prepare_rest_bin(
+    draft_logits: Tensor,
+    target: SparseTarget,
+    mask: Tensor,
+    full_mask: Tensor | None,
+    dtype: torch.dtype,
+) -> Prepared:
+    """Both sides on N + 1 bins (the N tokens, then the rest bin): [..., V] -> [..., N + 1].
+    The draft's rest bin is logsumexp of its log-probabilities off the N tokens (exact and
+    differentiable, also when that mass is tiny)."""
+    lead, vocab_size = draft_logits.shape[:-1], draft_logits.shape[-1]
+    indices, probs, rest = target.indices, target.probs.detach().to(dtype), target.rest
+    if indices.shape != probs.shape or indices.shape[:-1] != lead or rest.shape != lead:
+        raise ValueError(
+            f"SparseTarget indices {list(indices.shape)}, probs {list(probs.shape)} and rest "
+            f"{list(rest.shape)} must be [..., N], [..., N] and [...] with [...] = "
+            f"draft_logits.shape[:-1] = {list(lead)}"
+        )
+    if full_mask is not None:  # masked rows may hold any index
+        indices = torch.where(full_mask[..., None], indices, 0)
+    out_of_range = mask & ((indices < 0) | (indices >= vocab_size)).any(-1)
+    if out_of_range.any():
+        raise ValueError(
+            f"SparseTarget indices outside the vocabulary [0, {vocab_size}) at "
+            f"{int(out_of_range.sum())} valid positions"
+        )
+    bins = torch.cat([probs, rest.detach().to(dtype)[..., None]], -1)
+    total = bins.sum(-1, keepdim=True)
+    bad = mask & ~((bins >= 0).all(-1) & torch.isfinite(total[..., 0]) & (total[..., 0] > 0))
+    if bad.any():
+        raise ValueError(
+            f"SparseTarget probs and rest must be finite, >= 0 and not all 0; they are not at "
+            f"{int(bad.sum())} valid positions"
+        )
+    target_logp = (bins / torch.where(mask[..., None], total, 1.0)).log()
+    target_logp.masked_fill_(~mask[..., None], 0.0)  # finite placeholders in masked rows
+    draft_logp = _valid_rows(draft_logits, full_mask).to(dtype).log_softmax(-1)
+    top = draft_logp.gather(-1, indices)
+    off = draft_logp.scatter(-1, indices, float("-inf")).logsumexp(-1, keepdim=True)
+    return Prepared(torch.cat([top, off], -1), target_logp, mask, rest_bin=True)
 
 
 def _dense(target: SparseTarget, mask: Tensor | None, vocab_size: int, dtype) -> Tensor:

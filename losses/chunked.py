@@ -39,15 +39,16 @@ def chunked_loss(
     top_k: int | None = None,
     d2t: Tensor | None = None,
     mask_out_of_vocab: bool = False,
+    return_alpha: bool = False,
     **params,
-) -> tuple[Tensor, Tensor]:
+) -> tuple[Tensor, Tensor] | tuple[Tensor, Tensor, Tensor]:
     """``compute_loss(name, draft_hidden @ draft_head_weight.T, target, mask, ...)``, with
     the same values and gradients, O(chunk_size × vocab) extra memory.
 
     Args:
         draft_hidden: [..., H] (e.g. [N, H] or [B, S, H]).
         draft_head_weight: [V_d, H], the draft's LM head (no bias).
-        target_logits: [..., V] logits, a SparseTarget with [..., N] fields, or
+        target_logits: [..., V] logits, a SparseTarget with [..., N] fields (rest [...]), or
             ``(target_hidden [..., H_t], target_head_weight [V, H_t])``, whose logits are
             then also computed per chunk. Treated as constant.
         mask: [...] bool, True = valid; None = all valid.
@@ -57,9 +58,12 @@ def chunked_loss(
             For lk_lambda's batch ᾱ, a first no-grad pass over the chunks computes ᾱ over
             all valid positions, so the value matches the direct computation.
 
+        return_alpha: also return Σ α over the valid positions (detached), taken from the
+            chunks the loss computes anyway (no second pass over the vocabulary).
+
     Returns:
         (loss_sum, n_valid) as compute_loss: 0-dim fp32 (grad to draft_hidden and
-        draft_head_weight), 0-dim int64.
+        draft_head_weight), 0-dim int64; with return_alpha, (loss_sum, n_valid, alpha_sum).
     """
     check_params(name, params)
     _check_sampling(temperature, top_p, top_k)
@@ -72,6 +76,10 @@ def chunked_loss(
             raise ValueError(f"mask shape {list(mask.shape)} must equal {list(lead)}")
         mask = mask.reshape(-1)
     target = _flat_target(target_logits, lead)
+    if mask is not None and not mask.all():
+        # Masked rows add exactly 0 to the loss and its gradients: drop them before any
+        # logits exist (prompt and padding tokens: often half of a chat batch).
+        hidden, target, mask = hidden[mask], _keep_rows(target, mask), None
 
     def prepare_chunk(rows: slice, draft_logits: Tensor):
         return prepare(
@@ -95,14 +103,24 @@ def chunked_loss(
                 count = count + prepared.mask.sum()
         params = {**params, "alpha_bar": alpha_sum / max(int(count), 1)}
 
+    alphas = []
+
     def chunk_loss(rows: slice, draft_logits: Tensor) -> tuple[Tensor, Tensor]:
         prepared = prepare_chunk(rows, draft_logits)
+        if return_alpha:
+            alphas.append(alpha_sum_of(prepared))
         return masked_loss(name, prepared, params).sum(), prepared.mask.sum()
 
     needs_grad = torch.is_grad_enabled() and (
         hidden.requires_grad or draft_head_weight.requires_grad
     )
-    return _ChunkedHeadLoss.apply(hidden, draft_head_weight, chunks, chunk_loss, needs_grad)
+    loss_sum, n_valid = _ChunkedHeadLoss.apply(
+        hidden, draft_head_weight, chunks, chunk_loss, needs_grad
+    )
+    if not return_alpha:
+        return loss_sum, n_valid
+    alpha_sum = torch.stack(alphas).sum() if alphas else torch.zeros((), device=hidden.device)
+    return loss_sum, n_valid, alpha_sum
 
 
 class _ChunkedHeadLoss(torch.autograd.Function):
@@ -150,16 +168,29 @@ def _flat_target(target: Target | tuple[Tensor, Tensor], lead: torch.Size):
     """Target with its leading dims flattened to one: rows line up with the hidden rows."""
     n = len(lead)
     if isinstance(target, SparseTarget):
-        return SparseTarget(target.indices.flatten(0, n - 1), target.probs.flatten(0, n - 1))
+        rest = None if target.rest is None else target.rest.flatten(0, n - 1)
+        return SparseTarget(target.indices.flatten(0, n - 1), target.probs.flatten(0, n - 1), rest)
     if isinstance(target, tuple):
         target_hidden, target_head_weight = target
         return target_hidden.detach().flatten(0, n - 1), target_head_weight.detach()
     return target.flatten(0, n - 1)
 
 
+def _keep_rows(target, keep: Tensor):
+    """A flat target's rows at `keep` ([N] bool), in its own form: a (hidden, head) pair
+    keeps its hidden rows (no logits yet)."""
+    if isinstance(target, SparseTarget):
+        return SparseTarget(*(None if field is None else field[keep] for field in target))
+    if isinstance(target, tuple):
+        target_hidden, target_head_weight = target
+        return target_hidden[keep], target_head_weight
+    return target[keep]
+
+
 def _target_rows(target, rows: slice) -> Target:
     if isinstance(target, SparseTarget):
-        return SparseTarget(target.indices[rows], target.probs[rows])
+        rest = None if target.rest is None else target.rest[rows]
+        return SparseTarget(target.indices[rows], target.probs[rows], rest)
     if isinstance(target, tuple):
         target_hidden, target_head_weight = target
         return target_hidden[rows] @ target_head_weight.T

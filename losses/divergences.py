@@ -48,8 +48,13 @@ def renormalised(target_logp: Tensor) -> Tensor:
 def fkl(draft_logp: Tensor, target_logp: Tensor) -> Tensor:
     """Forward KL(p||q) = Σ p (log p − log q): [..., vocab] x2 -> [...]."""
     p = target_logp.exp()
-    p /= p.sum(-1, keepdim=True)  # renormalised over the draft vocabulary
-    return -torch.special.entr(p).sum(-1) - (p * draft_logp).sum(-1)
+    mass = p.sum(-1, keepdim=True)
+    p /= mass  # renormalised over the draft vocabulary
+    # Σ p log p, with log p = log p_raw − log mass and log p_raw clamped so that p = 0 adds
+    # 0 · floor = 0: what torch.special.entr does, without its kernel (~15x a mul on CPU).
+    floor = math.log(torch.finfo(p.dtype).tiny)
+    neg_entropy = (p * target_logp.clamp_min(floor)).sum(-1) - mass.squeeze(-1).log()
+    return neg_entropy - (p * draft_logp).sum(-1)
 
 
 def rkl(draft_logp: Tensor, target_logp: Tensor) -> Tensor:
@@ -147,7 +152,7 @@ def mix(draft_logp: Tensor, target_logp: Tensor, *, parts: dict[str, float], **p
     """
     check_params("mix", {"parts": parts, **params})
     return sum(
-        weight * LOSSES[name](draft_logp, target_logp, **_params_of(name, params))
+        weight * LOSSES[name](draft_logp, target_logp, **params_of(name, params))
         for name, weight in parts.items()
     )
 
@@ -171,7 +176,7 @@ def param_names(name: str) -> set[str]:
     return {p.name for p in signature if p.kind is inspect.Parameter.KEYWORD_ONLY}
 
 
-def _params_of(name: str, params: dict) -> dict:
+def params_of(name: str, params: dict) -> dict:
     names = param_names(name)
     return {key: value for key, value in params.items() if key in names}
 

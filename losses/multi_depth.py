@@ -42,7 +42,7 @@ def multi_depth_loss(
     Args:
         draft_logits: K tensors [..., V_d], or one [K, ..., V_d].
         target_logits: K targets [..., V] (tensors or SparseTargets), or one [K, ..., V]
-            tensor, or one SparseTarget with [K, ..., N] fields.
+            tensor, or one SparseTarget with [K, ..., N] fields (rest [K, ...]).
         masks: K bool [...] (or [K, ...]); None = all valid. A masked (position, depth)
             ends the chain there: its α counts as 0 in the products.
         weighting:
@@ -79,6 +79,7 @@ def multi_depth_loss(
             f"need the same number (>= 1) of depths for drafts, targets and masks, got "
             f"{len(drafts)}, {len(targets)}, {len(masks)}"
         )
+    drafts, targets, masks = _valid_positions(drafts, targets, masks)
 
     log_alphas, losses, valid = [], [], []
     for draft, target, mask in zip(drafts, targets, masks, strict=True):
@@ -92,9 +93,13 @@ def multi_depth_loss(
             d2t=d2t,
             mask_out_of_vocab=mask_out_of_vocab,
         )
-        # α carries gradient only in the end-to-end loss; elsewhere it weights or logs.
-        with torch.set_grad_enabled(torch.is_grad_enabled() and weighting == "end_to_end"):
+        # α carries gradient only in the end-to-end loss; elsewhere it weights or logs, and
+        # the same value comes from one elementwise min instead of a compare and a select.
+        if torch.is_grad_enabled() and weighting == "end_to_end":
             log_alpha = log_acceptance(prepared.draft_logp, prepared.target_logp)
+        else:
+            with torch.no_grad():
+                log_alpha = torch.minimum(prepared.draft_logp, prepared.target_logp).logsumexp(-1)
         log_alphas.append(torch.where(prepared.mask, log_alpha, float("-inf")))
         valid.append(prepared.mask)
         if weighting != "end_to_end":
@@ -117,7 +122,41 @@ def multi_depth_loss(
     return loss.sum(), valid[0].sum(), alpha
 
 
+def _valid_positions(drafts: list, targets: list, masks: list) -> tuple[list, list, list]:
+    """The depths' rows at the positions valid at some depth: [..., V] -> [n, V].
+
+    A position masked at every depth adds exactly 0 to the loss, n_valid and α, so its rows
+    are dropped before any [position, vocab] work (prompt and padding tokens: often half of
+    a chat batch). Depths keep their own masks on the rows left; a mask that is all True
+    becomes None. Inputs are returned as they are unless every mask is given and every
+    draft, target and mask has the same leading shape.
+    """
+    shape = drafts[0].shape[:-1]
+    for d, t, m in zip(drafts, targets, masks, strict=True):
+        t_shape = (t.indices if isinstance(t, SparseTarget) else t).shape[:-1]
+        if m is None or not m.shape == d.shape[:-1] == t_shape == shape:
+            return drafts, targets, masks  # prepare() checks and explains the shapes
+    masks = [m.to(torch.bool) for m in masks]
+    keep = torch.stack(masks).any(0)
+    if not keep.all():
+        drafts = [d[keep] for d in drafts]
+        targets = [_rows(t, keep) for t in targets]
+        masks = [m[keep] for m in masks]
+    return drafts, targets, [None if m.all() else m for m in masks]
+
+
+def _rows(target: Target, keep: Tensor) -> Target:
+    """A target's rows at `keep` (bool over its leading dims)."""
+    if isinstance(target, SparseTarget):
+        return SparseTarget(*(None if field is None else field[keep] for field in target))
+    return target[keep]
+
+
 def _per_depth(target: Sequence[Target] | Tensor | SparseTarget) -> list[Target]:
     if isinstance(target, SparseTarget):
-        return [SparseTarget(i, p) for i, p in zip(target.indices, target.probs, strict=True)]
+        rests = [None] * len(target.indices) if target.rest is None else target.rest
+        return [
+            SparseTarget(i, p, r)
+            for i, p, r in zip(target.indices, target.probs, rests, strict=True)
+        ]
     return list(target)

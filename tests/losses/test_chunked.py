@@ -141,3 +141,21 @@ def test_chunked_equals_direct_property(name, n, vocab, chunk_size, temperature,
         name, draft_hidden, head, target, mask, chunk_size, temperature=temperature
     )
     assert_same(direct, chunked)
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_return_alpha_is_the_acceptance_of_the_full_logits(temperature):
+    from specdistill.losses import acceptance
+
+    draft_hidden, head, target, mask = inputs(seed=3)
+    loss, n, alpha_sum = chunked_loss(
+        "tv", draft_hidden, head, target, mask, chunk_size=5, temperature=temperature,
+        return_alpha=True,
+    )  # fmt: skip
+    plain, _ = chunked_loss(
+        "tv", draft_hidden, head, target, mask, chunk_size=5, temperature=temperature
+    )
+    expected = acceptance(draft_hidden @ head.T, target, temperature)[mask].sum()
+    torch.testing.assert_close(alpha_sum, expected.detach())
+    torch.testing.assert_close(loss, plain)
+    assert not alpha_sum.requires_grad

@@ -85,6 +85,36 @@ def test_all_masked_and_disjoint_are_finite(weighting):
     assert torch.isfinite(loss) and torch.isfinite(grad).all()
 
 
+@pytest.mark.parametrize("name", ["fkl", "tv", "lk_lambda"])
+def test_positions_masked_at_every_depth_do_not_matter(name):
+    # Their rows are dropped before any work: NaN there changes nothing, their gradient is
+    # exactly 0, and the rest equals the loss of each depth on the full rows.
+    draft, target, masks = make(5)
+    masks[:, 0, :2] = False  # valid at no depth
+    masks[1:, 1, 3] = False  # valid at depth 0 only
+    nowhere = ~masks.any(0)
+    for weighting in ("geometric", "expected_length"):
+        clean = draft.clone().requires_grad_()
+        loss, n, alpha = multi_depth_loss(name, clean, target, masks, weighting=weighting)
+        (grad,) = torch.autograd.grad(loss, clean)
+        poisoned = draft.clone()
+        poisoned[:, nowhere] = float("nan")
+        poisoned_target = target.clone()
+        poisoned_target[:, nowhere] = float("nan")
+        poisoned.requires_grad_()
+        loss_p, n_p, alpha_p = multi_depth_loss(
+            name, poisoned, poisoned_target, masks, weighting=weighting
+        )
+        (grad_p,) = torch.autograd.grad(loss_p, poisoned)
+        torch.testing.assert_close(loss_p, loss)
+        torch.testing.assert_close(alpha_p, alpha)
+        assert n_p == n == masks[0].sum()
+        torch.testing.assert_close(grad_p, grad)
+        assert torch.equal(grad[:, nowhere], torch.zeros_like(grad[:, nowhere]))
+    expected = sum(0.8**k * compute_loss(name, draft[k], target[k], masks[k])[0] for k in range(K))
+    torch.testing.assert_close(multi_depth_loss(name, draft, target, masks)[0], expected)
+
+
 def test_float64_gradcheck():
     # expected_length's weights are a stop-gradient (finite differences would move them);
     # its gradient is checked against −∇E above.
