@@ -8,7 +8,11 @@ train/cache.py, float16 values) and a run with `target.cache` on it: same recipe
 sequence order. Held-out α is always measured against the live target, so the numbers
 compare what each draft reaches, not how each target scores it. Prints, and writes to
 OUT/cache_vs_live.json, per run: held-out α (T = eval temperature) and greedy α, training
-seconds, and for a cache its build seconds and bytes per token.
+seconds, and for a cache its build seconds, bytes per token and the top-N mass it keeps
+(mean and median of 1 − rest); then, for each trained draft, its held-out α split into the
+part on the target's top N and the part on the other tokens (`decompose`; `--decompose-only`
+redoes just this for the runs already in OUT). The cached runs train on the top N plus a
+rest bin holding the dropped mass (docs/theory.md §3).
 """
 
 import argparse
@@ -16,6 +20,7 @@ import json
 import time
 from pathlib import Path
 
+import torch
 from accelerate.state import AcceleratorState, GradientState
 
 from specdistill.train.cache import build_cache
@@ -59,6 +64,67 @@ def subset(out: Path, k: int) -> Path:
     return path
 
 
+def kept_mass(cache: Path) -> tuple[float, float]:
+    """(mean, median) over the cached positions of the top-N mass, 1 − rest."""
+    from safetensors.torch import load_file
+
+    rest = torch.cat(
+        [load_file(path)["rest"].float() for path in sorted(cache.glob("*.safetensors"))]
+    )
+    kept = 1 - rest
+    return float(kept.mean()), float(kept.median())
+
+
+@torch.no_grad()
+def decompose(recipe_path: str, out: Path, overrides: list[str], runs: list[str], top_ns) -> dict:
+    """Where each trained draft's held-out α (T=1) comes from, on the runs' own held-out
+    sequences: per N, α on the target's top N (Σ_{top N} min(p, q)), α on the other tokens,
+    the mass both put there (p: the rest, q: the draft's), and the coarsened α a rest-bin
+    loss sees (Σ_{top N} min(p, q) + min(rest_p, rest_q)). Keyed by run, then N."""
+    from specdistill.drafts.align import shifted_logits, target_mask
+    from specdistill.drafts.hub import load_draft
+
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+    recipe = load_recipe(recipe_path, [*overrides, f"train.output_dir={out / 'unused'}"])
+    trainer = Trainer.from_recipe(recipe)
+    vocab = trainer.vocab_size
+    drafts = {"before": trainer.draft, **{r: load_draft(str(out / r / "final")) for r in runs}}
+    sums: dict = {}
+    for batch in trainer.eval_batches():
+        mask = target_mask(batch)
+        p = shifted_logits(trainer.target, batch, vocab).float().softmax(-1)[mask]
+        for name, draft in drafts.items():
+            q = shifted_logits(draft.eval(), batch, vocab).float().softmax(-1)[mask]
+            overlap = torch.minimum(p, q)
+            for n in top_ns:
+                index = p.topk(n, dim=-1).indices
+                top = overlap.gather(-1, index).sum(-1)
+                rest_p = 1 - p.gather(-1, index).sum(-1)
+                rest_q = 1 - q.gather(-1, index).sum(-1)
+                row = sums.setdefault(name, {}).setdefault(n, torch.zeros(6, dtype=torch.float64))
+                row += torch.stack(
+                    [
+                        overlap.sum(-1).sum(),
+                        top.sum(),
+                        (overlap.sum(-1) - top).sum(),
+                        rest_p.sum(),
+                        rest_q.sum(),
+                        (top + torch.minimum(rest_p, rest_q)).sum(),
+                    ]
+                ).double()
+            sums[name]["positions"] = sums[name].get("positions", 0) + int(mask.sum())
+    keys = ("alpha", "alpha_top_n", "alpha_tail", "rest_p", "rest_q", "alpha_coarse")
+    return {
+        name: {
+            str(n): dict(zip(keys, (row / by_n["positions"]).tolist(), strict=True))
+            for n, row in by_n.items()
+            if n != "positions"
+        }
+        for name, by_n in sums.items()
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -73,11 +139,24 @@ def main() -> None:
         help="train on the first K records of embedded:code only (0 = the recipe's data): "
         "a cache covers the whole training split, which is 11k sequences for recipes/code.yaml",
     )
+    parser.add_argument(
+        "--decompose-only",
+        action="store_true",
+        help="only add the α decomposition of the runs already in OUT to its JSON",
+    )
     parser.add_argument("overrides", nargs="*", help="recipe overrides, key.sub=value")
     args = parser.parse_args()
     out = Path(args.out)
     if args.train_records:
         args.overrides = [*args.overrides, f"data.train={subset(out, args.train_records)}"]
+    top_ns = [int(x) for x in args.top_n.split(",")]
+    if args.decompose_only:
+        report = json.loads((out / "cache_vs_live.json").read_text())
+        runs = ["live", *(f"top{n}" for n in top_ns)]
+        report["decomposition"] = decompose(args.recipe, out, args.overrides, runs, top_ns)
+        (out / "cache_vs_live.json").write_text(json.dumps(report, indent=1))
+        print_decomposition(report["decomposition"])
+        return
     rows = []
     result, seconds = train(args.recipe, out / "live", args.overrides)
     rows.append(
@@ -89,7 +168,7 @@ def main() -> None:
             "train_s": seconds,
         }
     )
-    for n in [int(x) for x in args.top_n.split(",")]:
+    for n in top_ns:
         cache = out / f"cache-top{n}"
         recipe = load_recipe(args.recipe, [*args.overrides, f"train.output_dir={out / 'unused'}"])
         start = time.perf_counter()
@@ -107,6 +186,7 @@ def main() -> None:
                 "train_s": seconds,
                 "build_s": build_s,
                 "bytes_per_token": manifest["bytes_per_token"],
+                "kept_mass_mean_median": kept_mass(cache),
                 "positions": manifest["positions"],
                 "total_bytes": manifest["total_bytes"],
             }
@@ -123,8 +203,26 @@ def main() -> None:
             f"{row['run']:<14} {row['alpha']:7.4f} {row['alpha_greedy']:7.4f} "
             f"{row['train_s']:8.1f} {size:>12}"
         )
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "cache_vs_live.json").write_text(json.dumps({"steps": steps, "runs": rows}, indent=1))
+    runs = ["live", *(f"top{n}" for n in top_ns)]
+    decomposition = decompose(args.recipe, out, args.overrides, runs, top_ns)
+    print_decomposition(decomposition)
+    report = {"steps": steps, "runs": rows, "decomposition": decomposition}
+    (out / "cache_vs_live.json").write_text(json.dumps(report, indent=1))
+
+
+def print_decomposition(decomposition: dict) -> None:
+    print("\nheld-out α (T=1) split at the target's top N (p: target, q: draft)")
+    print(
+        f"{'draft':<8} {'N':>4} {'alpha':>7} {'top N':>7} {'tail':>7} {'p tail':>7} "
+        f"{'q tail':>7} {'coarse':>7}"
+    )
+    for name, by_n in decomposition.items():
+        for n, d in by_n.items():
+            print(
+                f"{name:<8} {n:>4} {d['alpha']:7.4f} {d['alpha_top_n']:7.4f} "
+                f"{d['alpha_tail']:7.4f} {d['rest_p']:7.4f} {d['rest_q']:7.4f} "
+                f"{d['alpha_coarse']:7.4f}"
+            )
 
 
 if __name__ == "__main__":

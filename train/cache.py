@@ -15,17 +15,18 @@ a training target, `drafts.align.target_mask`), the target's N most probable tok
 
 A shard holds whole sequences, `first_sequence` to `first_sequence + sequences − 1`, rows in
 sequence order then position order. The log-probabilities are the target's at temperature 1
-over the tokenizer's ids (the columns the trainer compares, `hub.shared_vocab_size`); a
-loss temperature is applied when the cache is read (top-N is the same set at any
-temperature). The whole directory is written beside DIR and renamed into place
-(specdistill/publish.py), so a killed build leaves no half cache under DIR.
+over the tokenizer's ids (the columns the trainer compares, `hub.shared_vocab_size`). The
+whole directory is written beside DIR and renamed into place (specdistill/publish.py), so a
+killed build leaves no half cache under DIR.
 
 With `target.cache: DIR` the trainer (standalone drafts) builds its depth-0 target from the
-cache, a `losses.SparseTarget` of the top-N renormalised (docs/theory.md §3, "Sparse
-targets": α on it is the exact α of the truncated p), instead of running the target. The
-manifest is compared with the run's tokenizer, target and data before any training
-(`open_cache`); held-out evaluation still runs the live target, so the reported α is the true
-one. docs/cache.md gives the sizes.
+cache, a `losses.SparseTarget` of the top-N probabilities with the stored remaining mass as
+a rest bin (docs/theory.md §3, "Sparse targets with a rest bin": target and draft are
+compared on the N tokens plus one bin for every other token), instead of running the
+target. The loss is therefore at temperature 1, unfiltered: the cache knows the dropped
+mass only there. The manifest is compared with the run's tokenizer, target and data before
+any training (`open_cache`); held-out evaluation still runs the live target, so the reported
+α is the true one. docs/cache.md gives the sizes.
 """
 
 import argparse
@@ -365,37 +366,41 @@ class TargetCache:
             self._handles[key] = safe_open(str(self.path / key), framework="pt")
         return self._handles[key], sequence - info["first_sequence"]
 
-    def rows(self, split: str, sequence: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(indices [n, N] int64, logprobs [n, N] fp32) of one sequence's valid positions."""
+    def rows(self, split: str, sequence: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(indices [n, N] int64, logprobs [n, N] fp32, rest [n] fp32) of one sequence's
+        valid positions."""
         handle, local = self._shard(split, sequence)
         offsets = handle.get_slice("offsets")[local : local + 2]
         a, b = int(offsets[0]), int(offsets[1])
         indices = handle.get_slice("indices")[a:b].long()
         logprobs = handle.get_slice("logprobs")[a:b].float()
-        return indices, logprobs
+        rest = handle.get_slice("rest")[a:b].float()
+        return indices, logprobs, rest
 
     def sparse_target(self, split: str, sequences, mask: torch.Tensor):
-        """The batch's target as a SparseTarget [B, L−1, N] (top-N renormalised) for the mask
-        [B, L−1] of `valid_rows`; masked positions hold a uniform placeholder."""
+        """The batch's target as a SparseTarget [B, L−1, N] with its rest [B, L−1] (the top-N
+        probabilities and the mass they leave; the loss scales the two to sum to 1, which
+        absorbs the float16 rounding) for the mask [B, L−1] of `valid_rows`; masked positions
+        hold a uniform placeholder."""
         from specdistill.losses import SparseTarget
 
         n = self.top_n
         shape = (*mask.shape, n)
         indices = torch.arange(n, device=mask.device).expand(shape).clone()
         probs = torch.full(shape, 1.0 / n, device=mask.device)
+        rest = torch.zeros(mask.shape, device=mask.device)
         for b, sequence in enumerate(sequences):
-            idx, logp = self.rows(split, int(sequence))
+            idx, logp, dropped = self.rows(split, int(sequence))
             where = mask[b].nonzero().squeeze(-1)
             if len(where) != len(idx):
                 raise CacheError(
                     f"target.cache {self.path}: {split} sequence {int(sequence)} has "
                     f"{len(idx)} cached positions, the batch {len(where)}"
                 )
-            p = logp.exp()
-            p = p / p.sum(-1, keepdim=True)
             indices[b, where] = idx.to(mask.device)
-            probs[b, where] = p.to(mask.device)
-        return SparseTarget(indices, probs)
+            probs[b, where] = logp.exp().to(mask.device)
+            rest[b, where] = dropped.to(mask.device)
+        return SparseTarget(indices, probs, rest)
 
     def depths(self, draft, batch: dict, vocab_size: int, split: str = "train"):
         """A standalone draft's (drafts, targets, masks) with the target from the cache, as

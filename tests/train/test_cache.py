@@ -61,19 +61,20 @@ def test_cache_matches_the_live_target(tiny_pair, tmp_path, loss):
                 torch.testing.assert_close(grads_b[name], grads_a[name], rtol=1e-5, atol=1e-5)
 
 
-def test_float16_top_n_cache_is_the_truncated_target(tiny_pair, tmp_path):
-    """The stored form (float16 values, N < V): the loss is that of the live target's top N
-    renormalised (docs/theory.md §3), up to the float16 rounding of the log-probabilities."""
-    from specdistill import losses
+def test_float16_top_n_cache_is_the_coarsened_target(tiny_pair, tmp_path):
+    """The stored form (float16 values, N < V): the loss is the KL between the live target and
+    the draft coarsened to N + 1 bins, the target's top N and one bin for every other token
+    (docs/theory.md §3, computed here by hand from the full distributions), up to the float16
+    rounding of the stored values. N = V: the plain KL."""
     from specdistill.drafts.align import shifted_logits, target_mask
     from specdistill.train.cache import TargetCache
 
     live = Trainer.from_recipe(load_recipe(None, overrides(tiny_pair, tmp_path / "live")))
     batch = live.micro_batches(0)[0]
-    with torch.no_grad():
-        t_logp = shifted_logits(live.target, batch, VOCAB).log_softmax(-1)
-        d_logits = shifted_logits(live.draft, batch, VOCAB)
     mask = target_mask(batch)
+    with torch.no_grad():
+        p = shifted_logits(live.target, batch, VOCAB).double().softmax(-1)[mask]
+        q = shifted_logits(live.draft, batch, VOCAB).double().softmax(-1)[mask]
     for top_n in (VOCAB, 64, 20):
         out = tmp_path / f"cache-{top_n}"
         build_cache(
@@ -86,15 +87,23 @@ def test_float16_top_n_cache_is_the_truncated_target(tiny_pair, tmp_path):
             eval_data=live.eval_data,
             print=lambda *a: None,
         )
-        values, indices = t_logp.topk(top_n, dim=-1)
-        probs = values.exp() / values.exp().sum(-1, keepdim=True)
-        expected, _ = losses.compute_loss(
-            "fkl", d_logits, losses.SparseTarget(indices, probs), mask
-        )
+        p_top, indices = p.topk(top_n, dim=-1)
+        q_top = q.gather(-1, indices)
+        p_bins = torch.cat([p_top, (1 - p_top.sum(-1, keepdim=True)).clamp_min(0)], -1)
+        q_bins = torch.cat([q_top, (1 - q_top.sum(-1, keepdim=True)).clamp_min(0)], -1)
+        if top_n == VOCAB:  # no token outside the N: no rest bin
+            p_bins, q_bins = p, q
+        expected = (torch.xlogy(p_bins, p_bins) - torch.xlogy(p_bins, q_bins)).sum()
         live.cache = TargetCache(out)
         loss_c, alpha_c, _ = _loss_and_grads(live, live.micro_batches(0)[0])
         live.cache = None
         assert loss_c == pytest.approx(float(expected), rel=2e-3), top_n
+        coarse_alpha = torch.minimum(p_bins, q_bins).sum()
+        assert alpha_c == pytest.approx(float(coarse_alpha), rel=2e-3), top_n
+        if top_n < VOCAB:  # the rest bin carries real mass here: renormalising would differ
+            renormalised = p_top / p_top.sum(-1, keepdim=True)
+            truncated = (torch.xlogy(renormalised, renormalised / q_top)).sum()
+            assert abs(loss_c - float(truncated)) > 0.05 * abs(float(truncated)), top_n
 
 
 def test_manifest_sizes_and_shards(tiny_pair, tmp_path):
@@ -200,7 +209,7 @@ def test_refuses_a_cache_of_another_dataset(tiny_pair, train_cache, tmp_path):
     )
 
 
-def test_refuses_a_missing_cache_and_eagle3(tiny_pair, tmp_path):
+def test_refuses_a_missing_cache_eagle3_and_what_it_cannot_know(tiny_pair, tmp_path):
     _refused(tiny_pair, tmp_path / "run", tmp_path / "nothing", "no manifest.json")
     with pytest.raises(RecipeError, match="eagle3 head also needs the target's hidden states"):
         load_recipe(
@@ -211,6 +220,11 @@ def test_refuses_a_missing_cache_and_eagle3(tiny_pair, tmp_path):
                 **{"draft.type": "eagle3", "draft.model": "null", "target.cache": str(tmp_path)},
             ),
         )
+    for extra in ({"loss.temperature": 0.8}, {"loss.params.top_p": 0.9}):
+        with pytest.raises(RecipeError, match="at temperature 1 and the mass it drops"):
+            load_recipe(
+                None, overrides(tiny_pair, tmp_path / "t", **extra, **{"target.cache": "x"})
+            )
     with pytest.raises(RecipeError, match="set loss.chunk_size=null"):
         load_recipe(
             None,
