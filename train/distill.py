@@ -3,10 +3,13 @@
     accelerate launch train/distill.py --recipe recipes/code.yaml
     accelerate launch --multi_gpu --num_processes 2 train/distill.py --recipe recipes/code.yaml \
         train.max_steps=50 loss.name=tv      # 2 processes; on a machine without GPUs: gloo
+    accelerate launch --config_file recipes/accelerate/fsdp.yaml train/distill.py \
+        --recipe recipes/code.yaml           # FSDP2; recipes/accelerate/: DDP, DeepSpeed too
     python train/distill.py --recipe recipes/code.yaml train.resume=auto   # single process
 
 Overrides are `key.sub=value` (values parsed as YAML). Outputs in `train.output_dir`:
-recipe.yaml, metrics.jsonl, eval.json, checkpoints/, final/ (the trained draft).
+recipe.yaml, metrics.jsonl, eval.json, checkpoints/, final/ (the trained draft), best/ (the
+draft of the highest held-out α).
 A non-empty output_dir is refused unless the run continues it (train.resume=auto, as the
 shipped recipes set, or a checkpoint path) or replaces it (train.overwrite=true); a rerun of
 a finished run with train.resume=auto prints its result and exits (docs/reliability.md).
