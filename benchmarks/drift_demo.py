@@ -29,18 +29,11 @@ from pathlib import Path
 
 import torch
 
+from specdistill.data.stdlib import help_topics
+from specdistill.train.finetune import finetune_adapter
+
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "benchmarks"))
-
-
-def topic_texts() -> tuple[list[str], list[str]]:
-    """(fine-tune texts, held-out texts) of pydoc's topics, split by a fixed shuffle."""
-    from pydoc_data.topics import topics
-
-    names = sorted(topics)
-    random.Random(0).shuffle(names)
-    cut = len(names) * 4 // 5
-    return [topics[n] for n in names[:cut]], [topics[n] for n in names[cut:]]
 
 
 def code_openings(n: int, seed: int) -> list[str]:
@@ -69,50 +62,6 @@ def prose_openings(texts: list[str], n: int, seed: int) -> list[str]:
                 spans.append(text[cut + 2 : cut + 202])
     rng.shuffle(spans)
     return spans[:n]
-
-
-def finetune_adapter(base: str, out: Path, steps: int, *, lr=2e-3, r=8, batch=8, seq=128) -> dict:
-    """Train a LoRA adapter on the fine-tune topics; save it (not merged) at `out`."""
-    from peft import LoraConfig, get_peft_model
-
-    from specdistill.drafts import hub
-
-    tokenizer = hub.load_tokenizer(base)
-    model = hub.load_model(base)
-    model.name_or_path = base  # recorded as the adapter's base_model_name_or_path
-    train_texts, _ = topic_texts()
-    ids = []
-    for text in train_texts:
-        ids += tokenizer(text)["input_ids"] + [tokenizer.eos_token_id]
-    data = torch.tensor(ids[: len(ids) // seq * seq]).view(-1, seq)
-    config = LoraConfig(
-        r=r,
-        lora_alpha=2 * r,
-        target_modules=[
-            "q_proj",
-            "k_proj",
-            "v_proj",
-            "o_proj",
-            "gate_proj",
-            "up_proj",
-            "down_proj",
-        ],
-        task_type="CAUSAL_LM",
-    )
-    model = get_peft_model(model, config)
-    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr)
-    gen = torch.Generator().manual_seed(0)
-    model.train()
-    losses = []
-    for _ in range(steps):
-        rows = data[torch.randint(0, data.shape[0], (batch,), generator=gen)]
-        loss = model(input_ids=rows, labels=rows).loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-    model.save_pretrained(out)
-    return {"steps": steps, "loss_first": losses[0], "loss_last": sum(losses[-5:]) / 5}
 
 
 def prompts_file(path: Path, code: list[str], prose: list[str]) -> Path:
@@ -179,10 +128,10 @@ def main(argv=None) -> dict:
     from specdistill.eval import drift
     from specdistill.eval.prompts import load_prompts
 
-    ft = finetune_adapter(args.base, out / "adapter", args.ft_steps)
+    ft = finetune_adapter(args.base, out / "adapter", [(help_topics()[0], 8)], args.ft_steps)
     print(f"fine-tune: {ft} ({time.time() - t0:.0f}s)", flush=True)
 
-    _, heldout_topics = topic_texts()
+    _, heldout_topics = help_topics()
     n_eval, n_train = args.eval_prompts, args.train_prompts
     code = code_openings(n_eval + n_train, seed=1)
     prose = prose_openings(heldout_topics, n_eval + n_train, seed=1)

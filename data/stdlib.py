@@ -7,6 +7,7 @@ stable hash of the module name, so it is the same on every machine with the same
 """
 
 import os
+import random
 import sysconfig
 import zlib
 from pathlib import Path
@@ -46,3 +47,15 @@ def _python_files(root: Path) -> list[Path]:
         subdirs[:] = [d for d in subdirs if d not in _EXCLUDED_DIRS]
         found.extend(Path(folder, name) for name in names if name.endswith(".py"))
     return found
+
+
+def help_topics() -> tuple[list[str], list[str]]:
+    """(fine-tune, held-out) texts of the interpreter's help topics (`pydoc_data.topics`):
+    English prose about the language, the demos' second domain. The topics are split 4:1 by a
+    fixed shuffle of their names, the same on every machine with the same Python."""
+    from pydoc_data.topics import topics
+
+    names = sorted(topics)
+    random.Random(0).shuffle(names)
+    cut = len(names) * 4 // 5
+    return [topics[n] for n in names[:cut]], [topics[n] for n in names[cut:]]

@@ -24,8 +24,19 @@ together, atomically (OUT/state, via publish_dir), after each refresh and at the
 pass. A restart loads that state and cuts the logs back to the committed sizes, so a record
 read after the last commit is read again, once: none is skipped, none is counted twice.
 
-Not done: sparse top-k training from the records' top_logprobs (the frozen target is always
-run for the targets); EAGLE-3 drafts (standalone only); multi-process training.
+Targets: when every record of a refresh carries the target's top_logprobs (the server's
+--log-top-logprobs K, or converted vLLM/SGLang logprobs) and online.sparse_targets is on (off
+by default, docs/online.md), the refresh trains on them as sparse targets with a rest bin
+(docs/theory.md §3) and skips the target's forward; otherwise it runs the frozen target. The
+gate always runs the target (exact α on the held-out slice).
+
+Drafts: a standalone draft or an EAGLE-3 head (`draft.type: eagle3`). A head is refreshed
+on the target's features (the draft type's `depths`), gated on its depth-0 α, published in
+the speculators layout its type saves and served by `--drafts` like any version. Its V_d is
+fixed: `draft.model` names a trained head (e.g. `specdistill distill` with
+recipes/code-eagle3.yaml), or a fresh head takes V_d = V or builds V_d from the anchor set.
+
+Not done: multi-process training.
 """
 
 import argparse
@@ -92,8 +103,6 @@ class OnlineJob:
         online_versions.FAULT = FAULT
         self.print = print
         r = copy.deepcopy(recipe)
-        if r.draft.type != "standalone":
-            raise RecipeError("specdistill online supports draft.type=standalone only")
         # A refresh is a continuation, not a schedule: constant learning rate.
         r.train = dataclasses.replace(r.train, warmup_steps=0, min_lr_ratio=1.0)
         self.recipe, o = r, r.online
@@ -118,8 +127,9 @@ class OnlineJob:
         )
         self.identity = model_identity(r.target.model, self.target, r.target.adapter)
         self.vocab_size = len(self.tokenizer)
+        anchor = load_anchor(o.anchor, self.identity, self.max_tokens, self.vocab_size)
         draft, kind = drafts.build(
-            r.draft, self.target, self.tokenizer, None, print=lambda *a: None
+            r.draft, self.target, self.tokenizer, self._vocab_data(anchor), print=lambda *a: None
         )
         self.kind = kind
         acc = Accelerator(cpu=not torch.cuda.is_available())
@@ -139,7 +149,7 @@ class OnlineJob:
         self.store = Store(
             o.recent_size, o.reservoir_size, o.holdout_size, o.dedup_size, rng_state=r.train.seed
         )
-        self.store.anchor = load_anchor(o.anchor, self.identity, self.max_tokens, self.vocab_size)
+        self.store.anchor = anchor
         self.watch = Watch(o.watch_window, o.watch_trailing, o.watch_drop)
         self.counts: Counter = Counter()
         self.trained_ids: list[str] = []
@@ -152,6 +162,33 @@ class OnlineJob:
         self.pending: dict | None = None  # {"version", "manifest"}: a promotion being published
         self.stop_event = threading.Event()  # set: a follow run ends after the current step
         self._recover()
+
+    def _vocab_data(self, anchor: list):
+        """What a fresh EAGLE-3 head (draft.model null) builds its V_d from: the anchor set's
+        completion tokens. None where nothing is needed (a standalone draft, a trained head,
+        or V_d = V); a RecipeError where a V_d < V has nothing to be built from."""
+        from specdistill.data.dataset import TokenDataset
+        from specdistill.train.online_traffic import to_tokens
+
+        d = self.recipe.draft
+        if d.type != "eagle3" or d.model is not None:
+            return None
+        if d.vocab_size is None or d.vocab_size >= self.vocab_size:
+            return None
+        if not anchor:
+            raise RecipeError(
+                "specdistill online with draft.type=eagle3: draft.model must be a trained "
+                "EAGLE-3 head directory (e.g. from specdistill distill), or a fresh head needs "
+                "draft.vocab_size null (V_d = V) or an online.anchor set to build its draft "
+                "vocabulary from"
+            )
+        return TokenDataset([to_tokens(it) for it in anchor], n_records=len(anchor), skipped={})
+
+    def _sync_vocab_map(self) -> None:
+        """An EAGLE-3 head's d2t map, which the loss and the gate read from the draft type,
+        is the running head's own (after a version's weights and buffers were loaded)."""
+        if getattr(self.kind, "d2t", None) is not None:
+            self.kind.d2t = self.trainer.accelerator.unwrap_model(self.trainer.draft).d2t
 
     # ----------------------------------------------------------------------------- state
     def _recover(self) -> None:
@@ -219,6 +256,7 @@ class OnlineJob:
                 student.load_state_dict(self._load_version(current).state_dict())
                 self.known_current = current
                 self.print(f"online: starting from the served version {current}")
+        self._sync_vocab_map()
         self._follow_external_change()
 
     def _complete_pending(self) -> None:
@@ -293,7 +331,9 @@ class OnlineJob:
         path = self.root / version
         manifest = read_manifest(path)
         model_dir = path / manifest["draft_dir"] if manifest.get("draft_dir") else path
-        return load_checked(str(model_dir), self.target, self.tokenizer)
+        return load_checked(
+            str(model_dir), self.target, self.tokenizer, dtype=self.recipe.draft.dtype
+        )
 
     def incumbent(self):
         """(version, model) of what ROOT/current names now."""
@@ -313,6 +353,7 @@ class OnlineJob:
         if current is not None and current != self.known_current:
             student = self.trainer.accelerator.unwrap_model(self.trainer.draft)
             student.load_state_dict(self._load_version(current).state_dict())
+            self._sync_vocab_map()
             self.print(
                 f"online: current moved {self.known_current} -> {current}; "
                 "the running draft restarts from it"
@@ -392,7 +433,7 @@ class OnlineJob:
                     metric = self.watch.add(record)
                     if metric is not None:
                         self._watch_metric(metric)
-                    if self.store.add(compact(record), prompt_hash(record)):
+                    if self.store.add(compact(record, self.o.sparse_targets), prompt_hash(record)):
                         self.counts["records_accepted"] += 1
                         added += 1
                     else:
@@ -418,11 +459,38 @@ class OnlineJob:
             return final or time.time() - self.last_refresh >= self.o.refresh_seconds
         return False
 
+    def sparse_targets(self, items: list[dict]) -> bool:
+        """Whether a refresh on `items` trains on their top_logprobs (online.sparse_targets):
+        every record carries them and the loss can compare a rest bin."""
+        r = self.recipe
+        if not (r.online.sparse_targets and all(it.get("top_logprobs") for it in items)):
+            return False
+        lo = r.loss
+        why = [
+            f"{key}={value}"
+            for key, value, fine in (
+                ("loss.temperature", lo.temperature, lo.temperature == 1.0),
+                ("loss.top_p", lo.params.get("top_p"), lo.params.get("top_p") is None),
+                ("loss.top_k", lo.params.get("top_k"), lo.params.get("top_k") is None),
+                ("loss.chunk_size", lo.chunk_size, lo.chunk_size is None),
+                ("draft.type", r.draft.type, r.draft.type == "standalone"),
+            )
+            if not fine
+        ]
+        if why and not getattr(self, "_said_sparse", False):
+            self._said_sparse = True
+            self.print(
+                "online: the records carry top_logprobs, but the refreshes run the target: "
+                f"sparse targets need loss temperature 1, unfiltered, unchunked, a standalone "
+                f"draft ({', '.join(why)})"
+            )
+        return not why
+
     def refresh(self) -> dict:
         """K optimiser steps on the new records + replay, the gate, maybe a publish, commit."""
         from specdistill.data.dataset import TokenDataset
         from specdistill.train.online_gate import decide, sequence_alpha
-        from specdistill.train.online_traffic import to_tokens
+        from specdistill.train.online_traffic import RecordTargets, to_tokens
 
         self._follow_external_change()
         r, o, tr = self.recipe, self.o, self.trainer
@@ -441,6 +509,8 @@ class OnlineJob:
         tr.train_data = TokenDataset(
             [to_tokens(it) for it in items], n_records=len(items), skipped={}
         )
+        sparse = self.sparse_targets(items)
+        tr.cache = RecordTargets(items) if sparse else None  # None: the live target
         tr._perms = {}
         one_pass = math.ceil(len(items) / g)
         steps = max(1, one_pass) if osd else max(o.refresh_steps, one_pass)
@@ -479,6 +549,7 @@ class OnlineJob:
             "loss": sum(losses) / len(losses),
             "records_new": len(fresh),
             "records_replay": len(replay),
+            "target": "records' top_logprobs" if sparse else "live",
             **{k: v for k, v in verdict.items() if k not in ("promote", "why")},
         }
         FAULT("refresh:gated")

@@ -3,15 +3,21 @@
     specdistill online demo --out runs/demo                 # bounded: about 25 minutes, 2 cores
     specdistill online demo --out runs/demo --minutes 9     # a quick run
 
+Before the load, with `--shift target` (the default): the served target is `--target` with a
+LoRA adapter fine-tuned (`--ft-steps`) on the help topics enciphered with ROT13 (a stand-in for
+a new language) mixed with stdlib code, and the draft is first distilled to that served target
+on the code traffic pool (`--fit-steps`): production before the shift, a draft fit to its
+target on the traffic so far. `--shift traffic` serves `--target` as it is.
+
 In one process, on 127.0.0.1 only:
-  1. the online job's first version, DIR/drafts/v000001, is the draft (embedded:code-draft);
-  2. the server (serve/server.py `Server`) on the embedded pair with --drafts DIR/drafts and
+  1. the online job's first version, DIR/drafts/v000001, is that draft;
+  2. the server (serve/server.py `Server`) on the served target with --drafts DIR/drafts and
      --traffic DIR/traffic;
   3. the online job (train/online.py) in follow mode on a thread, OUT = DIR/online;
   4. a bounded load generator: `--clients` threads of the official openai client, temperature
      1, in three timed phases: code (prompts cut from held-out standard-library modules, the
      domain the embedded models were trained on), prose (paragraphs of the interpreter's own
-     help topics, `pydoc_data.topics.topics`), then code again.
+     help topics, `pydoc_data.topics.topics`, in ROT13 under `--shift target`), then code.
 At the end the clients, the server and the job are stopped; then OSD's policy (arXiv
 2310.07177: an update on every `--osd-batch` records, no replay, no hold-out gate, promote
 always, forward KL) runs one pass over the same DIR/traffic (OUT = DIR/osd), and the offline α
@@ -23,6 +29,7 @@ promotion marked). Served α = accepted / drafted tokens of the traffic records.
 """
 
 import argparse
+import codecs
 import json
 import random
 import threading
@@ -60,16 +67,18 @@ def code_texts(max_files: int | None = None) -> list[str]:
     return chunks
 
 
-def prose_texts() -> list[str]:
-    """Paragraphs (>= 200 chars) of the interpreter's help topics."""
-    from pydoc_data.topics import topics
+def prose_texts(cipher: bool = False) -> list[str]:
+    """Paragraphs (>= 200 chars) of the interpreter's help topics (data.stdlib.help_topics'
+    fine-tune split); `cipher`: enciphered with ROT13, the stand-in for a new language that
+    `--shift target` teaches the served target and its draft has never seen."""
+    from specdistill.data.stdlib import help_topics
 
     paragraphs = []
-    for key in sorted(topics):
-        for p in topics[key].split("\n\n"):
+    for text in help_topics()[0]:
+        for p in text.split("\n\n"):
             p = p.strip()
             if len(p) >= 200 and not p.startswith(" "):  # prose, not indented code samples
-                paragraphs.append(p)
+                paragraphs.append(codecs.encode(p, "rot13") if cipher else p)
     return paragraphs
 
 
@@ -224,12 +233,66 @@ def offline_alpha(job, model, evals: dict) -> dict:
     }
 
 
+# ------------------------------------------------------------------------------ shift
+def fine_tune_target(args, out: Path) -> tuple[str, dict]:
+    """`--shift target`: a LoRA adapter on `--target` fine-tuned on the help topics in ROT13
+    (a new language) mixed half and half with training-split stdlib code (the old domain,
+    held). The served target is the base with this adapter from the start: a model that
+    knows a language its draft was never fit on, as a fine-tuned product model does."""
+    from specdistill.data.stdlib import help_topics, stdlib_files
+    from specdistill.train.finetune import finetune_adapter
+
+    files = stdlib_files("train")[: args.ft_code_files]
+    code = [f.read_text(encoding="utf-8", errors="replace") for f in files]
+    adapter = out / "target-adapter"
+    prose = [codecs.encode(t, "rot13") for t in help_topics()[0]]
+    sources = [(prose, 4), (code, 4)]
+    info = finetune_adapter(
+        args.target, adapter, sources, args.ft_steps, lr=args.ft_lr, r=args.ft_rank, seed=args.seed
+    )
+    return str(adapter), info
+
+
+def fit_draft(args, out: Path, adapter: str | None, code: list[str], heldout: list[str]) -> str:
+    """`--fit-steps N`: the served draft is `--draft` distilled for N steps to the served target
+    on the code traffic pool (what production traffic looked like before the shift)."""
+    from specdistill.train.config import load_recipe
+    from specdistill.train.trainer import Trainer
+
+    data, evaluation = out / "fit-train.jsonl", out / "fit-eval.jsonl"
+    data.write_text("".join(json.dumps({"text": t}) + "\n" for t in code))
+    evaluation.write_text("".join(json.dumps({"text": t}) + "\n" for t in heldout))
+    overrides = {
+        "target.model": args.target,
+        "target.adapter": adapter,
+        "draft.model": args.draft,
+        "data.train": [str(data)],
+        "data.eval": [str(evaluation)],
+        "data.max_length": 256,
+        "data.pack": True,
+        "loss.name": args.loss,
+        "train.max_steps": args.fit_steps,
+        "train.global_batch_size": args.batch,
+        "train.micro_batch_size": args.batch,
+        "train.lr": args.lr,
+        "train.warmup_steps": max(1, args.fit_steps // 10),
+        "train.seed": args.seed,
+        "train.output_dir": str(out / "fit"),
+        "train.save_every": 0,
+        "eval.every": 0,
+    }
+    recipe = load_recipe(None, [f"{k}={json.dumps(v)}" for k, v in overrides.items()])
+    Trainer.from_recipe(recipe).run()
+    return str(out / "fit" / "final")
+
+
 # ------------------------------------------------------------------------------ main
 def recipe_for(args, out: Path, policy: str):
     from specdistill.train.config import load_recipe
 
     common = {
         "target.model": args.target,
+        "target.adapter": args.target_adapter,
         "draft.model": args.draft,
         "draft.type": "standalone",
         "data.max_length": 512,
@@ -298,14 +361,25 @@ def demo(args) -> dict:
     if len(phase_seconds) != 3:
         raise SystemExit("--phase-seconds needs three numbers (code, prose, code)")
 
+    shift = {"kind": args.shift}
+    if args.shift == "target":
+        t0 = time.time()
+        args.target_adapter, shift["fine_tune"] = fine_tune_target(args, out)
+        shift["fine_tune"]["seconds"] = time.time() - t0
+        print(f"online demo: served target = {args.target} + {args.target_adapter}", flush=True)
+    code_traffic, code_eval = split_pools(code_texts(args.max_code_files), args.seed)
+    if args.fit_steps:
+        t0 = time.time()
+        args.draft = fit_draft(args, out, args.target_adapter, code_traffic, code_eval)
+        shift["fit"] = {"steps": args.fit_steps, "draft": args.draft, "seconds": time.time() - t0}
+
     log = []
     say = lambda *a, **k: log.append(" ".join(map(str, a)))  # noqa: E731
     job = OnlineJob(
         recipe_for(args, out, "specdistill"), print=lambda *a, **k: (say(*a), print(*a, flush=True))
     )
     tok = job.tokenizer
-    code_traffic, code_eval = split_pools(code_texts(args.max_code_files), args.seed)
-    prose_traffic, prose_eval = split_pools(prose_texts(), args.seed)
+    prose_traffic, prose_eval = split_pools(prose_texts(args.shift == "target"), args.seed)
     pools = {
         "code": [prompt_of(t, tok, args.prompt_tokens) for t in code_traffic],
         "prose": [prompt_of(t, tok, args.prompt_tokens) for t in prose_traffic],
@@ -326,6 +400,7 @@ def demo(args) -> dict:
         args.target,
         drafts_root=str(out / "drafts"),
         traffic=str(out / "traffic"),
+        target_adapter=args.target_adapter,
         gamma=args.gamma,
         max_batch=args.clients,
         poll_s=1.0,
@@ -437,6 +512,7 @@ def demo(args) -> dict:
             "updates": osd_result["refreshes"],
             "seconds": osd_seconds,
         },
+        "shift": shift,
         "eval_sequences": {k: len(v) for k, v in evals.items()},
         "settings": {k: v for k, v in vars(args).items() if k != "func"},
         "plot": str(out / "served_alpha.png"),
@@ -461,6 +537,24 @@ def main(argv=None) -> int:
         "--phase-seconds", default=None, help="code,prose,code seconds (overrides --minutes)"
     )
     p.add_argument("--target", default="embedded:code")
+    p.add_argument(
+        "--shift",
+        choices=("target", "traffic"),
+        default="target",
+        help="target (default): serve --target with a LoRA adapter fine-tuned on the prose "
+        "domain and old code, so the target knows the new domain and the draft does not; "
+        "traffic: serve --target as it is (only the prompts change)",
+    )
+    p.add_argument("--ft-steps", type=int, default=150, help="--shift target: adapter steps")
+    p.add_argument("--ft-lr", type=float, default=3e-3)
+    p.add_argument("--ft-rank", type=int, default=16)
+    p.add_argument("--ft-code-files", type=int, default=60, help="stdlib files mixed in")
+    p.add_argument(
+        "--fit-steps",
+        type=int,
+        default=50,
+        help="first distil --draft to the served target on the code traffic pool for N steps",
+    )
     p.add_argument("--draft", default="embedded:code-draft")
     p.add_argument("--clients", type=int, default=3)
     p.add_argument("--max-tokens", type=int, default=32)
@@ -480,6 +574,7 @@ def main(argv=None) -> int:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
+    args.target_adapter = None
     if args.minutes <= 0 or args.minutes > 30:
         p.error("--minutes must be in (0, 30]")
     s = demo(args)

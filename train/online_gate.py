@@ -22,6 +22,8 @@ from specdistill.train.online_traffic import to_tokens
 def sequence_alpha(kind, target, draft, items: list[dict], pad_token_id: int, *, batch: int = 8):
     """α per item (mean over its completion positions) at each item's temperature."""
     device = next(target.parameters()).device
+    # An EAGLE-3 head maps its V_d logits with its own d2t (the incumbent is another version).
+    d2t = draft.d2t if kind.d2t is not None else None
     was_training = draft.training
     draft.eval()
     out = np.zeros(len(items))
@@ -43,7 +45,7 @@ def sequence_alpha(kind, target, draft, items: list[dict], pad_token_id: int, *,
             b = {k: v.to(device) for k, v in collate(seqs, pad_token_id).items()}
             d_logits, t_logits, masks = kind.depths(draft, target, b)
             alpha = losses.acceptance(
-                d_logits[0], t_logits[0], temperature, masks[0], d2t=kind.d2t
+                d_logits[0], t_logits[0], temperature, masks[0], d2t=d2t
             ).double()
             per = alpha.sum(-1) / masks[0].sum(-1).clamp_min(1)
             out[chunk] = per.cpu().numpy()

@@ -115,9 +115,10 @@ def prompt_hash(record: dict) -> str:
     return hashlib.sha256(json.dumps(record["prompt_token_ids"]).encode()).hexdigest()[:32]
 
 
-def compact(record: dict) -> dict:
-    """What the store keeps of a record: enough to train and evaluate on it."""
-    return {
+def compact(record: dict, top_logprobs: bool = False) -> dict:
+    """What the store keeps of a record: enough to train and evaluate on it (and its
+    top_logprobs when `top_logprobs`: online.sparse_targets)."""
+    item = {
         "id": record["id"],
         "time": record["time"],
         "prompt_token_ids": record["prompt_token_ids"],
@@ -125,6 +126,9 @@ def compact(record: dict) -> dict:
         "temperature": float(record["sampling"]["temperature"]),
         "category": record["category"],
     }
+    if top_logprobs and record.get("top_logprobs"):
+        item["top_logprobs"] = record["top_logprobs"]
+    return item
 
 
 def to_tokens(item: dict) -> Tokens:
@@ -258,3 +262,64 @@ def count_reasons(counter: Counter) -> dict:
 
 
 __all__ = ["SHARD", "Cursor", "Store", "compact", "load_anchor", "read_new", "screen", "to_tokens"]
+
+
+# ----------------------------------------------------------------------------- sparse targets
+class RecordTargets:
+    """The target of a refresh taken from its records' own `top_logprobs` (the target's raw
+    top-k at temperature 1, docs/traffic.md) instead of a forward of the target: each position
+    a `SparseTarget` of the k logged tokens plus a rest bin holding 1 − Σ p (docs/theory.md
+    §3). The interface of `train.cache.TargetCache` (`depths`), which the Trainer uses in
+    place of the live target; rows are found by `batch["sequence"]`, indices into `items`."""
+
+    def __init__(self, items: list[dict]):
+        self.items = items
+
+    def depths(self, draft, batch: dict, vocab_size: int, split: str = "train"):
+        from specdistill.drafts.align import shifted_logits, target_mask
+
+        mask = target_mask(batch)
+        rows = [self.items[i] for i in batch["sequence"].tolist()]
+        target = sparse_target(rows, mask, vocab_size)
+        return [shifted_logits(draft, batch, vocab_size)], [target], [mask]
+
+
+def sparse_target(items: list[dict], mask, vocab_size: int):
+    """SparseTarget [B, L−1, k] with rest [B, L−1] from the items' top_logprobs, one entry per
+    completion token, placed at the valid positions of `mask` (those predicting a completion
+    token, in order). Entries with fewer than k alternatives are padded with unused ids of
+    probability 0; masked positions hold a uniform placeholder."""
+    import torch
+
+    from specdistill.losses import SparseTarget
+
+    k = max(len(entry) for it in items for entry in it["top_logprobs"])
+    shape = (*mask.shape, k)
+    indices = torch.arange(k).expand(shape).clone()
+    probs = torch.full(shape, 1.0 / k)
+    rest = torch.zeros(mask.shape)
+    for b, it in enumerate(items):
+        where = mask[b].nonzero().squeeze(-1).tolist()
+        entries = it["top_logprobs"]
+        if not it["prompt_token_ids"]:  # to_tokens: the first token is never a target
+            entries = entries[1:]
+        if len(where) != len(entries):
+            raise TrafficError(
+                f"record {it.get('id')}: {len(entries)} top_logprobs entries for "
+                f"{len(where)} trained completion tokens"
+            )
+        for pos, entry in zip(where, entries, strict=True):
+            ids = [int(t) for t, _ in entry]
+            if len(set(ids)) != len(ids) or not all(0 <= t < vocab_size for t in ids):
+                raise TrafficError(
+                    f"record {it.get('id')}: top_logprobs ids must be distinct and in "
+                    f"[0, {vocab_size})"
+                )
+            unused = (t for t in range(vocab_size) if t not in set(ids))
+            ids += [next(unused) for _ in range(k - len(ids))]
+            p = [float(np.exp(lp)) for _, lp in entry] + [0.0] * (k - len(entry))
+            indices[b, pos] = torch.tensor(ids)
+            probs[b, pos] = torch.tensor(p)
+            rest[b, pos] = max(0.0, 1.0 - sum(p))
+    device = mask.device
+    return SparseTarget(indices.to(device), probs.to(device), rest.to(device))

@@ -22,6 +22,8 @@ def test_demo_runs_serves_learns_and_reports(tiny_pair, tmp_path, monkeypatch):
         "--refresh-steps", "2", "--holdout", "4", "--osd-batch", "4",
         "--eval-sequences", "4", "--eval-tokens", "40", "--loss", "fkl",
         "--threads", "1", "--minutes", "1",
+        "--shift", "target", "--ft-steps", "2", "--ft-rank", "2", "--ft-code-files", "2",
+        "--fit-steps", "2",
     ]  # fmt: skip
     rc = online_demo.main(argv)
     summary = json.loads((out / "summary.json").read_text())
@@ -42,3 +44,12 @@ def test_demo_runs_serves_learns_and_reports(tiny_pair, tmp_path, monkeypatch):
     assert summary["alpha_before_shift"] is not None
     assert (out / "served_alpha.png").stat().st_size > 1000
     assert (out / "drafts" / "v000001" / "manifest.json").is_file()
+    # --shift target: the server and the job ran the fine-tuned target, the draft was fit first
+    assert summary["shift"]["fine_tune"]["steps"] == 2
+    assert summary["shift"]["fit"]["steps"] == 2
+    adapter = str(out / "target-adapter")
+    assert summary["settings"]["target_adapter"] == adapter
+    from specdistill.serve.traffic import read_traffic
+
+    records = read_traffic(out / "traffic")
+    assert records and all("+adapter:sha256:" in r["target"]["identity"] for r in records)
