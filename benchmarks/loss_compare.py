@@ -1,11 +1,19 @@
 """Distil the same draft with each loss at equal steps and compare held-out acceptance.
 
     python benchmarks/loss_compare.py                       # embedded pair, recipes/code.yaml
-    python benchmarks/loss_compare.py --losses fkl,tv --seeds 0,1,2 train.max_steps=300
+    python benchmarks/loss_compare.py --losses fkl,tv --seeds 0,1,2 --steps 300
+    python benchmarks/loss_compare.py --on-policy 0.5 --steps 300        # both levers
+    python benchmarks/loss_compare.py --target Qwen/Qwen2.5-7B-Instruct \\
+        --draft Qwen/Qwen2.5-0.5B-Instruct --data chats.jsonl --steps 500   # your own pair
 
-Each run starts from the same pretrained draft; only the loss (and, across seeds, the
-order of training sequences) changes. Prints held-out α at the recipe's eval temperature
-and at T=0, and predicted τ(γ=5), as mean ± std over seeds.
+Each run starts from the same pretrained draft; only the loss (and, across seeds, the order
+of training sequences) changes. With `--on-policy F`, every loss also runs with
+`data.on_policy.fraction=F` (rows named `loss+op`), so the divergence and the data are
+separate levers. Prints per run, as mean ± std over seeds: held-out α at the recipe's eval
+temperature and at T=0, predicted τ(γ) (`tau_pred`, round-aware, docs/theory.md §1) and
+*measured* τ(γ) from real speculative decoding at the end of training
+(`eval.speculative`, on `--spec-prompts` held-out prompts), and the ratio of τ against
+off-policy fkl when fkl is among the losses.
 """
 
 import argparse
@@ -30,8 +38,10 @@ def run(recipe_path: str, loss: str, seed: int, out: Path, overrides: list[str])
             *overrides,
             f"loss.name={loss}",
             f"train.seed={seed}",
-            f"train.output_dir={out / f'{loss}-seed{seed}'}",
+            f"train.output_dir={out}",
             "train.save_every=0",
+            "train.resume='no'",
+            "train.overwrite=true",
             "eval.every=0",
         ],
     )
@@ -39,50 +49,113 @@ def run(recipe_path: str, loss: str, seed: int, out: Path, overrides: list[str])
 
 
 def fmt(values: list[float]) -> str:
+    values = [v for v in values if v is not None]
+    if not values:
+        return "-"
     if len(values) == 1:
         return f"{values[0]:.4f}"
     return f"{statistics.mean(values):.4f} ± {statistics.stdev(values):.4f}"
 
 
-def main() -> None:
+def measured_tau(result: dict, gamma: int) -> float | None:
+    spec = result.get("speculative") or {}
+    return spec.get(f"spec/tau_{gamma}")
+
+
+def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--recipe", default=str(REPO / "recipes" / "code.yaml"))
     parser.add_argument("--losses", default="fkl,tv,lk_alpha,lk_lambda")
     parser.add_argument("--seeds", default="0", help="comma-separated training seeds")
+    parser.add_argument("--steps", type=int, default=None, help="train.max_steps")
+    parser.add_argument("--target", default=None, help="target.model (local dir or hub id)")
+    parser.add_argument("--draft", default=None, help="draft.model (local dir or hub id)")
+    parser.add_argument("--data", default=None, help="data.train, comma-separated sources")
+    parser.add_argument(
+        "--on-policy", type=float, default=0.0, help="also run each loss at this fraction"
+    )
+    parser.add_argument("--on-policy-source", default="draft", choices=("draft", "target"))
+    parser.add_argument("--gamma", type=int, default=5, help="γ of the τ columns")
+    parser.add_argument(
+        "--spec-prompts", type=int, default=8, help="held-out prompts for measured τ (0: off)"
+    )
     parser.add_argument("--out", default="runs/loss_compare")
     parser.add_argument("overrides", nargs="*", help="recipe overrides, key.sub=value")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     out = Path(args.out)
     seeds = [int(s) for s in args.seeds.split(",")]
-    names = args.losses.split(",")
-    results: dict[str, list[dict]] = {name: [] for name in names}
+    g = args.gamma
+    common = list(args.overrides)
+    if args.steps is not None:
+        common.append(f"train.max_steps={args.steps}")
+    if args.target:
+        common.append(f"target.model={args.target}")
+    if args.draft:
+        common.append(f"draft.model={args.draft}")
+    if args.data:
+        common.append(f"data.train={json.dumps(args.data.split(','))}")
+    if args.spec_prompts:
+        common += [
+            "eval.speculative.every=1000000000",  # only at the end of training
+            f"eval.speculative.gammas=[{g}]",
+            f"eval.speculative.prompts={args.spec_prompts}",
+        ]
+    variants = [(name, name, []) for name in args.losses.split(",")]
+    if args.on_policy > 0:
+        on = [
+            f"data.on_policy.fraction={args.on_policy}",
+            f"data.on_policy.source={args.on_policy_source}",
+        ]
+        variants += [(f"{name}+op", name, on) for name in args.losses.split(",")]
+    results: dict[str, list[dict]] = {label: [] for label, _, _ in variants}
     for seed in seeds:
-        for name in names:
-            results[name].append(run(args.recipe, name, seed, out, args.overrides))
-    first = results[names[0]][0]
-    header = (
-        f"{'loss':<12} {'alpha T=' + str(first['temperature']):>18} {'alpha T=0':>18} "
-        f"{'tau_pred(5)':>18}   (before: alpha {first['alpha_before']:.4f}, "
-        f"greedy {first['alpha_greedy_before']:.4f}, tau(5) {first['tau_pred_before'][5]:.3f})"
-    )
-    print(f"\n{len(seeds)} seed(s), {first['steps']} steps each")
-    print(header)
+        for label, loss, extra in variants:
+            results[label].append(
+                run(args.recipe, loss, seed, out / f"{label}-seed{seed}", common + extra)
+            )
+    first = results[variants[0][0]][0]
     summary = {}
-    for name in names:
-        rs = results[name]
-        row = {
+    for label, _, _ in variants:
+        rs = results[label]
+        summary[label] = {
             "alpha": [r["alpha"] for r in rs],
             "alpha_greedy": [r["alpha_greedy"] for r in rs],
-            "tau5": [r["tau_pred"][5] for r in rs],
+            "tau_pred": [r["tau_pred"][g] for r in rs],
+            "tau_measured": [measured_tau(r, g) for r in rs],
         }
-        summary[name] = row
-        cells = [fmt(row[key]) for key in ("alpha", "alpha_greedy", "tau5")]
-        print(f"{name:<12} " + " ".join(f"{cell:>18}" for cell in cells))
-    best = max(names, key=lambda n: statistics.mean(summary[n]["alpha"]))
-    print(f"best held-out alpha at T={first['temperature']}: {best}")
-    (out / "summary.json").write_text(json.dumps({"seeds": seeds, "results": summary}, indent=1))
+    base = summary.get("fkl")
+    print(f"\n{len(seeds)} seed(s), {first['steps']} steps each, γ = {g}")
+    print(
+        f"before: alpha {first['alpha_before']:.4f}, greedy {first['alpha_greedy_before']:.4f}, "
+        f"tau_pred({g}) {first['tau_pred_before'][g]:.3f}"
+    )
+    columns = (
+        f"alpha T={first['temperature']}",
+        "alpha T=0",
+        f"tau_pred({g})",
+        f"tau_meas({g})",
+        "tau_pred / fkl",
+        "tau_meas / fkl",
+    )
+    print(f"{'run':<14} " + " ".join(f"{c:>18}" for c in columns))
+    for label, row in summary.items():
+        ratios = []
+        for key in ("tau_pred", "tau_measured"):
+            mine = [v for v in row[key] if v is not None]
+            ref = [v for v in (base or {}).get(key, []) if v is not None]
+            ratio = statistics.mean(mine) / statistics.mean(ref) if mine and ref else None
+            row[f"{key}_ratio_vs_fkl"] = ratio
+            ratios.append("-" if ratio is None else f"{ratio:.3f}")
+        cells = [fmt(row[k]) for k in ("alpha", "alpha_greedy", "tau_pred", "tau_measured")]
+        print(f"{label:<14} " + " ".join(f"{c:>18}" for c in cells + ratios))
+    best = max(summary, key=lambda n: statistics.mean(summary[n]["tau_pred"]))
+    print(f"best tau_pred({g}): {best}")
+    out.mkdir(parents=True, exist_ok=True)
+    report = {"seeds": seeds, "gamma": g, "steps": first["steps"], "results": summary}
+    (out / "summary.json").write_text(json.dumps(report, indent=1))
+    return report
 
 
 if __name__ == "__main__":

@@ -28,6 +28,7 @@ DraftType = Literal["standalone", "eagle3"]  # the types of the drafts layer (dr
 DepthWeighting = Literal["geometric", "expected_length", "end_to_end"]
 MixedPrecision = Literal["no", "bf16", "fp16"]
 WandbMode = Literal["offline", "online", "disabled"]
+OnPolicySource = Literal["draft", "target"]
 
 
 @dataclass
@@ -72,6 +73,20 @@ class DraftConfig:
 
 
 @dataclass
+class OnPolicyConfig:
+    """Part of each batch generated on the fly (train/on_policy.py)."""
+
+    fraction: float = 0.0  # share of each global batch's sequences generated (0 = off)
+    # draft: the draft's own samples (DistillSpec / GKD); target: the target's, through the
+    # speculative decoding engine with the current draft (eval/engine.py)
+    source: OnPolicySource = "draft"
+    prompt_tokens: int = 32  # the first tokens of the slot's training sequence: the prompt
+    max_new_tokens: int | None = None  # null: up to data.max_length in all
+    temperature: float = 1.0  # sampling temperature: the serving one (0 = greedy)
+    gamma: int = 4  # source=target: draft tokens per speculative round
+
+
+@dataclass
 class DataConfig:
     train: list[str] = field(default_factory=lambda: ["embedded:code"])
     eval: list[str] | None = None  # None: a held-out split of `train`
@@ -79,6 +94,7 @@ class DataConfig:
     pack: bool = True
     eval_fraction: float = 0.05
     skip_malformed: bool = False
+    on_policy: OnPolicyConfig = field(default_factory=OnPolicyConfig)
 
 
 @dataclass
@@ -185,6 +201,12 @@ class OnlineConfig:
     watch_window: int = 50  # served records per rolling-α window
     watch_trailing: int = 5  # windows in the trailing level
     watch_drop: float = 0.1  # alert when a window's α is this far below the trailing level
+    # Train on the records' top_logprobs (the target's raw top-k) as sparse targets with a rest
+    # bin, skipping the target's forward, when every record of a refresh carries them and the
+    # loss allows it (temperature 1, no top_p/top_k, no chunk_size, a standalone draft). Off by
+    # default: on the embedded pair a top-20 target trains to a lower α than the live target
+    # (docs/cache.md: the draft's mass off the top N drifts unsupervised).
+    sparse_targets: bool = False
 
 
 @dataclass
@@ -397,12 +419,50 @@ def validate(recipe: Recipe, explicit: set[str] = frozenset()) -> None:
         ),
         (recipe.draft.lora.r >= 0, f"draft.lora.r must be >= 0, got {recipe.draft.lora.r}"),
         *_draft_checks(recipe, explicit),
+        *_on_policy_checks(recipe),
         *_online_checks(recipe.online),
     ]
     for ok, message in checks:
         if not ok:
             raise RecipeError(message)
     _validate_loss(lo)
+
+
+def _on_policy_checks(recipe: Recipe) -> list[tuple[bool, str]]:
+    o, d, t = recipe.data.on_policy, recipe.data, recipe.train
+    on = o.fraction > 0
+    return [
+        (0 <= o.fraction <= 1, f"data.on_policy.fraction must be in [0, 1], got {o.fraction}"),
+        (
+            not on or int(o.fraction * t.global_batch_size + 0.5) >= 1,
+            f"data.on_policy.fraction ({o.fraction}) × train.global_batch_size "
+            f"({t.global_batch_size}) rounds to 0 generated sequences per step; raise it "
+            f"to at least {0.5 / max(t.global_batch_size, 1):.3g}, or set it to 0",
+        ),
+        (o.prompt_tokens >= 1, f"data.on_policy.prompt_tokens must be >= 1, got {o.prompt_tokens}"),
+        (
+            not on or o.prompt_tokens < d.max_length,
+            f"data.on_policy.prompt_tokens ({o.prompt_tokens}) must be below data.max_length "
+            f"({d.max_length}): the rest of each sequence is generated",
+        ),
+        (
+            o.max_new_tokens is None or o.max_new_tokens >= 1,
+            f"data.on_policy.max_new_tokens must be >= 1 or null, got {o.max_new_tokens}",
+        ),
+        (o.temperature >= 0, f"data.on_policy.temperature must be >= 0, got {o.temperature}"),
+        (o.gamma >= 1, f"data.on_policy.gamma must be >= 1, got {o.gamma}"),
+        (
+            not on or o.source != "draft" or recipe.draft.type != "eagle3",
+            "data.on_policy.source=draft needs a standalone draft: an eagle3 head drafts from "
+            "the target's features and cannot write a text alone; use "
+            "data.on_policy.source=target (speculative decoding with the head)",
+        ),
+        (
+            not on or recipe.target.cache is None,
+            "data.on_policy generates sequences that target.cache does not hold: unset "
+            "target.cache (the live target scores them) or set data.on_policy.fraction=0",
+        ),
+    ]
 
 
 def _online_checks(o: OnlineConfig) -> list[tuple[bool, str]]:
@@ -478,6 +538,18 @@ def _draft_checks(recipe: Recipe, explicit: set[str]) -> list[tuple[bool, str]]:
             recipe.target.cache is None or lo.chunk_size is None,
             "target.cache gives a sparse top-N target, which needs no chunking: set "
             "loss.chunk_size=null",
+        ),
+        (
+            recipe.target.cache is None
+            or (
+                lo.temperature == 1.0
+                and lo.params.get("top_p") is None
+                and lo.params.get("top_k") is None
+            ),
+            "target.cache holds the target's top-N at temperature 1 and the mass it drops, "
+            "which the loss compares as a rest bin; that mass at another loss.temperature or "
+            "under loss top_p / top_k is unknown: use loss.temperature=1 without top_p / top_k, "
+            "or the live target",
         ),
         (
             eagle or not (explicit & EAGLE3_KEYS),

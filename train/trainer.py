@@ -13,6 +13,7 @@ back to the previous one, and metrics.jsonl is cut back to the resumed checkpoin
 guaranteed, and the test of each guarantee: docs/reliability.md.
 """
 
+import copy
 import json
 import math
 import os
@@ -42,6 +43,16 @@ from specdistill.train.config import (
     load_recipe,
     recipe_datasets,
     recipe_to_dict,
+)
+from specdistill.train.distributed import (
+    check_layout,
+    full_head_weight,
+    is_sharded,
+    layout,
+    load_full,
+    make_accelerator,
+    meta_copy,
+    prepare_sharded_draft,
 )
 from specdistill.train.rundir import (
     CHECKPOINT_PREFIX,
@@ -101,10 +112,13 @@ class Trainer:
         self.step = 0
         self.alpha_before: dict | None = None
         self.history: list[dict] = []
+        # The held-out-α-best evaluation so far ({"step", "alpha", ...}); its draft is best/.
+        self.best: dict | None = None
         self._perms: dict[int, torch.Tensor] = {}
         self._wandb = None
         self._tau_texts: tuple[list, list] | None = None  # (prompts, target's outputs)
         self.cache = cache  # a train.cache.TargetCache (target.cache), or None: the live target
+        self.on_policy = None  # a train.on_policy.OnPolicy with data.on_policy.fraction > 0
         if plan.finished is not None:
             return  # nothing to train: run() reports the stored result
         world = acc.num_processes
@@ -115,12 +129,18 @@ class Trainer:
                 f"train.micro_batch_size × processes ({r.train.micro_batch_size} × {world})"
             )
         self.accum = r.train.global_batch_size // per_step
+        check_layout(acc, self.accum, r.train.max_grad_norm, r.loss.chunk_size)
         self.tokenizer, self.kind = tokenizer, kind
         self.vocab_size = kind.vocab_size
         self.train_data, self.eval_data = train_data, eval_data
         if self.tokenizer.pad_token_id is None:
             self.tokenizer.pad_token = self.tokenizer.eos_token
+        # The frozen target: never trained, never handed to accelerate (so never wrapped or
+        # sharded); every process holds a whole copy in target.dtype (train/distributed.py).
         self.target = target.eval().requires_grad_(False).to(acc.device)
+        # A sharded draft (FSDP, ZeRO-3) is gathered into this frame on the main process to
+        # be saved or decoded alone (`full_draft`); parameters on the meta device cost nothing.
+        self._frame = meta_copy(draft) if is_sharded(acc) and acc.is_main_process else None
         draft.train()
         params = [p for p in draft.parameters() if p.requires_grad]
         optimizer = torch.optim.AdamW(
@@ -131,7 +151,9 @@ class Trainer:
             lambda s: lr_lambda(s, r.train.warmup_steps, r.train.max_steps, r.train.min_lr_ratio),
         )
         self.draft, self.optimizer = acc.prepare(draft, optimizer)
+        prepare_sharded_draft(acc, self.draft)
         acc.register_for_checkpointing(self.scheduler)
+        self.on_policy = self._on_policy() if r.data.on_policy.fraction > 0 else None
 
     @classmethod
     def from_recipe(cls, recipe: Recipe, accelerator: Accelerator | None = None) -> "Trainer":
@@ -139,11 +161,8 @@ class Trainer:
         model loads, so that a run that cannot go on fails in seconds and writes nothing."""
         r = recipe
         plan = prepare_output_dir(recipe)
-        # cpu=True without a GPU: processes started by torchrun / `accelerate launch --multi_gpu`
-        # then form a gloo group (accelerate only does that when told it is on the CPU).
-        acc = accelerator or Accelerator(
-            mixed_precision=r.train.mixed_precision, cpu=not torch.cuda.is_available()
-        )
+        # Without a GPU: a gloo group, DDP or (an FSDP launch) FSDP2 (train/distributed.py).
+        acc = accelerator or make_accelerator(r.train.mixed_precision)
         set_seed(r.train.seed)
         if plan.finished is not None:
             return cls(recipe, accelerator=acc, plan=plan)
@@ -194,8 +213,29 @@ class Trainer:
             self._perms = {epoch: torch.randperm(len(self.train_data), generator=g)}
         return self._perms[epoch]
 
+    def _on_policy(self):
+        """The generator of data.on_policy rows (train/on_policy.py). A sharded draft cannot
+        write alone: source=draft is refused there, source=target decodes with the target."""
+        from specdistill.train.on_policy import OnPolicy
+
+        acc, source = self.accelerator, self.recipe.data.on_policy.source
+        if is_sharded(acc) and source == "draft":
+            raise RecipeError(
+                f"data.on_policy.source=draft is not supported with a sharded draft "
+                f"({layout(acc)}): use data.on_policy.source=target or a replicated layout"
+            )
+        return OnPolicy(
+            self.recipe,
+            target=self.target,
+            draft=None if is_sharded(acc) else acc.unwrap_model(self.draft),
+            tokenizer=self.tokenizer,
+            vocab_size=self.vocab_size,
+            device=acc.device,
+        )
+
     def micro_batches(self, step: int) -> list[dict]:
-        """This process's micro-batches for optimiser step `step` (a pure function of step)."""
+        """This process's micro-batches for optimiser step `step` (a pure function of step, and
+        with data.on_policy of the draft's weights at that step)."""
         g = self.recipe.train.global_batch_size
         n = len(self.train_data)
         indices = [int(self._permutation(i // n)[i % n]) for i in range(step * g, (step + 1) * g)]
@@ -204,6 +244,11 @@ class Trainer:
         mine = indices[acc.process_index * share : (acc.process_index + 1) * share]
         mb = self.recipe.train.micro_batch_size
         batches = [self._collate(self.train_data, mine[i : i + mb]) for i in range(0, share, mb)]
+        if self.on_policy is not None:  # some rows generated now (train/on_policy.py)
+            if self.cache is not None:  # online's sparse targets, say: no rows for new text
+                raise RecipeError("data.on_policy needs the live target: set fraction=0")
+            first = acc.process_index * share
+            batches = [self.on_policy.batch(step, first + i * mb, b) for i, b in enumerate(batches)]
         if self.cache is not None:  # the cache is looked up by dataset index
             for k, batch in enumerate(batches):
                 batch["sequence"] = torch.tensor(mine[k * mb : (k + 1) * mb])
@@ -214,11 +259,21 @@ class Trainer:
         return {k: v.to(self.accelerator.device) for k, v in batch.items()}
 
     def eval_batches(self) -> list[dict]:
+        """This process's share of the held-out sequences, in micro-batches. Every process
+        gets the same number of batches (a sharded draft's forward is collective): those
+        short of the most are topped up with a copy of sequence 0 whose loss_mask is all
+        False, which adds nothing to the sums."""
         acc = self.accelerator
         n = min(len(self.eval_data), self.recipe.eval.max_sequences)
         mine = list(range(acc.process_index, n, acc.num_processes))
         mb = self.recipe.train.micro_batch_size
-        return [self._collate(self.eval_data, mine[i : i + mb]) for i in range(0, len(mine), mb)]
+        batches = [self._collate(self.eval_data, mine[i : i + mb]) for i in range(0, len(mine), mb)]
+        most = math.ceil(math.ceil(n / acc.num_processes) / mb)
+        while len(batches) < most:
+            filler = self._collate(self.eval_data, [0])
+            filler["loss_mask"] = torch.zeros_like(filler["loss_mask"])
+            batches.append(filler)
+        return batches
 
     # ----------------------------------------------------------------------------- steps
     def train_step(self, step: int) -> dict:
@@ -243,7 +298,7 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         stats = acc.reduce(stats, "sum")
         denom = max(n_global, 1)
-        return {
+        record = {
             "step": step + 1,
             "loss": stats[0].item() / denom,
             "alpha": stats[1].item() / denom,
@@ -251,6 +306,9 @@ class Trainer:
             "grad_norm": float(grad_norm),
             "tokens": n_global,
         }
+        if self.on_policy is not None:  # the generation's cost, apart from training's
+            record.update(self.on_policy.take_metrics(acc))
+        return record
 
     def loss(self, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
         """(Σ loss over valid positions, detached Σ α at depth 0) for one micro-batch."""
@@ -278,7 +336,7 @@ class Trainer:
             t_hidden = shifted_hidden(self.target, batch)
         d_hidden = shifted_hidden(self.draft, batch)
         t_head, d_head = self.heads()
-        loss_sum, _ = losses.chunked_loss(
+        loss_sum, _, alpha_sum = losses.chunked_loss(
             lo.name,
             d_hidden,
             d_head,
@@ -286,20 +344,15 @@ class Trainer:
             mask,
             chunk_size=lo.chunk_size,
             temperature=lo.temperature,
+            return_alpha=True,  # from the chunks the loss computes: no second pass
             **lo.params,
         )
-        with torch.no_grad():
-            alpha_sum = torch.zeros((), device=d_hidden.device)
-            rows, t_rows = d_hidden[mask], t_hidden[mask]
-            for start in range(0, rows.shape[0], lo.chunk_size):
-                chunk = slice(start, start + lo.chunk_size)
-                alpha_sum += losses.acceptance(
-                    rows[chunk] @ d_head.T, t_rows[chunk] @ t_head.T, lo.temperature
-                ).sum()
         return loss_sum, alpha_sum
 
     def heads(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """Output-head weights [vocab_size, hidden] of target and draft, for chunked losses."""
+        """Output-head weights [vocab_size, hidden] of target and draft, for chunked losses.
+        The draft's is its whole, trained parameter also when FSDP shards the draft
+        (train/distributed.py `full_head_weight`)."""
         weights = []
         for role, model in (
             ("target", self.target),
@@ -316,7 +369,8 @@ class Trainer:
                     f"loss.chunk_size needs a bias-free output head; the {role}'s has a bias "
                     "(set loss.chunk_size=null)"
                 )
-            weights.append(head.weight[: self.vocab_size])
+            weight = head.weight if role == "target" else full_head_weight(head)
+            weights.append(weight[: self.vocab_size])
         return weights[0], weights[1]
 
     def evaluate(self) -> dict:
@@ -379,11 +433,14 @@ class Trainer:
 
     def speculative_eval(self) -> dict | None:
         """Real speculative decoding (eval/sweep.py) on held-out prompts, main process only:
-        measured τ and speedup per γ next to the offline α. Other processes wait."""
+        measured τ and speedup per γ next to the offline α. Other processes wait (a sharded
+        draft is first gathered into a whole copy on the main process, with every process
+        taking part, so that the main process decodes alone)."""
         from specdistill.eval.sweep import Settings, sweep
 
         acc, s = self.accelerator, self.recipe.eval.speculative
         record = None
+        draft = self.full_draft()
         if acc.is_main_process:
             n = min(s.prompts, len(self.eval_data))
             prompts = [self.eval_data[i]["input_ids"][: s.prompt_tokens].tolist() for i in range(n)]
@@ -394,7 +451,7 @@ class Trainer:
                 max_new_tokens=s.max_new_tokens,
                 seed=self.recipe.train.seed,
             )
-            result, _ = sweep(self.target, acc.unwrap_model(self.draft), prompts, settings)
+            result, _ = sweep(self.target, draft, prompts, settings)
             configs = {c["gamma"]: c for c in result["configs"]}
             best = result["best_gamma"][f"{temperature:g}"]["measured"]
             record = {"step": self.step, "spec/best_gamma": best}
@@ -430,6 +487,7 @@ class Trainer:
                 "step": self.step,
                 "alpha_before": self.alpha_before,
                 "history": self.history,
+                "best": self.best,
                 "metrics_bytes": metrics.stat().st_size if metrics.exists() else 0,
             }
             (tmp / STATE_FILE).write_text(json.dumps(state, indent=1))
@@ -461,6 +519,7 @@ class Trainer:
             self.step = state["step"]
             self.alpha_before = restore_int_keys(state["alpha_before"])
             self.history = state["history"]
+            self.best = restore_int_keys(state["best"]) if state.get("best") else None
             if failures:
                 acc.print(
                     f"warning: resuming from the previous complete checkpoint {path} instead",
@@ -580,7 +639,7 @@ class Trainer:
         acc.print(
             f"target {r.target.model} | draft {r.draft.model} | loss {r.loss.name} | "
             f"{len(self.train_data)} train / {len(self.eval_data)} eval sequences | "
-            f"{acc.num_processes} process(es) × {self.accum} accumulation step(s)"
+            f"{acc.num_processes} process(es) ({layout(acc)}) × {self.accum} accumulation step(s)"
         )
         skipped = {"train": self.train_data.stats.skipped, "eval": self.eval_data.stats.skipped}
         if any(skipped.values()) and resumed is None:  # a resumed log has it already
@@ -621,6 +680,7 @@ class Trainer:
                 self.history.append({"step": self.step, "alpha": metrics["alpha"]})
                 self.log(self._eval_record(metrics))
                 say(f"step {self.step}: held-out alpha {metrics['alpha']:.4f}")
+                self.keep_best(metrics)
             spec_every = r.eval.speculative.every
             if spec_every and self.step % spec_every == 0 and self.step < r.train.max_steps:
                 self.speculative_eval()
@@ -646,35 +706,77 @@ class Trainer:
             "history": self.history,
             "data_skipped": skipped,
         }
-        self.save_final(result)
-        acc.print(self._after_line(final, self.alpha_before["tau_pred"]))
+        final_is_best = self.best is None or final["alpha"] > self.best["alpha"]
+        if final_is_best:
+            self.best = self._best_record({**final, "step": self.step})
+        result["best"] = self.best
+        self.save_final(result, copy_to_best=final_is_best)
+        acc.print(self._after_line(result, self.alpha_before["tau_pred"]))
         if self._wandb is not None:
             self._wandb.finish()
         acc.end_training()
         return result
 
-    def save_final(self, result: dict) -> None:
+    def full_draft(self):
+        """The trained draft as one plain module on the main process, None on the others;
+        every process must call it. Replicated (one process, DDP, ZeRO-1/2): the unwrapped
+        draft itself. Sharded (FSDP, ZeRO-3): a copy holding the full weights, gathered with
+        `Accelerator.get_state_dict`, in which every process takes part."""
         acc = self.accelerator
-        acc.wait_for_everyone()
+        if not is_sharded(acc):
+            return acc.unwrap_model(self.draft) if acc.is_main_process else None
+        state = acc.get_state_dict(self.draft)
         if not acc.is_main_process:
+            return None
+        return load_full(self._frame, state, acc.device)
+
+    @staticmethod
+    def _best_record(metrics: dict) -> dict:
+        keys = ("step", "alpha", "alpha_greedy", "tau_pred")
+        return {k: metrics[k] for k in keys if k in metrics}
+
+    def keep_best(self, metrics: dict) -> None:
+        """After a periodic held-out evaluation: when its α beats every earlier one, publish
+        the draft as best/ (checkpoints are chosen by α, not by loss). Every process calls it:
+        a sharded draft is gathered."""
+        if self.best is not None and metrics["alpha"] <= self.best["alpha"]:
             return
-        draft = acc.unwrap_model(self.draft)
+        self.best = self._best_record({**metrics, "step": self.step})
+        draft = self.full_draft()
+        if self.accelerator.is_main_process:
+            self.publish_draft(draft, self.out / "best", merged_copy=True)
+        self.accelerator.wait_for_everyone()
+
+    def publish_draft(self, draft, dest: Path, *, merged_copy: bool = False) -> None:
+        """Save `draft` in its serving format at `dest`, atomically (publish_dir). A LoRA
+        draft is saved merged; `merged_copy` merges a copy, leaving the trained one as it is."""
         if self.recipe.draft.lora.r > 0:
-            draft = draft.merge_and_unload()
+            draft = (copy.deepcopy(draft) if merged_copy else draft).merge_and_unload()
         # The verifier as serving engines can load it (an embedded target: its local directory).
         verifier = resolve_model(self.recipe.target.model)
-        report = self.out / "eval.json"
-        # eval.json marks the run complete (prepare_output_dir): it must never describe a
-        # final/ other than the one beside it, so it goes first and comes back last.
-        report.unlink(missing_ok=True)
-        tmp = self.out / ".tmp-final"
+        tmp = self.out / f".tmp-{dest.name}"
         shutil.rmtree(tmp, ignore_errors=True)
         try:
             with quiet_library_bars():
                 self.kind.save(draft, tmp, self.tokenizer, verifier=verifier)
-            publish_dir(tmp, self.out / "final")
+            publish_dir(tmp, dest)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
+
+    def save_final(self, result: dict, *, copy_to_best: bool = False) -> None:
+        """final/ (and best/ too when the final evaluation is the best), then eval.json."""
+        acc = self.accelerator
+        acc.wait_for_everyone()
+        draft = self.full_draft()  # every process: a sharded draft is gathered
+        if not acc.is_main_process:
+            return
+        report = self.out / "eval.json"
+        # eval.json marks the run complete (prepare_output_dir): it must never describe a
+        # final/ other than the one beside it, so it goes first and comes back last.
+        report.unlink(missing_ok=True)
+        if copy_to_best:
+            self.publish_draft(draft, self.out / "best", merged_copy=True)
+        self.publish_draft(draft, self.out / "final")
         atomic_write_text(report, json.dumps(result, indent=1))
 
     def _before_line(self, alpha: float, greedy: float) -> str:
@@ -686,6 +788,10 @@ class Trainer:
             f"alpha after:  {final['alpha']:.4f} (T={self.recipe.eval.temperature}), greedy "
             f"{final['alpha_greedy']:.4f} | tau_pred(gamma=5) {tau_before.get(5, nan):.3f} -> "
             f"{final['tau_pred'].get(5, nan):.3f} | outputs in {self.out}"
+        ) + (
+            f"\nbest held-out alpha {best['alpha']:.4f} at step {best['step']}: {self.out}/best"
+            if (best := final.get("best")) and best["step"] != final.get("steps")
+            else ""
         )
 
     def _report_finished(self) -> dict:

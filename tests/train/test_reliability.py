@@ -239,6 +239,7 @@ def test_a_failed_final_save_leaves_no_final_and_no_eval_json(tiny_pair, tmp_pat
     AutoTokenizer.from_pretrained(out / "final")
     assert [m["step"] for m in metrics(out) if "eval/alpha" in m] == [0, 4]  # logged once each
     assert sorted(p.name for p in out.iterdir()) == [
+        "best",  # the final evaluation is the only one, so it is the best
         "checkpoints",
         "eval.json",
         "final",
@@ -379,3 +380,67 @@ def test_publish_replaces_atomically_and_imports_only_the_standard_library(tmp_p
         for alias in node.names
     }
     assert imported <= {"contextlib", "os", "shutil", "tempfile", "pathlib"}
+
+
+# best/: the checkpoint chosen by held-out α ---------------------------------------------------
+
+
+def scripted_alpha(monkeypatch, alphas: list[float]) -> dict[int, dict]:
+    """Make successive evaluations report `alphas` (the rest of each evaluation is real) and
+    record the draft's weights at each: {step: state dict}."""
+    real, values, weights = Trainer.evaluate, iter(alphas), {}
+
+    def evaluate(self):
+        metrics = real(self)
+        metrics["alpha"] = next(values)
+        draft = self.accelerator.unwrap_model(self.draft)
+        weights[self.step] = {k: v.detach().clone() for k, v in draft.state_dict().items()}
+        return metrics
+
+    monkeypatch.setattr(Trainer, "evaluate", evaluate)
+    return weights
+
+
+def best_weights(out: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return load_file(out / "best" / "model.safetensors")
+
+
+@pytest.mark.parametrize(
+    "alphas, best_step",
+    [([0.1, 0.5, 0.7, 0.6], 4), ([0.1, 0.5, 0.4, 0.8], 6)],
+    ids=["mid-run", "final"],
+)
+def test_best_is_the_draft_of_the_highest_held_out_alpha(
+    tiny_pair, tmp_path, monkeypatch, alphas, best_step
+):
+    out = tmp_path / "run"
+    weights = scripted_alpha(monkeypatch, alphas)  # evaluations at steps 0, 2, 4 and 6
+    result = train(tiny_pair, out, **{"train.max_steps": 6, "eval.every": 2})
+    report = json.loads((out / "eval.json").read_text())
+    assert report["best"]["step"] == best_step == result.best["step"]
+    assert report["best"]["alpha"] == max(alphas[1:])
+    assert report["alpha"] == alphas[-1]
+    saved = best_weights(out)
+    for name, tensor in weights[best_step].items():
+        if name in saved:
+            torch.testing.assert_close(saved[name], tensor, rtol=0, atol=0)
+    changed = [
+        n for n in saved if not torch.equal(saved[n], weights[6 if best_step == 4 else 4][n])
+    ]
+    assert changed  # best/ is not just whichever draft was saved last
+
+
+def test_best_survives_a_resume(tiny_pair, tmp_path, monkeypatch):
+    out = tmp_path / "run"
+    extra = {"train.max_steps": 6, "eval.every": 2, "train.save_every": 2}
+    with monkeypatch.context() as m:
+        scripted_alpha(m, [0.1, 0.9, 0.2])  # the best (step 2) is in the checkpoint at step 4
+        kill_at(m, 4)
+        with pytest.raises(Killed):
+            train(tiny_pair, out, **extra)
+    scripted_alpha(monkeypatch, [0.3])  # after the resume, from step 4: the final evaluation
+    trainer = train(tiny_pair, out, **extra, **{"train.resume": "auto"})
+    assert trainer.best["step"] == 2 and trainer.best["alpha"] == 0.9
+    assert json.loads((out / "eval.json").read_text())["best"]["step"] == 2
