@@ -380,27 +380,19 @@ class TargetCache:
     def sparse_target(self, split: str, sequences, mask: torch.Tensor):
         """The batch's target as a SparseTarget [B, L−1, N] with its rest [B, L−1] (the top-N
         probabilities and the mass they leave; the loss scales the two to sum to 1, which
-        absorbs the float16 rounding) for the mask [B, L−1] of `valid_rows`; masked positions
-        hold a uniform placeholder."""
-        from specdistill.losses import SparseTarget
+        absorbs the float16 rounding) for the mask [B, L−1] of `valid_rows`."""
+        rows = []
+        for sequence in sequences:
+            indices, logprobs, rest = self.rows(split, int(sequence))
+            rows.append((indices, logprobs.exp(), rest))
 
-        n = self.top_n
-        shape = (*mask.shape, n)
-        indices = torch.arange(n, device=mask.device).expand(shape).clone()
-        probs = torch.full(shape, 1.0 / n, device=mask.device)
-        rest = torch.zeros(mask.shape, device=mask.device)
-        for b, sequence in enumerate(sequences):
-            idx, logp, dropped = self.rows(split, int(sequence))
-            where = mask[b].nonzero().squeeze(-1)
-            if len(where) != len(idx):
-                raise CacheError(
-                    f"target.cache {self.path}: {split} sequence {int(sequence)} has "
-                    f"{len(idx)} cached positions, the batch {len(where)}"
-                )
-            indices[b, where] = idx.to(mask.device)
-            probs[b, where] = logp.exp().to(mask.device)
-            rest[b, where] = dropped.to(mask.device)
-        return SparseTarget(indices, probs, rest)
+        def mismatch(b: int, have: int, want: int) -> Exception:
+            return CacheError(
+                f"target.cache {self.path}: {split} sequence {int(sequences[b])} has "
+                f"{have} cached positions, the batch {want}"
+            )
+
+        return place_sparse_rows(mask, self.top_n, rows, mismatch)
 
     def depths(self, draft, batch: dict, vocab_size: int, split: str = "train"):
         """A standalone draft's (drafts, targets, masks) with the target from the cache, as
@@ -411,6 +403,28 @@ class TargetCache:
         mask = valid_rows(batch)
         target = self.sparse_target(split, batch["sequence"].tolist(), mask)
         return [shifted_logits(draft, batch, vocab_size)], [target], [mask]
+
+
+def place_sparse_rows(mask: torch.Tensor, top_n: int, rows: list, mismatch):
+    """A SparseTarget [B, L−1, top_n] with rest [B, L−1] from per-item rows: item b's
+    (indices [n, top_n] int64, probs [n, top_n], rest [n]) go to the valid positions of
+    mask[b], in order; masked positions hold a uniform placeholder. An item whose n differs
+    from its number of valid positions raises `mismatch(b, n, valid)`. Shared by the target
+    cache and the online job's records (train/online_traffic.py RecordTargets)."""
+    from specdistill.losses import SparseTarget
+
+    shape = (*mask.shape, top_n)
+    indices = torch.arange(top_n, device=mask.device).expand(shape).clone()
+    probs = torch.full(shape, 1.0 / top_n, device=mask.device)
+    rest = torch.zeros(mask.shape, device=mask.device)
+    for b, (idx, p, dropped) in enumerate(rows):
+        where = mask[b].nonzero().squeeze(-1)
+        if len(where) != len(idx):
+            raise mismatch(b, len(idx), len(where))
+        indices[b, where] = idx.to(mask.device)
+        probs[b, where] = p.to(probs.dtype).to(mask.device)
+        rest[b, where] = dropped.to(rest.dtype).to(mask.device)
+    return SparseTarget(indices, probs, rest)
 
 
 def open_cache(recipe, *, tokenizer, target, train_data, vocab_size: int) -> TargetCache:

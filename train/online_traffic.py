@@ -287,39 +287,38 @@ class RecordTargets:
 def sparse_target(items: list[dict], mask, vocab_size: int):
     """SparseTarget [B, L−1, k] with rest [B, L−1] from the items' top_logprobs, one entry per
     completion token, placed at the valid positions of `mask` (those predicting a completion
-    token, in order). Entries with fewer than k alternatives are padded with unused ids of
-    probability 0; masked positions hold a uniform placeholder."""
+    token, in order; train.cache.place_sparse_rows). Entries with fewer than k alternatives
+    are padded with unused ids of probability 0."""
     import torch
 
-    from specdistill.losses import SparseTarget
+    from specdistill.train.cache import place_sparse_rows
 
     k = max(len(entry) for it in items for entry in it["top_logprobs"])
-    shape = (*mask.shape, k)
-    indices = torch.arange(k).expand(shape).clone()
-    probs = torch.full(shape, 1.0 / k)
-    rest = torch.zeros(mask.shape)
-    for b, it in enumerate(items):
-        where = mask[b].nonzero().squeeze(-1).tolist()
+    rows = []
+    for it in items:
         entries = it["top_logprobs"]
         if not it["prompt_token_ids"]:  # to_tokens: the first token is never a target
             entries = entries[1:]
-        if len(where) != len(entries):
-            raise TrafficError(
-                f"record {it.get('id')}: {len(entries)} top_logprobs entries for "
-                f"{len(where)} trained completion tokens"
-            )
-        for pos, entry in zip(where, entries, strict=True):
+        indices, probs = [], []
+        for entry in entries:
             ids = [int(t) for t, _ in entry]
-            if len(set(ids)) != len(ids) or not all(0 <= t < vocab_size for t in ids):
+            taken = set(ids)
+            if len(taken) != len(ids) or not all(0 <= t < vocab_size for t in ids):
                 raise TrafficError(
                     f"record {it.get('id')}: top_logprobs ids must be distinct and in "
                     f"[0, {vocab_size})"
                 )
-            unused = (t for t in range(vocab_size) if t not in set(ids))
-            ids += [next(unused) for _ in range(k - len(ids))]
-            p = [float(np.exp(lp)) for _, lp in entry] + [0.0] * (k - len(entry))
-            indices[b, pos] = torch.tensor(ids)
-            probs[b, pos] = torch.tensor(p)
-            rest[b, pos] = max(0.0, 1.0 - sum(p))
-    device = mask.device
-    return SparseTarget(indices.to(device), probs.to(device), rest.to(device))
+            unused = (t for t in range(vocab_size) if t not in taken)
+            indices.append(ids + [next(unused) for _ in range(k - len(ids))])
+            probs.append([float(np.exp(lp)) for _, lp in entry] + [0.0] * (k - len(entry)))
+        p = torch.tensor(probs, dtype=torch.float32).reshape(len(entries), k)
+        rest = (1.0 - p.sum(-1)).clamp_min(0.0)
+        rows.append((torch.tensor(indices, dtype=torch.long).reshape(len(entries), k), p, rest))
+
+    def mismatch(b: int, have: int, want: int) -> Exception:
+        return TrafficError(
+            f"record {items[b].get('id')}: {have} top_logprobs entries for {want} trained "
+            "completion tokens"
+        )
+
+    return place_sparse_rows(mask, k, rows, mismatch)
