@@ -774,9 +774,15 @@ class Trainer:
         # eval.json marks the run complete (prepare_output_dir): it must never describe a
         # final/ other than the one beside it, so it goes first and comes back last.
         report.unlink(missing_ok=True)
-        if copy_to_best:
-            self.publish_draft(draft, self.out / "best", merged_copy=True)
         self.publish_draft(draft, self.out / "final")
+        if copy_to_best:  # the same files: copied, not serialised (and merged) a second time
+            tmp = self.out / ".tmp-best"
+            shutil.rmtree(tmp, ignore_errors=True)
+            try:
+                shutil.copytree(self.out / "final", tmp)
+                publish_dir(tmp, self.out / "best")
+            finally:
+                shutil.rmtree(tmp, ignore_errors=True)
         atomic_write_text(report, json.dumps(result, indent=1))
 
     def _before_line(self, alpha: float, greedy: float) -> str:
