@@ -50,6 +50,7 @@ from transformers import (
 )
 
 from specdistill.data.stdlib import stdlib_files
+from specdistill.drafts.model_lock import model_lock
 from specdistill.publish import publish_dir
 
 # Bump when a change to this file changes what a build produces: cached builds with
@@ -433,7 +434,8 @@ def _train_model(name: str, spec: EmbeddedSpec, tokenizer_dir: Path, out: Path) 
     )
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(spec.seed)
-        model = LlamaForCausalLM(config)
+        with model_lock():
+            model = LlamaForCausalLM(config)
     n_params = sum(p.numel() for p in model.parameters())
     _log(
         f"building '{name}' (once, {spec.eta}): {n_params / 1e6:.2f}M-parameter Llama, "

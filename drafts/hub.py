@@ -20,6 +20,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from specdistill.drafts.embedded import PREFIX, resolve_model
+from specdistill.drafts.model_lock import model_lock
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -194,7 +195,12 @@ def load_draft(name: str, *, dtype: str = "float32", revision: str | None = None
 
 
 def _from_pretrained(auto_class, name: str, revision: str | None, **kwargs):
-    path = local_model_dir(name)
+    path = local_model_dir(name)  # outside the lock: an embedded build takes minutes
+    with model_lock():
+        return _load(auto_class, name, path, revision, **kwargs)
+
+
+def _load(auto_class, name: str, path: str | None, revision: str | None, **kwargs):
     if path is not None:
         return auto_class.from_pretrained(path, revision=revision, **kwargs)
     if not hub_offline() and hub_reachable():

@@ -17,6 +17,7 @@ from pathlib import Path
 from torch import nn
 
 from specdistill.drafts.eagle3_head import Eagle3Head, check_vocab_map
+from specdistill.drafts.model_lock import model_lock
 from specdistill.train.export import verifier
 from specdistill.train.export.common import (
     ExportError,
@@ -66,7 +67,8 @@ def read_causal_lm(directory: Path) -> nn.Module:
     from transformers import AutoModelForCausalLM
 
     try:
-        return AutoModelForCausalLM.from_pretrained(str(directory), dtype="auto")
+        with model_lock():
+            return AutoModelForCausalLM.from_pretrained(str(directory), dtype="auto")
     except (OSError, ValueError, KeyError) as e:
         raise ExportError(
             f"{directory} is neither an EAGLE-3 head directory nor a Hugging Face causal LM "
