@@ -35,17 +35,53 @@ def run(recipe_path: str, loss: str, seed: int, out: Path, overrides: list[str])
     recipe = load_recipe(
         recipe_path,
         [
-            *overrides,
             f"loss.name={loss}",
+            "train.save_every=0",
+            "eval.every=0",  # an override may ask for periodic evaluation (α against steps)
+            *overrides,
             f"train.seed={seed}",
             f"train.output_dir={out}",
-            "train.save_every=0",
             "train.resume='no'",
             "train.overwrite=true",
-            "eval.every=0",
         ],
     )
     return Trainer.from_recipe(recipe).run()
+
+
+def stored_result(folder: Path) -> dict:
+    """A finished run's eval.json, read back as `run` returns it (integer γ keys)."""
+    path = folder / "eval.json"
+    if not path.is_file():
+        raise SystemExit(f"{path}: no finished run there (--report-only trains nothing)")
+    result = json.loads(path.read_text())
+    for key in ("tau_pred", "tau_pred_iid", "tau_pred_before"):
+        if key in result:
+            result[key] = {int(g): v for g, v in result[key].items()}
+    return result
+
+
+def split_losses(text: str) -> list[str]:
+    """Split --losses on the commas outside braces (a variant's override may hold a dict)."""
+    parts, depth, start = [], 0, 0
+    for i, ch in enumerate(text):
+        depth += {"{": 1, "[": 1, "}": -1, "]": -1}.get(ch, 0)
+        if ch == "," and depth == 0:
+            parts.append(text[start:i])
+            start = i + 1
+    parts.append(text[start:])
+    return [p.strip() for p in parts if p.strip()]
+
+
+def parse_variant(text: str) -> tuple[str, str, list[str]]:
+    """'fkl' -> ('fkl', 'fkl', []); 'LABEL:k=v;k=v' -> (LABEL, loss.name or LABEL, overrides)."""
+    label, _, rest = text.partition(":")
+    overrides = [o.strip() for o in rest.split(";") if o.strip()]
+    loss = label
+    for o in overrides:
+        key, _, value = o.partition("=")
+        if key.strip() == "loss.name":
+            loss = value.strip()
+    return label, loss, [o for o in overrides if not o.startswith("loss.name")]
 
 
 def fmt(values: list[float]) -> str:
@@ -67,7 +103,12 @@ def main(argv: list[str] | None = None) -> dict:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--recipe", default=str(REPO / "recipes" / "code.yaml"))
-    parser.add_argument("--losses", default="fkl,tv,lk_alpha,lk_lambda")
+    parser.add_argument(
+        "--losses",
+        default="fkl,tv,lk_alpha,lk_lambda",
+        help="comma-separated loss names, or LABEL:OVERRIDE[;OVERRIDE...] for a variant, e.g. "
+        "'tv+fkl:loss.name=mix;loss.params={parts: {tv: 0.9, fkl: 0.1}}'",
+    )
     parser.add_argument("--seeds", default="0", help="comma-separated training seeds")
     parser.add_argument("--steps", type=int, default=None, help="train.max_steps")
     parser.add_argument("--target", default=None, help="target.model (local dir or hub id)")
@@ -77,11 +118,20 @@ def main(argv: list[str] | None = None) -> dict:
         "--on-policy", type=float, default=0.0, help="also run each loss at this fraction"
     )
     parser.add_argument("--on-policy-source", default="draft", choices=("draft", "target"))
+    parser.add_argument(
+        "--on-policy-losses", default=None, help="labels of --losses run on-policy (default: all)"
+    )
     parser.add_argument("--gamma", type=int, default=5, help="γ of the τ columns")
     parser.add_argument(
         "--spec-prompts", type=int, default=8, help="held-out prompts for measured τ (0: off)"
     )
     parser.add_argument("--out", default="runs/loss_compare")
+    parser.add_argument(
+        "--report-only",
+        action="store_true",
+        help="train nothing: summarise the runs already in --out (seeds run by several "
+        "invocations, say)",
+    )
     parser.add_argument("overrides", nargs="*", help="recipe overrides, key.sub=value")
     args = parser.parse_args(argv)
     out = Path(args.out)
@@ -102,19 +152,30 @@ def main(argv: list[str] | None = None) -> dict:
             f"eval.speculative.gammas=[{g}]",
             f"eval.speculative.prompts={args.spec_prompts}",
         ]
-    variants = [(name, name, []) for name in args.losses.split(",")]
+    variants = [parse_variant(text) for text in split_losses(args.losses)]
     if args.on_policy > 0:
         on = [
             f"data.on_policy.fraction={args.on_policy}",
             f"data.on_policy.source={args.on_policy_source}",
         ]
-        variants += [(f"{name}+op", name, on) for name in args.losses.split(",")]
+        chosen = args.on_policy_losses.split(",") if args.on_policy_losses else None
+        labels = [label for label, _, _ in variants]
+        unknown = [c for c in chosen or [] if c not in labels]
+        if unknown:
+            parser.error(f"--on-policy-losses {unknown} are not among --losses {labels}")
+        variants += [
+            (f"{label}+op", loss, extra + on)
+            for label, loss, extra in list(variants)
+            if chosen is None or label in chosen
+        ]
     results: dict[str, list[dict]] = {label: [] for label, _, _ in variants}
     for seed in seeds:
         for label, loss, extra in variants:
-            results[label].append(
-                run(args.recipe, loss, seed, out / f"{label}-seed{seed}", common + extra)
-            )
+            folder = out / f"{label}-seed{seed}"
+            if args.report_only:
+                results[label].append(stored_result(folder))
+            else:
+                results[label].append(run(args.recipe, loss, seed, folder, common + extra))
     first = results[variants[0][0]][0]
     summary = {}
     for label, _, _ in variants:

@@ -3,6 +3,7 @@
 A source string is, checked in this order:
 
     embedded:code / embedded:code-heldout   the standard-library corpus (data/stdlib.py)
+    embedded:prose / embedded:prose-heldout its docstrings and help topics (English)
     an existing file                        read by extension (below)
     an existing directory                   its files with a known extension, recursively,
                                             skipping hidden files and folders
@@ -28,12 +29,17 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from specdistill.data.records import DataError, Record, record_from_row
-from specdistill.data.stdlib import stdlib_files
+from specdistill.data.stdlib import stdlib_files, stdlib_prose
 
 TEXT_SUFFIXES = (".py", ".txt", ".md")
 ROW_SUFFIXES = (".jsonl", ".json", ".parquet")
 ROW_FIELDS = ("text", "messages", "conversations")
-EMBEDDED = {"embedded:code": "train", "embedded:code-heldout": "heldout"}
+EMBEDDED = {
+    "embedded:code": ("code", "train"),
+    "embedded:code-heldout": ("code", "heldout"),
+    "embedded:prose": ("prose", "train"),
+    "embedded:prose-heldout": ("prose", "heldout"),
+}
 
 _HUB_ID = re.compile(r"([\w-][\w.-]*/[\w-][\w.-]*)(?::(\S+))?")
 _GLOB_CHARS = "*?["
@@ -45,12 +51,23 @@ class HubDataset:
     split: str
 
 
-def resolve(source: str) -> list[Path | HubDataset]:
-    """What `source` names: files in a fixed (sorted) order, or one Hub dataset."""
+@dataclass(frozen=True)
+class Documents:
+    """An embedded corpus that is not a set of files: its documents, in a fixed order."""
+
+    source: str
+    texts: tuple[str, ...]
+
+
+def resolve(source: str) -> list[Path | HubDataset | Documents]:
+    """What `source` names: files in a fixed (sorted) order, one Hub dataset, or documents."""
     if source.startswith("embedded:"):
         if source not in EMBEDDED:
             raise DataError(f"unknown embedded corpus {source!r} (known: {', '.join(EMBEDDED)})")
-        return list(stdlib_files(EMBEDDED[source]))
+        kind, split = EMBEDDED[source]
+        if kind == "prose":
+            return [Documents(source, stdlib_prose(split))]
+        return list(stdlib_files(split))
     path = Path(source).expanduser()
     if path.is_file():
         return [path]
@@ -88,6 +105,9 @@ def read_records(sources: list[str]) -> Iterator[Record | DataError]:
     for item in items:
         if isinstance(item, HubDataset):
             yield from _read_hub(item)
+        elif isinstance(item, Documents):
+            for i, text in enumerate(item.texts):
+                yield from _row({"text": text}, f"{item.source}[{i}]")
         else:
             yield from read_file(item)
 

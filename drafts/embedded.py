@@ -49,7 +49,7 @@ from transformers import (
     PreTrainedTokenizerFast,
 )
 
-from specdistill.data.stdlib import stdlib_files
+from specdistill.data.stdlib import stdlib_files, stdlib_prose
 from specdistill.drafts.model_lock import model_lock
 from specdistill.publish import publish_dir
 
@@ -75,6 +75,7 @@ class CorpusSpec:
     vocab_size: int
     train_files: int | None = None  # None: the whole train split; n: n files spread over it
     heldout_files: int | None = None
+    text: str = "code"  # code: the stdlib sources; prose: their docstrings and help topics
 
 
 @dataclass(frozen=True)
@@ -99,6 +100,7 @@ class EmbeddedSpec:
 
 
 CODE = CorpusSpec("code", vocab_size=4096)
+PROSE = CorpusSpec("prose", vocab_size=2048, text="prose")
 TINY = CorpusSpec("tiny", vocab_size=512, train_files=12, heldout_files=3)
 
 EMBEDDED: dict[str, EmbeddedSpec] = {
@@ -134,6 +136,38 @@ EMBEDDED: dict[str, EmbeddedSpec] = {
         warmup_steps=8,
         eval_blocks=48,
         eta="~30 s on 2 CPU cores",
+    ),
+    # A second pair whose target never saw code: English documentation (data.stdlib_prose),
+    # for comparisons that must not hold only on code (docs/quality.md). ~1.5 min to build.
+    "prose": EmbeddedSpec(
+        PROSE,
+        hidden_size=160,
+        num_layers=3,
+        num_heads=4,
+        intermediate_size=432,
+        max_position_embeddings=512,
+        seq_len=256,
+        batch_size=8,
+        steps=400,
+        lr=3e-3,
+        warmup_steps=20,
+        eval_blocks=48,
+        eta="~1.5 min on 2 CPU cores",
+    ),
+    "prose-draft": EmbeddedSpec(
+        PROSE,
+        hidden_size=96,
+        num_layers=1,
+        num_heads=2,
+        intermediate_size=256,
+        max_position_embeddings=512,
+        seq_len=256,
+        batch_size=8,
+        steps=100,
+        lr=3e-3,
+        warmup_steps=8,
+        eval_blocks=48,
+        eta="~15 s on 2 CPU cores",
     ),
     # A micro pair for tests: builds in seconds.
     "tiny": EmbeddedSpec(
@@ -261,8 +295,13 @@ def _build_lock() -> Iterator[None]:
 
 
 def _record_spec(spec: EmbeddedSpec | CorpusSpec) -> dict:
-    """The spec as it reads back from a build record (JSON round trip)."""
-    return json.loads(json.dumps(asdict(spec)))
+    """The spec as it reads back from a build record (JSON round trip). `text` is left out
+    at its default, "code": it came later, and the code builds made before it stay current."""
+    record = json.loads(json.dumps(asdict(spec)))
+    corpus = record.get("corpus", record)
+    if corpus.get("text") == "code":
+        del corpus["text"]
+    return record
 
 
 def _is_current(path: Path, spec: dict) -> bool:
@@ -309,6 +348,8 @@ def _spread(files: list[Path], n: int | None) -> list[Path]:
 
 def _corpus_texts(corpus: CorpusSpec, split: str) -> list[str]:
     n = corpus.train_files if split == "train" else corpus.heldout_files
+    if corpus.text == "prose":
+        return list(_spread(list(stdlib_prose(split)), n))
     files = _spread(stdlib_files(split), n)
     return [path.read_text(encoding="utf-8", errors="replace") for path in files]
 

@@ -9,7 +9,7 @@ import pytest
 
 from specdistill.data.records import ChatRecord, DataError, TextRecord
 from specdistill.data.sources import HubDataset, read_records, resolve
-from specdistill.data.stdlib import stdlib_files
+from specdistill.data.stdlib import help_topics, stdlib_files, stdlib_prose
 
 
 def write(path: Path, text: str) -> Path:
@@ -83,8 +83,24 @@ def test_existing_path_wins_over_hub_id(tmp_path, monkeypatch):
 def test_embedded_corpora():
     assert resolve("embedded:code-heldout") == stdlib_files("heldout")
     assert resolve("embedded:code") == stdlib_files("train")
-    with pytest.raises(DataError, match="unknown embedded corpus 'embedded:prose'"):
-        resolve("embedded:prose")
+    with pytest.raises(DataError, match="unknown embedded corpus 'embedded:poetry'"):
+        resolve("embedded:poetry")
+
+
+def test_embedded_prose_is_english_from_both_sides_of_the_code_split():
+    train, heldout = stdlib_prose("train"), stdlib_prose("heldout")
+    assert len(train) > 300 and len(heldout) > 20
+    assert not set(train) & set(heldout)
+    assert sum(map(len, train)) > 5 * sum(map(len, heldout))
+    # docstrings, not code: no line of a module's document is a def or an import
+    modules = train[:50]
+    assert not any(line.startswith(("def ", "import ")) for d in modules for line in d.split("\n"))
+    fine_tune, held_topics = help_topics()
+    assert train[-len(fine_tune) :] == tuple(fine_tune)
+    assert heldout[-len(held_topics) :] == tuple(held_topics)
+    records = list(read_records(["embedded:prose-heldout"]))
+    assert records[1].origin == "embedded:prose-heldout[1]"
+    assert records[0].text == heldout[0]
 
 
 def test_text_files_are_one_record_each_and_empty_ones_are_ignored(tmp_path):

@@ -213,3 +213,11 @@ def test_unknown_embedded_name(cache):
 def test_other_names_pass_through(cache, name):
     assert embedded.resolve_model(name) == name
     assert not (cache / "embedded").exists()
+
+
+def test_the_prose_family_is_keyed_by_its_text_and_code_records_stay_as_they_were():
+    code = embedded._record_spec(embedded.EMBEDDED["code"])
+    prose = embedded._record_spec(embedded.EMBEDDED["prose"])
+    assert "text" not in code["corpus"]  # builds recorded before the field still match
+    assert prose["corpus"]["text"] == "prose"
+    assert embedded.EMBEDDED["prose"].corpus == embedded.EMBEDDED["prose-draft"].corpus
