@@ -143,10 +143,15 @@ def plot(report: dict, path: Path, title: str) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6.4, 4.0))
-    for label, row in report.items():
-        steps = sorted(row["curve"])
+    bases = sorted({label.removesuffix("+op") for label in report})
+    colours = {base: f"C{i}" for i, base in enumerate(bases)}
+    for label, row in sorted(report.items()):
+        curve = {int(s): a for s, a in row["curve"].items()}  # str keys when read from JSON
+        steps = sorted(curve)
         style = "--" if label.endswith("+op") else "-"
-        ax.plot(steps, [row["curve"][s] for s in steps], style, marker="o", ms=3, label=label)
+        colour = colours[label.removesuffix("+op")]
+        alphas = [curve[s] for s in steps]
+        ax.plot(steps, alphas, style, color=colour, marker="o", ms=3, label=label)
     ax.set_xlabel("optimiser step")
     ax.set_ylabel("held-out α at T=1 (mean over seeds)")
     ax.set_title(title, fontsize=10)
