@@ -1,6 +1,6 @@
 """Train the same draft from the live target and from target caches at equal steps.
 
-    python benchmarks/cache_vs_live.py                          # embedded pair, recipes/code.yaml
+    python benchmarks/cache_vs_live.py        # the 4-layer pair, recipes/code-4layer.yaml
     python benchmarks/cache_vs_live.py --top-n 20,64 --train-records 150 train.max_steps=40
 
 One run on the live target, then per N a cache of the training split (`specdistill cache`,
@@ -129,7 +129,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--recipe", default=str(REPO / "recipes" / "code.yaml"))
+    parser.add_argument("--recipe", default=str(REPO / "recipes" / "code-4layer.yaml"))
     parser.add_argument("--top-n", default="20,64", help="comma-separated cache sizes N")
     parser.add_argument("--out", default="runs/cache_vs_live")
     parser.add_argument(
@@ -137,7 +137,7 @@ def main() -> None:
         type=int,
         default=0,
         help="train on the first K records of embedded:code only (0 = the recipe's data): "
-        "a cache covers the whole training split, which is 11k sequences for recipes/code.yaml",
+        "a cache covers the whole training split, 11k sequences for recipes/code-4layer.yaml",
     )
     parser.add_argument(
         "--decompose-only",

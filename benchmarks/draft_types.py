@@ -5,7 +5,7 @@ through real speculative decoding on the same prompts.
     python -m benchmarks.draft_types --losses lk_lambda,fkl --steps 300 --gammas 3,5 \\
         --temperatures 0,1 --prompts benchmarks/prompts/HumanEval.jsonl.gz --num-prompts 40
 
-Standalone runs use recipes/code.yaml (the pretrained 1-layer embedded draft), head runs
+Standalone runs use recipes/code-4layer.yaml (the pretrained 1-layer embedded draft), head runs
 recipes/code-eagle3.yaml (a fresh head on the same target); both get the same data, batch,
 steps and loss. Each trained draft then decodes the prompts in the engine's evaluation sweep
 (eval/sweep.py: greedy and sampled, per γ) against target-only decoding measured in the same
@@ -28,7 +28,7 @@ from specdistill.train.config import load_recipe
 from specdistill.train.trainer import Trainer
 
 REPO = Path(__file__).resolve().parents[1]
-RECIPES = {"standalone": "code.yaml", "eagle3": "code-eagle3.yaml"}
+RECIPES = {"standalone": "code-4layer.yaml", "eagle3": "code-eagle3.yaml"}  # one target
 
 
 def train(kind: str, loss: str, steps: int, out: Path, overrides: list[str], retrain: bool):

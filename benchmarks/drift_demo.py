@@ -1,6 +1,6 @@
-"""Drift demo on the embedded default: fine-tune the target, watch the draft drift, repair it.
+"""Drift demo on the embedded 4-layer code pair: fine-tune the target, see the draft drift, repair.
 
-    python -m benchmarks.drift_demo [--out runs/drift-demo] [--draft runs/code/final]
+    python -m benchmarks.drift_demo [--out runs/drift-demo] [--draft runs/code-4layer/final]
 
 1. Fine-tune `embedded:code` with a peft LoRA adapter for a few dozen steps on English prose
    every machine has (the values of `pydoc_data.topics.topics`, the Python docs' topic
@@ -8,13 +8,13 @@
 2. Prompts in two categories: `code` (openings of functions in held-out standard-library
    modules, `embedded:code-heldout`) and `prose` (openings of the held-out topics).
 3. Measure the old draft (`--draft`, default `embedded:code-draft`; a distilled one such as
-   `runs/code/final` shows the drift better) before / after the fine-tune
+   `runs/code-4layer/final` shows the drift better) before / after the fine-tune
    (eval/drift.py: α with paired bootstrap intervals per category, TV between targets).
 4. Repair (benchmarks/drift_repair.py, recipes/repair.yaml): the after-target's responses
    to separate train prompts become the data; the old draft is refit for a few steps and
    compared with training from the draft's starting point (`--start`; by default the
    `draft.model` of the run that produced `--draft` when it is a run's `final/`, e.g.
-   `embedded:code-draft` for `runs/code/final`, else a fresh initialisation) for 10× the
+   `embedded:code-draft` for `runs/code-4layer/final`, else a fresh initialisation) for 10× the
    steps.
 5. Re-measure the repaired draft on the same responses: before / after-fine-tune /
    after-repair α with intervals, written to OUT/demo.json and OUT/demo.md.

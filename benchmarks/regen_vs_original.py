@@ -12,7 +12,7 @@ for a standalone draft and an EAGLE-3 head.
 2. The held-out evaluation text is target-generated too: the same regeneration on the prompts
    of embedded:code-heldout (modules never trained on). Every run evaluates on it (data.eval),
    so the α compared is α on text the target writes, as at serving.
-3. A standalone draft (recipes/code.yaml: the pretrained embedded draft, loss tv) and an
+3. A standalone draft (recipes/code-4layer.yaml: the pretrained embedded draft, loss tv) and an
    EAGLE-3 head (recipes/code-eagle3.yaml: a fresh head, loss lk_lambda) are each distilled
    for `--steps` steps of the recipe's batch (16 sequences of 256 tokens) on (a) the
    original and (b) the regenerated data: same recipe, seed, steps and evaluation.
@@ -36,7 +36,7 @@ from specdistill.train.regenerate import Sampling, regenerate
 from specdistill.train.trainer import Trainer
 
 REPO = Path(__file__).resolve().parents[1]
-RECIPES = {"standalone": "code.yaml", "eagle3": "code-eagle3.yaml"}
+RECIPES = {"standalone": "code-4layer.yaml", "eagle3": "code-eagle3.yaml"}  # one target
 HELDOUT = "embedded:code-heldout"
 
 
@@ -56,7 +56,7 @@ def original_subset(out: Path, source: str, k: int) -> Path:
 
 def regenerated(out: Path, source: str, sampling: Sampling, args) -> tuple[str, dict, float]:
     """(the glob of OUT's regenerated records, the manifest, seconds) for `source`'s prompts."""
-    recipe = load_recipe(REPO / "recipes" / "code.yaml", [f"data.train={source}"])
+    recipe = load_recipe(REPO / "recipes" / "code-4layer.yaml", [f"data.train={source}"])
     start = time.perf_counter()
     manifest = regenerate(
         recipe,

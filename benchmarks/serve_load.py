@@ -1,6 +1,6 @@
 """Load test of `specdistill serve`: M concurrent clients for S seconds, with and without draft.
 
-    python -m benchmarks.serve_load                       # embedded:code + embedded:code-draft
+    python -m benchmarks.serve_load        # embedded:code-deep + embedded:code-deep-draft
     python -m benchmarks.serve_load --clients 8 --seconds 20 --max-tokens 64 --temperature 0
     python -m benchmarks.serve_load --target Qwen/Qwen2.5-1.5B --draft Qwen/Qwen2.5-0.5B \\
         --device cuda --dtype bfloat16
@@ -122,8 +122,8 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--target", default="embedded:code")
-    parser.add_argument("--draft", default="embedded:code-draft")
+    parser.add_argument("--target", default="embedded:code-deep")
+    parser.add_argument("--draft", default="embedded:code-deep-draft")
     parser.add_argument("--prompts", default="benchmarks/prompts/HumanEval.jsonl.gz")
     parser.add_argument("--num-prompts", type=int, default=32)
     parser.add_argument("--max-prompt-tokens", type=int, default=256)

@@ -1,6 +1,7 @@
 """This engine's speculative decoding against transformers' assisted generation.
 
-    python -m benchmarks.vs_hf_assisted     # embedded:code + embedded:code-draft on HumanEval
+    python -m benchmarks.vs_hf_assisted     # embedded:code-deep + its pretrained draft, HumanEval
+    python -m benchmarks.vs_hf_assisted --draft runs/code/final   # the README's distilled draft
     python -m benchmarks.vs_hf_assisted --gamma 4 --temperatures 0,1 --num-prompts 8 --threads 1
     python -m benchmarks.vs_hf_assisted --target Qwen/Qwen2.5-1.5B --draft Qwen/Qwen2.5-0.5B \\
         --prompts benchmarks/prompts/spec_bench_questions.jsonl --device cuda --dtype bfloat16
@@ -180,8 +181,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--target", default="embedded:code")
-    parser.add_argument("--draft", default="embedded:code-draft")
+    parser.add_argument("--target", default="embedded:code-deep")
+    parser.add_argument("--draft", default="embedded:code-deep-draft")
     parser.add_argument("--prompts", default=str(HUMANEVAL))
     parser.add_argument("--num-prompts", type=int, default=8)
     parser.add_argument("--max-prompt-tokens", type=int, default=512)

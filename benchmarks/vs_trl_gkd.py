@@ -449,7 +449,7 @@ def run_case(case: str, args, work: Path) -> dict:
     # Held-out α at V = 128k costs seconds per sequence and means little for a random target.
     eval_sequences = args.heldout if case == "embedded" else min(args.heldout, 16)
     base = {
-        "recipe": str(REPO / "recipes" / "code.yaml"),
+        "recipe": str(REPO / "recipes" / "code-4layer.yaml"),
         "eval_batch": 4 if case == "embedded" else 2,
         "eval_sequences": eval_sequences,
     }

@@ -1,6 +1,6 @@
 """α drift after a target fine-tune: measure it, explain it (the `drift` command line).
 
-    specdistill drift --draft runs/code/final --target-before embedded:code \\
+    specdistill drift --draft runs/code-4layer/final --target-before embedded:code \\
         --target-after embedded:code --adapter-after runs/ft/adapter \\
         --prompts benchmarks/prompts/spec_bench_questions.jsonl --out runs/drift
 

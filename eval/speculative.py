@@ -1,6 +1,6 @@
 """Real, lossless speculative decoding of a prompt set: the `speculate` command line.
 
-    python eval/speculative.py --target embedded:code --draft embedded:code-draft \\
+    python eval/speculative.py --target embedded:code-deep --draft runs/code/final \\
         --prompts benchmarks/prompts/spec_bench_questions.jsonl --gamma 1,2,4,8 \\
         --temperature 0,1 --batch-size 1 --max-new-tokens 128 --out runs/spec
 

@@ -1,8 +1,8 @@
 """`specdistill serve`: an OpenAI-compatible server decoding with lossless speculative decoding.
 
-    specdistill serve --target embedded:code --draft embedded:code-draft --port 8000
+    specdistill serve --target embedded:code-deep --draft runs/code/final --port 8000
     specdistill serve --target Qwen/Qwen2.5-7B-Instruct --drafts runs/published --traffic logs/
-    specdistill serve --target embedded:code --draft none        # the target alone (baseline)
+    specdistill serve --target embedded:code-deep --draft none   # the target alone (baseline)
     specdistill serve --target embedded:code --target-adapter runs/drift-demo/adapter \\
         --draft runs/drift-demo/repair/refit/final      # a fine-tuned target: base + LoRA, unmerged
 

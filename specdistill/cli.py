@@ -1,11 +1,11 @@
 """`specdistill <verb> ...`: one command line for the toolkit.
 
     specdistill distill --recipe recipes/code.yaml train.max_steps=50
-    specdistill speculate --target embedded:code --draft runs/code/final --prompts p.jsonl --out o
+    specdistill speculate --target embedded:code-deep --draft runs/code/final --prompts p --out o
     specdistill drift --draft D --target-before A --target-after B --prompts p.jsonl --out o
     specdistill export --draft runs/code-eagle3/final --format vllm --out exported
     specdistill cache --recipe recipes/code.yaml --out runs/code-cache --top-n 64
-    specdistill serve --target embedded:code --draft embedded:code-draft --port 8000
+    specdistill serve --target embedded:code-deep --draft runs/code/final --port 8000
     specdistill online --recipe recipes/online.yaml      # and: online rollback --drafts ROOT
 
 Each verb is a module with a `main(argv)`; the script paths (`train/distill.py`,

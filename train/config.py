@@ -43,7 +43,7 @@ class LoraConfig:
 
 @dataclass
 class TargetConfig:
-    model: str = "embedded:code"  # HF id, local dir, or embedded:<name>
+    model: str = "embedded:code-deep"  # HF id, local dir, or embedded:<name>
     dtype: Dtype = "float32"
     revision: str | None = None
     # A peft LoRA adapter directory on `model` (a fine-tuned target), loaded unmerged
@@ -59,7 +59,7 @@ class DraftConfig:
     type: DraftType = "standalone"  # standalone (a small causal LM) | eagle3 (a head on the target)
     # standalone: HF id, local dir or embedded:<name>. eagle3: null for a fresh head built on
     # the target, or an EAGLE-3 checkpoint directory to continue from.
-    model: str | None = "embedded:code-draft"
+    model: str | None = "embedded:code-deep-draft"
     dtype: Dtype = "float32"  # master weights; compute precision comes from train.mixed_precision
     revision: str | None = None
     lora: LoraConfig = field(default_factory=LoraConfig)

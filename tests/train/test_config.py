@@ -16,7 +16,8 @@ def write(tmp_path, text: str) -> Path:
 def test_defaults_without_file():
     recipe = load_recipe(None)
     assert recipe == Recipe()
-    assert recipe.target.model == "embedded:code"
+    assert recipe.target.model == "embedded:code-deep"
+    assert recipe.draft.model == "embedded:code-deep-draft"
 
 
 @pytest.mark.parametrize("path", RECIPES, ids=[p.name for p in RECIPES])

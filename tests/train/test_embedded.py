@@ -1,5 +1,6 @@
 """The embedded model builder, on the micro "tiny" / "tiny-draft" pair (seconds to build)."""
 
+import dataclasses
 import json
 import multiprocessing
 import os
@@ -221,3 +222,70 @@ def test_the_prose_family_is_keyed_by_its_text_and_code_records_stay_as_they_wer
     assert "text" not in code["corpus"]  # builds recorded before the field still match
     assert prose["corpus"]["text"] == "prose"
     assert embedded.EMBEDDED["prose"].corpus == embedded.EMBEDDED["prose-draft"].corpus
+
+
+def test_growth_repeats_each_layer_and_divides_its_residual_outputs():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    def config(layers):
+        return LlamaConfig(
+            vocab_size=64,
+            hidden_size=16,
+            intermediate_size=32,
+            num_hidden_layers=layers,
+            num_attention_heads=2,
+            num_key_value_heads=2,
+            tie_word_embeddings=True,
+        )
+
+    torch.manual_seed(0)
+    shallow = LlamaForCausalLM(config(2))
+    rng_state = torch.get_rng_state()
+    deep = embedded._grown(shallow, config(6))
+    assert torch.equal(torch.get_rng_state(), rng_state)  # the caller's RNG is untouched
+    assert len(deep.model.layers) == 6
+    for i, layer in enumerate(deep.model.layers):
+        source = shallow.model.layers[i // 3]
+        assert torch.equal(layer.self_attn.q_proj.weight, source.self_attn.q_proj.weight)
+        assert torch.equal(layer.mlp.up_proj.weight, source.mlp.up_proj.weight)
+        assert torch.allclose(layer.self_attn.o_proj.weight * 3, source.self_attn.o_proj.weight)
+        assert torch.allclose(layer.mlp.down_proj.weight * 3, source.mlp.down_proj.weight)
+    assert torch.equal(deep.model.embed_tokens.weight, shallow.model.embed_tokens.weight)
+    assert deep.lm_head.weight.data_ptr() == deep.model.embed_tokens.weight.data_ptr()
+    # Repeating a layer k times at 1/k strength is a first-order copy of the shallow model.
+    ids = torch.randint(0, 64, (2, 12))
+    with torch.no_grad():
+        p_shallow = shallow(input_ids=ids).logits.softmax(-1)
+        p_deep = deep(input_ids=ids).logits.softmax(-1)
+    assert (p_shallow - p_deep).abs().sum(-1).max() < 0.2
+
+
+def test_a_grown_build_trains_both_stages_and_records_them(cache, monkeypatch):
+    grown = dataclasses.replace(
+        embedded.EMBEDDED["tiny"], num_layers=4, grow_from_layers=2, grow_at_step=12
+    )
+    monkeypatch.setitem(embedded.EMBEDDED, "tiny-grown", grown)
+    stages = []
+    original = embedded._train_step
+    monkeypatch.setattr(
+        embedded,
+        "_train_step",
+        lambda model, *a: stages.append(len(model.model.layers)) or original(model, *a),
+    )
+    path = embedded.resolve_model("embedded:tiny-grown")
+    assert stages == [2] * 12 + [4] * (grown.steps - 12)
+    model = AutoModelForCausalLM.from_pretrained(path)
+    assert model.config.num_hidden_layers == 4
+    record = json.loads((Path(path) / embedded.BUILD_RECORD).read_text())
+    assert record["spec"]["grow_from_layers"] == 2 and record["spec"]["grow_at_step"] == 12
+    assert record["n_params"] == sum(p.numel() for p in model.parameters())
+    # Specs without growth keep the records they had before the fields existed.
+    assert "grow_from_layers" not in embedded._record_spec(embedded.EMBEDDED["code"])
+
+
+def test_growth_needs_a_layer_count_that_divides_and_a_step_inside_the_run():
+    base = embedded.EMBEDDED["tiny"]
+    with pytest.raises(ValueError, match="not a multiple"):
+        dataclasses.replace(base, num_layers=3, grow_from_layers=2, grow_at_step=5)
+    with pytest.raises(ValueError, match="grow_at_step"):
+        dataclasses.replace(base, num_layers=4, grow_from_layers=2, grow_at_step=base.steps)
