@@ -540,16 +540,16 @@ def _grown(model, config: LlamaConfig):
     k = config.num_hidden_layers // model.config.num_hidden_layers
     with torch.random.fork_rng(devices=[]), model_lock():
         deep = LlamaForCausalLM(config)  # every weight is overwritten below
-    state = {}
+    state = {}  # load_state_dict copies every tensor into the deep model's own parameters
     for key in deep.state_dict():
         if ".layers." not in key:
-            state[key] = shallow[key].clone()
+            state[key] = shallow[key]
             continue
         head, rest = key.split(".layers.")
         index, tail = rest.split(".", 1)
-        weight = shallow[f"{head}.layers.{int(index) // k}.{tail}"].clone()
+        weight = shallow[f"{head}.layers.{int(index) // k}.{tail}"]
         if tail in ("self_attn.o_proj.weight", "mlp.down_proj.weight"):
-            weight /= k
+            weight = weight / k
         state[key] = weight
     deep.load_state_dict(state)
     deep.tie_weights()
