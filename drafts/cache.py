@@ -13,6 +13,12 @@ layer right-aligns every row again. This keeps each row's acceptance independent
 others (no rollback to the batch minimum). Rows joining a running batch (continuous
 batching) are prefilled in their own forward pass and their caches join the batch's,
 left-padded.
+
+Speed (CPU decoding is bound by per-call costs, not FLOPs). Each cache layer appends into
+spare capacity (`_GrowingLayer`) instead of concatenating the whole cache every step, and a
+multi-token forward on a filled cache (the target's verification pass) gets a prepared
+additive 4-D mask instead of one transformers builds as booleans, which SDPA converts again in
+every layer (`additive_mask`).
 """
 
 import inspect
@@ -20,9 +26,15 @@ from collections.abc import Sequence
 from contextlib import contextmanager, nullcontext
 
 import torch
+from transformers import DynamicCache, PreTrainedModel
+from transformers.cache_utils import DynamicLayer
 
 # Compact (gather) a cache once padding + holes exceed this fraction of its length.
 _COMPACT_FRACTION = 0.25
+# Spare positions a cache layer allocates when it must grow: max(_MIN_SPARE, length / 4).
+_MIN_SPARE = 256
+# Attention implementations that take an additive 4-D float mask as it is.
+_ADDITIVE_MASK_ATTENTION = ("sdpa", "eager")
 
 
 def cache_keyword(model) -> str:
@@ -50,14 +62,84 @@ def eval_mode(*models):
             m.train(training)
 
 
+class GrowingLayer(DynamicLayer):
+    """A DynamicLayer that appends into spare capacity of a buffer instead of `torch.cat`.
+
+    `keys`/`values` stay plain tensors (views of the buffers), so the stream's slicing, gathers
+    and row selections work on them unchanged; a tensor that is no longer a prefix of its buffer
+    (after a gather, say) is copied into a new buffer on the next append.
+    """
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+            self.buffers = {}
+        self.keys = self._append("keys", key_states)
+        self.values = self._append("values", value_states)
+        return self.keys, self.values
+
+    def _append(self, name: str, new: torch.Tensor) -> torch.Tensor:
+        old, buffer = getattr(self, name), self.buffers.get(name)
+        n, k = (old.shape[2] if old.dim() == 4 else 0), new.shape[2]
+        if not (
+            buffer is not None
+            and old.dim() == 4
+            and old.data_ptr() == buffer.data_ptr()
+            and old.stride() == buffer.stride()
+            and old.shape[:2] == buffer.shape[:2] == new.shape[:2]
+            and n + k <= buffer.shape[2]
+        ):
+            spare = max(_MIN_SPARE, (n + k) // 4)
+            buffer = new.new_empty(new.shape[0], new.shape[1], n + k + spare, new.shape[3])
+            if n:
+                buffer[:, :, :n].copy_(old)
+            self.buffers[name] = buffer
+        buffer[:, :, n : n + k].copy_(new)
+        return buffer[:, :, : n + k]
+
+    def reset(self) -> None:
+        self.buffers = {}
+        super().reset()
+
+
+def growing_cache(config) -> DynamicCache:
+    """A transformers DynamicCache whose full-attention layers are `GrowingLayer`s."""
+    cache = DynamicCache(config=config)
+    cache.layers = [GrowingLayer() if type(x) is DynamicLayer else x for x in cache.layers]
+    if getattr(cache, "layer_class_to_replicate", None) is DynamicLayer:
+        cache.layer_class_to_replicate = GrowingLayer
+    return cache
+
+
+def additive_mask(mask: torch.Tensor, k: int, dtype: torch.dtype) -> torch.Tensor:
+    """Key mask [B, L] whose last k columns are this forward's tokens -> additive [B, 1, k, L].
+
+    Query i sees every valid earlier key and the new keys j <= i that are valid; it always sees
+    itself, so a padding query never has all keys masked (its output is unused).
+    """
+    b, length = mask.shape
+    new = torch.ones(k, k, dtype=torch.bool, device=mask.device)
+    allowed = torch.cat(
+        [
+            mask[:, None, : length - k].expand(b, k, length - k),
+            (mask[:, None, length - k :] & new.tril()) | new.diag().diag_embed(),
+        ],
+        dim=2,
+    )
+    out = torch.zeros(b, 1, k, length, dtype=dtype, device=mask.device)
+    return out.masked_fill_(~allowed[:, None], torch.finfo(dtype).min)
+
+
 class KVStream:
     """A model's state for the active rows: KV cache, key mask [B, L], next position ids [B]."""
 
     def __init__(self, model, vocab_size: int, device: torch.device, capture=None):
-        from transformers import DynamicCache
-
         self.model = model
-        self.cache = DynamicCache(config=model.config)
+        self.cache = growing_cache(model.config)
+        self.additive = (
+            isinstance(model, PreTrainedModel)
+            and getattr(model.config, "_attn_implementation", None) in _ADDITIVE_MASK_ATTENTION
+        )
         self.cache_kw = cache_keyword(model)
         self.mask = torch.zeros(0, 0, dtype=torch.bool, device=device)
         self.pos = torch.zeros(0, dtype=torch.long, device=device)
@@ -73,11 +155,17 @@ class KVStream:
         With a capture, `self.features` holds the captured features [B, k, F] afterwards.
         """
         positions = (self.pos[:, None] + valid.long().cumsum(1) - 1).clamp_min(0)
+        filled = self.mask.shape[1] > 0
         self.mask = torch.cat([self.mask, valid], dim=1)
+        attention_mask = self.mask
+        k = tokens.shape[1]
+        if self.additive and filled and k > 1:
+            # A prefill keeps the 2-D mask (SDPA's is_causal path); one token needs no mask.
+            attention_mask = additive_mask(self.mask, k, self.model.dtype)
         with self.capture or nullcontext():
             self.output = self.model(
                 input_ids=tokens,
-                attention_mask=self.mask,
+                attention_mask=attention_mask,
                 position_ids=positions,
                 use_cache=True,
                 logits_to_keep=keep,
@@ -90,7 +178,7 @@ class KVStream:
 
     def _layers(self):
         for layer in self.cache.layers:
-            if type(layer).__name__ != "DynamicLayer":
+            if type(layer) not in (DynamicLayer, GrowingLayer):
                 raise NotImplementedError(
                     f"cache layer {type(layer).__name__} (sliding-window or linear attention) "
                     "cannot be rolled back per row; this engine needs full-attention layers"

@@ -105,6 +105,81 @@ def test_greedy_batched_with_and_without_compaction(
     assert out.sequences == references
 
 
+def test_greedy_when_cache_buffers_fill_up(pair, prompts, references, monkeypatch):
+    """One spare position per growth: the cache layers copy into new buffers almost every
+    append, and appends after rollbacks overwrite rejected positions in place."""
+    monkeypatch.setattr(cache, "_MIN_SPARE", 1)
+    out = engine.generate(*pair, prompts, gamma=3, batch_size=2, max_new_tokens=N_NEW)
+    assert out.sequences == references
+
+
+def test_growing_layer_appends_in_place_and_follows_replaced_tensors(monkeypatch):
+    monkeypatch.setattr(cache, "_MIN_SPARE", 4)
+    g = torch.Generator().manual_seed(0)
+
+    layer, expect = cache.GrowingLayer(), torch.zeros(2, 3, 0, 8)
+
+    def append(n):
+        nonlocal expect
+        new = torch.randn(expect.shape[0], 3, n, 8, generator=g)
+        expect = torch.cat([expect, new], dim=2)
+        keys, values = layer.update(new, -new)
+        assert torch.equal(keys, expect) and torch.equal(values, -expect)
+        return keys.data_ptr()
+
+    first = append(5)  # buffer of 5 + 4 spare
+    assert append(2) == first  # fits: written in place
+    rollback = slice(0, 4)
+    layer.keys, layer.values = layer.keys[:, :, rollback], layer.values[:, :, rollback]
+    expect = expect[:, :, rollback]
+    assert append(3) == first  # a rolled-back tail is overwritten in place
+    assert append(3) != first  # 10 > 9: a new, larger buffer
+    for change in (lambda t: t[:, :, 2:], lambda t: t.flip(2).contiguous(), lambda t: t[:1]):
+        # a front slice, a gather, a row selection: copied into a new buffer
+        layer.keys, layer.values, expect = change(layer.keys), change(layer.values), change(expect)
+        append(1)
+
+
+def test_additive_mask():
+    mask = torch.tensor([[False, True, True, True, False, True], [True] * 6])
+    out = cache.additive_mask(mask, 3, torch.float32)
+    assert out.shape == (2, 1, 3, 6)
+    allowed = out[:, 0] == 0
+    assert allowed[0].tolist() == [
+        [False, True, True, True, False, False],
+        [False, True, True, True, True, False],  # the padding query sees itself only among new
+        [False, True, True, True, False, True],
+    ]
+    assert allowed[1].tolist() == [[True] * 4 + [False] * 2, [True] * 5 + [False], [True] * 6]
+    assert out[~(out == 0)].eq(torch.finfo(torch.float32).min).all()
+
+
+@torch.no_grad()
+def test_stream_logits_match_a_plain_dynamic_cache(pair):
+    """The growing cache layers and the prepared 4-D mask change no logits: the same chunks,
+    with padding and a rolled-back tail, through a stream and through a stock DynamicCache with
+    transformers' own masks."""
+    from transformers import DynamicCache
+
+    target = pair[0]
+    fast = cache.KVStream(target, 96, torch.device("cpu"))
+    plain = cache.KVStream(target, 96, torch.device("cpu"))
+    plain.cache, plain.additive = DynamicCache(config=target.config), False
+    assert fast.additive and isinstance(fast.cache.layers[0], cache.GrowingLayer)
+    for s in (fast, plain):
+        s.admit([[5, 6, 7], [8]])
+    g = torch.Generator().manual_seed(0)
+    for k, valid_first in [(4, True), (1, True), (3, False), (5, True)]:
+        tokens = torch.randint(0, 96, (2, k), generator=g)
+        valid = torch.ones(2, k, dtype=torch.bool)
+        valid[1, 0] = valid_first
+        a = fast.forward(tokens, valid, keep=k)
+        b = plain.forward(tokens, valid, keep=k)
+        torch.testing.assert_close(a[valid], b[valid], rtol=1e-5, atol=1e-5)
+        for s in (fast, plain):
+            s.drop_last(torch.tensor([k - 1, 0]))
+
+
 def test_greedy_adaptive_and_target_only(pair, prompts, references):
     target, draft = pair
     policy = engine.AdaptiveGamma(start=2, min_gamma=1, max_gamma=6)
