@@ -15,7 +15,7 @@ batching) are prefilled in their own forward pass and their caches join the batc
 left-padded.
 
 Speed (CPU decoding is bound by per-call costs, not FLOPs). Each cache layer appends into
-spare capacity (`_GrowingLayer`) instead of concatenating the whole cache every step, and a
+spare capacity (`GrowingLayer`) instead of concatenating the whole cache every step, and a
 multi-token forward on a filled cache (the target's verification pass) gets a prepared
 additive 4-D mask instead of one transformers builds as booleans, which SDPA converts again in
 every layer (`additive_mask`).
@@ -160,7 +160,8 @@ class KVStream:
         attention_mask = self.mask
         k = tokens.shape[1]
         if self.additive and filled and k > 1:
-            # A prefill keeps the 2-D mask (SDPA's is_causal path); one token needs no mask.
+            # A prefill keeps the 2-D mask (SDPA's is_causal path), and so does one token
+            # (transformers then passes no mask at all unless a key is masked).
             attention_mask = additive_mask(self.mask, k, self.model.dtype)
         with self.capture or nullcontext():
             self.output = self.model(
