@@ -136,7 +136,8 @@ def _markdown(result: dict) -> str:
         f"device {meta.get('device')} {meta.get('dtype')}; batch size {s['batch_size']}, "
         f"max new tokens {s['max_new_tokens']}, top-p {_off(s['top_p'])}, "
         f"top-k {_off(s['top_k'])}, "
-        f"seed {s['seed']}.",
+        f"seed {s['seed']}; timings: the fastest of {s.get('repeats', 1)} run(s) of each "
+        "configuration.",
         "",
         summary_table(result),
         "",

@@ -144,6 +144,12 @@ def main(argv: Sequence[str] | None = None) -> dict:
     )
     parser.add_argument("--stop-at-eos", action="store_true", help="end requests at EOS")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--repeats",
+        type=positive,
+        default=1,
+        help="runs of every configuration, round-robin; the fastest counts (stable timings)",
+    )
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op CPU threads")
@@ -184,6 +190,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
         max_new_tokens=args.max_new_tokens,
         eos_token_id=tokenizer.eos_token_id if args.stop_at_eos else None,
         seed=args.seed,
+        repeats=args.repeats,
     )
     result, runs = sweep.sweep(target, draft, prompt_ids, settings)
     result["meta"] = {

@@ -1,7 +1,10 @@
 """The speculative-decoding evaluation sweep: one function for the CLI and for training.
 
 Per temperature, the target alone decodes every prompt (the baseline), then the draft +
-target decode them at each γ (and with adaptive γ, `Settings.adaptive`). For each
+target decode them at each γ (and with adaptive γ, `Settings.adaptive`). With
+`Settings.repeats` > 1 that whole sequence runs again and each configuration keeps its
+fastest run (runs are seeded, so repeats are the same computation, and a slow spell of a
+shared machine no longer lands on one configuration only). For each
 configuration the result holds measured τ, τ predicted from offline α on the same prompts
 and generated text (i.i.d., pathwise at the measured round starts, and with the round
 boundaries replayed: `stats.tau_rounds`, the model training reports), per-slot conditional
@@ -14,6 +17,7 @@ evaluation (`eval.speculative.every`) logs τ, speedup and the best γ from it.
 """
 
 import math
+from copy import copy
 from dataclasses import asdict, dataclass
 
 from specdistill import drafts
@@ -35,6 +39,11 @@ class Settings:
     max_new_tokens: int = 128
     eos_token_id: int | None = None
     seed: int = 0
+    repeats: int = 1  # runs of every configuration, round-robin; the fastest counts
+
+    def __post_init__(self):
+        if self.repeats < 1:
+            raise ValueError(f"repeats must be >= 1, got {self.repeats}")
 
 
 def sweep(
@@ -60,10 +69,6 @@ def sweep(
     }
     runs: dict[str, Generation] = {}
     for temperature in settings.temperatures:
-        baseline = _run(target, None, prompt_ids, settings, temperature)
-        base_name = f"T={temperature:g} target-only"
-        result["baselines"][f"{temperature:g}"] = {"name": base_name, **_decode_stats(baseline)}
-        runs[base_name] = baseline
         gammas: list = list(settings.gammas)
         if settings.adaptive:
             ordered = sorted(settings.gammas)
@@ -72,9 +77,22 @@ def sweep(
                     start=ordered[len(ordered) // 2], min_gamma=ordered[0], max_gamma=ordered[-1]
                 )
             )
+        fastest: list[Generation | None] = [None] * (1 + len(gammas))  # baseline, then γs
+        for _ in range(settings.repeats):
+            for i, gamma in enumerate([None, *gammas]):
+                if gamma is None:
+                    g = _run(target, None, prompt_ids, settings, temperature)
+                else:  # a fresh copy of an adaptive policy, so that every repeat starts alike
+                    g = _run(target, draft, prompt_ids, settings, temperature, gamma=copy(gamma))
+                if fastest[i] is None or g.wall_s < fastest[i].wall_s:
+                    fastest[i] = g
+        baseline = fastest[0]
+        base_name = f"T={temperature:g} target-only"
+        result["baselines"][f"{temperature:g}"] = {"name": base_name, **_decode_stats(baseline)}
+        runs[base_name] = baseline
         fixed = []
-        for gamma in gammas:
-            entry, g = _config(target, draft, prompt_ids, settings, temperature, gamma, baseline)
+        for gamma, g in zip(gammas, fastest[1:], strict=True):
+            entry = _config(target, draft, prompt_ids, settings, temperature, gamma, g, baseline)
             result["configs"].append(entry)
             runs[entry["name"]] = g
             if entry["gamma"] != "adaptive":
@@ -137,8 +155,8 @@ def _run(target, draft, prompt_ids, settings: Settings, temperature: float, **kw
     )
 
 
-def _config(target, draft, prompt_ids, settings: Settings, temperature: float, gamma, baseline):
-    g = _run(target, draft, prompt_ids, settings, temperature, gamma=gamma)
+def _config(target, draft, prompt_ids, settings: Settings, temperature: float, gamma, g, baseline):
+    """One configuration's entry from its run `g` and the target-only run `baseline`."""
     measured = stats.acceptance_stats(g.rounds)
     depth = max([r.gamma for r in g.rounds] + [1])
     alphas = [
@@ -217,4 +235,4 @@ def _config(target, draft, prompt_ids, settings: Settings, temperature: float, g
         "target_tokens_per_s": baseline.tokens_per_s,
         **_decode_stats(g),
     }
-    return entry, g
+    return entry

@@ -531,6 +531,32 @@ def test_sweep_for_periodic_eval(pair, prompts):
     assert speedup[best["measured"]] == best["speedup"] > 0
 
 
+def test_sweep_repeats_keep_each_configurations_fastest_run(pair, prompts, monkeypatch):
+    from specdistill.eval import sweep as sweep_module
+
+    calls = []
+    real = sweep_module._run
+
+    def spy(*args, gamma=None, **kwargs):
+        g = real(*args, **kwargs) if gamma is None else real(*args, gamma=gamma, **kwargs)
+        calls.append(("adaptive" if isinstance(gamma, engine.AdaptiveGamma) else gamma, g))
+        return g
+
+    monkeypatch.setattr(sweep_module, "_run", spy)
+    settings = Settings(gammas=[1, 3], adaptive=True, max_new_tokens=8, repeats=3)
+    result, runs = sweep(*pair, prompts[:2], settings)
+    assert [name for name, _ in calls] == [None, 1, 3, "adaptive"] * 3  # round-robin
+    for name, key in [(None, "T=0 target-only"), (1, "T=0 gamma=1"), (3, "T=0 gamma=3")]:
+        mine = [g for n, g in calls if n == name]
+        assert runs[key].wall_s == min(g.wall_s for g in mine)
+        assert all(g.sequences == mine[0].sequences for g in mine)  # the same computation
+    adaptive = [g for n, g in calls if n == "adaptive"]
+    assert all(g.rounds[0].gamma == 3 for g in adaptive)  # every repeat starts at start = 3
+    assert runs["T=0 adaptive"] in adaptive
+    with pytest.raises(ValueError, match="repeats"):
+        Settings(gammas=[1], repeats=0)
+
+
 def test_rejects_bad_arguments(pair, prompts):
     with pytest.raises(ValueError, match="gamma must be"):
         engine.generate(*pair, prompts, gamma=0)
