@@ -70,10 +70,13 @@ class GrowingLayer(DynamicLayer):
     (after a gather, say) is copied into a new buffer on the next append.
     """
 
+    def lazy_initialization(self, key_states, value_states) -> None:
+        super().lazy_initialization(key_states, value_states)
+        self.buffers = {}
+
     def update(self, key_states, value_states, *args, **kwargs):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-            self.buffers = {}
         self.keys = self._append("keys", key_states)
         self.values = self._append("values", value_states)
         return self.keys, self.values
