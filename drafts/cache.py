@@ -14,7 +14,9 @@ others (no rollback to the batch minimum). Rows joining a running batch (continu
 batching) are prefilled in their own forward pass and their caches join the batch's,
 left-padded.
 
-Speed (CPU decoding is bound by per-call costs, not FLOPs). Each cache layer appends into
+Speed (CPU decoding is bound by per-call costs, not FLOPs). A supported Llama-family model on
+CPU runs drafts/lean.py's forward instead of transformers' (same weights, same cache, same
+logits to float rounding). Each cache layer appends into
 spare capacity (`GrowingLayer`) instead of concatenating the whole cache every step, and a
 multi-token forward on a filled cache (the target's verification pass) gets a prepared
 additive 4-D mask instead of one transformers builds as booleans, which SDPA converts again in
@@ -28,6 +30,9 @@ from contextlib import contextmanager, nullcontext
 import torch
 from transformers import DynamicCache, PreTrainedModel
 from transformers.cache_utils import DynamicLayer
+
+from specdistill.drafts import lean as lean_forward
+from specdistill.drafts.lean import additive_mask
 
 # Compact (gather) a cache once padding + holes exceed this fraction of its length.
 _COMPACT_FRACTION = 0.25
@@ -114,29 +119,10 @@ def growing_cache(config) -> DynamicCache:
     return cache
 
 
-def additive_mask(mask: torch.Tensor, k: int, dtype: torch.dtype) -> torch.Tensor:
-    """Key mask [B, L] whose last k columns are this forward's tokens -> additive [B, 1, k, L].
-
-    Query i sees every valid earlier key and the new keys j <= i that are valid; it always sees
-    itself, so a padding query never has all keys masked (its output is unused).
-    """
-    b, length = mask.shape
-    new = torch.ones(k, k, dtype=torch.bool, device=mask.device)
-    allowed = torch.cat(
-        [
-            mask[:, None, : length - k].expand(b, k, length - k),
-            (mask[:, None, length - k :] & new.tril()) | new.diag().diag_embed(),
-        ],
-        dim=2,
-    )
-    out = torch.zeros(b, 1, k, length, dtype=dtype, device=mask.device)
-    return out.masked_fill_(~allowed[:, None], torch.finfo(dtype).min)
-
-
 class KVStream:
     """A model's state for the active rows: KV cache, key mask [B, L], next position ids [B]."""
 
-    def __init__(self, model, vocab_size: int, device: torch.device, capture=None):
+    def __init__(self, model, vocab_size: int, device: torch.device, capture=None, lean=None):
         self.model = model
         self.cache = growing_cache(model.config)
         self.additive = (
@@ -144,6 +130,10 @@ class KVStream:
             and getattr(model.config, "_attn_implementation", None) in _ADDITIVE_MASK_ATTENTION
         )
         self.cache_kw = cache_keyword(model)
+        # lean=None: drafts/lean.py's `enabled` decides.
+        use = lean_forward.enabled if lean is None else lean
+        supported = use and lean_forward.why_not(model) is None
+        self.lean = lean_forward.LeanDecoder(model) if supported else None
         self.mask = torch.zeros(0, 0, dtype=torch.bool, device=device)
         self.pos = torch.zeros(0, dtype=torch.long, device=device)
         self.vocab_size = vocab_size
@@ -160,6 +150,13 @@ class KVStream:
         positions = (self.pos[:, None] + valid.long().cumsum(1) - 1).clamp_min(0)
         filled = self.mask.shape[1] > 0
         self.mask = torch.cat([self.mask, valid], dim=1)
+        if self.lean is not None and not inputs and not torch.is_grad_enabled():
+            record = self.capture.record if self.capture else None
+            logits = self.lean(tokens, positions, self.cache, self.mask, keep, record)
+            self.output = None
+            self.features = self.capture.features() if self.capture else None
+            self.pos += valid.sum(1)
+            return logits[..., : self.vocab_size]
         attention_mask = self.mask
         k = tokens.shape[1]
         if self.additive and filled and k > 1:
@@ -197,7 +194,8 @@ class KVStream:
         Returns (last logits [n, V] | None, features [n, k, F] | None, valid [n, k]).
         """
         device = self.mask.device
-        new = KVStream(self.model, self.vocab_size, device, self.capture)
+        new = KVStream(self.model, self.vocab_size, device, self.capture, lean=False)
+        new.lean = self.lean
         new.mask = torch.zeros(len(prefixes), 0, dtype=torch.bool, device=device)
         new.pos = torch.zeros(len(prefixes), dtype=torch.long, device=device)
         logits, valid = None, torch.zeros(len(prefixes), 0, dtype=torch.bool, device=device)
@@ -248,7 +246,9 @@ class KVStream:
     def select_rows(self, rows: torch.Tensor) -> None:
         """Keep only the rows at `rows` [n] (long), in that order."""
         if rows.numel() == 0:
-            self.__init__(self.model, self.vocab_size, self.mask.device, self.capture)
+            lean = self.lean
+            self.__init__(self.model, self.vocab_size, self.mask.device, self.capture, lean=False)
+            self.lean = lean
             return
         for layer in self._layers():
             layer.keys = layer.keys.index_select(0, rows)

@@ -157,6 +157,12 @@ class FeatureCapture:
 
         return hook
 
+    def record(self, i: int, hidden: Tensor) -> None:
+        """Store the hidden states entering layer i if it is captured. For forwards that do not
+        call the layer modules, so hooks cannot see them (drafts/lean.py)."""
+        if i in self.layer_ids:
+            self._captured[i] = hidden
+
     def __exit__(self, *exc):
         for handle in self._handles:
             handle.remove()

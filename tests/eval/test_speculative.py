@@ -158,12 +158,13 @@ def test_additive_mask():
 def test_stream_logits_match_a_plain_dynamic_cache(pair):
     """The growing cache layers and the prepared 4-D mask change no logits: the same chunks,
     with padding and a rolled-back tail, through a stream and through a stock DynamicCache with
-    transformers' own masks."""
+    transformers' own masks (both with transformers' forward; tests/eval/test_lean.py compares
+    the lean forward)."""
     from transformers import DynamicCache
 
     target = pair[0]
-    fast = cache.KVStream(target, 96, torch.device("cpu"))
-    plain = cache.KVStream(target, 96, torch.device("cpu"))
+    fast = cache.KVStream(target, 96, torch.device("cpu"), lean=False)
+    plain = cache.KVStream(target, 96, torch.device("cpu"), lean=False)
     plain.cache, plain.additive = DynamicCache(config=target.config), False
     assert fast.additive and isinstance(fast.cache.layers[0], cache.GrowingLayer)
     for s in (fast, plain):

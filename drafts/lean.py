@@ -1,0 +1,213 @@
+"""A lean decoding forward for Llama-family causal LMs on CPU (`LeanDecoder`).
+
+Small models decoding on a CPU are bound by per-call costs, not FLOPs: one token through a
+128-wide layer is ~20 tensor ops of a few µs each, and transformers' modules add their own
+Python work per layer. `KVStream` (drafts/cache.py) therefore runs a supported model through
+this forward instead, with the model's own parameters and the same cache:
+
+- projections multiply by transposed, contiguous copies of the weights, q/k/v and gate/up
+  fused into one matrix each. On this CPU, MKL runs `x @ Wᵀ` with a K-major copy about twice
+  as fast as `F.linear(x, W)` for 1–5 rows (the output head: 65 µs against 130 µs);
+- RoPE is applied to q and k together, with cos/sin computed once per forward by the model's
+  own rotary module (so every RoPE scaling type transformers knows works as it does there);
+- only the kept positions go through the final norm and the output head.
+
+Everything else is transformers' math: RMSNorm in float32 as `LlamaRMSNorm`, SDPA with the
+module's scale and the same masks, keys/values appended to the same cache layers (so a cache
+filled by transformers' forward continues here and the other way round). Logits equal
+transformers' to float rounding (tests/eval/test_lean.py).
+
+Supported: `model_type` llama, mistral (no sliding window), qwen2 (q/k/v biases) and qwen3
+(q/k norms), SiLU MLPs, full attention in every layer, plain `nn.Linear`/`nn.Embedding`
+modules (no peft adapters, no quantized layers, no accelerate hooks), on CPU, with gradients
+off. Anything else keeps transformers' forward: `why_not(model)` says why. Not used on GPUs,
+where the weight copies would cost memory and the kernels' costs differ.
+
+The copies are rebuilt when a parameter changes in place (its `_version` moves: an optimizer
+step, `load_state_dict`), so a draft evaluated during training never runs stale weights.
+"""
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+_FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
+# Streams use the lean forward for supported models unless this is False (benchmarks turn it
+# off to measure transformers' forward: `python -m benchmarks.vs_hf_assisted --no-lean`).
+enabled = True
+
+
+def why_not(model) -> str | None:
+    """None when `LeanDecoder` can run `model`, else the reason it cannot."""
+    config = getattr(model, "config", None)
+    family = getattr(config, "model_type", None)
+    if family not in _FAMILIES:
+        return f"model_type {family!r} is not one of {_FAMILIES}"
+    base = getattr(model, "model", None)
+    if base is None or not hasattr(base, "rotary_emb") or not hasattr(base, "layers"):
+        return "no model.model.layers / rotary_emb"
+    if any(p.device.type != "cpu" for p in model.parameters()):
+        return "not on CPU"
+    if getattr(config, "hidden_act", None) != "silu" or getattr(config, "pretraining_tp", 1) != 1:
+        return "hidden_act is not silu or pretraining_tp != 1"
+    layer_types = getattr(config, "layer_types", None) or []
+    if any(t != "full_attention" for t in layer_types) or (
+        family == "mistral" and getattr(config, "sliding_window", None) is not None
+    ):
+        return "sliding-window layers"
+    if type(base.embed_tokens) is not nn.Embedding:
+        return "the embedding is not a plain nn.Embedding"
+    linears = [model.lm_head]
+    for layer in base.layers:
+        a, m = layer.self_attn, layer.mlp
+        linears += [a.q_proj, a.k_proj, a.v_proj, a.o_proj, m.gate_proj, m.up_proj, m.down_proj]
+    if any(type(x) is not nn.Linear for x in linears):
+        return "a projection is not a plain nn.Linear (adapter, quantized layer)"
+    if any(hasattr(x, "_hf_hook") for x in model.modules()):
+        return "accelerate hooks (device_map offloading)"
+    return None
+
+
+def _t(*weights: torch.Tensor) -> torch.Tensor:
+    """[out_1 + out_2 + ..., in] weights -> one contiguous [in, Σ out] matrix."""
+    return torch.cat(weights).t().contiguous()
+
+
+def _bias(*linears: nn.Linear) -> torch.Tensor | None:
+    if all(x.bias is None for x in linears):
+        return None
+    return torch.cat(
+        [x.bias if x.bias is not None else x.weight.new_zeros(x.out_features) for x in linears]
+    )
+
+
+def _rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """transformers' LlamaRMSNorm: normalise in float32, scale in the input dtype."""
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(x.dtype)
+
+
+def _linear(x: torch.Tensor, weight_t: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    y = x @ weight_t
+    return y if bias is None else y + bias
+
+
+def additive_mask(mask: torch.Tensor, k: int, dtype: torch.dtype) -> torch.Tensor:
+    """Key mask [B, L] whose last k columns are this forward's tokens -> additive [B, 1, k, L].
+
+    Query i sees every valid earlier key and the new keys j <= i that are valid; it always sees
+    itself, so a padding query never has all keys masked (its output is unused).
+    """
+    b, length = mask.shape
+    new = torch.ones(k, k, dtype=torch.bool, device=mask.device)
+    allowed = torch.cat(
+        [
+            mask[:, None, : length - k].expand(b, k, length - k),
+            (mask[:, None, length - k :] & new.tril()) | new.diag().diag_embed(),
+        ],
+        dim=2,
+    )
+    out = torch.zeros(b, 1, k, length, dtype=dtype, device=mask.device)
+    return out.masked_fill_(~allowed[:, None], torch.finfo(dtype).min)
+
+
+class _Layer:
+    """One decoder layer's weights, prepared."""
+
+    def __init__(self, layer):
+        a, m = layer.self_attn, layer.mlp
+        self.ln1, self.ln2 = layer.input_layernorm, layer.post_attention_layernorm
+        self.qkv, self.qkv_bias = (
+            _t(a.q_proj.weight, a.k_proj.weight, a.v_proj.weight),
+            _bias(a.q_proj, a.k_proj, a.v_proj),
+        )
+        self.o, self.o_bias = _t(a.o_proj.weight), a.o_proj.bias
+        self.gate_up = _t(m.gate_proj.weight, m.up_proj.weight)
+        self.gate_up_bias = _bias(m.gate_proj, m.up_proj)
+        self.down, self.down_bias = _t(m.down_proj.weight), m.down_proj.bias
+        self.q_norm, self.k_norm = getattr(a, "q_norm", None), getattr(a, "k_norm", None)
+        self.scaling = a.scaling
+        self.ff = m.gate_proj.out_features
+
+
+class LeanDecoder:
+    """`model`'s decoding forward without transformers' modules (see the module docstring)."""
+
+    def __init__(self, model):
+        reason = why_not(model)
+        if reason:
+            raise ValueError(f"LeanDecoder cannot run this model: {reason}")
+        self.model = model
+        c = model.config
+        self.heads, self.kv_heads = c.num_attention_heads, c.num_key_value_heads
+        self.head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+        self._params = list(model.parameters())
+        self._versions = None
+
+    def _prepare(self) -> None:
+        # Inference tensors (loaded under inference_mode) keep no version counter.
+        versions = [0 if p.is_inference() else p._version for p in self._params]
+        if versions == self._versions:
+            return
+        base = self.model.model
+        with torch.no_grad():
+            self.layers = [_Layer(layer) for layer in base.layers]
+            self.head = _t(self.model.lm_head.weight)
+            self.head_bias = self.model.lm_head.bias
+        self._versions = versions
+
+    def __call__(
+        self,
+        tokens: torch.Tensor,
+        positions: torch.Tensor,
+        cache,
+        key_mask: torch.Tensor,
+        keep: int,
+        record=None,
+    ) -> torch.Tensor:
+        """Append tokens [B, k] at positions [B, k] to `cache` -> logits [B, keep, V] of the last
+        `keep` positions. key_mask [B, L]: the valid keys, cached ones and these k last.
+
+        record(i, hidden): called with the residual stream entering layer i (EAGLE-3 features).
+        """
+        self._prepare()
+        k, length = tokens.shape[1], key_mask.shape[1]
+        if bool(key_mask.all()) and (k == 1 or length == k):
+            mask, causal = None, k > 1  # one token, or a prefill: SDPA's unmasked paths
+        else:
+            mask, causal = additive_mask(key_mask, k, self.model.dtype), False
+        base = self.model.model
+        b = tokens.shape[0]
+        nh, nkv, d = self.heads, self.kv_heads, self.head_dim
+        x = base.embed_tokens(tokens)
+        cos, sin = base.rotary_emb(x, positions)
+        # rotate_half(t) * sin == flip of t's halves * (sin with its first half negated)
+        half = d // 2
+        cos, sin = cos[:, :, None], torch.cat([-sin[..., :half], sin[..., half:]], -1)[:, :, None]
+        gqa = nkv != nh
+        for i, w in enumerate(self.layers):
+            if record is not None:
+                record(i, x)
+            h = _rms(x, w.ln1.weight, w.ln1.variance_epsilon)
+            qkv = _linear(h, w.qkv, w.qkv_bias).view(b, k, nh + 2 * nkv, d)
+            q, key, value = qkv.split([nh, nkv, nkv], dim=2)
+            if w.q_norm is not None:
+                q = _rms(q, w.q_norm.weight, w.q_norm.variance_epsilon)
+                key = _rms(key, w.k_norm.weight, w.k_norm.variance_epsilon)
+                qk = torch.cat([q, key], dim=2)
+            else:
+                qk = qkv[:, :, : nh + nkv]
+            qk = qk * cos + qk.view(b, k, nh + nkv, 2, half).flip(3).view(qk.shape) * sin
+            q, key = qk.transpose(1, 2).split([nh, nkv], dim=1)
+            key, value = cache.layers[i].update(key, value.transpose(1, 2))
+            o = F.scaled_dot_product_attention(
+                q, key, value, attn_mask=mask, is_causal=causal, scale=w.scaling, enable_gqa=gqa
+            )
+            x = x + _linear(o.transpose(1, 2).reshape(b, k, nh * d), w.o, w.o_bias)
+            h = _rms(x, w.ln2.weight, w.ln2.variance_epsilon)
+            gate, up = _linear(h, w.gate_up, w.gate_up_bias).split(w.ff, dim=-1)
+            x = x + _linear(F.silu(gate) * up, w.down, w.down_bias)
+        norm = base.norm
+        x = _rms(x[:, -keep:], norm.weight, norm.variance_epsilon)
+        return _linear(x, self.head, self.head_bias)

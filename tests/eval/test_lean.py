@@ -1,0 +1,179 @@
+"""The lean CPU decoding forward (drafts/lean.py): logits equal transformers' for every supported
+family through a stream's prefill, padding, holes and verification passes; when it is used and
+when transformers' forward is kept; weights changed in place; EAGLE-3 feature capture."""
+
+import pytest
+import torch
+from transformers import (
+    GPT2Config,
+    GPT2LMHeadModel,
+    LlamaConfig,
+    LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+)
+
+from specdistill.drafts import lean
+from specdistill.drafts.cache import KVStream
+from specdistill.drafts.eagle3_head import FeatureCapture
+
+VOCAB = 96
+SIZES = dict(
+    vocab_size=VOCAB,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=256,
+    initializer_range=0.2,
+)
+LLAMA3_ROPE = {
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 16,
+    "rope_theta": 10000.0,
+}
+FAMILIES = {
+    "llama": lambda: LlamaForCausalLM(LlamaConfig(**SIZES)),
+    "llama-mha-tied": lambda: LlamaForCausalLM(
+        LlamaConfig(**SIZES | {"num_key_value_heads": 4}, tie_word_embeddings=True)
+    ),
+    "llama3-rope-biases": lambda: LlamaForCausalLM(
+        LlamaConfig(**SIZES, rope_parameters=LLAMA3_ROPE, attention_bias=True, mlp_bias=True)
+    ),
+    "mistral": lambda: MistralForCausalLM(MistralConfig(**SIZES, sliding_window=None)),
+    "qwen2": lambda: Qwen2ForCausalLM(Qwen2Config(**SIZES)),
+    "qwen3": lambda: Qwen3ForCausalLM(Qwen3Config(**SIZES, head_dim=24)),
+}
+
+
+def build(family: str):
+    torch.manual_seed(0)
+    model = FAMILIES[family]().eval()
+    with torch.no_grad():  # random biases and norm weights, so that they are exercised
+        for name, p in model.named_parameters():
+            if name.endswith("bias") or "norm" in name:
+                p.add_(0.3 * torch.randn_like(p))
+    return model
+
+
+def run_stream(stream: KVStream, seed: int = 0) -> list[torch.Tensor]:
+    """Ragged prefill, then chunks with a padded token and rolled-back tails (holes)."""
+    out = [stream.admit([[5, 6, 7, 9], [8]])[0]]
+    g = torch.Generator().manual_seed(seed)
+    for k, valid_first in [(4, True), (1, True), (3, False), (5, True), (1, False)]:
+        tokens = torch.randint(0, VOCAB, (2, k), generator=g)
+        valid = torch.ones(2, k, dtype=torch.bool)
+        valid[1, 0] = valid_first
+        out.append(stream.forward(tokens, valid, keep=k)[valid])
+        stream.drop_last(torch.tensor([k - 1, 0]))
+    return out
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+@torch.no_grad()
+def test_logits_equal_transformers(family):
+    model = build(family)
+    assert lean.why_not(model) is None
+    fast = KVStream(model, VOCAB, torch.device("cpu"))
+    plain = KVStream(model, VOCAB, torch.device("cpu"), lean=False)
+    assert fast.lean is not None and plain.lean is None
+    for a, b in zip(run_stream(fast), run_stream(plain), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+@torch.no_grad()
+def test_bfloat16_matches_transformers_to_its_precision():
+    model = build("llama").to(torch.bfloat16)
+    fast = KVStream(model, VOCAB, torch.device("cpu"))
+    plain = KVStream(model, VOCAB, torch.device("cpu"), lean=False)
+    for a, b in zip(run_stream(fast), run_stream(plain), strict=True):
+        torch.testing.assert_close(a.float(), b.float(), rtol=0.05, atol=0.1)
+
+
+def test_unsupported_models_keep_transformers_forward():
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(0)
+    gpt2 = GPT2LMHeadModel(GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=1, n_head=2))
+    sliding = MistralForCausalLM(MistralConfig(**SIZES, sliding_window=8))
+    adapted = get_peft_model(build("llama"), LoraConfig(r=2, target_modules=["q_proj"]))
+    merged_later = build("llama")
+    merged_later.model.layers[0].mlp.up_proj = torch.nn.Sequential(
+        merged_later.model.layers[0].mlp.up_proj
+    )
+    reasons = {
+        "gpt2": lean.why_not(gpt2),
+        "sliding": lean.why_not(sliding),
+        "peft": lean.why_not(adapted),
+        "wrapped": lean.why_not(merged_later),
+        "peft base": lean.why_not(adapted.get_base_model()),
+    }
+    assert "model_type 'gpt2'" in reasons["gpt2"]
+    assert reasons["sliding"] == "sliding-window layers"
+    assert reasons["peft"] is not None and "plain nn.Linear" in reasons["peft base"]
+    assert "plain nn.Linear" in reasons["wrapped"]
+    assert KVStream(gpt2, VOCAB, torch.device("cpu")).lean is None
+    with pytest.raises(ValueError, match="cannot run this model: model_type 'gpt2'"):
+        lean.LeanDecoder(gpt2)
+
+
+def test_gradients_on_use_transformers_forward(monkeypatch):
+    """Training code that streams with gradients (none does today) gets a differentiable pass."""
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the lean forward ran with gradients on")
+
+    model = build("llama")
+    stream = KVStream(model, VOCAB, torch.device("cpu"))
+    assert stream.lean is not None
+    monkeypatch.setattr(lean.LeanDecoder, "__call__", refuse)
+    logits = stream.admit([[5, 6, 7]])[0]
+    assert logits.requires_grad
+
+
+@torch.no_grad()
+def test_weights_changed_in_place_are_picked_up():
+    """An optimizer step between two evaluations: the prepared copies are rebuilt."""
+    model = build("llama")
+    decoder = lean.LeanDecoder(model)
+
+    def both():
+        fast = KVStream(model, VOCAB, torch.device("cpu"))
+        fast.lean = decoder
+        plain = KVStream(model, VOCAB, torch.device("cpu"), lean=False)
+        return run_stream(fast)[-1], run_stream(plain)[-1]
+
+    a, b = both()
+    torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    before = a.clone()
+    model.model.layers[1].mlp.down_proj.weight.mul_(3.0)
+    model.lm_head.weight.add_(0.1)
+    a, b = both()
+    torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(a, before)
+
+
+@torch.no_grad()
+def test_eagle3_features_are_recorded_as_hooks_capture_them():
+    model = build("llama")
+    streams = [
+        KVStream(model, VOCAB, torch.device("cpu"), FeatureCapture(model, [0, 1]), lean=use)
+        for use in (True, False)
+    ]
+    assert streams[0].lean is not None and streams[1].lean is None
+    features = []
+    for s in streams:
+        s.admit([[5, 6, 7], [8]])
+        tokens, valid = torch.tensor([[1, 2, 3], [4, 5, 6]]), torch.ones(2, 3, dtype=torch.bool)
+        s.forward(tokens, valid, keep=1)
+        features.append(s.features)
+    assert features[0].shape == (2, 3, 2 * 64)
+    torch.testing.assert_close(features[0], features[1], rtol=1e-5, atol=1e-5)
