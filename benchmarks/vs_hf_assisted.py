@@ -37,6 +37,7 @@ from pathlib import Path
 
 import torch
 
+from specdistill.drafts import lean
 from specdistill.drafts.cache import sync
 from specdistill.drafts.hub import check_tokenizers, load_model, load_tokenizer
 from specdistill.eval import stats
@@ -206,8 +207,14 @@ def main() -> None:
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op CPU threads")
     parser.add_argument("--json", default=None, help="also write the results here")
+    parser.add_argument(
+        "--no-lean",
+        action="store_true",
+        help="the engine runs transformers' forward, not drafts/lean.py's (CPU Llama family)",
+    )
     args = parser.parse_args()
     args.temperatures = [float(t) for t in args.temperatures.split(",")]
+    lean.enabled = not args.no_lean
     if args.threads:
         torch.set_num_threads(args.threads)
     results = run(args)
@@ -215,7 +222,8 @@ def main() -> None:
         f"target {args.target}, draft {args.draft}, γ={args.gamma}, {args.num_prompts} prompts × "
         f"{args.max_new_tokens} tokens, batch 1, fastest of {args.repeats} runs per prompt, "
         f"{args.device} {args.dtype}, "
-        f"{torch.get_num_threads()} threads"
+        f"{torch.get_num_threads()} threads, engine forward: "
+        f"{'transformers' if args.no_lean else 'lean where supported (drafts/lean.py)'}"
     )
     print(" | ".join(["T", *(name for name, _, _ in COLUMNS)]))
     for t, r in results.items():
