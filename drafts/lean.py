@@ -20,8 +20,9 @@ transformers' to float rounding (tests/eval/test_lean.py).
 Supported: `model_type` llama, mistral (no sliding window), qwen2 (q/k/v biases) and qwen3
 (q/k norms), SiLU MLPs, full attention in every layer, plain `nn.Linear`/`nn.Embedding`
 modules (no peft adapters, no quantized layers, no accelerate hooks), on CPU, with gradients
-off. Anything else keeps transformers' forward: `why_not(model)` says why. Not used on GPUs,
-where the weight copies would cost memory and the kernels' costs differ.
+off, and at most `MAX_WEIGHT_BYTES` (2 GiB) of weights, since the copies double them.
+Anything else keeps transformers' forward: `why_not(model)` says why. Not used on GPUs, where
+the weight copies would cost memory and the kernels' costs differ.
 
 The copies are rebuilt when a parameter changes in place (its `_version` moves: an optimizer
 step, `load_state_dict`), so a draft evaluated during training never runs stale weights.
@@ -35,6 +36,9 @@ _FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
 # Streams use the lean forward for supported models unless this is False (benchmarks turn it
 # off to measure transformers' forward: `python -m benchmarks.vs_hf_assisted --no-lean`).
 enabled = True
+# The prepared copies double the weights' memory: larger models keep transformers' forward
+# (where per-call costs matter less than the GEMMs anyway).
+MAX_WEIGHT_BYTES = 2 << 30
 
 
 def why_not(model) -> str | None:
@@ -48,6 +52,9 @@ def why_not(model) -> str | None:
         return "no model.model.layers / rotary_emb"
     if any(p.device.type != "cpu" for p in model.parameters()):
         return "not on CPU"
+    size = sum(p.numel() * p.element_size() for p in model.parameters())
+    if size > MAX_WEIGHT_BYTES:
+        return f"weights of {size / 2**30:.1f} GiB: copies would double that (MAX_WEIGHT_BYTES)"
     if getattr(config, "hidden_act", None) != "silu" or getattr(config, "pretraining_tp", 1) != 1:
         return "hidden_act is not silu or pretraining_tp != 1"
     layer_types = getattr(config, "layer_types", None) or []

@@ -98,7 +98,7 @@ def test_bfloat16_matches_transformers_to_its_precision():
         torch.testing.assert_close(a.float(), b.float(), rtol=0.05, atol=0.1)
 
 
-def test_unsupported_models_keep_transformers_forward():
+def test_unsupported_models_keep_transformers_forward(monkeypatch):
     from peft import LoraConfig, get_peft_model
 
     torch.manual_seed(0)
@@ -121,6 +121,8 @@ def test_unsupported_models_keep_transformers_forward():
     assert reasons["peft"] is not None and "plain nn.Linear" in reasons["peft base"]
     assert "plain nn.Linear" in reasons["wrapped"]
     assert KVStream(gpt2, VOCAB, torch.device("cpu")).lean is None
+    monkeypatch.setattr(lean, "MAX_WEIGHT_BYTES", 1000)
+    assert "copies would double that" in lean.why_not(build("llama"))
     with pytest.raises(ValueError, match="cannot run this model: model_type 'gpt2'"):
         lean.LeanDecoder(gpt2)
 
