@@ -132,8 +132,7 @@ class KVStream:
         self.cache_kw = cache_keyword(model)
         # lean=None: drafts/lean.py's `enabled` decides.
         use = lean_forward.enabled if lean is None else lean
-        supported = use and lean_forward.why_not(model) is None
-        self.lean = lean_forward.LeanDecoder(model) if supported else None
+        self.lean = lean_forward.decoder(model) if use else None
         self.mask = torch.zeros(0, 0, dtype=torch.bool, device=device)
         self.pos = torch.zeros(0, dtype=torch.long, device=device)
         self.vocab_size = vocab_size

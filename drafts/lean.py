@@ -75,6 +75,11 @@ def why_not(model) -> str | None:
     return None
 
 
+def decoder(model) -> "LeanDecoder | None":
+    """A LeanDecoder for `model`, or None when `why_not(model)` gives a reason."""
+    return None if why_not(model) else LeanDecoder(model, checked=True)
+
+
 def _t(*weights: torch.Tensor) -> torch.Tensor:
     """[out_1 + out_2 + ..., in] weights -> one contiguous [in, Σ out] matrix."""
     return torch.cat(weights).t().contiguous()
@@ -141,8 +146,8 @@ class _Layer:
 class LeanDecoder:
     """`model`'s decoding forward without transformers' modules (see the module docstring)."""
 
-    def __init__(self, model):
-        reason = why_not(model)
+    def __init__(self, model, checked: bool = False):
+        reason = None if checked else why_not(model)
         if reason:
             raise ValueError(f"LeanDecoder cannot run this model: {reason}")
         self.model = model
