@@ -24,9 +24,15 @@ off, and at most `MAX_WEIGHT_BYTES` (2 GiB) of weights, since the copies double 
 Anything else keeps transformers' forward: `why_not(model)` says why. Not used on GPUs, where
 the weight copies would cost memory and the kernels' costs differ.
 
-The copies are rebuilt when a parameter changes in place (its `_version` moves: an optimizer
-step, `load_state_dict`), so a draft evaluated during training never runs stale weights.
+One decoder, and so one set of copies, serves every stream of a model (`decoder(model)`).
+The copies are rebuilt when a parameter changes: in place (its `_version` moves: an optimizer
+step, `load_state_dict`) or by a new storage (`.data = ...`, `.to(dtype)`), and a new decoder
+is made when a module was replaced; a draft evaluated during training never runs stale
+weights. Not seen: in-place writes through `.data` (`p.data.add_(...)` bumps no version
+counter); code that updates weights that way should set `drafts.lean.enabled = False`.
 """
+
+import weakref
 
 import torch
 import torch.nn.functional as F
@@ -75,9 +81,19 @@ def why_not(model) -> str | None:
     return None
 
 
+# One decoder (one set of weight copies) per model, shared by all its streams and engines.
+_SHARED: "weakref.WeakKeyDictionary[nn.Module, LeanDecoder]" = weakref.WeakKeyDictionary()
+
+
 def decoder(model) -> "LeanDecoder | None":
-    """A LeanDecoder for `model`, or None when `why_not(model)` gives a reason."""
-    return None if why_not(model) else LeanDecoder(model, checked=True)
+    """`model`'s shared LeanDecoder, or None when `why_not(model)` gives a reason. A new one
+    when the model's parameters are other objects than before (a module was replaced)."""
+    if why_not(model):
+        return None
+    shared = _SHARED.get(model)
+    if shared is None or [id(p) for p in model.parameters()] != shared.param_ids:
+        shared = _SHARED[model] = LeanDecoder(model, checked=True)
+    return shared
 
 
 def _t(*weights: torch.Tensor) -> torch.Tensor:
@@ -150,24 +166,27 @@ class LeanDecoder:
         reason = None if checked else why_not(model)
         if reason:
             raise ValueError(f"LeanDecoder cannot run this model: {reason}")
-        self.model = model
+        # Submodules only, never `model` itself: the shared table holds models weakly.
+        self.base, self.lm_head = model.model, model.lm_head
         c = model.config
         self.heads, self.kv_heads = c.num_attention_heads, c.num_key_value_heads
         self.head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
         self._params = list(model.parameters())
-        self._versions = None
+        self.param_ids = [id(p) for p in self._params]
+        self._state = None
 
     def _prepare(self) -> None:
-        # Inference tensors (loaded under inference_mode) keep no version counter.
-        versions = [0 if p.is_inference() else p._version for p in self._params]
-        if versions == self._versions:
+        """(Re)build the copies when a parameter changed: in place (its version counter) or
+        through `.data` / `.to()` (its storage). Inference tensors keep no version counter."""
+        state = [(0 if p.is_inference() else p._version, p.data_ptr()) for p in self._params]
+        if state == self._state:
             return
-        base = self.model.model
         with torch.no_grad():
-            self.layers = [_Layer(layer) for layer in base.layers]
-            self.head = _t(self.model.lm_head.weight)
-            self.head_bias = self.model.lm_head.bias
-        self._versions = versions
+            self.layers = [_Layer(layer) for layer in self.base.layers]
+            self.head = _t(self.lm_head.weight)
+            self.head_bias = self.lm_head.bias
+            self.dtype = self.lm_head.weight.dtype
+        self._state = state
 
     def __call__(
         self,
@@ -188,8 +207,8 @@ class LeanDecoder:
         if bool(key_mask.all()) and (k == 1 or length == k):
             mask, causal = None, k > 1  # one token, or a prefill: SDPA's unmasked paths
         else:
-            mask, causal = additive_mask(key_mask, k, self.model.dtype), False
-        base = self.model.model
+            mask, causal = additive_mask(key_mask, k, self.dtype), False
+        base = self.base
         b = tokens.shape[0]
         nh, nkv, d = self.heads, self.kv_heads, self.head_dim
         x = base.embed_tokens(tokens)

@@ -142,25 +142,43 @@ def test_gradients_on_use_transformers_forward(monkeypatch):
 
 
 @torch.no_grad()
-def test_weights_changed_in_place_are_picked_up():
-    """An optimizer step between two evaluations: the prepared copies are rebuilt."""
+def test_changed_weights_are_picked_up_by_the_shared_decoder():
+    """Between two evaluations: an optimizer-style in-place step, a new storage through `.data`,
+    a replaced module. Streams of one model share one decoder until a module is replaced."""
     model = build("llama")
-    decoder = lean.LeanDecoder(model)
 
     def both():
         fast = KVStream(model, VOCAB, torch.device("cpu"))
-        fast.lean = decoder
         plain = KVStream(model, VOCAB, torch.device("cpu"), lean=False)
-        return run_stream(fast)[-1], run_stream(plain)[-1]
+        a, b = run_stream(fast)[-1], run_stream(plain)[-1]
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+        return fast.lean, a
 
-    a, b = both()
-    torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
-    before = a.clone()
-    model.model.layers[1].mlp.down_proj.weight.mul_(3.0)
-    model.lm_head.weight.add_(0.1)
-    a, b = both()
-    torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
-    assert not torch.allclose(a, before)
+    first, before = both()
+    for change in (
+        lambda: model.model.layers[1].mlp.down_proj.weight.mul_(3.0),
+        lambda: setattr(model.lm_head.weight, "data", model.lm_head.weight.data + 0.1),
+    ):
+        change()
+        decoder, after = both()
+        assert decoder is first and not torch.allclose(after, before)
+        before = after
+    torch.manual_seed(1)
+    model.model.layers[0].self_attn.o_proj = torch.nn.Linear(64, 64, bias=False)
+    decoder, after = both()
+    assert decoder is not first and not torch.allclose(after, before)
+
+
+def test_the_shared_decoder_does_not_keep_its_model_alive():
+    import gc
+
+    model = build("llama")
+    assert lean.decoder(model) is lean.decoder(model)
+    assert len(lean._SHARED) >= 1
+    ref = __import__("weakref").ref(model)
+    del model
+    gc.collect()
+    assert ref() is None
 
 
 @torch.no_grad()
