@@ -153,9 +153,14 @@ class KVStream:
             record = self.capture.record if self.capture else None
             logits = self.lean(tokens, positions, self.cache, self.mask, keep, record)
             self.output = None
-            self.features = self.capture.features() if self.capture else None
-            self.pos += valid.sum(1)
-            return logits[..., : self.vocab_size]
+        else:
+            logits = self._model_forward(tokens, positions, keep, filled, inputs)
+        self.features = self.capture.features() if self.capture else None
+        self.pos += valid.sum(1)
+        return logits[..., : self.vocab_size]
+
+    def _model_forward(self, tokens, positions, keep: int, filled: bool, inputs: dict):
+        """transformers' forward (its whole output kept in `self.output`) -> logits."""
         attention_mask = self.mask
         k = tokens.shape[1]
         if self.additive and filled and k > 1:
@@ -172,9 +177,7 @@ class KVStream:
                 **{self.cache_kw: self.cache},
                 **inputs,
             )
-        self.features = self.capture.features() if self.capture else None
-        self.pos += valid.sum(1)
-        return self.output.logits[..., : self.vocab_size]
+        return self.output.logits
 
     def _layers(self):
         for layer in self.cache.layers:
