@@ -81,3 +81,92 @@ def atomic_write_text(path: str | os.PathLike, text: str, encoding: str = "utf-8
             os.unlink(tmp)
         raise
     fsync_path(path.parent)
+
+
+def remove_leftovers(folder: str | os.PathLike) -> None:
+    """Delete what a kill left of an atomic publish in `folder`: temporary directories and
+    files (`.tmp-*`, `.<name>.tmp-*`) and replaced directories not yet deleted (`.old-*`).
+    None of them is ever read."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        return
+    for path in folder.iterdir():
+        name = path.name
+        if name.startswith((".tmp-", ".old-")) or (name.startswith(".") and ".tmp-" in name):
+            if path.is_dir():
+                shutil.rmtree(path, ignore_errors=True)
+            else:
+                path.unlink(missing_ok=True)
+
+
+class OutputDirError(ValueError):
+    """An output directory that a command would overwrite, or that another process holds."""
+
+
+def claim_output_dir(
+    out: str | os.PathLike, *, overwrite: bool, flag: str = "--overwrite"
+) -> Path:
+    """Make `out` ready for a command's outputs, never silently replacing earlier ones.
+
+    A missing or empty directory is created and used; one that holds files is refused with
+    a message naming them and `flag`, unless `overwrite` (then its files are left for the
+    command to replace one by one, atomically). A path that is a file is refused.
+    """
+    out = Path(out)
+    if out.exists() and not out.is_dir():
+        raise OutputDirError(f"{out} is a file, not a directory")
+    if out.is_dir() and not overwrite:
+        used = sorted(p.name for p in out.iterdir() if not p.name.startswith("."))
+        if used:
+            shown = ", ".join(used[:5]) + (f" and {len(used) - 5} more" if len(used) > 5 else "")
+            raise OutputDirError(
+                f"{out} already holds {shown}: choose another directory, or pass {flag} to "
+                "replace them"
+            )
+    out.mkdir(parents=True, exist_ok=True)
+    return out
+
+
+class DirLock:
+    """An exclusive lock on a directory, held while one process writes into it.
+
+    `with DirLock(root, "online job"):` takes `root/.lock` with `flock`, so a second process
+    asking for it fails at once with a message naming the holder's pid, and a killed holder
+    releases it (the kernel drops the lock with the process). The lock file stays behind;
+    it holds only the last holder's pid and is never read for anything else.
+    """
+
+    def __init__(self, root: str | os.PathLike, what: str = "another process"):
+        self.path = Path(root) / ".lock"
+        self.what = what
+        self._fd: int | None = None
+
+    def acquire(self) -> "DirLock":
+        import fcntl
+
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
+            os.close(fd)
+            raise OutputDirError(
+                f"{self.path.parent} is in use by {self.what} (pid {holder}); two writers "
+                "would race on its files: stop that one first, or use another directory"
+            ) from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, str(os.getpid()).encode(), 0)
+        self._fd = fd
+        return self
+
+    def release(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)  # closing the descriptor drops the flock
+            self._fd = None
+
+    def __enter__(self) -> "DirLock":
+        return self.acquire()
+
+    def __exit__(self, *exc) -> None:
+        self.release()
