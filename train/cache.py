@@ -24,8 +24,9 @@ cache, a `losses.SparseTarget` of the top-N probabilities with the stored remain
 a rest bin (docs/theory.md §3, "Sparse targets with a rest bin": target and draft are
 compared on the N tokens plus one bin for every other token), instead of running the
 target. The loss is therefore at temperature 1, unfiltered: the cache knows the dropped
-mass only there. The manifest is compared with the run's tokenizer, target and data before
-any training (`open_cache`); held-out evaluation still runs the live target, so the reported
+mass only there. The manifest is compared with the run's tokenizer, target and data, and
+every shard the run reads with its manifest entry (size, header, offsets, the split and first
+sequence written into it: train/cache_shards.py), before any training (`open_cache`); held-out evaluation still runs the live target, so the reported
 α is the true one. docs/cache.md gives the sizes.
 """
 
