@@ -36,6 +36,8 @@ EAGLE-3 head, chained into τ by `eval.stats.tau_chain`).
 
 Writes DIR/report.json, DIR/report.md, DIR/drift.png and DIR/responses_after.jsonl (the
 after-target's responses as training records: `data.train` of a repair run, recipes/repair.yaml).
+DIR must be new or empty unless --overwrite; the prompt file is read and checked first, and a
+run that fails before writing removes the DIR it created.
 """
 
 import argparse
@@ -695,7 +697,14 @@ def main(argv: Sequence[str] | None = None) -> dict:
     parser.add_argument(
         "--prompts", required=True, help=".txt, .jsonl/.json(.gz) (eval/prompts.py)"
     )
-    parser.add_argument("--out", required=True, help="output directory (created)")
+    parser.add_argument(
+        "--out",
+        required=True,
+        help="output directory (created; refused if it holds files, unless --overwrite)",
+    )
+    parser.add_argument(
+        "--overwrite", action="store_true", help="replace the reports in a used --out"
+    )
     parser.add_argument(
         "--temperature",
         type=float,
@@ -729,12 +738,19 @@ def main(argv: Sequence[str] | None = None) -> dict:
     if args.temperature < 0 or args.max_new_tokens < 1 or args.num_prompts < 1:
         parser.error("--temperature must be >= 0, --max-new-tokens and --num-prompts >= 1")
 
-    from specdistill import drafts
-    from specdistill.drafts.hub import check_tokenizers, load_draft, load_target, load_tokenizer
+    from specdistill.eval.outdir import claimed_output_dir
     from specdistill.eval.prompts import load_prompts
 
     prompts = load_prompts(args.prompts, limit=args.num_prompts)
-    Path(args.out).mkdir(parents=True, exist_ok=True)
+    with claimed_output_dir(args.out, overwrite=args.overwrite):
+        return _run(args, prompts)
+
+
+def _run(args, prompts) -> dict:
+    """Load the models, measure, write the report into the claimed `args.out`."""
+    from specdistill import drafts
+    from specdistill.drafts.hub import check_tokenizers, load_draft, load_target, load_tokenizer
+
     tokenizer = load_tokenizer(args.target_after)
     check_tokenizers(
         load_tokenizer(args.target_before), tokenizer, args.target_before, args.target_after

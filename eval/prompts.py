@@ -41,16 +41,58 @@ def _record_prompt(record, index: int, where: str) -> Prompt:
     category = record.get("category")
     category = None if category is None else str(category)
     if "messages" in record:
-        return Prompt(rid, messages=record["messages"], category=category)
+        return Prompt(rid, messages=_messages(record["messages"], where), category=category)
     if "turns" in record:
         turns = record["turns"]
         if not isinstance(turns, list) or not turns:
             raise PromptError(f"{where}: 'turns' must be a non-empty list")
-        return Prompt(rid, messages=[{"role": "user", "content": turns[0]}], category=category)
+        first = _string(turns[0], where, "turns[0]")
+        return Prompt(rid, messages=[{"role": "user", "content": first}], category=category)
     for key in ("prompt", "text"):
         if key in record:
-            return Prompt(rid, text=record[key], category=category)
+            return Prompt(rid, text=_string(record[key], where, key), category=category)
     raise PromptError(f"{where}: record has none of the fields {_FIELDS} (keys: {sorted(record)})")
+
+
+def _string(value, where: str, field: str) -> str:
+    if not isinstance(value, str):
+        got = "null" if value is None else type(value).__name__
+        raise PromptError(f"{where}: '{field}' must be a string, got {got}")
+    return value
+
+
+def _messages(messages, where: str) -> list[dict]:
+    """Chat messages: a non-empty list of {"role": str, "content": str}."""
+    if not isinstance(messages, list) or not messages:
+        raise PromptError(f"{where}: 'messages' must be a non-empty list")
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict):
+            raise PromptError(f"{where}: messages[{i}] must be an object")
+        for key in ("role", "content"):
+            _string(message.get(key), where, f"messages[{i}].{key}")
+    return messages
+
+
+def _read_text(path: Path, opener) -> str:
+    """The file's text; PromptError naming the file and line if it is not UTF-8 (a UTF-16
+    file named as such) or not the gzip file its name says."""
+    try:
+        with opener(path, "rb") as f:
+            raw = f.read()
+    except (OSError, EOFError) as e:  # gzip.BadGzipFile is an OSError; truncated: EOFError
+        if opener is open and isinstance(e, OSError):
+            raise
+        raise PromptError(f"{path}: not a readable gzip file ({e})") from None
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        if raw[:2] in (b"\xff\xfe", b"\xfe\xff"):
+            raise PromptError(f"{path}: UTF-16 text; save it as UTF-8") from None
+        line = raw[: e.start].count(b"\n") + 1
+        raise PromptError(
+            f"{path}:{line}: not UTF-8 ({e.reason} at byte {e.start}); save it as UTF-8"
+        ) from None
+    return text.replace("\r\n", "\n").replace("\r", "\n")  # as text mode reads it
 
 
 def _jsonl_prompts(content: str, path: Path) -> list[Prompt]:
@@ -94,8 +136,7 @@ def load_prompts(path: str | Path, limit: int | None = None) -> list[Prompt]:
         raise PromptError(
             f"unknown prompt file type '{kind}' for {path}: use .txt, .jsonl or .json (or .gz)"
         )
-    with opener(path, "rt", encoding="utf-8") as f:
-        content = f.read()
+    content = _read_text(path, opener)
     if kind == ".txt":
         prompts = [
             Prompt(str(i), text=line) for i, line in enumerate(content.splitlines()) if line.strip()

@@ -88,15 +88,15 @@ def _top_p(text: str) -> float:
 def _check_out_dir(out: str) -> str | None:
     """Why `out` cannot take the report, or None if it can.
 
-    It must be a directory or creatable (it is created); writability is tested with a probe
-    file that is removed again.
+    It must be a directory, or creatable in its nearest existing parent; writability is
+    tested with a probe file in that directory, removed again. Nothing is created.
     """
     path = Path(out)
     if path.exists() and not path.is_dir():
         return f"{out} exists and is not a directory"
+    existing = next(p for p in (path, *path.absolute().parents) if p.exists())
     try:
-        path.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryFile(dir=path):
+        with tempfile.TemporaryFile(dir=existing):
             pass
     except OSError as e:
         return f"{out} is not a writable directory ({e.strerror or e})"
@@ -115,7 +115,13 @@ def main(argv: Sequence[str] | None = None) -> dict:
     parser.add_argument("--draft", required=True, help="HF id, local dir or embedded:<name>")
     parser.add_argument("--prompts", required=True, help=".txt (one per line), .jsonl/.json(.gz)")
     parser.add_argument(
-        "--out", required=True, help="output directory (created; checked writable before decoding)"
+        "--out",
+        required=True,
+        help="output directory (created; checked writable before decoding; refused if it "
+        "holds files, unless --overwrite)",
+    )
+    parser.add_argument(
+        "--overwrite", action="store_true", help="replace the reports in a used --out"
     )
     parser.add_argument(
         "--gamma", type=_ints, default=[1, 2, 4, 8], help="comma-separated γ values; each >= 1"
@@ -157,15 +163,24 @@ def main(argv: Sequence[str] | None = None) -> dict:
     if args.threads:
         torch.set_num_threads(args.threads)
 
-    from specdistill import drafts
-    from specdistill.drafts.hub import check_tokenizers, load_draft, load_target, load_tokenizer
-    from specdistill.eval import report, sweep
-    from specdistill.eval.prompts import encode_prompts, load_prompts
+    from specdistill.eval.outdir import claimed_output_dir
+    from specdistill.eval.prompts import load_prompts
 
     # A bad prompt file or --out fails now, not after the models have loaded and decoded.
     prompts = load_prompts(args.prompts, limit=args.num_prompts)
     if problem := _check_out_dir(args.out):
         parser.error(f"--out: {problem}")
+    with claimed_output_dir(args.out, overwrite=args.overwrite):
+        return _run(args, prompts)
+
+
+def _run(args, prompts) -> dict:
+    """Load the models, decode, write the report into the claimed `args.out`."""
+    from specdistill import drafts
+    from specdistill.drafts.hub import check_tokenizers, load_draft, load_target, load_tokenizer
+    from specdistill.eval import report, sweep
+    from specdistill.eval.prompts import encode_prompts
+
     tokenizer = load_tokenizer(args.target)
     draft = load_draft(args.draft, dtype=args.dtype)
     kind = drafts.type_of(draft)

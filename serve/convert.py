@@ -20,123 +20,55 @@ spec_draft_token_num / spec_accept_histogram become the speculative statistics. 
 read with an unpickler that builds plain attribute bags and refuses every callable, so no
 SGLang install is needed and no code in the file runs.
 
-Records that cannot be converted are counted by reason and written to OUT/rejects.jsonl;
-the target identity is computed as the server computes it (`model_identity`), so the online
-job accepts the converted records exactly when they come from its own target.
+Input files are read as bytes and split at b"\n" only (JSON strings may hold U+2028 and
+other characters that `str.splitlines` would split at). Every line, dump file and entry is
+converted and checked in full before anything is appended: a line that is not UTF-8, not
+JSON, not an object, or holds a non-finite or out-of-range sampling parameter or
+statistic; a pickle that is truncated, nested deeper than MAX_DEPTH or names callables; each
+is one reject, counted by reason and written to OUT/rejects.jsonl with its `file:line` (or
+`file#entry`), and the conversion goes on with the next. The target identity is computed as
+the server computes it (`model_identity`), so the online job accepts the converted records
+exactly when they come from its own target.
+
+Converting is idempotent: a record whose key (its id, prompt and completion token ids) is
+already in OUT's traffic log is skipped, so a rerun, an input converted twice or a run cut
+short and repeated appends each record once. A source entry without an id gets one derived
+from its content (`<source>-<sha256 prefix>`). A reject already in OUT/rejects.jsonl (same
+source and reason) is counted again but not written twice.
 """
 
 import argparse
+import hashlib
 import json
 import math
-import pickle
-import time
 from pathlib import Path
 
-from specdistill.serve.traffic import SCHEMA_VERSION, TrafficLog, model_identity, validate
+from specdistill.serve.convert_common import (
+    NO_SPECULATION,
+    ConvertError,
+    category,
+    content_id,
+    json_line,
+    lines,
+    record,
+    sampling_params,
+    speculative_stats,
+    token_ids,
+)
+from specdistill.serve.convert_sglang import from_sglang, sglang_pairs
+from specdistill.serve.traffic import TrafficLog, model_identity, shards
 
 SOURCES = ("vllm", "sglang")
-
-
-class ConvertError(ValueError):
-    """A source record that cannot become a traffic record (the reason is the message)."""
-
-
-# ----------------------------------------------------------------------------- common
-
-
-def speculative_stats(
-    num_spec_steps: int, num_draft_tokens: int, num_accepted: int, histogram: list | None
-) -> dict:
-    """The speculative statistics in the record's (vLLM's) shape."""
-    return {
-        "mean_acceptance_length": 1 + num_accepted / num_spec_steps if num_spec_steps else 1.0,
-        "draft_acceptance_rate": num_accepted / num_draft_tokens if num_draft_tokens else 0.0,
-        "acceptance_histogram": list(histogram or []),
-        "num_spec_steps": int(num_spec_steps),
-        "num_draft_tokens": int(num_draft_tokens),
-        "num_accepted_draft_tokens": int(num_accepted),
-    }
-
-
-NO_SPECULATION = speculative_stats(0, 0, 0, [])
-
-
-def record(
-    *,
-    rid: str,
-    endpoint: str,
-    target: dict,
-    sampling: dict,
-    prompt,
-    prompt_ids: list[int],
-    completion_ids: list[int],
-    completion_text: str,
-    finish_reason: str,
-    speculative: dict,
-    category: str | None,
-    top_logprobs: list | None,
-    created: float | None,
-    latency_s: float | None,
-) -> dict:
-    out = {
-        "schema_version": SCHEMA_VERSION,
-        "id": rid,
-        "time": float(created if created is not None else time.time()),
-        "endpoint": endpoint,
-        "target": target,
-        "draft_version": None,  # the serving engine's own draft: not named in its logs
-        "sampling": sampling,
-        "prompt": prompt,
-        "prompt_token_ids": [int(t) for t in prompt_ids],
-        "completion_token_ids": [int(t) for t in completion_ids],
-        "completion_text": completion_text,
-        "finish_reason": finish_reason or "stop",
-        "speculative": speculative,
-        "category": category,
-        "top_logprobs": top_logprobs,
-        "latency_s": float(latency_s if latency_s is not None else 0.0),
-        "ttft_s": None,
-    }
-    return validate(out)
-
-
-def _sampling(params: dict) -> dict:
-    stop = params.get("stop")
-    return {
-        "temperature": float(params.get("temperature", 1.0)),
-        "top_p": float(params.get("top_p", 1.0) or 1.0),
-        "max_tokens": params.get("max_tokens", params.get("max_new_tokens")),
-        "seed": params.get("seed"),
-        "stop": [stop] if isinstance(stop, str) else list(stop or []),
-    }
-
-
-def _category(request: dict) -> str | None:
-    meta = request.get("metadata") or {}
-    return meta.get("category") or request.get("category")
-
-
-def _ids(tokenizer, tokens: list[str]) -> list[int]:
-    """Token strings (as engines print them in logprobs) -> ids; byte-level BPE strings map
-    directly, anything else is encoded."""
-    ids = tokenizer.convert_tokens_to_ids(tokens)
-    unk = tokenizer.unk_token_id
-    out = []
-    for token, i in zip(tokens, ids, strict=True):
-        if i is None or (unk is not None and i == unk and token != tokenizer.unk_token):
-            encoded = tokenizer.encode(token, add_special_tokens=False)
-            if len(encoded) != 1:
-                raise ConvertError(f"logprob token {token!r} is not one token of the target")
-            i = encoded[0]
-        out.append(int(i))
-    return out
 
 
 # ----------------------------------------------------------------------------- vLLM
 
 
-def from_vllm(line: dict, tokenizer, target: dict) -> dict:
-    """One `{"request", "response"}` pair of vLLM's OpenAI server -> a traffic record."""
+def from_vllm(line: dict, tokenizer, target: dict, fallback_id: str = "") -> dict:
+    """One `{"request", "response"}` pair of vLLM's OpenAI server -> a traffic record
+    (`fallback_id` when the pair names no id)."""
+    if not isinstance(line, dict):
+        raise ConvertError(f"a line must be a JSON object, got {type(line).__name__}")
     request, response = line.get("request"), line.get("response")
     if not isinstance(request, dict) or not isinstance(response, dict):
         raise ConvertError("a line needs 'request' and 'response' objects")
@@ -177,17 +109,17 @@ def from_vllm(line: dict, tokenizer, target: dict) -> dict:
         else NO_SPECULATION
     )
     return record(
-        rid=str(response.get("id") or line.get("id") or ""),
+        rid=str(response.get("id") or line.get("id") or fallback_id),
         endpoint="chat.completions" if chat else "completions",
         target=target,
-        sampling=_sampling(request),
+        sampling=sampling_params(request),
         prompt=prompt,
         prompt_ids=list(prompt_ids),
         completion_ids=list(completion_ids),
         completion_text=text,
         finish_reason=choice.get("finish_reason") or "stop",
         speculative=speculative,
-        category=_category(request),
+        category=category(request),
         top_logprobs=top,
         created=response.get("created"),
         latency_s=line.get("latency_s"),
@@ -209,7 +141,7 @@ def _vllm_top_logprobs(logprobs, tokenizer, chat: bool) -> list | None:
         return None
     out = []
     for entry in entries:
-        ids = _ids(tokenizer, [token for token, _ in entry])
+        ids = token_ids(tokenizer, [token for token, _ in entry])
         out.append(
             [
                 [i, float(lp) if math.isfinite(lp) else -1e30]
@@ -219,177 +151,125 @@ def _vllm_top_logprobs(logprobs, tokenizer, chat: bool) -> list | None:
     return out
 
 
-# ----------------------------------------------------------------------------- SGLang
-
-
-class _Bag:
-    """Stands in for any class a pickle names: keeps the state it is given, runs nothing."""
-
-    def __init__(self, *args, **kwargs):
-        self._args = args
-
-    def __setstate__(self, state):
-        if isinstance(state, tuple) and len(state) == 2:  # (dict, slots)
-            state = {**(state[0] or {}), **(state[1] or {})}
-        if isinstance(state, dict):
-            self.__dict__.update(state)
-
-    def get(self, key, default=None):
-        return self.__dict__.get(key, default)
-
-
-class _SafeUnpickler(pickle.Unpickler):
-    """Plain containers and attribute bags only: a dump's classes (SGLang's request types,
-    enums) all become `_Bag`s, and nothing callable from the file is ever invoked."""
-
-    SAFE = {
-        ("builtins", n)
-        for n in (
-            "dict",
-            "list",
-            "tuple",
-            "set",
-            "frozenset",
-            "str",
-            "int",
-            "float",
-            "bool",
-            "bytes",
-            "bytearray",
-        )
-    }
-
-    def find_class(self, module, name):
-        if (module, name) in self.SAFE:
-            return super().find_class(module, name)
-        return _Bag
-
-
-def _plain(value):
-    """_Bags -> dicts, recursively (so the converter reads dumps and JSON alike)."""
-    if isinstance(value, _Bag):
-        return {k: _plain(v) for k, v in value.__dict__.items() if k != "_args"}
-    if isinstance(value, dict):
-        return {k: _plain(v) for k, v in value.items()}
-    if isinstance(value, list | tuple):
-        return [_plain(v) for v in value]
-    return value
-
-
-def sglang_pairs(path: Path):
-    """(request, output) dicts from a dump file (pickle) or a JSON-lines file."""
-    if path.suffix in (".jsonl", ".json"):
-        for n, line in enumerate(path.read_text().splitlines(), 1):
-            if line.strip():
-                try:
-                    item = json.loads(line)
-                except ValueError as e:
-                    yield ConvertError(f"{path}:{n}: invalid JSON ({e})")
-                    continue
-                yield item.get("request"), item.get("output")
-        return
-    with open(path, "rb") as f:
-        data = _plain(_SafeUnpickler(f).load())
-    items = data if isinstance(data, list) else [data]
-    for item in items:
-        if isinstance(item, list) and len(item) >= 2:
-            yield item[0], item[1]
-        else:
-            yield ConvertError(f"{path}: a dump entry is not a (request, output, ...) tuple")
-
-
-def from_sglang(request, output, tokenizer, target: dict) -> dict:
-    """One SGLang (request, output) pair -> a traffic record."""
-    if not isinstance(request, dict) or not isinstance(output, dict):
-        raise ConvertError("an SGLang entry needs a request and an output object")
-    meta = output.get("meta_info") or {}
-    prompt = request.get("text")
-    if isinstance(prompt, list):
-        if len(prompt) != 1:
-            raise ConvertError("batched SGLang requests are not supported (one text each)")
-        prompt = prompt[0]
-    prompt_ids = request.get("input_ids")
-    if prompt_ids is None:
-        if not isinstance(prompt, str):
-            raise ConvertError("an SGLang request needs 'text' or 'input_ids'")
-        prompt_ids = tokenizer.encode(prompt, add_special_tokens=False)
-    text = output.get("text") or ""
-    completion_ids = output.get("output_ids") or tokenizer.encode(text, add_special_tokens=False)
-    finish = meta.get("finish_reason") or {}
-    finish_reason = finish.get("type", "stop") if isinstance(finish, dict) else str(finish)
-    steps = meta.get("spec_verify_ct") or 0
-    speculative = speculative_stats(
-        steps,
-        meta.get("spec_draft_token_num") or 0,
-        meta.get("spec_accept_token_num") or 0,
-        meta.get("spec_accept_histogram"),
-    )
-    created = meta.get("created_time") or request.get("created_time")
-    return record(
-        rid=str(meta.get("id") or request.get("rid") or ""),
-        endpoint="completions",
-        target=target,
-        sampling=_sampling(request.get("sampling_params") or {}),
-        prompt=prompt if isinstance(prompt, str) else tokenizer.decode(prompt_ids),
-        prompt_ids=list(prompt_ids),
-        completion_ids=list(completion_ids),
-        completion_text=text,
-        finish_reason="length" if finish_reason == "length" else "stop",
-        speculative=speculative,
-        category=_category(request),
-        top_logprobs=None,
-        created=created,
-        latency_s=meta.get("e2e_latency"),
-    )
-
-
 # ----------------------------------------------------------------------------- driver
 
 
+def record_key(record: dict) -> str:
+    """What makes two traffic records the same record: id, prompt and completion ids."""
+    body = json.dumps(
+        [record.get("id"), record.get("prompt_token_ids"), record.get("completion_token_ids")],
+        separators=(",", ":"),
+    )
+    return hashlib.sha256(body.encode()).hexdigest()
+
+
+def logged_keys(out: Path) -> set[str]:
+    """`record_key`s of every complete line of OUT's traffic shards (unreadable lines and a
+    torn final line are passed over: they are no record to duplicate)."""
+    keys = set()
+    if not out.is_dir():
+        return keys
+    for path in shards(out):
+        for raw in path.read_bytes().split(b"\n")[:-1]:
+            try:
+                record = json.loads(raw)
+            except (ValueError, RecursionError):
+                continue
+            if isinstance(record, dict):
+                keys.add(record_key(record))
+    return keys
+
+
+def _logged_rejects(path: Path) -> set[tuple]:
+    seen = set()
+    if path.is_file():
+        for raw in path.read_bytes().split(b"\n"):
+            try:
+                item = json.loads(raw)
+                seen.add((item["source"], item["reason"]))
+            except (ValueError, KeyError, TypeError, RecursionError):
+                continue
+    return seen
+
+
+def _check_ids(record: dict, vocab: int) -> dict:
+    for key in ("prompt_token_ids", "completion_token_ids"):
+        bad = next((t for t in record[key] if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise ConvertError(f"{key} holds {bad}, outside the target's {vocab} token ids")
+    return record
+
+
 def convert(source: str, inputs: list[Path], tokenizer, target: dict, out: Path) -> dict:
-    """Append every convertible record to the traffic log in `out`; rejects to
-    out/rejects.jsonl. Returns {"converted": n, "rejected": {reason: n}}."""
+    """Append every convertible record not yet in `out`'s traffic log to it; rejects to
+    out/rejects.jsonl. Returns {"converted": n, "already_logged": n, "rejected": {reason: n}}."""
     if source not in SOURCES:
         raise ValueError(f"--from must be one of {', '.join(SOURCES)}, got {source!r}")
     out.mkdir(parents=True, exist_ok=True)
-    log = TrafficLog(out)
+    keys = logged_keys(out)
+    written_rejects = _logged_rejects(out / "rejects.jsonl")
+    vocab = len(tokenizer)
     rejected: dict[str, int] = {}
-    converted = 0
-    with open(out / "rejects.jsonl", "a") as rejects:
+    converted = already = 0
+    log: TrafficLog | None = None  # opened at the first new record: a rerun adds no shard
+    try:
+        with open(out / "rejects.jsonl", "a", encoding="utf-8") as rejects:
 
-        def reject(where: str, reason: str) -> None:
-            key = reason.split(" (")[0][:80]
-            rejected[key] = rejected.get(key, 0) + 1
-            rejects.write(json.dumps({"source": where, "reason": reason}) + "\n")
+            def reject(where: str, reason: str) -> None:
+                key = reason.split(" (")[0][:80]
+                rejected[key] = rejected.get(key, 0) + 1
+                if (where, reason) not in written_rejects:
+                    written_rejects.add((where, reason))
+                    rejects.write(json.dumps({"source": where, "reason": reason}) + "\n")
+                    rejects.flush()
 
-        for path in inputs:
-            if source == "vllm":
-                pairs = []
-                for n, line in enumerate(path.read_text().splitlines(), 1):
-                    if not line.strip():
-                        continue
-                    try:
-                        pairs.append((f"{path}:{n}", json.loads(line)))
-                    except ValueError as e:
-                        reject(f"{path}:{n}", f"invalid JSON ({e})")
-                for where, item in pairs:
-                    try:
-                        log.append(from_vllm(item, tokenizer, target))
-                        converted += 1
-                    except (ValueError, KeyError, TypeError) as e:
-                        reject(where, str(e))
-            else:
-                for i, pair in enumerate(sglang_pairs(path)):
-                    if isinstance(pair, ConvertError):
-                        reject(str(path), str(pair))
-                        continue
-                    try:
-                        log.append(from_sglang(*pair, tokenizer, target))
-                        converted += 1
-                    except (ValueError, KeyError, TypeError) as e:
-                        reject(f"{path}#{i}", str(e))
-    log.close()
-    return {"converted": converted, "rejected": rejected}
+            def one(where: str, build) -> None:
+                nonlocal converted, already, log
+                try:  # the whole record is built and checked before it is appended
+                    record = _check_ids(build(), vocab)
+                except (ConvertError, ValueError, KeyError, TypeError, AttributeError,
+                        IndexError, RecursionError) as e:  # fmt: skip
+                    reject(where, str(e) or type(e).__name__)
+                    return
+                except Exception as e:  # e.g. a chat template that fails on the messages
+                    reject(where, f"{type(e).__name__}: {e}")
+                    return
+                key = record_key(record)
+                if key in keys:
+                    already += 1
+                    return
+                log = log or TrafficLog(out)
+                log.append(record)
+                keys.add(key)
+                converted += 1
+
+            for path in inputs:
+                for where, item in _entries(source, path):
+                    if isinstance(item, ConvertError):
+                        reject(where, str(item))
+                    elif source == "vllm":
+                        fid = content_id(source, item)
+                        one(where, lambda i=item, f=fid: from_vllm(i, tokenizer, target, f))
+                    else:
+                        fid = content_id(source, item)
+                        one(where, lambda p=item, f=fid: from_sglang(*p, tokenizer, target, f))
+    finally:
+        if log is not None:
+            log.close()
+    return {"converted": converted, "already_logged": already, "rejected": rejected}
+
+
+def _entries(source: str, path: Path) -> list[tuple[str, object]]:
+    """(where, source entry or ConvertError) of one input file."""
+    if source == "sglang":
+        return sglang_pairs(path)
+    out = []
+    for n, raw in lines(path):
+        try:
+            out.append((f"{path}:{n}", json_line(raw)))
+        except ConvertError as e:
+            out.append((f"{path}:{n}", e))
+    return out
 
 
 def _inputs(path: Path) -> list[Path]:
@@ -432,7 +312,10 @@ def main(argv: list[str] | None = None) -> int:
     target = {"name": name, "identity": identity}
     result = convert(args.source, inputs, tokenizer, target, Path(args.out))
     reasons = ", ".join(f"{k}: {v}" for k, v in result["rejected"].items()) or "none"
-    print(f"converted {result['converted']} records into {args.out}; rejected: {reasons}")
+    print(
+        f"converted {result['converted']} records into {args.out} "
+        f"({result['already_logged']} already there); rejected: {reasons}"
+    )
     return 0
 
 

@@ -24,8 +24,9 @@ cache, a `losses.SparseTarget` of the top-N probabilities with the stored remain
 a rest bin (docs/theory.md §3, "Sparse targets with a rest bin": target and draft are
 compared on the N tokens plus one bin for every other token), instead of running the
 target. The loss is therefore at temperature 1, unfiltered: the cache knows the dropped
-mass only there. The manifest is compared with the run's tokenizer, target and data before
-any training (`open_cache`); held-out evaluation still runs the live target, so the reported
+mass only there. The manifest is compared with the run's tokenizer, target and data, and
+every shard the run reads with its manifest entry (size, header, offsets, the split and first
+sequence written into it: train/cache_shards.py), before any training (`open_cache`); held-out evaluation still runs the live target, so the reported
 α is the true one. docs/cache.md gives the sizes.
 """
 
@@ -41,7 +42,8 @@ from pathlib import Path
 
 import torch
 
-FORMAT = "specdistill-target-cache"
+from specdistill.train.cache_shards import FORMAT, ShardWriter, shard_problem
+
 VERSION = 1
 MANIFEST = "manifest.json"
 SPLITS = ("train", "eval")
@@ -118,59 +120,6 @@ def top_n_rows(target, batch: dict, vocab_size: int, top_n: int):
     return indices, values, rest, mask.sum(1)
 
 
-class _ShardWriter:
-    """Accumulates whole sequences' rows and writes a shard past `max_rows` rows."""
-
-    def __init__(self, root: Path, split: str, max_rows: int, value_dtype: torch.dtype):
-        self.root, self.split, self.max_rows, self.dtype = root, split, max_rows, value_dtype
-        self.shards: list[dict] = []
-        self.next_sequence = 0
-        self._reset()
-
-    def _reset(self) -> None:
-        self.indices, self.values, self.rest, self.counts = [], [], [], []
-        self.rows = 0
-
-    def add(self, indices, values, rest, counts) -> None:
-        start = 0
-        for n in counts.tolist():
-            self.indices.append(indices[start : start + n].to(torch.int32).cpu())
-            self.values.append(values[start : start + n].to(self.dtype).cpu())
-            self.rest.append(rest[start : start + n].to(self.dtype).cpu())
-            self.counts.append(n)
-            self.rows += n
-            start += n
-            if self.rows >= self.max_rows:
-                self.flush()
-
-    def flush(self) -> None:
-        if not self.counts:
-            return
-        from safetensors.torch import save_file
-
-        name = f"{self.split}-{len(self.shards):06d}.safetensors"
-        offsets = torch.zeros(len(self.counts) + 1, dtype=torch.int64)
-        offsets[1:] = torch.tensor(self.counts, dtype=torch.int64).cumsum(0)
-        tensors = {
-            "indices": torch.cat(self.indices).contiguous(),
-            "logprobs": torch.cat(self.values).contiguous(),
-            "rest": torch.cat(self.rest).contiguous(),
-            "offsets": offsets,
-        }
-        save_file(tensors, str(self.root / name), metadata={"format": FORMAT})
-        self.shards.append(
-            {
-                "file": name,
-                "first_sequence": self.next_sequence,
-                "sequences": len(self.counts),
-                "rows": self.rows,
-                "bytes": (self.root / name).stat().st_size,
-            }
-        )
-        self.next_sequence += len(self.counts)
-        self._reset()
-
-
 def build_cache(
     recipe,
     out: str | os.PathLike,
@@ -237,7 +186,7 @@ def build_cache(
     try:
         for split in splits:
             data = datasets[split]
-            writer = _ShardWriter(tmp, split, max_rows, dtype)
+            writer = ShardWriter(tmp, split, max_rows, dtype)
             for first in range(0, len(data), batch_size):
                 items = [data[i] for i in range(first, min(first + batch_size, len(data)))]
                 batch = {k: v.to(device) for k, v in collate(items, tokenizer.pad_token_id).items()}
@@ -313,6 +262,13 @@ class TargetCache:
                 f"target.cache {self.path}: format {self.manifest.get('format')!r} version "
                 f"{self.manifest.get('version')!r}, expected {FORMAT!r} version {VERSION}"
             )
+        missing = [
+            key
+            for key in ("tokenizer_hash", "target", "vocab_size", "splits", "top_n")
+            if key not in self.manifest
+        ]
+        if missing:
+            raise CacheError(f"target.cache {manifest} lacks {', '.join(missing)}")
         self.top_n = self.manifest["top_n"]
         self._handles: dict[str, object] = {}
 
@@ -351,6 +307,13 @@ class TargetCache:
                     f"{len(data)} sequences, {data_hash(data)[:19]}…): data sources, "
                     f"max_length, pack, eval split or seed differ{rebuild}"
                 )
+            for info in stored["shards"]:
+                problem = shard_problem(self.path / info["file"], split, info, self.top_n)
+                if problem:
+                    raise CacheError(
+                        f"target.cache shard {self.path / info['file']} {problem}; rebuild the "
+                        "cache (`specdistill cache --recipe R --out DIR --overwrite`)"
+                    )
 
     def _shard(self, split: str, sequence: int):
         shards = self.manifest["splits"][split]["shards"]

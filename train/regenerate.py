@@ -18,7 +18,9 @@ and failures file are not records):
 
     OUT/manifest.json             target identity, sampling, sources, counts
     OUT/regen-000001.jsonl, ...   one record per line, each with its `prompt_hash`
-    OUT/failures.jsonl            prompts that failed every attempt (hash, error, attempts)
+    OUT/failures.jsonl            prompts that failed every attempt and are still
+                                  unanswered: one line per prompt hash (latest error,
+                                  attempts over all runs, runs)
 
 Each record is one `os.write` of a whole line, then fsync (as serve/traffic.py's log), and
 every run opens a new shard, so a kill leaves at most a torn final line, which the next run
@@ -26,11 +28,18 @@ cuts off before writing (and `answered` skips).
 A rerun resumes: prompts whose hash is already in a shard are not answered again; prompts
 repeated in the data are answered once. A rerun with another target or other sampling
 parameters is refused (the shards would mix two distributions).
+
+The sampling parameters and sizes are checked before anything is loaded or written
+(temperature finite and >= 0, top_p in (0, 1], top_k, max_new_tokens, batch and shard sizes
+>= 1, retries >= 0). A malformed data record is skipped, named (`file:line` and the
+problem) and counted by reason as distill's data reader counts it (`DataError.reason`);
+the counts go into the manifest's `skipped`.
 """
 
 import argparse
 import hashlib
 import json
+import math
 import os
 import re
 import sys
@@ -44,7 +53,7 @@ FAILURES = "failures.jsonl"
 
 
 class RegenerateError(ValueError):
-    """An output directory that this run cannot continue."""
+    """An argument out of range, or an output directory that this run cannot continue."""
 
 
 @dataclass
@@ -54,6 +63,38 @@ class Sampling:
     top_k: int | None = None
     max_new_tokens: int = 256
     seed: int = 0
+
+    def check(self) -> "Sampling":
+        """Raise RegenerateError naming the first parameter out of range; return self."""
+        t, p, k, n = self.temperature, self.top_p, self.top_k, self.max_new_tokens
+        if not _number(t) or not math.isfinite(t) or t < 0:
+            raise RegenerateError(f"--temperature must be a finite number >= 0, got {t!r}")
+        if p is not None and not (_number(p) and 0 < p <= 1):
+            raise RegenerateError(f"--top-p must be in (0, 1], got {p!r}")
+        if k is not None and not (_integer(k) and k >= 1):
+            raise RegenerateError(f"--top-k must be an integer >= 1, got {k!r}")
+        if not (_integer(n) and n >= 1):
+            raise RegenerateError(f"--max-new-tokens must be an integer >= 1, got {n!r}")
+        if not _integer(self.seed):
+            raise RegenerateError(f"--seed must be an integer, got {self.seed!r}")
+        return self
+
+
+def _number(x) -> bool:
+    return isinstance(x, int | float) and not isinstance(x, bool)
+
+
+def _integer(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _check_sizes(**sizes) -> None:
+    """Each of `sizes` (name -> value, `retries` from 0, the others from 1) in range."""
+    for name, value in sizes.items():
+        low = 0 if name == "retries" else 1
+        if value is not None and not (_integer(value) and value >= low):
+            flag = "--" + name.replace("_", "-")
+            raise RegenerateError(f"{flag} must be an integer >= {low}, got {value!r}")
 
 
 @dataclass
@@ -192,8 +233,15 @@ def regenerate(
     from specdistill.publish import atomic_write_text
     from specdistill.train.cache import target_identity
 
+    sampling = (sampling or Sampling()).check()
+    _check_sizes(
+        batch_size=batch_size,
+        shard_records=shard_records,
+        retries=retries,
+        text_prompt_tokens=text_prompt_tokens,
+        limit=limit,
+    )
     generate = generate or engine.generate
-    sampling = sampling or Sampling()
     r = recipe
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
@@ -224,7 +272,7 @@ def regenerate(
                 f"{out} was generated with sampling {previous['sampling']}, this run asks for "
                 f"{asdict(sampling)}; use the same parameters or another --out"
             )
-    records = [x for x in read_records(list(r.data.train)) if not isinstance(x, Exception)]
+    records, skipped = _valid_records(read_records(list(r.data.train)), print)
     jobs, duplicates = jobs_from_records(records, tokenizer, text_prompt_tokens)
     if limit:
         jobs = jobs[:limit]
@@ -239,6 +287,7 @@ def regenerate(
         "text_prompt_tokens": text_prompt_tokens,
         "prompts": len(jobs),
         "duplicates_dropped": duplicates,
+        "skipped": skipped,
         "started": (previous or {}).get("started")
         or time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
@@ -252,6 +301,7 @@ def regenerate(
     )
     writer = ShardWriter(out, shard_records)
     failures: list[dict] = []
+    failed = _read_failures(out / FAILURES)  # prompt hash -> its failure, over all runs
 
     def run(batch: list[Job], seed: int) -> list:
         gen = generate(
@@ -296,19 +346,23 @@ def regenerate(
                     except Exception as e:
                         error = f"{type(e).__name__}: {e}"
                 if error is not None:
+                    before = failed.get(job.hash, {})
                     failure = {
                         "prompt_hash": job.hash,
                         "origin": job.origin,
                         "error": error,
-                        "attempts": retries + 1,
+                        "attempts": before.get("attempts", 0) + retries + 1,
+                        "runs": before.get("runs", 0) + 1,
                         "time": time.time(),
                     }
                     failures.append(failure)
-                    with open(out / FAILURES, "a") as f:
-                        f.write(json.dumps(failure) + "\n")
+                    failed[job.hash] = failure
+                    _write_failures(out / FAILURES, failed)
     finally:
         writer.close()
     done = answered(out)
+    if any(h in done for h in failed):  # answered since: no longer a failure
+        _write_failures(out / FAILURES, {h: f for h, f in failed.items() if h not in done})
     manifest.update(
         answered=sum(j.hash in done for j in jobs),
         failed_this_run=len(failures),
@@ -318,6 +372,46 @@ def regenerate(
     atomic_write_text(out / MANIFEST, json.dumps(manifest, indent=1))
     print(f"regenerate: {manifest['answered']}/{len(jobs)} answered, {len(failures)} failed")
     return manifest
+
+
+def _valid_records(items, print) -> tuple[list, dict[str, int]]:
+    """(the records, {reason: n} of the malformed ones); each malformed one is printed with
+    its `file:line` (the first ten, then a count), as distill's reader counts them."""
+    from specdistill.data.records import DataError
+
+    records, errors = [], []
+    for item in items:
+        (errors if isinstance(item, DataError) else records).append(item)
+    by_reason: dict[str, int] = {}
+    for error in errors:
+        by_reason[error.reason] = by_reason.get(error.reason, 0) + 1
+    if errors:
+        reasons = ", ".join(f"{reason}: {n}" for reason, n in by_reason.items())
+        print(f"regenerate: skipped {len(errors)} malformed records ({reasons})")
+        for error in errors[:10]:
+            print(f"regenerate: skipped {error}")
+        if len(errors) > 10:
+            print(f"regenerate: ... and {len(errors) - 10} more")
+    return records, by_reason
+
+
+def _read_failures(path: Path) -> dict[str, dict]:
+    """prompt hash -> its latest failure (a file of earlier runs may repeat a hash)."""
+    failed: dict[str, dict] = {}
+    if path.is_file():
+        for raw in path.read_bytes().split(b"\n"):
+            try:
+                failure = json.loads(raw)
+                failed[failure["prompt_hash"]] = failure
+            except (ValueError, KeyError, TypeError):
+                continue
+    return failed
+
+
+def _write_failures(path: Path, failed: dict[str, dict]) -> None:
+    from specdistill.publish import atomic_write_text
+
+    atomic_write_text(path, "".join(json.dumps(f) + "\n" for f in failed.values()))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -359,4 +453,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from specdistill.errors import run_guarded
+
+    sys.exit(run_guarded(main, sys.argv[1:]))

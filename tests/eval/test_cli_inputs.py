@@ -11,6 +11,7 @@ import pytest
 
 from specdistill.eval import speculative as spec
 from specdistill.eval.prompts import PromptError, load_prompts
+from specdistill.publish import OutputDirError
 
 
 def at(path) -> str:
@@ -165,12 +166,59 @@ def test_out_not_writable_fails_before_loading_models(tmp_path, capsys, no_model
     assert not no_models
 
 
-def test_out_is_created_and_left_clean(tmp_path, no_models):
+def test_out_created_by_a_failed_run_is_removed_again(tmp_path, no_models):
     out = tmp_path / "a" / "b"
     with pytest.raises(RuntimeError, match="stop: a model would load here"):
         spec.main(_argv(tmp_path, out=out))
-    assert out.is_dir() and not list(out.iterdir())  # the probe file is gone
+    assert not (tmp_path / "a").exists()  # created for the run, removed with its failure
     assert no_models == ["tiny:target"]
+    out.mkdir(parents=True)  # one that existed stays, empty: the probe file is gone
+    with pytest.raises(RuntimeError, match="stop: a model would load here"):
+        spec.main(_argv(tmp_path, out=out))
+    assert out.is_dir() and not list(out.iterdir())
+
+
+def test_used_out_is_refused_unless_overwrite(tmp_path, no_models):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "report.md").write_text("an earlier run's report")
+    with pytest.raises(OutputDirError, match=rf"{at(out)} already holds report\.md.*--overwrite"):
+        spec.main(_argv(tmp_path, out=out))
+    assert not no_models and (out / "report.md").read_text() == "an earlier run's report"
+    with pytest.raises(RuntimeError, match="stop: a model would load here"):
+        spec.main(_argv(tmp_path, "--overwrite", out=out))
+    assert (out / "report.md").is_file()  # a failed run removes nothing that holds files
+
+
+@pytest.mark.parametrize(
+    "record, message",
+    [
+        ({"prompt": 123}, "'prompt' must be a string, got int"),
+        ({"text": None}, "'text' must be a string, got null"),
+        ({"turns": [["a"]]}, "'turns\\[0\\]' must be a string, got list"),
+        ({"messages": [{"role": "user"}]}, "'messages\\[0\\].content' must be a string"),
+        ({"messages": "hi"}, "'messages' must be a non-empty list"),
+    ],
+)
+def test_prompt_fields_of_the_wrong_type_name_file_and_line(tmp_path, record, message):
+    path = tmp_path / "p.jsonl"
+    path.write_text(json.dumps({"prompt": "ok"}) + "\n" + json.dumps(record) + "\n")
+    with pytest.raises(PromptError, match=rf"^{at(path)}:2: {message}"):
+        load_prompts(path)
+
+
+def test_utf16_and_non_utf8_files_name_file_and_line(tmp_path):
+    path = tmp_path / "p.jsonl"
+    path.write_text(json.dumps({"prompt": "a"}) + "\n", encoding="utf-16")
+    with pytest.raises(PromptError, match=rf"^{at(path)}: UTF-16 text; save it as UTF-8"):
+        load_prompts(path)
+    path.write_bytes(b'{"prompt": "a"}\n{"prompt": "b"}\n{"prompt": "\xff"}\n')
+    with pytest.raises(PromptError, match=rf"^{at(path)}:3: not UTF-8 \(invalid start byte"):
+        load_prompts(path)
+    gz = tmp_path / "p.jsonl.gz"
+    gz.write_bytes(b"not gzip")
+    with pytest.raises(PromptError, match=rf"^{at(gz)}: not a readable gzip file"):
+        load_prompts(gz)
 
 
 def test_bad_prompt_file_fails_before_loading_models(tmp_path, no_models):
