@@ -35,6 +35,8 @@ from transformers.models.llama.modeling_llama import (
     apply_rotary_pos_emb,
 )
 
+from specdistill.drafts.weights import IncompleteDraftError, describe, read_safetensors
+
 SPECULATORS_VERSION = "0.9.0"  # the format version written (and tested in tests/interop)
 # speculative_tokens written for a head whose training depth is unknown (vLLM's proposal length)
 DEFAULT_SPECULATIVE_TOKENS = 3
@@ -525,8 +527,6 @@ class Eagle3Head(nn.Module):
     @classmethod
     def from_pretrained(cls, directory, dtype: torch.dtype | None = None) -> "Eagle3Head":
         """Load a head saved by `save_pretrained` (or any speculators Eagle-3 checkpoint)."""
-        from safetensors.torch import load_file
-
         directory = Path(directory)
         path = directory / "config.json"
         if not path.is_file():
@@ -546,20 +546,34 @@ class Eagle3Head(nn.Module):
             norm_before_residual=config["norm_before_residual"],
             ttt_steps=config.get("ttt_steps"),
         )
-        head.load_checked(load_file(str(directory / "model.safetensors")), str(directory))
+        weights = directory / "model.safetensors"
+        if not weights.is_file():
+            raise FileNotFoundError(f"{weights} not found: the head's weights are missing")
+        head.load_checked(read_safetensors(weights), str(directory))
         return head.to(dtype) if dtype is not None else head
 
     def load_checked(self, state: dict[str, Tensor], source: str) -> None:
-        """Load a full state dict: the vocabulary map is checked first, names must match."""
+        """Load a full state dict, all or nothing: the vocabulary map is checked first, then
+        names and shapes must match the head its config describes (`IncompleteDraftError`
+        naming the tensors otherwise; nothing is loaded)."""
         check_vocab_map(
             state.get("d2t"), state.get("t2d"), self.config.vocab_size, self.draft_vocab_size
         )
-        missing, unexpected = self.load_state_dict(state, strict=False)
-        if missing or unexpected:
-            raise ValueError(
-                f"{source}: weights do not match an EAGLE-3 head: missing {missing}, "
-                f"unexpected {unexpected}"
-            )
+        ours = self.state_dict()
+        mismatched = [
+            f"{name} {tuple(state[name].shape)} vs {tuple(ours[name].shape)}"
+            for name in ours
+            if name in state and state[name].shape != ours[name].shape
+        ]
+        message = describe(
+            source,
+            missing=[name for name in ours if name not in state],
+            unexpected=[name for name in state if name not in ours],
+            mismatched=mismatched,
+        )
+        if message:
+            raise IncompleteDraftError(message)
+        self.load_state_dict(state)
 
 
 def read_config(path) -> dict | None:

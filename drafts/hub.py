@@ -8,6 +8,13 @@ config.json (an interrupted save), raises `ModelNotFoundError` naming it. A hub 
 looked up in the local Hugging Face cache only when HF_HUB_OFFLINE is set or the hub cannot
 be reached (one 2-second connection attempt per process), so an offline machine fails in
 seconds instead of retrying for a minute.
+
+Loading is all-or-nothing (drafts/weights.py): a model whose weight files lack a tensor its
+config implies, or hold one of another shape, is refused with `IncompleteDraftError` naming
+the tensors and the directory, instead of running with randomly initialised layers; so is a
+draft whose files hold tensors its config has no place for (a target's are logged). A weights
+file that cannot be read is a `BrokenWeightsError` naming it. Every load of a draft or a
+target goes through here: serve (--draft, hot swap), speculate, drift, training, online.
 """
 
 import functools
@@ -21,8 +28,28 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from specdistill.drafts.embedded import PREFIX, resolve_model
 from specdistill.drafts.model_lock import model_lock
+from specdistill.drafts.weights import (
+    BrokenWeightsError,
+    IncompleteDraftError,
+    check_loading_info,
+    check_weight_files,
+    describe,
+    tensor_names,
+)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+__all__ = [
+    "AdapterMismatchError",
+    "BrokenWeightsError",
+    "IncompleteDraftError",
+    "ModelNotFoundError",
+    "TokenizerMismatchError",
+    "load_draft",
+    "load_model",
+    "load_target",
+    "load_tokenizer",
+]
 
 
 class TokenizerMismatchError(ValueError):
@@ -41,8 +68,27 @@ def load_tokenizer(name: str, revision: str | None = None):
     return _from_pretrained(AutoTokenizer, name, revision)
 
 
-def load_model(name: str, *, dtype: str = "float32", revision: str | None = None):
-    return _from_pretrained(AutoModelForCausalLM, name, revision, dtype=DTYPES[dtype])
+def load_model(
+    name: str,
+    *,
+    dtype: str = "float32",
+    revision: str | None = None,
+    unexpected: str = "refuse",
+):
+    """A causal LM whose weights cover its config (else `IncompleteDraftError`); `dtype` is
+    a key of DTYPES or "auto" (the dtype the weights were saved in). Weights its config has
+    no place for are refused, or logged with `unexpected="warn"`."""
+    torch_dtype = "auto" if dtype == "auto" else DTYPES[dtype]
+    model, info = _from_pretrained(
+        AutoModelForCausalLM,
+        name,
+        revision,
+        dtype=torch_dtype,
+        output_loading_info=True,
+        ignore_mismatched_sizes=True,  # reported in `info` and refused below, by name
+    )
+    check_loading_info(name, info, unexpected=unexpected)
+    return model
 
 
 # Config fields that must agree between an adapter's base model and the base it is put on.
@@ -73,9 +119,11 @@ def load_target(
 
     Refuses (AdapterMismatchError) an adapter whose `base_model_name_or_path` names another
     model, whose base architecture or vocabulary differs from `name`'s, or whose weights do
-    not fit the base's modules, with a message naming both.
+    not fit the base's modules, with a message naming both; an adapter whose weights file
+    lacks LoRA tensors its config implies (peft would leave them at their initialisation)
+    is an `IncompleteDraftError` naming them.
     """
-    model = load_model(name, dtype=dtype, revision=revision)
+    model = load_model(name, dtype=dtype, revision=revision, unexpected="warn")
     if adapter is None:
         return model
     from peft import PeftModel
@@ -87,10 +135,34 @@ def load_target(
         raise AdapterMismatchError(
             f"adapter {adapter} does not fit the base model {name}: {str(e).splitlines()[0]}"
         ) from e
+    _check_adapter_weights(wrapped, Path(adapter_dir))
     wrapped.eval()
     wrapped.specdistill_adapter = str(adapter_dir)
     wrapped.name_or_path = f"{name}+{adapter}"
     return wrapped
+
+
+def _check_adapter_weights(wrapped, adapter_dir: Path) -> None:
+    """Every LoRA tensor of the wrapped model must come from the adapter's weights file
+    (saved without the adapter name: `...q_proj.lora_A.weight`)."""
+    import re
+
+    weights = adapter_dir / "adapter_model.safetensors"
+    if not weights.is_file():  # a pickled adapter: peft's own loader decides
+        return
+    saved = tensor_names(weights)
+    expected = {
+        re.sub(r"\.default(?=\.|$)", "", name)
+        for name, _ in wrapped.named_parameters()
+        if "lora_" in name
+    }
+    message = describe(
+        str(adapter_dir),
+        missing=expected - saved,
+        advice="save the adapter again (save_pretrained of the peft model)",
+    )
+    if message:
+        raise IncompleteDraftError(message)
 
 
 def check_adapter(adapter: str, name: str, model) -> str:
@@ -104,6 +176,7 @@ def check_adapter(adapter: str, name: str, model) -> str:
         raise ModelNotFoundError(
             f"{adapter}: not a peft adapter directory (adapter_config.json missing)"
         )
+    check_weight_files(path)  # a cut-short adapter file is named
     config = json.loads(config_file.read_text())
     base_name = config.get("base_model_name_or_path")
     ours = model.config
@@ -183,7 +256,8 @@ def _adapter_embedding_rows(path: Path) -> int | None:
 
 
 def load_draft(name: str, *, dtype: str = "float32", revision: str | None = None):
-    """A standalone draft (like `load_model`) or an EAGLE-3 head dir (drafts/eagle3_head.py)."""
+    """A standalone draft (like `load_model`) or an EAGLE-3 head dir (drafts/eagle3_head.py),
+    refused (IncompleteDraftError, BrokenWeightsError) unless its weights cover its config."""
     path = local_model_dir(name)  # checks a local path before the imports
     # The head's own check (what `drafts.Eagle3.detect` uses): the drafts package imports
     # this module, so this module does not import the package.
@@ -195,9 +269,19 @@ def load_draft(name: str, *, dtype: str = "float32", revision: str | None = None
 
 
 def _from_pretrained(auto_class, name: str, revision: str | None, **kwargs):
+    from safetensors import SafetensorError
+
     path = local_model_dir(name)  # outside the lock: an embedded build takes minutes
-    with model_lock():
-        return _load(auto_class, name, path, revision, **kwargs)
+    if path is not None and auto_class is AutoModelForCausalLM:
+        check_weight_files(path)  # a cut-short file is named, not a bare SafetensorError
+    try:
+        with model_lock():
+            return _load(auto_class, name, path, revision, **kwargs)
+    except SafetensorError as e:  # a hub snapshot's file
+        raise BrokenWeightsError(
+            f"{name}: cannot read its weights ({e}); a weights file is cut short or damaged: "
+            "download or save the model again"
+        ) from None
 
 
 def _load(auto_class, name: str, path: str | None, revision: str | None, **kwargs):

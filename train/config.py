@@ -123,7 +123,7 @@ class TrainConfig:
     output_dir: str = "runs/code"
     save_every: int = 100  # 0 = only the final draft
     keep_checkpoints: int = 2
-    resume: str = "no"  # no | auto | path to a checkpoint directory
+    resume: str = "no"  # no | auto | path to a checkpoint directory (YAML false reads as no)
     # true: delete the contents of a non-empty output_dir first. Otherwise a non-empty one is
     # refused unless resuming, so that two runs never mix their outputs.
     overwrite: bool = False
@@ -315,10 +315,33 @@ def _build(cls, raw: dict, prefix: str):
         if key not in names:
             raise _unknown_key(full, names)
         tp = hints[key]
+        if full == "train.resume":
+            value = _resume_value(value)
         kwargs[key] = (
             _build(tp, value, full) if _is_dataclass_type(tp) else _coerce(value, tp, full)
         )
     return cls(**kwargs)
+
+
+RESUME_VALUES = "no (or false), auto, or the path of a checkpoint directory"
+
+
+def _resume_value(value: Any) -> Any:
+    """train.resume as written: YAML 1.1 reads `no` / `off` / `false` as the boolean false,
+    which means `no`. True (`yes`, `on`, `true`) is refused: it does not say whether to
+    continue the newest checkpoint (`auto`) or a given one."""
+    if value is False:
+        return "no"
+    if value is True:
+        raise RecipeError(
+            f"train.resume must be {RESUME_VALUES}; got true (YAML reads yes / on / true as "
+            "a boolean): write auto to continue from the newest checkpoint in train.output_dir"
+        )
+    if isinstance(value, str) and not value.strip():
+        raise RecipeError(f"train.resume must be {RESUME_VALUES}; got an empty string")
+    if not isinstance(value, str):
+        raise RecipeError(f"train.resume must be {RESUME_VALUES}; got {value!r}")
+    return value
 
 
 def recipe_to_dict(recipe: Recipe) -> dict:

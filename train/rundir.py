@@ -17,6 +17,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
+from specdistill.drafts.weights import check_state_file
 from specdistill.train.config import Recipe, RecipeError, load_recipe, recipe_to_dict
 
 CHECKPOINT_PREFIX = "step-"
@@ -62,6 +63,21 @@ def list_checkpoints(out: Path) -> list[Path]:
 
 def checkpoint_step(path: Path) -> int:
     return int(path.name.removeprefix(CHECKPOINT_PREFIX))
+
+
+def check_checkpoint_weights(checkpoint: Path, model) -> None:
+    """Before a checkpoint is loaded into `model` (the draft as accelerate prepared it):
+    its model.safetensors must hold exactly the model's tensors, with their shapes, else
+    `IncompleteDraftError` names the missing / unexpected / other-shaped ones (a file cut
+    short is a `BrokenWeightsError`). A sharded (FSDP) checkpoint has no such file and is
+    left to accelerate."""
+    weights = checkpoint / "model.safetensors"
+    if weights.is_file():
+        check_state_file(
+            weights,
+            model.state_dict(),
+            advice="it was saved from another draft, or is damaged",
+        )
 
 
 def prepare_output_dir(recipe: Recipe) -> RunPlan:

@@ -59,6 +59,7 @@ from specdistill.train.rundir import (
     STATE_FILE,
     CheckpointError,
     RunPlan,
+    check_checkpoint_weights,
     list_checkpoints,
     prepare_output_dir,
     progress_line,
@@ -500,13 +501,15 @@ class Trainer:
     def resume(self) -> tuple[Path, dict] | None:
         """Load the newest checkpoint of the plan that loads: (its path, its trainer state), or
         None for a fresh start. A checkpoint that fails to load (a file cut short by a crash,
-        a disk error) is named and the previous one is tried: losing a few steps beats
+        a disk error, weights that do not match the draft: `check_checkpoint_weights` names
+        the tensors) is named and the previous one is tried: losing a few steps beats
         losing the run, and saying so beats a bare safetensors error."""
         acc = self.accelerator
         failures = []
         for path in self.plan.resume_from:
             try:
                 state = json.loads((path / STATE_FILE).read_text())
+                check_checkpoint_weights(path, self.draft)  # all or nothing, names the tensors
                 acc.load_state(str(path))
             except Exception as e:  # whatever a damaged file raises: safetensors, pickle, JSON
                 failures.append(f"{path} ({type(e).__name__}: {e})")

@@ -556,7 +556,7 @@ def test_export_writes_the_training_depth_and_the_flag_overrides_it(depth5_dir, 
     head, src = depth5_dir
     out = export(src, "vllm", tmp_path / "vllm")
     assert proposal_tokens(out) == 5
-    assert "note:" not in capsys.readouterr().err
+    assert "speculative tokens" not in capsys.readouterr().err
     hf = export(src, "hf", tmp_path / "hf", speculative_tokens=2)
     assert proposal_tokens(hf) == 2
     assert json.loads((hf / "config.json").read_text())["ttt_steps"] == 5  # still the depth
@@ -593,7 +593,7 @@ def test_speculative_tokens_from_the_recipe_else_3_with_a_note(head_dir, tmp_pat
     head.save_pretrained(run / "final")
     (run / "recipe.yaml").write_text(yaml.safe_dump({"draft": {"ttt_steps": 7}}))
     assert proposal_tokens(export(run / "final", "vllm", tmp_path / "recipe")) == 7
-    assert "note:" not in capsys.readouterr().err
+    assert "speculative tokens" not in capsys.readouterr().err
 
     (run / "recipe.yaml").unlink()
     assert proposal_tokens(export(run / "final", "vllm", tmp_path / "default")) == 3

@@ -3,6 +3,7 @@
     specdistill export --draft runs/code/final --format vllm --out exports/code-vllm
     specdistill export --draft runs/eagle/final --format sglang --out exports/eagle-sgl \
         --verifier Qwen/Qwen2.5-Coder-7B-Instruct [--speculative-tokens N] [--overwrite]
+    specdistill export --draft my-draft --format vllm --out exports/d --tokenizer TARGET_DIR
 
 (`python -m specdistill.train.export ...` is the same command.) The draft's type is detected
 by the drafts layer (`drafts.detect`: an EAGLE-3 head in the speculators or SGLang layout, else
@@ -15,14 +16,22 @@ reader and serve hint (train/export/common.py describes the interface; docs/theo
   hf.py      what vllm writes: the layout of EAGLE-3 repositories on the Hugging Face Hub
   verifier.py  the target named in (or checked against) the export, shared by all formats
 
-The tokenizer files of --draft are copied beside the weights. The number of speculative tokens
+The tokenizer files of --draft (or of --tokenizer PATH, e.g. the target's directory) are copied
+beside the weights. A standalone draft must have them: specdistill serve / speculate / drift and
+Transformers load a standalone draft's tokenizer from its own directory, so an export without
+one is refused, naming the missing files and --tokenizer. An EAGLE-3 head uses its verifier's
+tokenizer (vLLM and SGLang load it from the target), so a head without tokenizer files is
+exported with a note saying so. The number of speculative tokens
 written into a speculators config (and shown in the serve hint) is --speculative-tokens, else
 the depth the head was trained at (config.json's `ttt_steps`, recorded by the trainer), else
 the training recipe's draft.ttt_steps (recipe.yaml in --draft, or beside it when --draft is a
 run's `final/`), else 3, with a note.
 
-Before anything is written the draft is checked (for a head: its d2t / t2d map, a
-`VocabMapError` when missing or inconsistent; what the format can hold; the verifier). A
+Before anything is written the draft is checked: its weight files must be readable (a
+`BrokenWeightsError` naming a cut-short file) and cover its config (an `IncompleteDraftError`
+naming the missing, unexpected or other-shaped tensors: drafts/weights.py); for a head, its
+d2t / t2d map (a `VocabMapError` when missing or inconsistent); what the format can hold; the
+verifier; the tokenizer files. A
 non-empty --out is refused unless --overwrite; the export is written to a temporary directory
 beside --out, re-read and checked, then renamed into place (`specdistill.publish`).
 `load_export(out, fmt)` re-loads any export as a module giving logits (an `Eagle3Head`, or the
@@ -43,6 +52,7 @@ from torch import nn
 
 from specdistill import drafts
 from specdistill.drafts.eagle3_head import VocabMapError
+from specdistill.drafts.weights import check_weight_files
 from specdistill.publish import publish_dir
 from specdistill.train.export import hf, sglang, vllm
 from specdistill.train.export.common import ExportError, Options, Plan
@@ -62,6 +72,8 @@ TOKENIZER_FILES = (
     "chat_template.jinja",
     "chat_template.json",
 )
+# A directory has a tokenizer when it has its config and one of these vocabulary files.
+VOCABULARY_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt", "spiece.model")
 
 __all__ = ["ExportError", "FORMATS", "export", "load_export", "main", "VocabMapError"]
 
@@ -81,6 +93,7 @@ def _read(directory: Path) -> tuple[type, nn.Module]:
         kind = drafts.detect(directory)
     except ValueError as e:  # no config.json, bad JSON: not a draft directory
         raise ExportError(str(e)) from e
+    check_weight_files(directory)  # BrokenWeightsError naming a cut-short file
     return kind, MODULES[kind.layout].READERS[kind.name](directory)
 
 
@@ -116,6 +129,45 @@ def _prepare_out(out: Path, overwrite: bool, draft) -> None:
             raise ExportError(f"--out {out} is not empty; pass --overwrite to replace it")
 
 
+def has_tokenizer(directory: Path | None) -> bool:
+    """tokenizer_config.json and a vocabulary file (tokenizer.json, vocab.json, ...)."""
+    return (
+        directory is not None
+        and (directory / "tokenizer_config.json").is_file()
+        and any((directory / name).is_file() for name in VOCABULARY_FILES)
+    )
+
+
+def _tokenizer_source(kind: type, options: Options) -> Path | None:
+    """The directory whose tokenizer files the export carries: --tokenizer, else --draft.
+    A standalone draft without one is refused; a head without one gets a note (and the
+    tokenizer files it has)."""
+    if options.tokenizer is not None:
+        if not has_tokenizer(options.tokenizer):
+            raise ExportError(
+                f"--tokenizer {options.tokenizer} has no tokenizer files (tokenizer_config.json "
+                f"and one of {', '.join(VOCABULARY_FILES)}); name the target's directory"
+            )
+        return options.tokenizer
+    if has_tokenizer(options.source):
+        return options.source
+    where = f"--draft {options.source}" if options.source is not None else "the in-memory draft"
+    if getattr(kind, "own_tokenizer", False):  # a type that declares none uses the target's
+        raise ExportError(
+            f"{where} has no tokenizer files (tokenizer_config.json and one of "
+            f"{', '.join(VOCABULARY_FILES)}); a {kind.name} draft is loaded with its own "
+            "tokenizer (specdistill serve / speculate, Transformers): pass --tokenizer PATH "
+            "(e.g. the target's directory) to copy its tokenizer into the export"
+        )
+    print(
+        f"note: {where} has no complete tokenizer (tokenizer_config.json and a vocabulary "
+        f"file); the {kind.name} export carries none (vLLM and SGLang take the tokenizer from "
+        "the verifier); pass --tokenizer PATH to include one",
+        file=sys.stderr,
+    )
+    return options.source  # whatever tokenizer files it has (e.g. tokenizer_config.json)
+
+
 def _copy_tokenizer(source: Path | None, out: Path) -> None:
     for name in TOKENIZER_FILES if source is not None else ():
         path = source / name
@@ -145,12 +197,13 @@ def _export(draft, fmt: str, out, options: Options, overwrite: bool) -> tuple[Pa
             f"a {kind.name} draft cannot be exported as {fmt}; formats: {', '.join(kind.formats)}"
         )
     plan = module.WRITERS[kind.name](model, options)  # checks; nothing is written yet
+    tokenizer = _tokenizer_source(kind, options)
 
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{out.name}-", dir=out.parent))
     try:
         plan.write(tmp)
-        _copy_tokenizer(options.source, tmp)
+        _copy_tokenizer(tokenizer, tmp)
         _check_written(tmp, kind, fmt)
         publish_dir(tmp, out)
     finally:
@@ -166,15 +219,19 @@ def export(
     *,
     overwrite: bool = False,
     speculative_tokens: int | None = None,
+    tokenizer=None,
 ) -> Path:
     """Export `draft` (a directory, or an in-memory `Eagle3Head` / causal LM) as `fmt` in `out`.
 
-    Returns the path written. Raises `VocabMapError` for a bad d2t / t2d map and
-    `ExportError` for a draft the format cannot hold or an unusable `out`; in both cases
-    nothing is written.
+    `tokenizer`: a directory whose tokenizer files the export carries (default: the draft's).
+    Returns the path written. Raises `VocabMapError` for a bad d2t / t2d map,
+    `IncompleteDraftError` / `BrokenWeightsError` for weights that do not cover the config or
+    cannot be read, and `ExportError` for a draft the format cannot hold, a standalone draft
+    without tokenizer files or an unusable `out`; in every case nothing is written.
     """
     source = None if isinstance(draft, nn.Module) else Path(draft)
-    options = Options(source, verifier, speculative_tokens)
+    tokenizer = Path(tokenizer) if tokenizer is not None else None
+    options = Options(source, verifier, speculative_tokens, tokenizer)
     return _export(draft, fmt, out, options, overwrite)[0]
 
 
@@ -201,12 +258,21 @@ def main(argv: list[str] | None = None) -> int:
         help="speculative tokens per step written into the export (default: the head's "
         "training depth, else the training recipe's draft.ttt_steps, else 3)",
     )
+    parser.add_argument(
+        "--tokenizer",
+        default=None,
+        metavar="PATH",
+        help="directory whose tokenizer files the export carries, e.g. the target's "
+        "(default: --draft's; a standalone draft without them is refused)",
+    )
     parser.add_argument("--overwrite", action="store_true", help="replace a non-empty --out")
     args = parser.parse_args(argv)
-    options = Options(Path(args.draft), args.verifier, args.speculative_tokens)
+    tokenizer = Path(args.tokenizer) if args.tokenizer else None
+    options = Options(Path(args.draft), args.verifier, args.speculative_tokens, tokenizer)
     try:
         out, kind, plan = _export(args.draft, args.fmt, args.out, options, args.overwrite)
-    except (ValueError, OSError) as e:  # ExportError, VocabMapError, unreadable drafts
+    # ExportError, VocabMapError, IncompleteDraftError, BrokenWeightsError, unreadable drafts
+    except (ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     print(f"wrote {args.fmt} export of the {kind.name} draft to {out}")

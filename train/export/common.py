@@ -32,6 +32,7 @@ class Options:
     source: Path | None = None  # the draft directory (None: an in-memory draft)
     verifier: str | None = None  # --verifier
     speculative_tokens: int | None = None  # --speculative-tokens
+    tokenizer: Path | None = None  # --tokenizer: where the export's tokenizer files come from
 
 
 @dataclass

@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 
 from specdistill.drafts.eagle3_head import SGLANG_ARCH, Eagle3Head, check_vocab_map
+from specdistill.drafts.weights import read_safetensors
 from specdistill.train.export import verifier, vllm
 from specdistill.train.export.common import (
     WEIGHTS,
@@ -132,7 +133,6 @@ def write_head(head: Eagle3Head, options: Options) -> Plan:
 
 def read_head(directory: Path) -> Eagle3Head:
     """An SGLang export read back as a head (it is itself a valid draft directory)."""
-    from safetensors.torch import load_file
     from transformers import LlamaConfig
 
     config = config_of(directory)
@@ -156,7 +156,7 @@ def read_head(directory: Path) -> Eagle3Head:
         norm_before_residual=False,  # the only variant SGLang's layer implements
         ttt_steps=config.get("ttt_steps"),
     )
-    raw = load_file(str(directory / WEIGHTS))
+    raw = read_safetensors(directory / WEIGHTS)
     state = {k.replace("midlayer.", "layers.0.", 1): v for k, v in raw.items()}
     head.load_checked(state, f"{directory} (SGLang layout)")
     dtype = weights_dtype(directory)

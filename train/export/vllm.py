@@ -17,7 +17,7 @@ from pathlib import Path
 from torch import nn
 
 from specdistill.drafts.eagle3_head import Eagle3Head, check_vocab_map
-from specdistill.drafts.model_lock import model_lock
+from specdistill.drafts.weights import BrokenWeightsError, IncompleteDraftError
 from specdistill.train.export import verifier
 from specdistill.train.export.common import (
     ExportError,
@@ -64,11 +64,14 @@ def write_causal_lm(model: nn.Module, options: Options) -> Plan:
 
 
 def read_causal_lm(directory: Path) -> nn.Module:
-    from transformers import AutoModelForCausalLM
+    """The causal LM of `directory` in its saved dtype, refused unless its weights cover its
+    config (drafts.hub.load_model: `IncompleteDraftError`, `BrokenWeightsError`)."""
+    from specdistill.drafts import hub
 
     try:
-        with model_lock():
-            return AutoModelForCausalLM.from_pretrained(str(directory), dtype="auto")
+        return hub.load_model(str(directory), dtype="auto")
+    except (IncompleteDraftError, BrokenWeightsError):
+        raise
     except (OSError, ValueError, KeyError) as e:
         raise ExportError(
             f"{directory} is neither an EAGLE-3 head directory nor a Hugging Face causal LM "

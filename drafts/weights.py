@@ -1,0 +1,164 @@
+"""All-or-nothing weight loading: a model is used only when its weights cover its config.
+
+`from_pretrained` fills a tensor the weight files lack with a random initialisation and goes
+on (it only prints a load report); a draft loaded that way drafts from random layers. The
+checks here turn that into an error:
+
+- `IncompleteDraftError`: the files lack tensors the config implies (missing), hold tensors
+  of another shape (mismatched), or hold tensors the config has no place for (unexpected:
+  the config describes another model than the one trained). Tied weights (an output head
+  tied to the input embeddings) are not missing. The message names the directory, the
+  first few names of each kind and their count.
+- `BrokenWeightsError`: a weights file that cannot be read (cut short, not safetensors),
+  named by its path, instead of safetensors' bare `SafetensorError`.
+
+Both are ValueErrors with one-line messages, so that the CLI reports them as `error: ...`.
+"""
+
+import logging
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+
+from safetensors import SafetensorError, safe_open
+
+log = logging.getLogger("specdistill.drafts")
+SHOWN = 4  # names shown per kind of problem
+
+
+class IncompleteDraftError(ValueError):
+    """A model directory (a draft, a checkpoint, or a target) whose weights do not cover its
+    config (missing, mismatched or unexpected tensors); loading it would leave randomly
+    initialised tensors."""
+
+
+class BrokenWeightsError(ValueError):
+    """A weights file that cannot be read: truncated, or not a safetensors file."""
+
+
+def name_list(names: Iterable[str], shown: int = SHOWN) -> str:
+    """'a, b, c, d, ... (54 in all)' for many names; 'a, b' for few."""
+    names = sorted(names)
+    head = ", ".join(names[:shown])
+    return f"{head}, ... ({len(names)} in all)" if len(names) > shown else head
+
+
+RESAVE = (
+    "save config and weights together again (save_pretrained), or restore the config.json "
+    "they were saved with"
+)
+
+
+def describe(
+    source: str,
+    missing: Iterable[str] = (),
+    unexpected: Iterable[str] = (),
+    mismatched: Iterable[str] = (),
+    advice: str = RESAVE,
+) -> str | None:
+    """One line naming what does not match and what to do, or None when everything does."""
+    missing, unexpected, mismatched = list(missing), list(unexpected), list(mismatched)
+    parts = []
+    if missing:
+        parts.append(f"{len(missing)} tensors missing ({name_list(missing)})")
+    if mismatched:
+        shapes = name_list(mismatched)
+        parts.append(f"{len(mismatched)} of another shape, file vs config ({shapes})")
+    if unexpected:
+        parts.append(f"{len(unexpected)} not in the config ({name_list(unexpected)})")
+    if not parts:
+        return None
+    return (
+        f"{source}: the weights do not match the config: " + "; ".join(parts) + ". Refused "
+        f"(a partial load would run randomly initialised tensors): {advice}"
+    )
+
+
+def check_loading_info(source: str, info: Mapping, *, unexpected: str = "refuse") -> None:
+    """Refuse what `from_pretrained(..., output_loading_info=True)` reports as missing or of
+    another shape; unexpected tensors are refused (`unexpected="refuse"`) or logged
+    (`"warn"`: a target checkpoint may carry extra weights its model class does not use)."""
+    mismatched = [_mismatch_name(entry) for entry in info.get("mismatched_keys") or ()]
+    extra = list(info.get("unexpected_keys") or ())
+    if unexpected == "warn" and extra:
+        log.warning(
+            "%s: %d weights unused by the config (%s)", source, len(extra), name_list(extra)
+        )
+        extra = []
+    message = describe(source, info.get("missing_keys") or (), extra, mismatched)
+    if message:
+        raise IncompleteDraftError(message)
+
+
+def _mismatch_name(entry) -> str:
+    """transformers reports a mismatch as (name, file shape, model shape)."""
+    if isinstance(entry, tuple | list) and len(entry) == 3:
+        name, ours, theirs = entry
+        return f"{name} {tuple(ours)} vs {tuple(theirs)}"
+    return str(entry)
+
+
+def weight_files(directory) -> list[Path]:
+    """The safetensors files of a model directory."""
+    return sorted(Path(directory).glob("*.safetensors"))
+
+
+def check_weight_files(directory) -> None:
+    """Open the header of every safetensors file in `directory`: a truncated or foreign file
+    is a `BrokenWeightsError` naming it (safetensors checks that the header's offsets cover
+    the file exactly)."""
+    for path in weight_files(directory):
+        tensor_names(path)
+
+
+def tensor_names(path) -> set[str]:
+    """The tensor names of one safetensors file; `BrokenWeightsError` if it cannot be read."""
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            return set(f.keys())
+    except SafetensorError as e:
+        raise broken(path, e) from None
+
+
+def read_safetensors(path) -> dict:
+    """Every tensor of one safetensors file; `BrokenWeightsError` if it cannot be read."""
+    from safetensors.torch import load_file
+
+    try:
+        return load_file(str(path))
+    except SafetensorError as e:
+        raise broken(path, e) from None
+
+
+def broken(path, error: Exception) -> BrokenWeightsError:
+    return BrokenWeightsError(
+        f"{path}: cannot read the weights ({error}); the file is cut short or damaged: "
+        "save or copy it again"
+    )
+
+
+def check_state_file(path, expected: Mapping, advice: str = RESAVE) -> None:
+    """Refuse a safetensors state file (a training checkpoint's model.safetensors) that does
+    not hold exactly the tensors of `expected` (a module's state_dict), with their shapes.
+    Tensors sharing storage in `expected` (a tied head) need to be saved once only."""
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            shapes = {name: tuple(f.get_slice(name).get_shape()) for name in f.keys()}
+    except SafetensorError as e:
+        raise broken(path, e) from None
+    missing = [name for name in expected if name not in shapes]
+    if missing:  # a tied tensor is saved under one of its names
+        saved = {_storage(expected[name]) for name in expected if name in shapes}
+        missing = [name for name in missing if _storage(expected[name]) not in saved]
+    mismatched = [
+        f"{name} {shapes[name]} vs {tuple(expected[name].shape)}"
+        for name in expected
+        if name in shapes and shapes[name] != tuple(expected[name].shape)
+    ]
+    unexpected = [name for name in shapes if name not in expected]
+    message = describe(str(path), missing, unexpected, mismatched, advice)
+    if message:
+        raise IncompleteDraftError(message)
+
+
+def _storage(tensor) -> tuple:
+    return (tensor.device.type, tensor.untyped_storage().data_ptr())
