@@ -88,19 +88,10 @@ def _truncate(path: Path, size: int) -> None:
 
 class OnlineJob:
     def __init__(self, recipe, *, print=print):
-        import torch
-        from accelerate import Accelerator
-
-        from specdistill import drafts
-        from specdistill.drafts import hub
-        from specdistill.serve.traffic import model_identity
-        from specdistill.train import online_versions
-        from specdistill.train.online_traffic import Cursor, Store, load_anchor
-        from specdistill.train.online_watch import Watch
-        from specdistill.train.rundir import RunPlan
-        from specdistill.train.trainer import Trainer
+        from specdistill.train import online_dirs, online_versions
 
         online_versions.FAULT = FAULT
+        self._locks = []
         self.print = print
         r = copy.deepcopy(recipe)
         # A refresh is a continuation, not a schedule: constant learning rate.
@@ -114,7 +105,35 @@ class OnlineJob:
             r.online = self.o = o
         self.out = Path(o.output_dir)
         self.root = Path(o.drafts)
-        self.out.mkdir(parents=True, exist_ok=True)
+        self._locks = online_dirs.lock_dirs(self.out, self.root)  # released by run / close
+        try:
+            online_dirs.claim_out(self.out, self.root, overwrite=o.overwrite)
+            self._build(r, o)
+        except BaseException:
+            self.close()
+            raise
+
+    def close(self) -> None:
+        """Release OUT and ROOT (the end of the job's lifetime; `run` calls it)."""
+        from specdistill.train import online_dirs
+
+        online_dirs.release(self._locks)
+        self._locks = []
+
+    def _build(self, r, o) -> None:
+        import torch
+        from accelerate import Accelerator
+
+        from specdistill import drafts
+        from specdistill.drafts import hub
+        from specdistill.serve.traffic import model_identity
+        from specdistill.train.online_traffic import Cursor, Store, load_anchor
+        from specdistill.train.online_watch import Watch
+        from specdistill.train.rundir import RunPlan
+        from specdistill.train.trainer import Trainer
+
+        self.clients = set(o.clients or ())
+        self._said: set[str] = set()  # warnings given once
         self.max_tokens = o.max_record_tokens or r.data.max_length
         self.tokenizer = hub.load_tokenizer(r.target.model, r.target.revision)
         if self.tokenizer.pad_token_id is None:
@@ -194,30 +213,32 @@ class OnlineJob:
     def _recover(self) -> None:
         import torch
 
+        from specdistill.publish import remove_leftovers
         from specdistill.serve.drafts import read_current
-        from specdistill.train import online_versions
+        from specdistill.train import online_dirs, online_versions
+        from specdistill.train.online_traffic import Cursor
 
         online_versions.clean(self.root)
         state_dir = self.out / STATE
         olds = sorted(self.out.glob(f".old-{STATE}-*"))
         if not state_dir.exists() and olds:  # a kill between publish_dir's two renames
             os.replace(olds[-1], state_dir)
-        for p in self.out.iterdir():
-            if p.name.startswith((".tmp-", ".old-")) and p.is_dir():
-                shutil.rmtree(p, ignore_errors=True)
+        remove_leftovers(self.out)
         student = self.trainer.accelerator.unwrap_model(self.trainer.draft)
+        s = None
         if (state_dir / "state.json").is_file():
             s = json.loads((state_dir / "state.json").read_text())
             if s["identity"] != self.identity:
-                raise RecipeError(
-                    f"{state_dir}: state of target {s['identity']}, the recipe's target is "
-                    f"{self.identity}; use another online.output_dir"
-                )
-            self.cursor.shard, self.cursor.offset, self.cursor.lines = (
-                s["cursor"]["shard"],
-                s["cursor"]["offset"],
-                s["cursor"]["lines"],
-            )
+                if not self.o.overwrite:
+                    raise RecipeError(
+                        f"{state_dir}: state of target {s['identity']}, the recipe's target is "
+                        f"{self.identity}; use another online.output_dir, or set "
+                        "online.overwrite=true to replace that state and its logs"
+                    )
+                online_dirs.forget(self.out)
+                s = None
+        if s is not None:
+            self.cursor = Cursor.from_dict(s["cursor"])
             self.store.load(s["store"])
             self.watch.load(s["watch"])
             self.counts = Counter(s["counts"])
@@ -240,8 +261,7 @@ class OnlineJob:
             if self.pending is not None:
                 self._complete_pending()
         else:
-            for name in ("rejects.jsonl", "decisions.jsonl", "metrics.jsonl"):
-                (self.out / name).unlink(missing_ok=True)
+            online_dirs.forget(self.out)
             current = read_current(self.root)
             left = online_versions.versions(self.root)
             if current is None and left:  # killed between a first publish and its `current`
@@ -253,9 +273,11 @@ class OnlineJob:
                 version = self._publish(student, {"reason": "initial draft", "records_trained": 0})
                 self.print(f"online: published the initial draft as {version}")
             else:
-                student.load_state_dict(self._load_version(current).state_dict())
+                model = self._try_load_version(current)
+                if model is not None:
+                    student.load_state_dict(model.state_dict())
+                    self.print(f"online: starting from the served version {current}")
                 self.known_current = current
-                self.print(f"online: starting from the served version {current}")
         self._sync_vocab_map()
         self._follow_external_change()
 
@@ -335,13 +357,36 @@ class OnlineJob:
             str(model_dir), self.target, self.tokenizer, dtype=self.recipe.draft.dtype
         )
 
+    def _try_load_version(self, version: str):
+        """The model of `version`, or None (an ALERT, once per version, and a metric) when it
+        does not load: a broken version never stops the job."""
+        try:
+            return self._load_version(version)
+        except Exception as e:  # noqa: BLE001 - whatever the reason, the version is unusable
+            why = " ".join(str(e).split())[:600] or type(e).__name__
+            if version not in self._said:
+                self._said.add(version)
+                self.print(
+                    f"ALERT online: version {version} of {self.root} does not load ({why}); "
+                    "the running draft is kept and no candidate is promoted over it: roll "
+                    "back to a good version (specdistill online rollback)",
+                    file=sys.stderr,
+                )
+                self._log(
+                    "metrics.jsonl",
+                    {"kind": "version_unloadable", "version": version, "why": why,
+                     "time": time.time()},
+                )
+            return None
+
     def incumbent(self):
-        """(version, model) of what ROOT/current names now."""
+        """(version, model) of what ROOT/current names now (model None: it does not load)."""
         from specdistill.serve.drafts import read_current
 
         current = read_current(self.root)
         if current is not None and self._incumbent[0] != current:
-            self._incumbent = (current, self._load_version(current).eval())
+            model = self._try_load_version(current)
+            self._incumbent = (current, None if model is None else model.eval())
         return self._incumbent
 
     def _follow_external_change(self) -> None:
@@ -351,12 +396,15 @@ class OnlineJob:
 
         current = read_current(self.root)
         if current is not None and current != self.known_current:
-            student = self.trainer.accelerator.unwrap_model(self.trainer.draft)
-            student.load_state_dict(self._load_version(current).state_dict())
-            self._sync_vocab_map()
+            model = self._try_load_version(current)
+            if model is not None:
+                student = self.trainer.accelerator.unwrap_model(self.trainer.draft)
+                student.load_state_dict(model.state_dict())
+                self._sync_vocab_map()
             self.print(
                 f"online: current moved {self.known_current} -> {current}; "
-                "the running draft restarts from it"
+                + ("the running draft restarts from it" if model is not None else "kept the "
+                   "running draft")
             )
             self._log(
                 "metrics.jsonl",
@@ -411,21 +459,36 @@ class OnlineJob:
     def read(self) -> int:
         """Consume the complete lines after the cursor, up to the point a refresh is due;
         returns the number of new records stored."""
-        from specdistill.train.online_traffic import compact, prompt_hash, read_new, screen
+        from specdistill.train.online_traffic import (
+            SKIP_REASONS,
+            compact,
+            prompt_hash,
+            read_new,
+            screen,
+        )
 
         added = 0
         for shard, offset, raw, reason in read_new(
             self.o.traffic, self.cursor, self.o.max_line_bytes
         ):
+            if reason in ("shard_rewritten", "shard_gone"):
+                self._shard_event(reason, shard)
+                continue
             self.counts["lines"] += 1
             if raw is None:
                 self._reject(reason, "", shard, offset, None)
             else:
                 record, reason, detail = screen(
-                    raw, self.identity, max_tokens=self.max_tokens, vocab_size=self.vocab_size
+                    raw,
+                    self.identity,
+                    max_tokens=self.max_tokens,
+                    vocab_size=self.vocab_size,
+                    clients=self.clients,
                 )
                 if reason == "blank_line":
                     self.counts["blank_lines"] += 1
+                elif reason in SKIP_REASONS:  # by choice, not a fault: counted, not logged
+                    self.counts[f"skipped/{reason}"] += 1
                 elif reason is not None:
                     self._reject(reason, detail, shard, offset, raw, record)
                 else:
@@ -441,8 +504,44 @@ class OnlineJob:
             FAULT("read:line")
             if len(self.store.new) >= self.o.refresh_records:
                 break  # refresh first: every refresh_records records, however many wait
+        self.cursor.seal(self.o.traffic)
         self.records_since = len(self.store.new)
         return added
+
+    def _shard_event(self, what: str, shard: str) -> None:
+        """A shard changed under the cursor: a warning naming it, a count and a metric."""
+        path = Path(self.o.traffic) / shard
+        if what == "shard_rewritten":
+            how = (
+                "was rewritten or truncated under the cursor; reading it again from its "
+                "start (records already taken are refused as duplicate prompts)"
+            )
+        else:
+            how = "has gone before it was read to its end; reading on from the next shard"
+        self.counts[what] += 1
+        self.print(f"WARNING online: {path} {how}", file=sys.stderr)
+        self._log("metrics.jsonl", {"kind": what, "shard": shard, "time": time.time()})
+
+    def _check_traffic(self, follow: bool) -> None:
+        """A missing online.traffic is an error in a one-pass run, and a warning (once) in a
+        follow run, which waits for the server to create it."""
+        d = Path(self.o.traffic)
+        if d.exists() and not d.is_dir():
+            raise NotADirectoryError(f"online.traffic {d} is a file, not the server's --traffic directory")
+        if d.is_dir():
+            return
+        if not follow:
+            raise FileNotFoundError(
+                f"online.traffic {d}: no such directory (the server's --traffic directory); "
+                "check the path, or run with --follow to wait for the server to create it"
+            )
+        if "traffic" not in self._said:
+            self._said.add("traffic")
+            self.print(
+                f"WARNING online: online.traffic {d} does not exist yet; waiting for the "
+                "server to create it",
+                file=sys.stderr,
+            )
 
     def _watch_metric(self, metric: dict) -> None:
         metric["time"] = time.time()
@@ -527,6 +626,14 @@ class OnlineJob:
                 "promote": True,
                 "why": "osd policy: no gate, promote always",
                 "n_heldout": 0,
+                "alpha_candidate": None,
+                "alpha_incumbent": None,
+            }
+        elif version is not None and incumbent is None:
+            verdict = {
+                "promote": False,
+                "why": f"the served version {version} does not load: roll back to a good one",
+                "n_heldout": len(self.store.holdout),
                 "alpha_candidate": None,
                 "alpha_incumbent": None,
             }
@@ -624,6 +731,10 @@ class OnlineJob:
 
     # ----------------------------------------------------------------------------- run
     def run(self, follow: bool | None = None) -> dict:
+        from specdistill.train import online_dirs
+
+        if not self._locks:  # a job run again after close()
+            self._locks = online_dirs.lock_dirs(self.out, self.root)
         follow = self.o.follow if follow is None else follow
         stop = {"now": False}
         catch = follow and threading.current_thread() is threading.main_thread()
@@ -634,7 +745,10 @@ class OnlineJob:
 
             old = signal.signal(signal.SIGTERM, handler)
         try:
+            self._check_traffic(follow)
             while True:
+                if follow:
+                    self._check_traffic(follow)
                 self.read()
                 limit = self.o.max_refreshes
                 while self.due(final=not follow) and not (limit and self.refreshes >= limit):
@@ -648,10 +762,11 @@ class OnlineJob:
                 ):
                     break
                 time.sleep(self.o.poll_s)
+            self.commit()
         finally:
             if catch:
                 signal.signal(signal.SIGTERM, old)
-        self.commit()
+            self.close()
         summary = self.summary()
         self.print("online: " + json.dumps(summary))
         return summary
@@ -660,9 +775,15 @@ class OnlineJob:
         rejected = {
             k.split("/", 1)[1]: v for k, v in self.counts.items() if k.startswith("rejected/")
         }
+        skipped = {
+            k.split("/", 1)[1]: v for k, v in self.counts.items() if k.startswith("skipped/")
+        }
         return {
             "cursor": self.cursor.as_dict(),
             "records_seen": self.counts["records_seen"],
+            "skipped_by_reason": skipped,
+            "shards_rewritten": self.counts["shard_rewritten"],
+            "shards_gone": self.counts["shard_gone"],
             "records_accepted": self.counts["records_accepted"],
             "records_trained": len(self.trained_ids),
             "records_rejected": sum(rejected.values()),
@@ -676,24 +797,11 @@ class OnlineJob:
 
 
 # --------------------------------------------------------------------------------- CLI
-def rollback_main(argv: list[str]) -> int:
-    from specdistill.train.online_versions import rollback
-
-    p = argparse.ArgumentParser(
-        prog="specdistill online rollback",
-        description="repoint ROOT/current (default: to its parent)",
-    )
-    p.add_argument("version", nargs="?", help="vNNNNNN (default: the current one's parent)")
-    p.add_argument("--drafts", required=True, help="the published root (ROOT)")
-    args = p.parse_args(argv)
-    old, new = rollback(args.drafts, args.version)
-    print(f"rolled back {args.drafts}: current {old} -> {new}")
-    return 0
-
-
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] == "rollback":
+        from specdistill.train.online_dirs import rollback_main
+
         return rollback_main(argv[1:])
     p = argparse.ArgumentParser(
         prog="specdistill online",
