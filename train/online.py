@@ -55,30 +55,11 @@ from pathlib import Path
 
 from specdistill.errors import run_guarded
 from specdistill.train.config import RecipeError, load_recipe
+from specdistill.train.online_faults import FAULT
+from specdistill.train.online_input import TrafficInput
+from specdistill.train.online_served import ServedVersions
 
 STATE = "state"
-
-
-class _Faults:
-    """Crash injection for the tests: SPECDISTILL_ONLINE_FAULT=point:n kills the process
-    (SIGKILL) the n-th time `point` is reached; tests may also replace `hook`."""
-
-    def __init__(self):
-        spec = os.environ.get("SPECDISTILL_ONLINE_FAULT", "")
-        self.point, _, n = spec.rpartition(":") if spec.count(":") > 1 else spec.partition(":")
-        self.left = int(n or 1)
-        self.hook = None
-
-    def __call__(self, point: str) -> None:
-        if self.hook is not None:
-            self.hook(point)
-        if self.point and point == self.point:
-            self.left -= 1
-            if self.left <= 0:
-                os.kill(os.getpid(), signal.SIGKILL)
-
-
-FAULT = _Faults()
 
 
 def _truncate(path: Path, size: int) -> None:
@@ -86,11 +67,10 @@ def _truncate(path: Path, size: int) -> None:
         os.truncate(path, size)
 
 
-class OnlineJob:
+class OnlineJob(TrafficInput, ServedVersions):
     def __init__(self, recipe, *, print=print):
-        from specdistill.train import online_dirs, online_versions
+        from specdistill.train import online_dirs
 
-        online_versions.FAULT = FAULT
         self._locks = []
         self.print = print
         r = copy.deepcopy(recipe)
@@ -281,28 +261,6 @@ class OnlineJob:
         self._sync_vocab_map()
         self._follow_external_change()
 
-    def _complete_pending(self) -> None:
-        """The committed state is the one after a promoted refresh whose version was being
-        published when the job died: finish that publish (or find it done) and commit, never
-        train those records again."""
-        from specdistill.publish import atomic_write_text
-        from specdistill.serve.drafts import read_current, read_manifest
-
-        version, manifest = self.pending["version"], self.pending["manifest"]
-        if (self.root / version / "manifest.json").is_file():
-            current = read_current(self.root)
-            if current != version and read_manifest(self.root / version).get("parent") == current:
-                atomic_write_text(self.root / "current", version + "\n")  # killed before this
-            self.known_current = read_current(self.root)
-            how = "found it published"
-        else:
-            student = self.trainer.accelerator.unwrap_model(self.trainer.draft)
-            self._publish(student, manifest, version=version)
-            how = "published it now"
-        self.pending = None
-        self.commit()
-        self.print(f"online: a publish of {version} was pending at the crash; {how}")
-
     def commit(self) -> None:
         """Everything the job knows, as of now, replaces OUT/state in one rename."""
         import torch
@@ -345,209 +303,6 @@ class OnlineJob:
         FAULT("commit:written")
         publish_dir(tmp, self.out / STATE)
         FAULT("commit:after")
-
-    # ----------------------------------------------------------------------------- versions
-    def _load_version(self, version: str):
-        from specdistill.serve.drafts import load_checked, read_manifest
-
-        path = self.root / version
-        manifest = read_manifest(path)
-        model_dir = path / manifest["draft_dir"] if manifest.get("draft_dir") else path
-        return load_checked(
-            str(model_dir), self.target, self.tokenizer, dtype=self.recipe.draft.dtype
-        )
-
-    def _try_load_version(self, version: str):
-        """The model of `version`, or None (an ALERT, once per version, and a metric) when it
-        does not load: a broken version never stops the job."""
-        try:
-            return self._load_version(version)
-        except Exception as e:  # noqa: BLE001 - whatever the reason, the version is unusable
-            why = " ".join(str(e).split())[:600] or type(e).__name__
-            if version not in self._said:
-                self._said.add(version)
-                self.print(
-                    f"ALERT online: version {version} of {self.root} does not load ({why}); "
-                    "the running draft is kept and no candidate is promoted over it: roll "
-                    "back to a good version (specdistill online rollback)",
-                    file=sys.stderr,
-                )
-                self._log(
-                    "metrics.jsonl",
-                    {"kind": "version_unloadable", "version": version, "why": why,
-                     "time": time.time()},
-                )
-            return None
-
-    def incumbent(self):
-        """(version, model) of what ROOT/current names now (model None: it does not load)."""
-        from specdistill.serve.drafts import read_current
-
-        current = read_current(self.root)
-        if current is not None and self._incumbent[0] != current:
-            model = self._try_load_version(current)
-            self._incumbent = (current, None if model is None else model.eval())
-        return self._incumbent
-
-    def _follow_external_change(self) -> None:
-        """A rollback (or another publisher) moved `current`: the running draft restarts
-        from the version now served."""
-        from specdistill.serve.drafts import read_current
-
-        current = read_current(self.root)
-        if current is not None and current != self.known_current:
-            model = self._try_load_version(current)
-            if model is not None:
-                student = self.trainer.accelerator.unwrap_model(self.trainer.draft)
-                student.load_state_dict(model.state_dict())
-                self._sync_vocab_map()
-            self.print(
-                f"online: current moved {self.known_current} -> {current}; "
-                + ("the running draft restarts from it" if model is not None else "kept the "
-                   "running draft")
-            )
-            self._log(
-                "metrics.jsonl",
-                {
-                    "kind": "external_change",
-                    "from": self.known_current,
-                    "to": current,
-                    "time": time.time(),
-                },
-            )
-            self.known_current = current
-
-    def _publish(self, model, manifest: dict, version: str | None = None) -> str:
-        from specdistill.drafts.embedded import resolve_model
-        from specdistill.train.online_versions import publish_version
-
-        verifier = resolve_model(self.recipe.target.model)
-        manifest = {
-            "target": {"name": self.recipe.target.model, "identity": self.identity},
-            "draft_type": self.kind.name,
-            **manifest,
-        }
-        version = publish_version(
-            self.root,
-            lambda d: self.kind.save(model, d, self.tokenizer, verifier=verifier),
-            manifest,
-            keep=self.o.keep_versions,
-            version=version,
-        )
-        self.known_current = version
-        return version
-
-    # ----------------------------------------------------------------------------- input
-    def _log(self, name: str, record: dict) -> None:
-        with open(self.out / name, "a") as f:
-            f.write(json.dumps(record) + "\n")
-
-    def _reject(self, reason: str, detail: str, shard, offset, raw, record=None) -> None:
-        self.counts[f"rejected/{reason}"] += 1
-        self._log(
-            "rejects.jsonl",
-            {
-                "reason": reason,
-                "detail": detail,
-                "shard": shard,
-                "offset": offset,
-                "id": record.get("id") if isinstance(record, dict) else None,
-                "line": raw[:2000].decode("utf-8", "replace") if raw else None,
-            },
-        )
-
-    def read(self) -> int:
-        """Consume the complete lines after the cursor, up to the point a refresh is due;
-        returns the number of new records stored."""
-        from specdistill.train.online_traffic import (
-            SKIP_REASONS,
-            compact,
-            prompt_hash,
-            read_new,
-            screen,
-        )
-
-        added = 0
-        for shard, offset, raw, reason in read_new(
-            self.o.traffic, self.cursor, self.o.max_line_bytes
-        ):
-            if reason in ("shard_rewritten", "shard_gone"):
-                self._shard_event(reason, shard)
-                continue
-            self.counts["lines"] += 1
-            if raw is None:
-                self._reject(reason, "", shard, offset, None)
-            else:
-                record, reason, detail = screen(
-                    raw,
-                    self.identity,
-                    max_tokens=self.max_tokens,
-                    vocab_size=self.vocab_size,
-                    clients=self.clients,
-                )
-                if reason == "blank_line":
-                    self.counts["blank_lines"] += 1
-                elif reason in SKIP_REASONS:  # by choice, not a fault: counted, not logged
-                    self.counts[f"skipped/{reason}"] += 1
-                elif reason is not None:
-                    self._reject(reason, detail, shard, offset, raw, record)
-                else:
-                    self.counts["records_seen"] += 1
-                    metric = self.watch.add(record)
-                    if metric is not None:
-                        self._watch_metric(metric)
-                    if self.store.add(compact(record, self.o.sparse_targets), prompt_hash(record)):
-                        self.counts["records_accepted"] += 1
-                        added += 1
-                    else:
-                        self.counts["duplicate_prompt"] += 1
-            FAULT("read:line")
-            if len(self.store.new) >= self.o.refresh_records:
-                break  # refresh first: every refresh_records records, however many wait
-        self.cursor.seal(self.o.traffic)
-        self.records_since = len(self.store.new)
-        return added
-
-    def _shard_event(self, what: str, shard: str) -> None:
-        """A shard changed under the cursor: a warning naming it, a count and a metric."""
-        path = Path(self.o.traffic) / shard
-        if what == "shard_rewritten":
-            how = (
-                "was rewritten or truncated under the cursor; reading it again from its "
-                "start (records already taken are refused as duplicate prompts)"
-            )
-        else:
-            how = "has gone before it was read to its end; reading on from the next shard"
-        self.counts[what] += 1
-        self.print(f"WARNING online: {path} {how}", file=sys.stderr)
-        self._log("metrics.jsonl", {"kind": what, "shard": shard, "time": time.time()})
-
-    def _check_traffic(self, follow: bool) -> None:
-        """A missing online.traffic is an error in a one-pass run, and a warning (once) in a
-        follow run, which waits for the server to create it."""
-        d = Path(self.o.traffic)
-        if d.exists() and not d.is_dir():
-            raise NotADirectoryError(f"online.traffic {d} is a file, not the server's --traffic directory")
-        if d.is_dir():
-            return
-        if not follow:
-            raise FileNotFoundError(
-                f"online.traffic {d}: no such directory (the server's --traffic directory); "
-                "check the path, or run with --follow to wait for the server to create it"
-            )
-        if "traffic" not in self._said:
-            self._said.add("traffic")
-            self.print(
-                f"WARNING online: online.traffic {d} does not exist yet; waiting for the "
-                "server to create it",
-                file=sys.stderr,
-            )
-
-    def _watch_metric(self, metric: dict) -> None:
-        metric["time"] = time.time()
-        self._log("metrics.jsonl", metric)
-        for line in metric["alerts"]:
-            self.print(f"ALERT online watch: {line}", file=sys.stderr)
 
     # ----------------------------------------------------------------------------- refresh
     def due(self, final: bool = False) -> bool:

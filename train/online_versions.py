@@ -16,11 +16,9 @@ from pathlib import Path
 
 from specdistill.publish import atomic_write_text, publish_dir, remove_leftovers
 from specdistill.serve.drafts import read_current, read_manifest
+from specdistill.train.online_faults import FAULT
 
 VERSION = re.compile(r"^v(\d{6})$")
-
-# Fault injection for the crash tests: called with a point's name; the default does nothing.
-FAULT = lambda point: None  # noqa: E731
 
 
 def versions(root) -> list[str]:
