@@ -7,8 +7,9 @@
 
 The job reads `online.traffic` (the shards `specdistill serve --traffic` writes) after its
 committed cursor, screens each record (schema, the target identity as serve/traffic.py
-computes it, size, token range; the refused ones are counted by reason and written to
-OUT/rejects.jsonl), deduplicates prompts and files the rest into the store
+computes it, size, the range of every field that reaches the loss, the gate or the watch;
+the refused ones are counted by reason and written to OUT/rejects.jsonl; records of clients
+outside `online.clients` are counted and skipped), deduplicates prompts and files the rest into the store
 (train/online_traffic.py): the newest `online.holdout_size` records are held out for the
 gate, older ones are trainable. Every `online.refresh_records` new trainable records (or
 `online.refresh_seconds`), a refresh runs `online.refresh_steps` optimiser steps of the
@@ -17,6 +18,10 @@ anchor), warm-started from the running draft and its optimiser state, against th
 target with the recipe's loss. The gate (train/online_gate.py) compares candidate and the
 served incumbent (ROOT/current) on the held-out slice; a promotion is published as a new
 version (train/online_versions.py). Each decision goes to OUT/decisions.jsonl and stdout.
+
+Directories (train/online_dirs.py): OUT and ROOT are locked for the job's lifetime (a
+second job or a rollback on either fails at once); a used OUT that is not this job's own is
+refused unless `online.overwrite`.
 
 Crash safety: the cursor, the store, the counters, the ids of the trained records, the
 running draft and its optimiser state, and the sizes of the three logs are committed
@@ -85,9 +90,9 @@ class OnlineJob(TrafficInput, ServedVersions):
             r.online = self.o = o
         self.out = Path(o.output_dir)
         self.root = Path(o.drafts)
-        self._locks = online_dirs.lock_dirs(self.out, self.root)  # released by run / close
+        # OUT and ROOT: one job each, held until run() ends or close(); OUT claimed.
+        self._locks = online_dirs.lock_dirs(self.out, self.root, overwrite=o.overwrite)
         try:
-            online_dirs.claim_out(self.out, self.root, overwrite=o.overwrite)
             self._build(r, o)
         except BaseException:
             self.close()

@@ -22,14 +22,18 @@ LOGS = ("rejects.jsonl", "decisions.jsonl", "metrics.jsonl")
 HOLDER = "an online job or rollback"
 
 
-def lock_dirs(out: Path, root: Path) -> list[DirLock]:
-    """DirLocks on OUT and ROOT (one when they are the same directory), taken now."""
+def lock_dirs(out: Path, root: Path, *, overwrite: bool | None = None) -> list[DirLock]:
+    """DirLocks on OUT and ROOT (one when they are the same directory), taken now; with
+    `overwrite` not None, OUT is claimed (`claim_out`) between the two, before ROOT (which
+    may lie inside OUT) is created."""
     locks = [DirLock(out, HOLDER).acquire()]
     try:
+        if overwrite is not None:
+            claim_out(out, root, overwrite=overwrite)
         if root.resolve() != out.resolve():
             locks.append(DirLock(root, HOLDER).acquire())
     except BaseException:
-        locks[0].release()
+        release(locks)
         raise
     return locks
 
