@@ -348,7 +348,7 @@ class OnlineJob(TrafficInput, ServedVersions):
     def refresh(self) -> dict:
         """K optimiser steps on the new records + replay, the gate, maybe a publish, commit."""
         from specdistill.data.dataset import TokenDataset
-        from specdistill.train.online_gate import decide, sequence_alpha
+        from specdistill.train.online_gate import by_temperature, decide, sequence_alpha
         from specdistill.train.online_traffic import RecordTargets, to_tokens
 
         self._follow_external_change()
@@ -405,6 +405,10 @@ class OnlineJob(TrafficInput, ServedVersions):
             verdict = decide(
                 cand, inc, [it["category"] for it in held], o, seed=r.train.seed + self.refreshes
             )
+            if held:
+                verdict["by_temperature"] = by_temperature(
+                    cand, inc, [it["temperature"] for it in held]
+                )
         self.refreshes += 1
         decision = {
             "refresh": self.refreshes,
@@ -450,6 +454,15 @@ class OnlineJob(TrafficInput, ServedVersions):
             f"({decision['why']}); loss {decision['loss']:.4f}, {len(fresh)} new + "
             f"{len(replay)} replayed records"
             + (f" -> {decision['version']}" if "version" in decision else "")
+            + (
+                "; alpha by temperature (incumbent -> candidate): "
+                + ", ".join(
+                    f"T={t} {v['alpha_incumbent']:.3f} -> {v['alpha_candidate']:.3f}"
+                    for t, v in decision["by_temperature"].items()
+                )
+                if len(decision.get("by_temperature") or ()) > 1
+                else ""
+            )
         )
         self.store.mark_trained(it["id"] for it in fresh)
         self.trained_ids.extend(it["id"] for it in fresh)

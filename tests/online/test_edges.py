@@ -304,3 +304,24 @@ def test_a_broken_current_version_never_stops_a_refresh(tiny_pair, traffic_pool,
     decisions = lines(tmp_path / "out" / "decisions.jsonl")
     assert all("v000002 does not load" in d["why"] for d in decisions)
     assert sum(s.startswith("ALERT online: version v000002") for s in said) == 1
+
+
+def test_decisions_break_the_gate_down_by_request_temperature(tiny_pair, traffic_pool, tmp_path):
+    """Greedy requests score argmax agreement, which a temperature-1 loss does not train: the
+    decision shows α per served temperature, so a rejection caused by the greedy share (the
+    embedded tiny pair: α 0.975 -> 0.006 at T=0 while 0.79 -> 0.91 at T=1) is visible."""
+    _, pool = traffic_pool
+    write_shard(tmp_path / "traffic", 1, pool[:40])  # temperatures 1 and 0, alternating
+    said = []
+    job(
+        online_recipe(tiny_pair, tmp_path),
+        print=lambda *a, **k: said.append(" ".join(map(str, a))),
+    ).run()
+    decisions = lines(tmp_path / "out" / "decisions.jsonl")
+    assert decisions
+    for d in decisions:
+        temps = d["by_temperature"]
+        assert set(temps) == {"0", "1"} and sum(v["n"] for v in temps.values()) == d["n_heldout"]
+        weighted = sum(v["n"] * v["alpha_candidate"] for v in temps.values()) / d["n_heldout"]
+        assert weighted == pytest.approx(d["alpha_candidate"])
+    assert any("alpha by temperature (incumbent -> candidate): T=0 " in s for s in said)
