@@ -9,14 +9,14 @@ The job reads `online.traffic` (the shards `specdistill serve --traffic` writes)
 committed cursor, screens each record (schema, the target identity as serve/traffic.py
 computes it, size, the range of every field that reaches the loss, the gate or the watch;
 the refused ones are counted by reason and written to OUT/rejects.jsonl; records of clients
-outside `online.clients` are counted and skipped), deduplicates prompts and files the rest into the store
-(train/online_traffic.py): the newest `online.holdout_size` records are held out for the
-gate, older ones are trainable. Every `online.refresh_records` new trainable records (or
-`online.refresh_seconds`), a refresh runs `online.refresh_steps` optimiser steps of the
-Trainer's own `train_step` on every new record once plus replay (recent store, reservoir,
-anchor), warm-started from the running draft and its optimiser state, against the frozen
-target with the recipe's loss. The gate (train/online_gate.py) compares candidate and the
-served incumbent (ROOT/current) on the held-out slice; a promotion is published as a new
+outside `online.clients` are counted and skipped), deduplicates prompts and files the rest
+into the store (train/online_traffic.py): the newest `online.holdout_size` records are held
+out for the gate, older ones are trainable. Every `online.refresh_records` new trainable
+records (or `online.refresh_seconds`), a refresh runs `online.refresh_steps` optimiser steps
+of the Trainer's own `train_step` on every new record once plus replay (recent store,
+reservoir, anchor), warm-started from the running draft and its optimiser state, against the
+frozen target with the recipe's loss. The gate (train/online_gate.py) compares candidate and
+the served incumbent (ROOT/current) on the held-out slice; a promotion is published as a new
 version (train/online_versions.py). Each decision goes to OUT/decisions.jsonl and stdout.
 
 Directories (train/online_dirs.py): OUT and ROOT are locked for the job's lifetime (a

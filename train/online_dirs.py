@@ -62,11 +62,24 @@ def claim_out(out: Path, root: Path, *, overwrite: bool) -> bool:
             "replace its state and logs"
         )
     if not own:
-        claim_output_dir(out, overwrite=overwrite, flag="online.overwrite=true")
+        if not only_root(out, root):
+            claim_output_dir(out, overwrite=overwrite, flag="online.overwrite=true")
         forget(out)
     out.mkdir(parents=True, exist_ok=True)
     atomic_write_text(marker, json.dumps({"drafts": root_id}) + "\n")
     return own and (out / "state" / "state.json").is_file()
+
+
+def only_root(out: Path, root: Path) -> bool:
+    """Whether ROOT lies inside OUT (the default runs/online/drafts in runs/online) and is
+    all that OUT holds, dot files aside: a first start with the drafts root made already."""
+    try:
+        top = root.resolve().relative_to(out.resolve()).parts[:1]
+    except ValueError:
+        return False
+    if not top or not out.is_dir():
+        return False
+    return {p.name for p in out.iterdir() if not p.name.startswith(".")} <= {top[0]}
 
 
 def forget(out: Path) -> None:

@@ -105,7 +105,9 @@ class TrafficInput:
         follow run, which waits for the server to create it."""
         d = Path(self.o.traffic)
         if d.exists() and not d.is_dir():
-            raise NotADirectoryError(f"online.traffic {d} is a file, not the server's --traffic directory")
+            raise NotADirectoryError(
+                f"online.traffic {d} is a file, not the server's --traffic directory"
+            )
         if d.is_dir():
             return
         if not follow:

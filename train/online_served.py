@@ -61,8 +61,12 @@ class ServedVersions:
                 )
                 self._log(
                     "metrics.jsonl",
-                    {"kind": "version_unloadable", "version": version, "why": why,
-                     "time": time.time()},
+                    {
+                        "kind": "version_unloadable",
+                        "version": version,
+                        "why": why,
+                        "time": time.time(),
+                    },
                 )
             return None
 
@@ -88,11 +92,8 @@ class ServedVersions:
                 student = self.trainer.accelerator.unwrap_model(self.trainer.draft)
                 student.load_state_dict(model.state_dict())
                 self._sync_vocab_map()
-            self.print(
-                f"online: current moved {self.known_current} -> {current}; "
-                + ("the running draft restarts from it" if model is not None else "kept the "
-                   "running draft")
-            )
+            then = "the running draft restarts from it" if model is not None else "kept the draft"
+            self.print(f"online: current moved {self.known_current} -> {current}; {then}")
             self._log(
                 "metrics.jsonl",
                 {

@@ -198,18 +198,18 @@ def _range_problem(record: dict, vocab_size: int) -> tuple[str, str] | None:
         for pair in entry:
             t_id, lp = pair  # validate: [int, value]
             if isinstance(t_id, bool) or not 0 <= t_id < vocab_size or t_id in seen:
-                return "top_logprobs", f"top_logprobs[{i}]: id {t_id!r} repeated or not in [0, {vocab_size})"
+                why = f"id {t_id!r} repeated or not in [0, {vocab_size})"
+                return "top_logprobs", f"top_logprobs[{i}]: {why}"
             if not _number(lp) or lp > 1e-4:
-                return "top_logprobs", f"top_logprobs[{i}]: logprob {lp!r} is not a finite number <= 0"
+                why = f"logprob {lp!r} is not a finite number <= 0"
+                return "top_logprobs", f"top_logprobs[{i}]: {why}"
             seen.add(t_id)
         if sum(math.exp(min(lp, 0.0)) for _, lp in entry) > 1.001:
             return "top_logprobs", f"top_logprobs[{i}]: probabilities sum above 1"
     return None
 
 
-def screen(
-    raw: bytes, identity: str, *, max_tokens: int, vocab_size: int, clients=None
-):
+def screen(raw: bytes, identity: str, *, max_tokens: int, vocab_size: int, clients=None):
     """(record, None, "") for a usable line, or (record or None, reason, detail) otherwise.
 
     Never raises: any line (bytes of any kind, JSON of any shape) gets a reason. Every field

@@ -325,3 +325,15 @@ def test_decisions_break_the_gate_down_by_request_temperature(tiny_pair, traffic
         weighted = sum(v["n"] * v["alpha_candidate"] for v in temps.values()) / d["n_heldout"]
         assert weighted == pytest.approx(d["alpha_candidate"])
     assert any("alpha by temperature (incumbent -> candidate): T=0 " in s for s in said)
+
+
+def test_a_drafts_root_inside_a_new_output_dir_is_not_a_used_dir(tiny_pair, traffic_pool, tmp_path):
+    """The defaults put ROOT inside OUT (runs/online/drafts in runs/online): a ROOT made
+    before the job's first start does not make OUT a used directory."""
+    _, pool = traffic_pool
+    write_shard(tmp_path / "traffic", 1, pool[:20])
+    recipe = online_recipe(tiny_pair, tmp_path, refresh_records=1000)
+    recipe.online.drafts = str(tmp_path / "out" / "drafts")
+    (tmp_path / "out" / "drafts").mkdir(parents=True)
+    assert job(recipe).run()["records_accepted"] == 20
+    assert (tmp_path / "out" / "drafts" / "current").is_file()
