@@ -137,6 +137,7 @@ SKIP_REASONS = ("client",)  # screened out by choice: counted, not written to re
 # A positive temperature below MIN_TEMPERATURE overflows logits / T in low precision; above
 # MAX_TEMPERATURE the served distribution is uniform for any logits. 0 is greedy.
 MIN_TEMPERATURE, MAX_TEMPERATURE = 1e-4, 100.0
+MAX_ID_CHARS = 256  # a record's id and category: kept in the state, keys of the gate's groups
 
 
 def _refuse_constant(name: str):
@@ -167,8 +168,10 @@ def _number(value) -> bool:
 def _range_problem(record: dict, vocab_size: int) -> tuple[str, str] | None:
     """(reason, detail) for the first field that would reach the loss, the gate or the watch
     out of its range; None when every one is in range."""
-    if not record["id"]:
-        return "schema", "id is empty"
+    if not 0 < len(record["id"]) <= MAX_ID_CHARS:
+        return "schema", f"id of {len(record['id'])} characters (1 to {MAX_ID_CHARS})"
+    if record["category"] is not None and len(record["category"]) > MAX_ID_CHARS:
+        return "schema", f"category of {len(record['category'])} characters (> {MAX_ID_CHARS})"
     if not _number(record["time"]):
         return "schema", f"time {record['time']!r}"
     s = record["sampling"]

@@ -61,6 +61,7 @@ def poisoned(pool):
         (edit(17, top_logprobs=[[[1, 3.0]]] * len(ids)), "top_logprobs"),
         (edit(18, speculative__num_draft_tokens=-5), "speculative"),
         (edit(19, time="yesterday"), "schema"),
+        (edit(21, category="c" * 10_000), "schema"),
         (edit(20, sampling__temperature=1e999), "malformed_json"),  # overflows to inf
         (re.sub(r'"temperature": [^,]+', '"temperature": 1e400', json.dumps(r)).encode() + b"\n",
          "malformed_json"),
