@@ -9,6 +9,7 @@ import dataclasses
 import difflib
 import functools
 import operator
+import re
 import types
 import typing
 from dataclasses import dataclass, field
@@ -171,6 +172,12 @@ class OnlineConfig:
     traffic: str | None = None  # the server's --traffic directory (shards traffic-NNNNNN.jsonl)
     drafts: str = "runs/online/drafts"  # the published root the server follows (--drafts)
     output_dir: str = "runs/online"  # OUT: state/, rejects.jsonl, decisions.jsonl, metrics.jsonl
+    # A used output_dir that is not this job's own state (same target and drafts root) is
+    # refused unless overwrite: true (its logs are then replaced).
+    overwrite: bool = False
+    # Train only on the records of these clients (the server's "client" field, "key-" + the
+    # first 12 hex digits of sha256(api key)); empty or null: every client's records.
+    clients: list[str] | None = None
     follow: bool = False  # true: tail new shards and appended lines; false: one pass, then exit
     # "specdistill": replay + held-out gate. "osd": OSD's policy (arXiv 2310.07177): update on
     # every refresh_records new records, no replay (buffer cleared), no hold-out, no gate,
@@ -512,6 +519,15 @@ def _online_checks(o: OnlineConfig) -> list[tuple[bool, str]]:
             "online.watch_window and online.watch_trailing must be >= 1",
         ),
         (o.poll_s > 0, f"online.poll_s must be > 0, got {o.poll_s}"),
+        *(
+            (
+                isinstance(c, str) and re.fullmatch(r"key-[0-9a-f]{12}", c) is not None,
+                f"online.clients: {c!r} is not a client id like key-0123456789ab (\"key-\" + "
+                "the first 12 hex digits of the sha256 of the client's API key, as the "
+                "server's traffic records write it)",
+            )
+            for c in o.clients or ()
+        ),
     ]
 
 

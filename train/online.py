@@ -7,16 +7,21 @@
 
 The job reads `online.traffic` (the shards `specdistill serve --traffic` writes) after its
 committed cursor, screens each record (schema, the target identity as serve/traffic.py
-computes it, size, token range; the refused ones are counted by reason and written to
-OUT/rejects.jsonl), deduplicates prompts and files the rest into the store
-(train/online_traffic.py): the newest `online.holdout_size` records are held out for the
-gate, older ones are trainable. Every `online.refresh_records` new trainable records (or
-`online.refresh_seconds`), a refresh runs `online.refresh_steps` optimiser steps of the
-Trainer's own `train_step` on every new record once plus replay (recent store, reservoir,
-anchor), warm-started from the running draft and its optimiser state, against the frozen
-target with the recipe's loss. The gate (train/online_gate.py) compares candidate and the
-served incumbent (ROOT/current) on the held-out slice; a promotion is published as a new
+computes it, size, the range of every field that reaches the loss, the gate or the watch;
+the refused ones are counted by reason and written to OUT/rejects.jsonl; records of clients
+outside `online.clients` are counted and skipped), deduplicates prompts and files the rest
+into the store (train/online_traffic.py): the newest `online.holdout_size` records are held
+out for the gate, older ones are trainable. Every `online.refresh_records` new trainable
+records (or `online.refresh_seconds`), a refresh runs `online.refresh_steps` optimiser steps
+of the Trainer's own `train_step` on every new record once plus replay (recent store,
+reservoir, anchor), warm-started from the running draft and its optimiser state, against the
+frozen target with the recipe's loss. The gate (train/online_gate.py) compares candidate and
+the served incumbent (ROOT/current) on the held-out slice; a promotion is published as a new
 version (train/online_versions.py). Each decision goes to OUT/decisions.jsonl and stdout.
+
+Directories (train/online_dirs.py): OUT and ROOT are locked for the job's lifetime (a
+second job or a rollback on either fails at once); a used OUT that is not this job's own is
+refused unless `online.overwrite`.
 
 Crash safety: the cursor, the store, the counters, the ids of the trained records, the
 running draft and its optimiser state, and the sizes of the three logs are committed
@@ -55,30 +60,11 @@ from pathlib import Path
 
 from specdistill.errors import run_guarded
 from specdistill.train.config import RecipeError, load_recipe
+from specdistill.train.online_faults import FAULT
+from specdistill.train.online_input import TrafficInput
+from specdistill.train.online_served import ServedVersions
 
 STATE = "state"
-
-
-class _Faults:
-    """Crash injection for the tests: SPECDISTILL_ONLINE_FAULT=point:n kills the process
-    (SIGKILL) the n-th time `point` is reached; tests may also replace `hook`."""
-
-    def __init__(self):
-        spec = os.environ.get("SPECDISTILL_ONLINE_FAULT", "")
-        self.point, _, n = spec.rpartition(":") if spec.count(":") > 1 else spec.partition(":")
-        self.left = int(n or 1)
-        self.hook = None
-
-    def __call__(self, point: str) -> None:
-        if self.hook is not None:
-            self.hook(point)
-        if self.point and point == self.point:
-            self.left -= 1
-            if self.left <= 0:
-                os.kill(os.getpid(), signal.SIGKILL)
-
-
-FAULT = _Faults()
 
 
 def _truncate(path: Path, size: int) -> None:
@@ -86,21 +72,11 @@ def _truncate(path: Path, size: int) -> None:
         os.truncate(path, size)
 
 
-class OnlineJob:
+class OnlineJob(TrafficInput, ServedVersions):
     def __init__(self, recipe, *, print=print):
-        import torch
-        from accelerate import Accelerator
+        from specdistill.train import online_dirs
 
-        from specdistill import drafts
-        from specdistill.drafts import hub
-        from specdistill.serve.traffic import model_identity
-        from specdistill.train import online_versions
-        from specdistill.train.online_traffic import Cursor, Store, load_anchor
-        from specdistill.train.online_watch import Watch
-        from specdistill.train.rundir import RunPlan
-        from specdistill.train.trainer import Trainer
-
-        online_versions.FAULT = FAULT
+        self._locks = []
         self.print = print
         r = copy.deepcopy(recipe)
         # A refresh is a continuation, not a schedule: constant learning rate.
@@ -114,7 +90,35 @@ class OnlineJob:
             r.online = self.o = o
         self.out = Path(o.output_dir)
         self.root = Path(o.drafts)
-        self.out.mkdir(parents=True, exist_ok=True)
+        # OUT and ROOT: one job each, held until run() ends or close(); OUT claimed.
+        self._locks = online_dirs.lock_dirs(self.out, self.root, overwrite=o.overwrite)
+        try:
+            self._build(r, o)
+        except BaseException:
+            self.close()
+            raise
+
+    def close(self) -> None:
+        """Release OUT and ROOT (the end of the job's lifetime; `run` calls it)."""
+        from specdistill.train import online_dirs
+
+        online_dirs.release(self._locks)
+        self._locks = []
+
+    def _build(self, r, o) -> None:
+        import torch
+        from accelerate import Accelerator
+
+        from specdistill import drafts
+        from specdistill.drafts import hub
+        from specdistill.serve.traffic import model_identity
+        from specdistill.train.online_traffic import Cursor, Store, load_anchor
+        from specdistill.train.online_watch import Watch
+        from specdistill.train.rundir import RunPlan
+        from specdistill.train.trainer import Trainer
+
+        self.clients = set(o.clients or ())
+        self._said: set[str] = set()  # warnings given once
         self.max_tokens = o.max_record_tokens or r.data.max_length
         self.tokenizer = hub.load_tokenizer(r.target.model, r.target.revision)
         if self.tokenizer.pad_token_id is None:
@@ -194,30 +198,32 @@ class OnlineJob:
     def _recover(self) -> None:
         import torch
 
+        from specdistill.publish import remove_leftovers
         from specdistill.serve.drafts import read_current
-        from specdistill.train import online_versions
+        from specdistill.train import online_dirs, online_versions
+        from specdistill.train.online_traffic import Cursor
 
         online_versions.clean(self.root)
         state_dir = self.out / STATE
         olds = sorted(self.out.glob(f".old-{STATE}-*"))
         if not state_dir.exists() and olds:  # a kill between publish_dir's two renames
             os.replace(olds[-1], state_dir)
-        for p in self.out.iterdir():
-            if p.name.startswith((".tmp-", ".old-")) and p.is_dir():
-                shutil.rmtree(p, ignore_errors=True)
+        remove_leftovers(self.out)
         student = self.trainer.accelerator.unwrap_model(self.trainer.draft)
+        s = None
         if (state_dir / "state.json").is_file():
             s = json.loads((state_dir / "state.json").read_text())
             if s["identity"] != self.identity:
-                raise RecipeError(
-                    f"{state_dir}: state of target {s['identity']}, the recipe's target is "
-                    f"{self.identity}; use another online.output_dir"
-                )
-            self.cursor.shard, self.cursor.offset, self.cursor.lines = (
-                s["cursor"]["shard"],
-                s["cursor"]["offset"],
-                s["cursor"]["lines"],
-            )
+                if not self.o.overwrite:
+                    raise RecipeError(
+                        f"{state_dir}: state of target {s['identity']}, the recipe's target is "
+                        f"{self.identity}; use another online.output_dir, or set "
+                        "online.overwrite=true to replace that state and its logs"
+                    )
+                online_dirs.forget(self.out)
+                s = None
+        if s is not None:
+            self.cursor = Cursor.from_dict(s["cursor"])
             self.store.load(s["store"])
             self.watch.load(s["watch"])
             self.counts = Counter(s["counts"])
@@ -240,8 +246,7 @@ class OnlineJob:
             if self.pending is not None:
                 self._complete_pending()
         else:
-            for name in ("rejects.jsonl", "decisions.jsonl", "metrics.jsonl"):
-                (self.out / name).unlink(missing_ok=True)
+            online_dirs.forget(self.out)
             current = read_current(self.root)
             left = online_versions.versions(self.root)
             if current is None and left:  # killed between a first publish and its `current`
@@ -253,33 +258,13 @@ class OnlineJob:
                 version = self._publish(student, {"reason": "initial draft", "records_trained": 0})
                 self.print(f"online: published the initial draft as {version}")
             else:
-                student.load_state_dict(self._load_version(current).state_dict())
+                model = self._try_load_version(current)
+                if model is not None:
+                    student.load_state_dict(model.state_dict())
+                    self.print(f"online: starting from the served version {current}")
                 self.known_current = current
-                self.print(f"online: starting from the served version {current}")
         self._sync_vocab_map()
         self._follow_external_change()
-
-    def _complete_pending(self) -> None:
-        """The committed state is the one after a promoted refresh whose version was being
-        published when the job died: finish that publish (or find it done) and commit, never
-        train those records again."""
-        from specdistill.publish import atomic_write_text
-        from specdistill.serve.drafts import read_current, read_manifest
-
-        version, manifest = self.pending["version"], self.pending["manifest"]
-        if (self.root / version / "manifest.json").is_file():
-            current = read_current(self.root)
-            if current != version and read_manifest(self.root / version).get("parent") == current:
-                atomic_write_text(self.root / "current", version + "\n")  # killed before this
-            self.known_current = read_current(self.root)
-            how = "found it published"
-        else:
-            student = self.trainer.accelerator.unwrap_model(self.trainer.draft)
-            self._publish(student, manifest, version=version)
-            how = "published it now"
-        self.pending = None
-        self.commit()
-        self.print(f"online: a publish of {version} was pending at the crash; {how}")
 
     def commit(self) -> None:
         """Everything the job knows, as of now, replaces OUT/state in one rename."""
@@ -324,132 +309,6 @@ class OnlineJob:
         publish_dir(tmp, self.out / STATE)
         FAULT("commit:after")
 
-    # ----------------------------------------------------------------------------- versions
-    def _load_version(self, version: str):
-        from specdistill.serve.drafts import load_checked, read_manifest
-
-        path = self.root / version
-        manifest = read_manifest(path)
-        model_dir = path / manifest["draft_dir"] if manifest.get("draft_dir") else path
-        return load_checked(
-            str(model_dir), self.target, self.tokenizer, dtype=self.recipe.draft.dtype
-        )
-
-    def incumbent(self):
-        """(version, model) of what ROOT/current names now."""
-        from specdistill.serve.drafts import read_current
-
-        current = read_current(self.root)
-        if current is not None and self._incumbent[0] != current:
-            self._incumbent = (current, self._load_version(current).eval())
-        return self._incumbent
-
-    def _follow_external_change(self) -> None:
-        """A rollback (or another publisher) moved `current`: the running draft restarts
-        from the version now served."""
-        from specdistill.serve.drafts import read_current
-
-        current = read_current(self.root)
-        if current is not None and current != self.known_current:
-            student = self.trainer.accelerator.unwrap_model(self.trainer.draft)
-            student.load_state_dict(self._load_version(current).state_dict())
-            self._sync_vocab_map()
-            self.print(
-                f"online: current moved {self.known_current} -> {current}; "
-                "the running draft restarts from it"
-            )
-            self._log(
-                "metrics.jsonl",
-                {
-                    "kind": "external_change",
-                    "from": self.known_current,
-                    "to": current,
-                    "time": time.time(),
-                },
-            )
-            self.known_current = current
-
-    def _publish(self, model, manifest: dict, version: str | None = None) -> str:
-        from specdistill.drafts.embedded import resolve_model
-        from specdistill.train.online_versions import publish_version
-
-        verifier = resolve_model(self.recipe.target.model)
-        manifest = {
-            "target": {"name": self.recipe.target.model, "identity": self.identity},
-            "draft_type": self.kind.name,
-            **manifest,
-        }
-        version = publish_version(
-            self.root,
-            lambda d: self.kind.save(model, d, self.tokenizer, verifier=verifier),
-            manifest,
-            keep=self.o.keep_versions,
-            version=version,
-        )
-        self.known_current = version
-        return version
-
-    # ----------------------------------------------------------------------------- input
-    def _log(self, name: str, record: dict) -> None:
-        with open(self.out / name, "a") as f:
-            f.write(json.dumps(record) + "\n")
-
-    def _reject(self, reason: str, detail: str, shard, offset, raw, record=None) -> None:
-        self.counts[f"rejected/{reason}"] += 1
-        self._log(
-            "rejects.jsonl",
-            {
-                "reason": reason,
-                "detail": detail,
-                "shard": shard,
-                "offset": offset,
-                "id": record.get("id") if isinstance(record, dict) else None,
-                "line": raw[:2000].decode("utf-8", "replace") if raw else None,
-            },
-        )
-
-    def read(self) -> int:
-        """Consume the complete lines after the cursor, up to the point a refresh is due;
-        returns the number of new records stored."""
-        from specdistill.train.online_traffic import compact, prompt_hash, read_new, screen
-
-        added = 0
-        for shard, offset, raw, reason in read_new(
-            self.o.traffic, self.cursor, self.o.max_line_bytes
-        ):
-            self.counts["lines"] += 1
-            if raw is None:
-                self._reject(reason, "", shard, offset, None)
-            else:
-                record, reason, detail = screen(
-                    raw, self.identity, max_tokens=self.max_tokens, vocab_size=self.vocab_size
-                )
-                if reason == "blank_line":
-                    self.counts["blank_lines"] += 1
-                elif reason is not None:
-                    self._reject(reason, detail, shard, offset, raw, record)
-                else:
-                    self.counts["records_seen"] += 1
-                    metric = self.watch.add(record)
-                    if metric is not None:
-                        self._watch_metric(metric)
-                    if self.store.add(compact(record, self.o.sparse_targets), prompt_hash(record)):
-                        self.counts["records_accepted"] += 1
-                        added += 1
-                    else:
-                        self.counts["duplicate_prompt"] += 1
-            FAULT("read:line")
-            if len(self.store.new) >= self.o.refresh_records:
-                break  # refresh first: every refresh_records records, however many wait
-        self.records_since = len(self.store.new)
-        return added
-
-    def _watch_metric(self, metric: dict) -> None:
-        metric["time"] = time.time()
-        self._log("metrics.jsonl", metric)
-        for line in metric["alerts"]:
-            self.print(f"ALERT online watch: {line}", file=sys.stderr)
-
     # ----------------------------------------------------------------------------- refresh
     def due(self, final: bool = False) -> bool:
         n = len(self.store.new)
@@ -489,7 +348,7 @@ class OnlineJob:
     def refresh(self) -> dict:
         """K optimiser steps on the new records + replay, the gate, maybe a publish, commit."""
         from specdistill.data.dataset import TokenDataset
-        from specdistill.train.online_gate import decide, sequence_alpha
+        from specdistill.train.online_gate import by_temperature, decide, sequence_alpha
         from specdistill.train.online_traffic import RecordTargets, to_tokens
 
         self._follow_external_change()
@@ -530,6 +389,14 @@ class OnlineJob:
                 "alpha_candidate": None,
                 "alpha_incumbent": None,
             }
+        elif version is not None and incumbent is None:
+            verdict = {
+                "promote": False,
+                "why": f"the served version {version} does not load: roll back to a good one",
+                "n_heldout": len(self.store.holdout),
+                "alpha_candidate": None,
+                "alpha_incumbent": None,
+            }
         else:
             held = list(self.store.holdout)
             pad = self.tokenizer.pad_token_id
@@ -538,6 +405,10 @@ class OnlineJob:
             verdict = decide(
                 cand, inc, [it["category"] for it in held], o, seed=r.train.seed + self.refreshes
             )
+            if held:
+                verdict["by_temperature"] = by_temperature(
+                    cand, inc, [it["temperature"] for it in held]
+                )
         self.refreshes += 1
         decision = {
             "refresh": self.refreshes,
@@ -583,6 +454,15 @@ class OnlineJob:
             f"({decision['why']}); loss {decision['loss']:.4f}, {len(fresh)} new + "
             f"{len(replay)} replayed records"
             + (f" -> {decision['version']}" if "version" in decision else "")
+            + (
+                "; alpha by temperature (incumbent -> candidate): "
+                + ", ".join(
+                    f"T={t} {v['alpha_incumbent']:.3f} -> {v['alpha_candidate']:.3f}"
+                    for t, v in decision["by_temperature"].items()
+                )
+                if len(decision.get("by_temperature") or ()) > 1
+                else ""
+            )
         )
         self.store.mark_trained(it["id"] for it in fresh)
         self.trained_ids.extend(it["id"] for it in fresh)
@@ -624,6 +504,10 @@ class OnlineJob:
 
     # ----------------------------------------------------------------------------- run
     def run(self, follow: bool | None = None) -> dict:
+        from specdistill.train import online_dirs
+
+        if not self._locks:  # a job run again after close()
+            self._locks = online_dirs.lock_dirs(self.out, self.root)
         follow = self.o.follow if follow is None else follow
         stop = {"now": False}
         catch = follow and threading.current_thread() is threading.main_thread()
@@ -634,7 +518,10 @@ class OnlineJob:
 
             old = signal.signal(signal.SIGTERM, handler)
         try:
+            self._check_traffic(follow)
             while True:
+                if follow:
+                    self._check_traffic(follow)
                 self.read()
                 limit = self.o.max_refreshes
                 while self.due(final=not follow) and not (limit and self.refreshes >= limit):
@@ -648,10 +535,11 @@ class OnlineJob:
                 ):
                     break
                 time.sleep(self.o.poll_s)
+            self.commit()
         finally:
             if catch:
                 signal.signal(signal.SIGTERM, old)
-        self.commit()
+            self.close()
         summary = self.summary()
         self.print("online: " + json.dumps(summary))
         return summary
@@ -660,9 +548,15 @@ class OnlineJob:
         rejected = {
             k.split("/", 1)[1]: v for k, v in self.counts.items() if k.startswith("rejected/")
         }
+        skipped = {
+            k.split("/", 1)[1]: v for k, v in self.counts.items() if k.startswith("skipped/")
+        }
         return {
             "cursor": self.cursor.as_dict(),
             "records_seen": self.counts["records_seen"],
+            "skipped_by_reason": skipped,
+            "shards_rewritten": self.counts["shard_rewritten"],
+            "shards_gone": self.counts["shard_gone"],
             "records_accepted": self.counts["records_accepted"],
             "records_trained": len(self.trained_ids),
             "records_rejected": sum(rejected.values()),
@@ -676,24 +570,11 @@ class OnlineJob:
 
 
 # --------------------------------------------------------------------------------- CLI
-def rollback_main(argv: list[str]) -> int:
-    from specdistill.train.online_versions import rollback
-
-    p = argparse.ArgumentParser(
-        prog="specdistill online rollback",
-        description="repoint ROOT/current (default: to its parent)",
-    )
-    p.add_argument("version", nargs="?", help="vNNNNNN (default: the current one's parent)")
-    p.add_argument("--drafts", required=True, help="the published root (ROOT)")
-    args = p.parse_args(argv)
-    old, new = rollback(args.drafts, args.version)
-    print(f"rolled back {args.drafts}: current {old} -> {new}")
-    return 0
-
-
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] == "rollback":
+        from specdistill.train.online_dirs import rollback_main
+
         return rollback_main(argv[1:])
     p = argparse.ArgumentParser(
         prog="specdistill online",

@@ -1,7 +1,7 @@
 """`specdistill online [rollback | demo] ...`: routes the verb's subcommands.
 
 specdistill online --recipe R [--follow | --once]   -> train/online.py (the job)
-specdistill online rollback [VERSION] --drafts ROOT -> train/online.py
+specdistill online rollback [VERSION] --drafts ROOT -> train/online_dirs.py
 specdistill online demo --out DIR [--minutes M]     -> train/online_demo.py
 """
 

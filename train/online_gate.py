@@ -54,6 +54,25 @@ def sequence_alpha(kind, target, draft, items: list[dict], pad_token_id: int, *,
     return out
 
 
+def by_temperature(cand, inc, temperatures) -> dict:
+    """{temperature: {"n", "alpha_candidate", "alpha_incumbent"}} over the held-out slice.
+    Greedy requests (0) score argmax agreement, which a loss at temperature 1 does not train:
+    on a pair whose target is nearly flat, a refresh can raise α at 1 and lose it at 0
+    (docs/online.md, "Which settings suit which pair")."""
+    groups = defaultdict(list)
+    for i, t in enumerate(temperatures):
+        groups[f"{float(t):g}"].append(i)
+    cand, inc = np.asarray(cand, dtype=np.float64), np.asarray(inc, dtype=np.float64)
+    return {
+        t: {
+            "n": len(idx),
+            "alpha_candidate": float(cand[idx].mean()),
+            "alpha_incumbent": float(inc[idx].mean()),
+        }
+        for t, idx in sorted(groups.items(), key=lambda kv: float(kv[0]))
+    }
+
+
 def paired_bootstrap(delta, *, samples: int = 1000, confidence: float = 0.95, seed: int = 0):
     """(mean, lower, upper): percentile bootstrap interval of mean(delta) at `confidence`."""
     delta = np.asarray(delta, dtype=np.float64)

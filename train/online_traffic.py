@@ -11,7 +11,10 @@ once a newer shard exists (the server never appends after a torn line, docs/traf
 
 import hashlib
 import json
+import math
+import os
 import random
+import re
 from collections import Counter, deque
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,31 +25,84 @@ from specdistill.data.tokenize import Tokens
 from specdistill.serve.traffic import SHARD, TrafficError, shards, validate
 
 
+SEAL_BYTES = 4096  # a shard's bytes hashed into the cursor: its first and the last consumed
+
+
 @dataclass
 class Cursor:
     shard: str | None = None  # the shard being read (None: before the first)
     offset: int = 0  # bytes of `shard` consumed
     lines: int = 0  # lines consumed in all shards (records, rejects, blank lines)
+    # What the consumed part of `shard` was (`seal`): its inode and a hash of its first and
+    # last consumed SEAL_BYTES; a shard found otherwise was rewritten or truncated under it.
+    inode: int | None = None
+    check: str | None = None
 
     def as_dict(self) -> dict:
-        return {"shard": self.shard, "offset": self.offset, "lines": self.lines}
+        return {
+            "shard": self.shard,
+            "offset": self.offset,
+            "lines": self.lines,
+            "inode": self.inode,
+            "check": self.check,
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Cursor":
+        return cls(d["shard"], d["offset"], d["lines"], d.get("inode"), d.get("check"))
+
+    def seal(self, directory) -> None:
+        """Record what the consumed part of the current shard is now."""
+        self.inode, self.check = _shard_check(Path(directory), self.shard, self.offset)
+
+
+def _shard_check(d: Path, name: str | None, offset: int) -> tuple[int | None, str | None]:
+    if name is None:
+        return None, None
+    try:
+        with open(d / name, "rb") as f:
+            inode = os.fstat(f.fileno()).st_ino
+            if os.fstat(f.fileno()).st_size < offset:
+                return inode, "truncated"
+            head = f.read(min(offset, SEAL_BYTES))
+            f.seek(max(0, offset - SEAL_BYTES))
+            tail = f.read(min(offset, SEAL_BYTES))
+    except FileNotFoundError:
+        return None, None
+    return inode, hashlib.sha256(head + b"\0" + tail).hexdigest()[:32]
 
 
 def read_new(directory, cursor: Cursor, max_line_bytes: int):
     """Yield (shard name, offset, raw line bytes | None, reason) for each complete line after
     `cursor`, advancing it as each one is yielded (the caller processes it before the next).
-    `raw` is None for an oversized or torn line (reason says which)."""
+    `raw` is None for an oversized or torn line (reason says which), and for an event about
+    the cursor's own shard, yielded before any line: "shard_rewritten" (it is no longer what
+    the cursor consumed: shorter than the cursor's offset, another file, or other bytes; it
+    is read again from its start, the store's prompt deduplication refusing the records
+    already taken) or "shard_gone" (deleted: reading goes on with the next shard)."""
     d = Path(directory)
     if not d.is_dir():
         return
     names = [p.name for p in shards(d)]
     if cursor.shard is not None and cursor.shard not in names:
-        raise FileNotFoundError(f"{d / cursor.shard}: the shard the cursor is in has gone")
+        gone = cursor.shard
+        later = [n for n in names if n > gone]
+        cursor.shard, cursor.offset = (later[0] if later else None), 0
+        cursor.inode = cursor.check = None
+        yield gone, 0, None, "shard_gone"
+        if cursor.shard is None:
+            return
+    elif cursor.shard is not None and cursor.check is not None:
+        if _shard_check(d, cursor.shard, cursor.offset) != (cursor.inode, cursor.check):
+            cursor.offset = 0
+            cursor.inode = cursor.check = None
+            yield cursor.shard, 0, None, "shard_rewritten"
     start = names.index(cursor.shard) if cursor.shard is not None else 0
     for i in range(start, len(names)):
         name = names[i]
         if name != cursor.shard:
             cursor.shard, cursor.offset = name, 0
+            cursor.inode = cursor.check = None
         newest = i == len(names) - 1
         with open(d / name, "rb") as f:
             f.seek(cursor.offset)
@@ -76,16 +132,109 @@ def read_new(directory, cursor: Cursor, max_line_bytes: int):
                 yield name, at, raw, None
 
 
-def screen(raw: bytes, identity: str, *, max_tokens: int, vocab_size: int):
-    """(record, None) for a usable line, or (record or None, reason, detail) otherwise."""
+CLIENT = re.compile(r"^key-[0-9a-f]{12}$")  # serve: "key-" + sha256(api key)[:12]
+SKIP_REASONS = ("client",)  # screened out by choice: counted, not written to rejects.jsonl
+# A positive temperature below MIN_TEMPERATURE overflows logits / T in low precision; above
+# MAX_TEMPERATURE the served distribution is uniform for any logits. 0 is greedy.
+MIN_TEMPERATURE, MAX_TEMPERATURE = 1e-4, 100.0
+MAX_ID_CHARS = 256  # a record's id and category: kept in the state, keys of the gate's groups
+
+
+def _refuse_constant(name: str):
+    raise ValueError(f"{name} is not a JSON number")
+
+
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError(f"number {text[:40]} overflows a float")
+    return value
+
+
+def parse_line(raw: bytes):
+    """json.loads, strict: NaN, Infinity and numbers that overflow a float are refused (a
+    ValueError, as for any malformed line); so is nesting too deep for the parser."""
+    try:
+        return json.loads(raw, parse_constant=_refuse_constant, parse_float=_finite_float)
+    except RecursionError:
+        raise ValueError("nested too deeply") from None
+
+
+def _number(value) -> bool:
+    """A finite int or float, not a bool."""
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _range_problem(record: dict, vocab_size: int) -> tuple[str, str] | None:
+    """(reason, detail) for the first field that would reach the loss, the gate or the watch
+    out of its range; None when every one is in range."""
+    if not 0 < len(record["id"]) <= MAX_ID_CHARS:
+        return "schema", f"id of {len(record['id'])} characters (1 to {MAX_ID_CHARS})"
+    if record["category"] is not None and len(record["category"]) > MAX_ID_CHARS:
+        return "schema", f"category of {len(record['category'])} characters (> {MAX_ID_CHARS})"
+    if not _number(record["time"]):
+        return "schema", f"time {record['time']!r}"
+    s = record["sampling"]
+    t = s["temperature"]
+    if not _number(t) or not (t == 0 or MIN_TEMPERATURE <= t <= MAX_TEMPERATURE):
+        return "sampling", (
+            f"sampling.temperature {t!r} is not 0 or a number in "
+            f"[{MIN_TEMPERATURE:g}, {MAX_TEMPERATURE:g}]"
+        )
+    if s["top_p"] is not None and not (_number(s["top_p"]) and 0 < s["top_p"] <= 1):
+        return "sampling", f"sampling.top_p {s['top_p']!r} is not null or a number in (0, 1]"
+    spec = record["speculative"]
+    for key in ("num_spec_steps", "num_draft_tokens", "num_accepted_draft_tokens"):
+        v = spec[key]
+        if v is not None and not (_number(v) and v >= 0):
+            return "speculative", f"speculative.{key} {v!r} is not null or a number >= 0"
+    rate = spec["draft_acceptance_rate"]
+    if rate is not None and not (_number(rate) and 0 <= rate <= 1):
+        return "speculative", f"speculative.draft_acceptance_rate {rate!r} is not in [0, 1]"
+    ids = record["prompt_token_ids"] + record["completion_token_ids"]
+    if ids and (min(ids) < 0 or max(ids) >= vocab_size):
+        return "token_out_of_range", f"ids must be in [0, {vocab_size})"
+    for i, entry in enumerate(record["top_logprobs"] or ()):
+        if not isinstance(entry, list) or not entry:
+            return "top_logprobs", f"top_logprobs[{i}] is not a non-empty list"
+        seen = set()
+        for pair in entry:
+            t_id, lp = pair  # validate: [int, value]
+            if isinstance(t_id, bool) or not 0 <= t_id < vocab_size or t_id in seen:
+                why = f"id {t_id!r} repeated or not in [0, {vocab_size})"
+                return "top_logprobs", f"top_logprobs[{i}]: {why}"
+            if not _number(lp) or lp > 1e-4:
+                why = f"logprob {lp!r} is not a finite number <= 0"
+                return "top_logprobs", f"top_logprobs[{i}]: {why}"
+            seen.add(t_id)
+        if sum(math.exp(min(lp, 0.0)) for _, lp in entry) > 1.001:
+            return "top_logprobs", f"top_logprobs[{i}]: probabilities sum above 1"
+    return None
+
+
+def screen(raw: bytes, identity: str, *, max_tokens: int, vocab_size: int, clients=None):
+    """(record, None, "") for a usable line, or (record or None, reason, detail) otherwise.
+
+    Never raises: any line (bytes of any kind, JSON of any shape) gets a reason. Every field
+    that reaches the loss, the gate or the watch is range-checked here (token ids in the
+    vocabulary, finite temperature and top_p in range, finite top_logprobs, sane counters).
+    `clients`: a set of client ids; a record from another client (or none) gets the reason
+    "client" (one of SKIP_REASONS). None or empty: every client."""
     if not raw.strip():
         return None, "blank_line", ""
     try:
-        record = validate(json.loads(raw))
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        return None, "malformed_json", str(e)
-    except TrafficError as e:
-        return None, "schema", str(e)
+        parsed = parse_line(raw)
+    except ValueError as e:  # JSONDecodeError, UnicodeDecodeError, NaN, overflow, depth
+        return None, "malformed_json", str(e)[:500]
+    try:
+        record = validate(parsed)
+    except (TrafficError, TypeError, ValueError) as e:  # TypeError: an entry of another shape
+        return (parsed if isinstance(parsed, dict) else None), "schema", str(e)[:500]
+    client = record.get("client")
+    if client is not None and not (isinstance(client, str) and CLIENT.match(client)):
+        return record, "schema", f"client {str(client)[:60]!r} is not null or key-<12 hex>"
+    if clients and client not in clients:
+        return record, "client", f"client {client!r} is not in online.clients"
     if record["target"]["identity"] != identity:
         return (
             record,
@@ -102,12 +251,9 @@ def screen(raw: bytes, identity: str, *, max_tokens: int, vocab_size: int):
         return record, "empty_prompt", ""
     if n_prompt + n_completion > max_tokens:
         return record, "oversized", f"{n_prompt + n_completion} tokens > {max_tokens}"
-    ids = record["prompt_token_ids"] + record["completion_token_ids"]
-    if min(ids) < 0 or max(ids) >= vocab_size:
-        return record, "token_out_of_range", f"ids must be in [0, {vocab_size})"
-    temperature = record["sampling"].get("temperature")
-    if not isinstance(temperature, int | float) or isinstance(temperature, bool) or temperature < 0:
-        return record, "schema", f"sampling.temperature {temperature!r}"
+    problem = _range_problem(record, vocab_size)
+    if problem is not None:
+        return record, *problem
     return record, None, ""
 
 

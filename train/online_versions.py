@@ -14,13 +14,11 @@ import shutil
 import time
 from pathlib import Path
 
-from specdistill.publish import atomic_write_text, publish_dir
+from specdistill.publish import atomic_write_text, publish_dir, remove_leftovers
 from specdistill.serve.drafts import read_current, read_manifest
+from specdistill.train.online_faults import FAULT
 
 VERSION = re.compile(r"^v(\d{6})$")
-
-# Fault injection for the crash tests: called with a point's name; the default does nothing.
-FAULT = lambda point: None  # noqa: E731
 
 
 def versions(root) -> list[str]:
@@ -36,12 +34,22 @@ def versions(root) -> list[str]:
 
 def clean(root) -> None:
     """Delete what a killed publish left (.tmp-*, .old-*)."""
-    root = Path(root)
-    if not root.is_dir():
-        return
-    for p in root.iterdir():
-        if p.name.startswith((".tmp-", ".old-")) and p.is_dir():
-            shutil.rmtree(p, ignore_errors=True)
+    remove_leftovers(root)
+
+
+def check_loads(root, version: str) -> None:
+    """Load ROOT/`version` as the server would (drafts.hub.load_draft: all of its config's
+    tensors from its weights); a ValueError naming the version and the problem if it fails."""
+    from specdistill.drafts.hub import load_draft
+
+    path = Path(root) / version
+    manifest = read_manifest(path)
+    model_dir = path / manifest["draft_dir"] if manifest.get("draft_dir") else path
+    try:
+        load_draft(str(model_dir))
+    except Exception as e:  # noqa: BLE001 - any failure to load means a broken version
+        why = " ".join(str(e).split())[:600] or type(e).__name__
+        raise ValueError(f"{path}: version {version} does not load ({why})") from None
 
 
 def next_version(root) -> str:
@@ -93,7 +101,8 @@ def prune(root, keep: int) -> list[str]:
 
 
 def rollback(root, version: str | None = None) -> tuple[str, str]:
-    """Point ROOT/current at `version` (default: the parent of the current one).
+    """Point ROOT/current at `version` (default: the parent of the current one), once it is
+    found to load (`check_loads`; else a ValueError and `current` is left as it is).
     Returns (from, to). Appends the event to ROOT/rollbacks.jsonl."""
     root = Path(root)
     current = read_current(root)
@@ -107,6 +116,10 @@ def rollback(root, version: str | None = None) -> tuple[str, str]:
         raise ValueError(f"{version!r} is not a version like v000001")
     if not (root / version / "manifest.json").is_file():
         raise FileNotFoundError(f"{root / version}: no such complete version")
+    try:
+        check_loads(root, version)
+    except ValueError as e:
+        raise ValueError(f"{e}; current stays {current}") from None
     atomic_write_text(root / "current", version + "\n")
     with open(root / "rollbacks.jsonl", "a") as f:
         f.write(json.dumps({"time": time.time(), "from": current, "to": version}) + "\n")

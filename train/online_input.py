@@ -1,0 +1,130 @@
+"""The online job's input side: reading the traffic after the cursor, screening each line
+(train/online_traffic.py), filing the usable records into the store, and logging what was
+refused (OUT/rejects.jsonl), skipped by choice (counted only) or found wrong with the shards
+(a warning and a metric)."""
+
+import json
+import sys
+import time
+from pathlib import Path
+
+from specdistill.train.online_faults import FAULT
+
+
+class TrafficInput:
+    """Mixed into OnlineJob (train/online.py): uses its recipe section `o`, cursor, store,
+    watch, counts and OUT."""
+
+    # ----------------------------------------------------------------------------- input
+    def _log(self, name: str, record: dict) -> None:
+        with open(self.out / name, "a") as f:
+            f.write(json.dumps(record) + "\n")
+
+    def _reject(self, reason: str, detail: str, shard, offset, raw, record=None) -> None:
+        self.counts[f"rejected/{reason}"] += 1
+        self._log(
+            "rejects.jsonl",
+            {
+                "reason": reason,
+                "detail": detail,
+                "shard": shard,
+                "offset": offset,
+                "id": record.get("id") if isinstance(record, dict) else None,
+                "line": raw[:2000].decode("utf-8", "replace") if raw else None,
+            },
+        )
+
+    def read(self) -> int:
+        """Consume the complete lines after the cursor, up to the point a refresh is due;
+        returns the number of new records stored."""
+        from specdistill.train.online_traffic import (
+            SKIP_REASONS,
+            compact,
+            prompt_hash,
+            read_new,
+            screen,
+        )
+
+        added = 0
+        for shard, offset, raw, reason in read_new(
+            self.o.traffic, self.cursor, self.o.max_line_bytes
+        ):
+            if reason in ("shard_rewritten", "shard_gone"):
+                self._shard_event(reason, shard)
+                continue
+            self.counts["lines"] += 1
+            if raw is None:
+                self._reject(reason, "", shard, offset, None)
+            else:
+                record, reason, detail = screen(
+                    raw,
+                    self.identity,
+                    max_tokens=self.max_tokens,
+                    vocab_size=self.vocab_size,
+                    clients=self.clients,
+                )
+                if reason == "blank_line":
+                    self.counts["blank_lines"] += 1
+                elif reason in SKIP_REASONS:  # by choice, not a fault: counted, not logged
+                    self.counts[f"skipped/{reason}"] += 1
+                elif reason is not None:
+                    self._reject(reason, detail, shard, offset, raw, record)
+                else:
+                    self.counts["records_seen"] += 1
+                    metric = self.watch.add(record)
+                    if metric is not None:
+                        self._watch_metric(metric)
+                    if self.store.add(compact(record, self.o.sparse_targets), prompt_hash(record)):
+                        self.counts["records_accepted"] += 1
+                        added += 1
+                    else:
+                        self.counts["duplicate_prompt"] += 1
+            FAULT("read:line")
+            if len(self.store.new) >= self.o.refresh_records:
+                break  # refresh first: every refresh_records records, however many wait
+        self.cursor.seal(self.o.traffic)
+        self.records_since = len(self.store.new)
+        return added
+
+    def _shard_event(self, what: str, shard: str) -> None:
+        """A shard changed under the cursor: a warning naming it, a count and a metric."""
+        path = Path(self.o.traffic) / shard
+        if what == "shard_rewritten":
+            how = (
+                "was rewritten or truncated under the cursor; reading it again from its "
+                "start (records already taken are refused as duplicate prompts)"
+            )
+        else:
+            how = "has gone before it was read to its end; reading on from the next shard"
+        self.counts[what] += 1
+        self.print(f"WARNING online: {path} {how}", file=sys.stderr)
+        self._log("metrics.jsonl", {"kind": what, "shard": shard, "time": time.time()})
+
+    def _check_traffic(self, follow: bool) -> None:
+        """A missing online.traffic is an error in a one-pass run, and a warning (once) in a
+        follow run, which waits for the server to create it."""
+        d = Path(self.o.traffic)
+        if d.exists() and not d.is_dir():
+            raise NotADirectoryError(
+                f"online.traffic {d} is a file, not the server's --traffic directory"
+            )
+        if d.is_dir():
+            return
+        if not follow:
+            raise FileNotFoundError(
+                f"online.traffic {d}: no such directory (the server's --traffic directory); "
+                "check the path, or run with --follow to wait for the server to create it"
+            )
+        if "traffic" not in self._said:
+            self._said.add("traffic")
+            self.print(
+                f"WARNING online: online.traffic {d} does not exist yet; waiting for the "
+                "server to create it",
+                file=sys.stderr,
+            )
+
+    def _watch_metric(self, metric: dict) -> None:
+        metric["time"] = time.time()
+        self._log("metrics.jsonl", metric)
+        for line in metric["alerts"]:
+            self.print(f"ALERT online watch: {line}", file=sys.stderr)

@@ -1,0 +1,126 @@
+"""The online job's side of ROOT (`online.drafts`): load a published version, the incumbent
+the gate compares against, a `current` moved by someone else (a rollback), publishing a
+promotion, and finishing a publish that a kill interrupted. A version that does not load is
+reported (an ALERT, once, and a metric) and never stops the job."""
+
+import sys
+import time
+
+
+class ServedVersions:
+    """Mixed into OnlineJob (train/online.py): uses its root, recipe, target, tokenizer,
+    trainer, kind and logs."""
+
+    def _complete_pending(self) -> None:
+        """The committed state is the one after a promoted refresh whose version was being
+        published when the job died: finish that publish (or find it done) and commit, never
+        train those records again."""
+        from specdistill.publish import atomic_write_text
+        from specdistill.serve.drafts import read_current, read_manifest
+
+        version, manifest = self.pending["version"], self.pending["manifest"]
+        if (self.root / version / "manifest.json").is_file():
+            current = read_current(self.root)
+            if current != version and read_manifest(self.root / version).get("parent") == current:
+                atomic_write_text(self.root / "current", version + "\n")  # killed before this
+            self.known_current = read_current(self.root)
+            how = "found it published"
+        else:
+            student = self.trainer.accelerator.unwrap_model(self.trainer.draft)
+            self._publish(student, manifest, version=version)
+            how = "published it now"
+        self.pending = None
+        self.commit()
+        self.print(f"online: a publish of {version} was pending at the crash; {how}")
+
+    # ----------------------------------------------------------------------------- versions
+    def _load_version(self, version: str):
+        from specdistill.serve.drafts import load_checked, read_manifest
+
+        path = self.root / version
+        manifest = read_manifest(path)
+        model_dir = path / manifest["draft_dir"] if manifest.get("draft_dir") else path
+        return load_checked(
+            str(model_dir), self.target, self.tokenizer, dtype=self.recipe.draft.dtype
+        )
+
+    def _try_load_version(self, version: str):
+        """The model of `version`, or None (an ALERT, once per version, and a metric) when it
+        does not load: a broken version never stops the job."""
+        try:
+            return self._load_version(version)
+        except Exception as e:  # noqa: BLE001 - whatever the reason, the version is unusable
+            why = " ".join(str(e).split())[:600] or type(e).__name__
+            if version not in self._said:
+                self._said.add(version)
+                self.print(
+                    f"ALERT online: version {version} of {self.root} does not load ({why}); "
+                    "the running draft is kept and no candidate is promoted over it: roll "
+                    "back to a good version (specdistill online rollback)",
+                    file=sys.stderr,
+                )
+                self._log(
+                    "metrics.jsonl",
+                    {
+                        "kind": "version_unloadable",
+                        "version": version,
+                        "why": why,
+                        "time": time.time(),
+                    },
+                )
+            return None
+
+    def incumbent(self):
+        """(version, model) of what ROOT/current names now (model None: it does not load)."""
+        from specdistill.serve.drafts import read_current
+
+        current = read_current(self.root)
+        if current is not None and self._incumbent[0] != current:
+            model = self._try_load_version(current)
+            self._incumbent = (current, None if model is None else model.eval())
+        return self._incumbent
+
+    def _follow_external_change(self) -> None:
+        """A rollback (or another publisher) moved `current`: the running draft restarts
+        from the version now served."""
+        from specdistill.serve.drafts import read_current
+
+        current = read_current(self.root)
+        if current is not None and current != self.known_current:
+            model = self._try_load_version(current)
+            if model is not None:
+                student = self.trainer.accelerator.unwrap_model(self.trainer.draft)
+                student.load_state_dict(model.state_dict())
+                self._sync_vocab_map()
+            then = "the running draft restarts from it" if model is not None else "kept the draft"
+            self.print(f"online: current moved {self.known_current} -> {current}; {then}")
+            self._log(
+                "metrics.jsonl",
+                {
+                    "kind": "external_change",
+                    "from": self.known_current,
+                    "to": current,
+                    "time": time.time(),
+                },
+            )
+            self.known_current = current
+
+    def _publish(self, model, manifest: dict, version: str | None = None) -> str:
+        from specdistill.drafts.embedded import resolve_model
+        from specdistill.train.online_versions import publish_version
+
+        verifier = resolve_model(self.recipe.target.model)
+        manifest = {
+            "target": {"name": self.recipe.target.model, "identity": self.identity},
+            "draft_type": self.kind.name,
+            **manifest,
+        }
+        version = publish_version(
+            self.root,
+            lambda d: self.kind.save(model, d, self.tokenizer, verifier=verifier),
+            manifest,
+            keep=self.o.keep_versions,
+            version=version,
+        )
+        self.known_current = version
+        return version
