@@ -117,19 +117,26 @@ def test_random_mutations_of_a_record_never_escape_screen(tiny_pair, traffic_poo
 
     all_paths = list(paths(base))[1:]
 
+    def has(node, key) -> bool:  # an earlier mutation may have changed the node's type
+        if isinstance(node, dict):
+            return isinstance(key, str) and key in node
+        return isinstance(node, list) and isinstance(key, int) and key < len(node)
+
+    def put(rec, path, value) -> None:
+        node = rec
+        for key in path[:-1]:
+            if not has(node, key):
+                return
+            node = node[key]
+        if has(node, path[-1]):
+            node[path[-1]] = value
+
     @hypothesis.settings(max_examples=300, deadline=None, derandomize=True)
     @hypothesis.given(st.lists(st.tuples(st.sampled_from(all_paths), leaves), max_size=3))
     def check(mutations):
         rec = json.loads(json.dumps(base))
         for path, value in mutations:
-            node = rec
-            for key in path[:-1]:
-                node = node[key] if isinstance(node, dict | list) else None
-                if node is None or (isinstance(node, list) and not node):
-                    break
-            else:
-                if isinstance(node, dict) or (isinstance(node, list) and node):
-                    node[path[-1]] = value
+            put(rec, path, value)
         raw = (json.dumps(rec, allow_nan=True) + "\n").encode()
         record, reason, *_ = screen(raw, identity, max_tokens=64, vocab_size=vocab)
         if reason is None:  # what is accepted is in range
