@@ -295,7 +295,7 @@ class AppState:
         self.metrics = Metrics()
         self.in_flight = 0
         self.capacity = config.max_num_seqs + config.max_queue
-        # one thread tokenises, off the event loop (/health answers meanwhile)
+        # one thread parses and tokenises, off the event loop (/health answers meanwhile)
         self.parser = ThreadPoolExecutor(1, thread_name_prefix="specdistill-tokenize")
 
     def admit(self) -> None:
@@ -384,11 +384,11 @@ def build_app(state: AppState) -> FastAPI:
         """Read, validate and tokenise the request within the limits; submit it."""
         limits = state.config.limits
         body = await read_body(request, limits)
-        req = validate_body(body, chat, limits)
+        loop = asyncio.get_running_loop()  # parsing and tokenising: off the event loop
+        req = await loop.run_in_executor(state.parser, validate_body, body, chat, limits)
         del body
         if req.model is not None and req.model != state.config.model_name:
             raise APIError(404, f"The model `{req.model}` does not exist.", param="model")
-        loop = asyncio.get_running_loop()
         parsed = await loop.run_in_executor(state.parser, parse, req, state.tokenizer, limits)
         run = Run(state, parsed, getattr(request.state, "client", None))
         run.submit()

@@ -277,7 +277,7 @@ def _context(limits: Limits, n_prompt: int, n_out: int | None, chat: bool) -> st
     where = "messages" if chat else "prompt"
     head = f"This model's maximum context length is {limits.max_model_len} tokens. However, "
     if n_out is None:
-        return head + f"your {where} has {n_prompt} tokens. Please reduce the length of the {where}."
+        return head + f"your {where} has {n_prompt} tokens. Please reduce its length."
     return head + (
         f"you requested {n_prompt + n_out} tokens ({n_prompt} in the {where}, {n_out} in the "
         f"completion). Please reduce the length of the {where} or completion."

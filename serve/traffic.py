@@ -46,7 +46,7 @@ SCHEMA: dict[str, tuple] = {
     "latency_s": _NUM,
     "ttft_s": _NUM + (type(None),),
 }
-# fields a record may lack (records written before they existed stay valid)
+# fields a record may lack (a record without them is valid)
 OPTIONAL: dict[str, tuple] = {
     "client": (str, type(None)),  # `key-<sha256(key)[:12]>` of the API key used; null: no key
 }
