@@ -45,6 +45,7 @@ def run_load(args, draft: str, prompts: list[list[int]]) -> dict:
         traffic=traffic,
         dtype=args.dtype,
         device=args.device,
+        model_name="m",
     )
     url = server.start("127.0.0.1", 0)
     client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=300)

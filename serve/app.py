@@ -14,120 +14,33 @@ import json
 import logging
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from prometheus_client import (
-    CONTENT_TYPE_LATEST,
-    CollectorRegistry,
-    Counter,
-    Gauge,
-    Histogram,
-    disable_created_metrics,
-    generate_latest,
-)
+from prometheus_client import CONTENT_TYPE_LATEST
 
-from specdistill.eval.engine import Sampling
+from specdistill.serve import errors
+from specdistill.serve.auth import ApiKeys, AuthMiddleware
+from specdistill.serve.errors import APIError, error_response
+from specdistill.serve.metrics import Metrics
+from specdistill.serve.schema import Limits, Parsed, parse, read_body, validate_body
 from specdistill.serve.traffic import SCHEMA_VERSION, TrafficLog
 from specdistill.serve.worker import EngineWorker, Job
 
 log = logging.getLogger("specdistill.serve")
-MAX_TOP_LOGPROBS = 20
-PREFIX = "specdistill:"
-LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
-
-
-class BadRequest(ValueError):
-    pass
 
 
 @dataclass
 class ServerConfig:
-    model_name: str  # what /v1/models lists and responses name
+    model_name: str  # what /v1/models lists and responses name; the only `model` accepted
     target_name: str
     target_identity: str
-    default_max_tokens: int = 16
+    limits: Limits
     log_top_logprobs: int = 0  # top-k target logprobs per token in the traffic log
-
-
-class Metrics:
-    """Prometheus metrics with vLLM's meanings, in a registry of their own (one per app)."""
-
-    def __init__(self):
-        disable_created_metrics()  # no `_created` series next to each counter
-        r = self.registry = CollectorRegistry()
-        self.num_drafts = Counter(
-            PREFIX + "spec_decode_num_drafts",
-            "Speculative rounds (one draft each) per row.",
-            registry=r,
-        )
-        self.num_draft_tokens = Counter(
-            PREFIX + "spec_decode_num_draft_tokens", "Draft tokens proposed.", registry=r
-        )
-        self.num_accepted_tokens = Counter(
-            PREFIX + "spec_decode_num_accepted_tokens", "Draft tokens accepted.", registry=r
-        )
-        self.accepted_per_pos = Counter(
-            PREFIX + "spec_decode_num_accepted_tokens_per_pos",
-            "Draft tokens accepted at each draft position (0-based).",
-            ["position"],
-            registry=r,
-        )
-        self.generation_tokens = Counter(
-            PREFIX + "generation_tokens", "Generated tokens.", registry=r
-        )
-        self.prompt_tokens = Counter(PREFIX + "prompt_tokens", "Prompt tokens.", registry=r)
-        self.request_success = Counter(
-            PREFIX + "request_success", "Completed requests.", ["finished_reason"], registry=r
-        )
-        self.latency = Histogram(
-            PREFIX + "e2e_request_latency_seconds",
-            "Request latency (arrival to last token).",
-            buckets=LATENCY_BUCKETS,
-            registry=r,
-        )
-        self.ttft = Histogram(
-            PREFIX + "time_to_first_token_seconds",
-            "Time to first token.",
-            buckets=LATENCY_BUCKETS,
-            registry=r,
-        )
-        self.running = Gauge(PREFIX + "num_requests_running", "Requests in flight.", registry=r)
-        self.draft_version = Gauge(
-            PREFIX + "draft_version",
-            "Published draft version number (0: none or unversioned).",
-            registry=r,
-        )
-        self.draft_info = Gauge(
-            PREFIX + "draft_version_info",
-            "The draft version serving new requests (value 1).",
-            ["version"],
-            registry=r,
-        )
-
-    def finished(self, stats: dict, n_prompt: int, n_out: int, reason: str, latency, ttft):
-        self.num_drafts.inc(stats["num_spec_steps"])
-        self.num_draft_tokens.inc(stats["num_draft_tokens"])
-        self.num_accepted_tokens.inc(stats["num_accepted_draft_tokens"])
-        for pos, n in enumerate(stats["acceptance_histogram"]):
-            self.accepted_per_pos.labels(position=str(pos)).inc(n)
-        self.generation_tokens.inc(n_out)
-        self.prompt_tokens.inc(n_prompt)
-        self.request_success.labels(finished_reason=reason).inc()
-        self.latency.observe(latency)
-        if ttft is not None:
-            self.ttft.observe(ttft)
-
-    def expose(self, version: str | None) -> bytes:
-        self.draft_version.set(int(version[1:]) if version and _is_version(version) else 0)
-        self.draft_info.clear()
-        self.draft_info.labels(version=version or "none").set(1)
-        return generate_latest(self.registry)
-
-
-def _is_version(v: str) -> bool:
-    return len(v) == 7 and v[0] == "v" and v[1:].isdigit()
+    max_num_seqs: int = 8  # rows decoded together
+    max_queue: int = 64  # admitted requests beyond the rows (parsing or waiting for a row)
 
 
 # ----------------------------------------------------------------------------- text
@@ -183,125 +96,15 @@ class TextTracker:
         return delta
 
 
-# ----------------------------------------------------------------------------- requests
-
-
-@dataclass
-class Parsed:
-    chat: bool
-    prompt_ids: list[int]
-    prompt: object  # text or messages, for the traffic record
-    max_tokens: int
-    sampling: Sampling
-    stops: list[str]
-    logprobs: int | None  # top-k the client asked for (None: no logprobs)
-    stream: bool
-    include_usage: bool
-    category: str | None
-    seed: int | None
-
-
-def _number(body, key, default, kind=float, low=None, high=None):
-    value = body.get(key, default)
-    if value is None:
-        return default
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise BadRequest(f"{key} must be a number")
-    if kind is int and int(value) != value:
-        raise BadRequest(f"{key} must be an integer")
-    value = kind(value)
-    if (low is not None and value < low) or (high is not None and value > high):
-        raise BadRequest(f"{key} must be in [{low}, {high}], got {value}")
-    return value
-
-
-def parse(body: dict, tokenizer, config: ServerConfig, chat: bool) -> Parsed:
-    if not isinstance(body, dict):
-        raise BadRequest("the request body must be a JSON object")
-    if _number(body, "n", 1, int) != 1:
-        raise BadRequest("only n=1 is supported")
-    if body.get("best_of") not in (None, 1):
-        raise BadRequest("best_of is not supported")
-    if chat:
-        messages = body.get("messages")
-        if not isinstance(messages, list) or not messages:
-            raise BadRequest("messages must be a non-empty list")
-        for m in messages:
-            if not isinstance(m, dict) or "role" not in m or not isinstance(m.get("content"), str):
-                raise BadRequest("each message needs a role and a string content")
-        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-        prompt_ids = tokenizer(text, add_special_tokens=False)["input_ids"]
-        prompt = [{"role": m["role"], "content": m["content"]} for m in messages]
-    else:
-        prompt = body.get("prompt")
-        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
-            prompt = prompt[0]
-        if isinstance(prompt, str):
-            prompt_ids = tokenizer(prompt)["input_ids"]
-        elif (
-            isinstance(prompt, list)
-            and prompt
-            and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt)
-        ):
-            prompt_ids = list(prompt)
-            if max(prompt_ids) >= len(tokenizer) or min(prompt_ids) < 0:
-                raise BadRequest("prompt token ids out of the vocabulary")
-            prompt = tokenizer.decode(prompt_ids)
-        else:
-            raise BadRequest("prompt must be a string, or a list of token ids (one prompt)")
-    if not prompt_ids:
-        raise BadRequest("the prompt encodes to no tokens")
-    default_max = config.default_max_tokens
-    key = "max_completion_tokens" if chat and body.get("max_completion_tokens") else "max_tokens"
-    max_tokens = _number(body, key, default_max, int, low=1)
-    temperature = _number(body, "temperature", 1.0, float, low=0.0, high=100.0)
-    top_p = _number(body, "top_p", 1.0, float, low=0.0, high=1.0)
-    if top_p <= 0:
-        raise BadRequest("top_p must be > 0")
-    seed = body.get("seed")
-    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
-        raise BadRequest("seed must be an integer")
-    stops = body.get("stop") or []
-    if isinstance(stops, str):
-        stops = [stops]
-    if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):
-        raise BadRequest("stop must be a string or a list of strings")
-    if chat:
-        want = body.get("logprobs")
-        top = _number(body, "top_logprobs", 0, int, low=0, high=MAX_TOP_LOGPROBS)
-        if top and not want:
-            raise BadRequest("top_logprobs needs logprobs=true")
-        logprobs = top if want else None
-    else:
-        lp = body.get("logprobs")
-        logprobs = None if lp is None else _number(body, "logprobs", 0, int, 0, MAX_TOP_LOGPROBS)
-    options = body.get("stream_options") or {}
-    metadata = body.get("metadata") or {}
-    category = metadata.get("category") if isinstance(metadata, dict) else None
-    category = category if category is not None else body.get("category")
-    return Parsed(
-        chat=chat,
-        prompt_ids=prompt_ids,
-        prompt=prompt,
-        max_tokens=max_tokens,
-        sampling=Sampling(temperature, None if top_p >= 1.0 else top_p, None, seed),
-        stops=stops,
-        logprobs=logprobs,
-        stream=bool(body.get("stream")),
-        include_usage=bool(isinstance(options, dict) and options.get("include_usage")),
-        category=None if category is None else str(category),
-        seed=seed,
-    )
-
-
 # ----------------------------------------------------------------------------- one request
 
 
 class Run:
     """One request in flight: its job, its queue of worker events, its text and timings."""
 
-    def __init__(self, app_state, parsed: Parsed):
-        self.s, self.p = app_state, parsed
+    def __init__(self, app_state, parsed: Parsed, client: str | None):
+        """Takes over one admitted slot of `app_state` (released when the run ends)."""
+        self.s, self.p, self.client = app_state, parsed, client
         self.id = ("chatcmpl-" if parsed.chat else "cmpl-") + uuid.uuid4().hex
         self.created = int(time.time())
         self.start = time.perf_counter()
@@ -329,18 +132,23 @@ class Run:
         self.s.worker.submit(self.job)
         self.s.metrics.running.inc()
 
-    def cancel(self):
+    def _end(self):
         if not self.finished:
             self.finished = True
-            self.s.worker.cancel(self.job)
             self.s.metrics.running.dec()
+            self.s.release()
+
+    def cancel(self):
+        """Free the row (a gone client, a drain); a no-op once the run has ended."""
+        if not self.finished:
+            self.s.worker.cancel(self.job)
+            self._end()
 
     async def next_delta(self) -> tuple[str, list]:
         """Wait for the worker's next event: (new text, new logprob entries)."""
         event = await self.queue.get()
         if "error" in event:
-            self.finished = True
-            self.s.metrics.running.dec()
+            self._end()
             raise RuntimeError(event["error"])
         if event["tokens"] and self.ttft is None:
             self.ttft = time.perf_counter() - self.start
@@ -358,8 +166,7 @@ class Run:
                 self.finish_reason = event["finish_reason"]
             if not event["finished"]:  # a stop string: free the row now
                 self.s.worker.cancel(self.job)
-            self.finished = True
-            self.s.metrics.running.dec()
+            self._end()
         return delta, new_lp
 
     @property
@@ -459,6 +266,7 @@ class Run:
             "top_logprobs": top,
             "latency_s": latency,
             "ttft_s": self.ttft,
+            "client": self.client,
         }
         try:
             await asyncio.to_thread(s.traffic.append, record)
@@ -467,18 +275,41 @@ class Run:
 
 
 class AppState:
+    """What the routes share: models, worker, config, traffic log, metrics, admissions.
+
+    `in_flight` counts admitted requests (being parsed, waiting for a row, or decoding);
+    at `max_num_seqs + max_queue` a new one is answered 503 with Retry-After. It is read and
+    written on the event loop only.
+    """
+
     def __init__(
-        self, tokenizer, worker: EngineWorker, config: ServerConfig, traffic: TrafficLog | None
+        self,
+        tokenizer,
+        worker: EngineWorker,
+        config: ServerConfig,
+        traffic: TrafficLog | None,
+        keys: ApiKeys | None = None,
     ):
         self.tokenizer, self.worker, self.config, self.traffic = tokenizer, worker, config, traffic
+        self.keys = keys or ApiKeys([])
         self.metrics = Metrics()
+        self.in_flight = 0
+        self.capacity = config.max_num_seqs + config.max_queue
+        # one thread parses and tokenises, off the event loop (/health answers meanwhile)
+        self.parser = ThreadPoolExecutor(1, thread_name_prefix="specdistill-tokenize")
 
+    def admit(self) -> None:
+        if self.in_flight >= self.capacity:
+            raise APIError(
+                503,
+                f"the server is at capacity ({self.config.max_num_seqs} running, "
+                f"{self.config.max_queue} queued); retry later",
+                headers={"Retry-After": "1"},
+            )
+        self.in_flight += 1
 
-def _error(status: int, message: str) -> JSONResponse:
-    kind = "invalid_request_error" if status == 400 else "server_error"
-    return JSONResponse(
-        {"error": {"message": message, "type": kind, "param": None, "code": status}}, status
-    )
+    def release(self) -> None:
+        self.in_flight -= 1
 
 
 def _sse(obj) -> bytes:
@@ -488,6 +319,8 @@ def _sse(obj) -> bytes:
 def build_app(state: AppState) -> FastAPI:
     app = FastAPI(title="specdistill serve")
     app.state.serve = state
+    errors.install(app)
+    app.add_middleware(AuthMiddleware, keys=state.keys)
 
     @app.get("/health")
     async def health():
@@ -521,31 +354,45 @@ def build_app(state: AppState) -> FastAPI:
         return await handle(request, chat=True)
 
     async def handle(request: Request, chat: bool):
+        state.admit()
+        run = None
         try:
-            body = await request.json()
-        except ValueError:
-            return _error(400, "the request body is not valid JSON")
-        try:
-            parsed = parse(body, state.tokenizer, state.config, chat)
-        except BadRequest as e:
-            return _error(400, str(e))
-        run = Run(state, parsed)
-        run.submit()
-        if parsed.stream:
+            run = await start(request, chat)
+        finally:
+            if run is None:  # refused: the slot goes back
+                state.release()
+        if run.p.stream:
             return StreamingResponse(stream(run), media_type="text/event-stream")
         task = asyncio.ensure_future(collect(run))
-        while True:
-            done, _ = await asyncio.wait({task}, timeout=0.5)
-            if done:
-                break
-            if await request.is_disconnected():  # the client is gone: free its row
-                task.cancel()
-                run.cancel()
-                return Response(status_code=499)
         try:
-            return JSONResponse(task.result())
-        except RuntimeError as e:
-            return _error(500, str(e))
+            while True:
+                done, _ = await asyncio.wait({task}, timeout=0.5)
+                if done:
+                    break
+                if await request.is_disconnected():  # the client is gone: free its row
+                    return Response(status_code=499)
+            try:
+                return JSONResponse(task.result())
+            except RuntimeError as e:
+                return error_response(500, str(e))
+        finally:  # gone, failed, or cancelled by a drain: the row is freed
+            if not task.done():
+                task.cancel()
+            run.cancel()
+
+    async def start(request: Request, chat: bool) -> Run:
+        """Read, validate and tokenise the request within the limits; submit it."""
+        limits = state.config.limits
+        body = await read_body(request, limits)
+        loop = asyncio.get_running_loop()  # parsing and tokenising: off the event loop
+        req = await loop.run_in_executor(state.parser, validate_body, body, chat, limits)
+        del body
+        if req.model is not None and req.model != state.config.model_name:
+            raise APIError(404, f"The model `{req.model}` does not exist.", param="model")
+        parsed = await loop.run_in_executor(state.parser, parse, req, state.tokenizer, limits)
+        run = Run(state, parsed, getattr(request.state, "client", None))
+        run.submit()
+        return run
 
     async def stream(run: Run):
         p = run.p

@@ -16,10 +16,41 @@ a newly published version is loaded beside the old one, checked against the targ
 serves new requests from the next round on; one that fails is logged and skipped
 (serve/drafts.py). --traffic DIR appends one JSON line per completed request
 (docs/traffic.md, serve/traffic.py).
+
+Limits (vLLM's names where vLLM has the flag; `Server(...)` takes the same as keywords):
+
+    --max-model-len N     prompt + completion tokens per request (default: the target's
+                          max_position_embeddings). More is a 400 naming both numbers; a
+                          request without max_tokens gets min(--max-tokens, the room left).
+    --max-num-seqs N      rows decoded together (default 8; --max-batch is the same flag)
+    --max-queue N         requests admitted beyond the running rows (default 64); past that a
+                          request is answered 503 with Retry-After at once, never stalled
+    --max-body-bytes N    request body cap, 413 past it, Content-Length or not (default 1 MiB)
+    --max-prompt-chars N  prompt characters, checked before tokenising (default 16 x
+                          --max-model-len, at least 4096)
+    --max-messages N      messages per chat request (default 1024)
+    --drain-s S           SIGTERM/SIGINT: stop accepting, let running requests finish for at
+                          most S seconds (default 30), cancel the rest, exit 0
+
+Fixed per request (serve/schema.py): JSON nesting depth <= 32 (counted before parsing), at
+most 16 stop strings of at most 256 characters, top logprobs <= 20.
+
+Authentication: --api-key KEY[,KEY...] (or $SPECDISTILL_API_KEY) is required as
+`Authorization: Bearer KEY` on /v1/* (401 otherwise); /health and /metrics stay open. Serving
+on a host beyond loopback without a key is refused at start-up unless --insecure. Traffic
+records name the key a request used (`client`: `key-` + sha256(key)[:12]).
+
+Errors are OpenAI-shaped for every status: {"error": {"message", "type", "param", "code"}}.
+Unknown fields and OpenAI fields this server does not implement (echo, suffix, logit_bias,
+non-zero penalties, response_format other than text, tools, functions) are a 400 naming the
+field; a `model` other than the served name is a 404.
 """
 
 import argparse
+import contextlib
 import logging
+import os
+import signal
 import socket
 import threading
 import time
@@ -42,7 +73,8 @@ class Server:
         *,
         drafts_root: str | None = None,
         gamma: int = 4,
-        max_batch: int = 8,
+        max_num_seqs: int | None = None,
+        max_batch: int | None = None,
         traffic: str | None = None,
         log_top_logprobs: int = 0,
         poll_s: float = 2.0,
@@ -52,11 +84,21 @@ class Server:
         default_max_tokens: int = 16,
         shard_bytes: int | None = None,
         target_adapter: str | None = None,
+        max_model_len: int | None = None,
+        max_queue: int = 64,
+        max_body_bytes: int = 1 << 20,
+        max_prompt_chars: int | None = None,
+        max_messages: int = 1024,
+        api_key: str | Sequence[str] | None = None,
+        insecure: bool = False,
+        drain_s: float = 30.0,
     ):
         import torch
 
         from specdistill.drafts.hub import load_target, load_tokenizer
         from specdistill.serve.app import AppState, ServerConfig, build_app
+        from specdistill.serve.auth import ApiKeys, parse_keys
+        from specdistill.serve.schema import Limits
         from specdistill.serve.drafts import DraftWatcher, load_checked
         from specdistill.serve.traffic import DEFAULT_SHARD_BYTES, TrafficLog, model_identity
         from specdistill.serve.worker import EngineWorker
@@ -65,8 +107,22 @@ class Server:
             raise ValueError("give --draft or --drafts, not both")
         if gamma < 1:
             raise ValueError(f"--gamma must be >= 1, got {gamma}")
-        if max_batch < 1:
-            raise ValueError(f"--max-batch must be >= 1, got {max_batch}")
+        if max_num_seqs is not None and max_batch is not None and max_num_seqs != max_batch:
+            raise ValueError("give --max-num-seqs or its alias --max-batch, not both")
+        max_num_seqs = max_num_seqs or max_batch or 8
+        for flag, value, low in (
+            ("--max-num-seqs", max_num_seqs, 1),
+            ("--max-queue", max_queue, 0),
+            ("--max-body-bytes", max_body_bytes, 1024),
+            ("--max-messages", max_messages, 1),
+            ("--max-tokens", default_max_tokens, 1),
+        ):
+            if value < low:
+                raise ValueError(f"{flag} must be >= {low}, got {value}")
+        if not drain_s >= 0:
+            raise ValueError(f"--drain-s must be >= 0, got {drain_s}")
+        self.keys = ApiKeys(parse_keys(api_key))
+        self.insecure, self.drain_s = insecure, drain_s
         if not 0 <= log_top_logprobs <= 20:
             raise ValueError(f"--log-top-logprobs must be in [0, 20], got {log_top_logprobs}")
         device = device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -76,6 +132,31 @@ class Server:
         # or of the bare base.
         self.target = load_target(target, target_adapter, dtype=dtype).to(device).eval()
         identity = model_identity(target, self.target, target_adapter)
+        context = getattr(self.target.config, "max_position_embeddings", None)
+        if max_model_len is None:
+            if not context:
+                raise ValueError(
+                    f"{target}: its config names no max_position_embeddings; give --max-model-len"
+                )
+            max_model_len = context
+        elif max_model_len < 2:
+            raise ValueError(f"--max-model-len must be >= 2, got {max_model_len}")
+        elif context and max_model_len > context:
+            log.warning(
+                "--max-model-len %d is beyond the target's context (%d positions): outputs "
+                "past it depend on how the model extrapolates",
+                max_model_len,
+                context,
+            )
+        if max_prompt_chars is None:
+            max_prompt_chars = max(16 * max_model_len, 4096)
+        self.limits = Limits(
+            max_model_len=max_model_len,
+            default_max_tokens=default_max_tokens,
+            max_body_bytes=max_body_bytes,
+            max_prompt_chars=max_prompt_chars,
+            max_messages=max_messages,
+        )
         self.watcher = None
         version = None
         draft_model = None
@@ -103,7 +184,7 @@ class Server:
             draft_model,
             version,
             gamma=gamma,
-            capacity=max_batch,
+            capacity=max_num_seqs,
             eos_token_id=self.tokenizer.eos_token_id,
             vocab_size=len(self.tokenizer),
         )
@@ -112,10 +193,12 @@ class Server:
             model_name=model_name or target,
             target_name=target if not target_adapter else f"{target}+{target_adapter}",
             target_identity=identity,
-            default_max_tokens=default_max_tokens,
+            limits=self.limits,
             log_top_logprobs=log_top_logprobs if traffic else 0,
+            max_num_seqs=max_num_seqs,
+            max_queue=max_queue,
         )
-        self.state = AppState(self.tokenizer, self.worker, config, self.traffic)
+        self.state = AppState(self.tokenizer, self.worker, config, self.traffic, self.keys)
         self.app = build_app(self.state)
         self._uvicorn = None
         self._thread = None
@@ -128,17 +211,30 @@ class Server:
         if self.watcher is not None:
             self.watcher.start()
 
-    def start(self, host: str = "127.0.0.1", port: int = 0) -> str:
-        """Serve on a background thread; the base URL (port 0: a free port)."""
+    def _uvicorn_config(self, host: str, log_level: str, **kwargs):
         import uvicorn
 
+        from specdistill.serve.auth import check_bind
+
+        check_bind(host, self.keys, self.insecure)
+        return uvicorn.Config(
+            self.app,
+            host=host,
+            log_level=log_level,
+            lifespan="off",
+            timeout_graceful_shutdown=self.drain_s,
+            **kwargs,
+        )
+
+    def start(self, host: str = "127.0.0.1", port: int = 0) -> str:
+        """Serve on a background thread; the base URL (port 0: a free port)."""
+        config = self._uvicorn_config(host, "warning")
         sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind((host, port))
         port = sock.getsockname()[1]
         self._begin()
-        config = uvicorn.Config(self.app, log_level="warning", lifespan="off")
-        self._uvicorn = uvicorn.Server(config)
+        self._uvicorn = _Uvicorn(config)
         self._thread = threading.Thread(
             target=self._uvicorn.run,
             kwargs={"sockets": [sock]},
@@ -154,26 +250,54 @@ class Server:
         return f"http://{host}:{port}"
 
     def serve(self, host: str = "127.0.0.1", port: int = 8000) -> None:
-        """Serve in the foreground until interrupted."""
-        import uvicorn
-
+        """Serve in the foreground until SIGTERM or SIGINT, then drain: stop accepting, let
+        running requests finish for at most `drain_s` seconds, cancel the rest, return."""
+        config = self._uvicorn_config(host, "info", port=port)
         self._begin()
         try:
-            uvicorn.run(self.app, host=host, port=port, log_level="info", lifespan="off")
+            _Uvicorn(config).run()
         finally:
             self.stop()
 
     def stop(self) -> None:
         if self._uvicorn is not None:
             self._uvicorn.should_exit = True
-            self._thread.join(timeout=10)
+            self._thread.join(timeout=10 + self.drain_s)
         if self.watcher is not None:
             self.watcher.stop()
         self.worker.stop()
         if self.worker.is_alive():
             self.worker.join(timeout=10)
+        self.state.parser.shutdown(wait=False, cancel_futures=True)
         if self.traffic is not None:
             self.traffic.close()
+
+
+def _uvicorn_server_class():
+    import uvicorn
+
+    class Uvicorn(uvicorn.Server):
+        """uvicorn's server, except that a SIGTERM/SIGINT it drained for is not raised again
+        afterwards: `serve` returns and the process exits 0."""
+
+        @contextlib.contextmanager
+        def capture_signals(self):
+            if threading.current_thread() is not threading.main_thread():
+                yield
+                return
+            handled = (signal.SIGINT, signal.SIGTERM)
+            original = {sig: signal.signal(sig, self.handle_exit) for sig in handled}
+            try:
+                yield
+            finally:
+                for sig, handler in original.items():
+                    signal.signal(sig, handler)
+
+    return Uvicorn
+
+
+def _Uvicorn(config):  # noqa: N802 - built lazily: uvicorn is imported on first use
+    return _uvicorn_server_class()(config)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -205,7 +329,55 @@ def main(argv: Sequence[str] | None = None) -> int:
         default=0,
         help="log the target's top-K logprobs per token (K <= 20)",
     )
-    parser.add_argument("--max-batch", type=int, default=8, help="rows decoded together")
+    parser.add_argument(
+        "--max-num-seqs",
+        "--max-batch",
+        dest="max_num_seqs",
+        type=int,
+        default=8,
+        help="rows decoded together (--max-batch: the same)",
+    )
+    parser.add_argument(
+        "--max-queue",
+        type=int,
+        default=64,
+        help="requests admitted beyond the running rows; past them 503 with Retry-After",
+    )
+    parser.add_argument(
+        "--max-model-len",
+        type=int,
+        default=None,
+        help="prompt + completion tokens per request (default: the target's "
+        "max_position_embeddings); more is a 400",
+    )
+    parser.add_argument(
+        "--max-body-bytes", type=int, default=1 << 20, help="request body cap (413 past it)"
+    )
+    parser.add_argument(
+        "--max-prompt-chars",
+        type=int,
+        default=None,
+        help="prompt characters, checked before tokenising (default: 16 x --max-model-len, "
+        "at least 4096)",
+    )
+    parser.add_argument("--max-messages", type=int, default=1024, help="messages per chat request")
+    parser.add_argument(
+        "--api-key",
+        default=None,
+        help="required as 'Authorization: Bearer KEY' on /v1/*; several comma-separated "
+        "(default: $SPECDISTILL_API_KEY)",
+    )
+    parser.add_argument(
+        "--insecure",
+        action="store_true",
+        help="allow serving beyond loopback (--host) without an API key",
+    )
+    parser.add_argument(
+        "--drain-s",
+        type=float,
+        default=30.0,
+        help="on SIGTERM/SIGINT: seconds running requests may take to finish",
+    )
     parser.add_argument("--poll-s", type=float, default=2.0, help="--drafts: seconds between polls")
     parser.add_argument("--max-tokens", type=int, default=16, help="default max_tokens")
     parser.add_argument("--served-model-name", default=None)
@@ -214,6 +386,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op CPU threads")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    from specdistill.serve.auth import ApiKeys, check_bind, parse_keys
+
+    api_key = args.api_key or os.environ.get("SPECDISTILL_API_KEY")
+    check_bind(args.host, ApiKeys(parse_keys(api_key)), args.insecure)  # before loading models
     if args.threads:
         import torch
 
@@ -223,7 +399,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.draft,
         drafts_root=args.drafts,
         gamma=args.gamma,
-        max_batch=args.max_batch,
+        max_num_seqs=args.max_num_seqs,
         traffic=args.traffic,
         log_top_logprobs=args.log_top_logprobs,
         poll_s=args.poll_s,
@@ -233,6 +409,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         default_max_tokens=args.max_tokens,
         shard_bytes=int(args.traffic_shard_mb * 1024 * 1024),
         target_adapter=args.target_adapter,
+        max_model_len=args.max_model_len,
+        max_queue=args.max_queue,
+        max_body_bytes=args.max_body_bytes,
+        max_prompt_chars=args.max_prompt_chars,
+        max_messages=args.max_messages,
+        api_key=api_key,
+        insecure=args.insecure,
+        drain_s=args.drain_s,
     )
     server.serve(args.host, args.port)
     return 0

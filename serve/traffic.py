@@ -46,6 +46,10 @@ SCHEMA: dict[str, tuple] = {
     "latency_s": _NUM,
     "ttft_s": _NUM + (type(None),),
 }
+# fields a record may lack (a record without them is valid)
+OPTIONAL: dict[str, tuple] = {
+    "client": (str, type(None)),  # `key-<sha256(key)[:12]>` of the API key used; null: no key
+}
 SAMPLING_KEYS = ("temperature", "top_p", "max_tokens", "seed", "stop")
 SPECULATIVE_KEYS = (
     "mean_acceptance_length",
@@ -68,6 +72,10 @@ def validate(record: dict) -> dict:
         if key not in record:
             raise TrafficError(f"field {key!r} missing")
         value = record[key]
+        if isinstance(value, bool) or not isinstance(value, types):
+            raise TrafficError(f"field {key!r} has type {type(value).__name__}")
+    for key, types in OPTIONAL.items():
+        value = record.get(key)
         if isinstance(value, bool) or not isinstance(value, types):
             raise TrafficError(f"field {key!r} has type {type(value).__name__}")
     for key in ("name", "identity"):

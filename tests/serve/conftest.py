@@ -57,6 +57,7 @@ def server(tiny_pair, tmp_path_factory):
         traffic=str(traffic),
         log_top_logprobs=3,
         model_name="tiny",
+        max_model_len=4096,  # beyond the tiny target's 128 positions: long streams in tests
     )
     url = srv.start()
     yield url, srv

@@ -243,6 +243,7 @@ def test_disconnect_frees_the_row(server):
                 "stream": True,
             },
         ) as response:
+            assert response.status_code == 200
             next(response.iter_lines())
     deadline = time.monotonic() + 10
     while srv.worker.current.busy and time.monotonic() < deadline:
@@ -305,6 +306,7 @@ def test_hot_swap_under_load(tiny_pair, published, tmp_path):
         max_batch=4,
         traffic=str(tmp_path / "traffic"),
         poll_s=0.1,
+        model_name="m",
     )
     url = srv.start()
     client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=60)
