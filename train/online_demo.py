@@ -132,7 +132,7 @@ def run_load(url: str, pools: dict, phase_seconds, args, events: list) -> dict:
             prompt = pool[n % len(pool)]
             try:
                 out = client.completions.create(
-                    model="m",
+                    model=args.target,  # the Server serves it under its name
                     prompt=prompt,
                     max_tokens=args.max_tokens,
                     temperature=1.0,
