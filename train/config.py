@@ -198,7 +198,8 @@ class OnlineConfig:
     min_holdout: int = 8  # fewer held-out sequences: no promotion
     max_record_tokens: int | None = None  # prompt + completion; null = data.max_length
     max_line_bytes: int = 4 * 1024 * 1024
-    dedup_size: int = 100_000  # prompt hashes remembered for deduplication
+    dedup_size: int = 100_000  # (prompt, completion) keys remembered: exact repeats dropped
+    max_per_prompt: int = 4  # records of one prompt held at once (holdout, recent, reservoir)
     bootstrap_samples: int = 1000
     confidence: float = 0.95  # two-sided level of the paired bootstrap interval of Δα
     min_gain: float = 0.0  # promote only if the interval's lower bound is above this
@@ -500,6 +501,7 @@ def _online_checks(o: OnlineConfig) -> list[tuple[bool, str]]:
         (o.refresh_records >= 1, f"online.refresh_records must be >= 1, got {o.refresh_records}"),
         (o.refresh_steps >= 1, f"online.refresh_steps must be >= 1, got {o.refresh_steps}"),
         (o.min_refresh_records >= 1, "online.min_refresh_records must be >= 1"),
+        (o.max_per_prompt >= 1, f"online.max_per_prompt must be >= 1, got {o.max_per_prompt}"),
         (
             o.recent_size >= 1 and o.reservoir_size >= 0,
             "online.recent_size must be >= 1 and online.reservoir_size >= 0",

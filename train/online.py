@@ -9,8 +9,9 @@ The job reads `online.traffic` (the shards `specdistill serve --traffic` writes)
 committed cursor, screens each record (schema, the target identity as serve/traffic.py
 computes it, size, the range of every field that reaches the loss, the gate or the watch;
 the refused ones are counted by reason and written to OUT/rejects.jsonl; records of clients
-outside `online.clients` are counted and skipped), deduplicates prompts and files the rest
-into the store (train/online_traffic.py): the newest `online.holdout_size` records are held
+outside `online.clients` are counted and skipped), drops exact repeats and a prompt's
+records beyond `online.max_per_prompt`, and files the rest into the store
+(train/online_traffic.py): the newest `online.holdout_size` records are held
 out for the gate, older ones are trainable. Every `online.refresh_records` new trainable
 records (or `online.refresh_seconds`), a refresh runs `online.refresh_steps` optimiser steps
 of the Trainer's own `train_step` on every new record once plus replay (recent store,
@@ -151,7 +152,12 @@ class OnlineJob(TrafficInput, ServedVersions):
         )
         self.cursor = Cursor()
         self.store = Store(
-            o.recent_size, o.reservoir_size, o.holdout_size, o.dedup_size, rng_state=r.train.seed
+            o.recent_size,
+            o.reservoir_size,
+            o.holdout_size,
+            o.dedup_size,
+            o.max_per_prompt,
+            rng_state=r.train.seed,
         )
         self.store.anchor = anchor
         self.watch = Watch(o.watch_window, o.watch_trailing, o.watch_drop)
@@ -561,7 +567,8 @@ class OnlineJob(TrafficInput, ServedVersions):
             "records_trained": len(self.trained_ids),
             "records_rejected": sum(rejected.values()),
             "rejected_by_reason": rejected,
-            "duplicates": self.counts["duplicate_prompt"],
+            "duplicates": self.counts["duplicate"],
+            "over_prompt_cap": self.counts["prompt_cap"],
             "refreshes": self.refreshes,
             "promotions": self.counts["promotions"],
             "rejections": self.counts["rejections"],

@@ -40,7 +40,7 @@ class TrafficInput:
         from specdistill.train.online_traffic import (
             SKIP_REASONS,
             compact,
-            prompt_hash,
+            record_key,
             read_new,
             screen,
         )
@@ -74,11 +74,13 @@ class TrafficInput:
                     metric = self.watch.add(record)
                     if metric is not None:
                         self._watch_metric(metric)
-                    if self.store.add(compact(record, self.o.sparse_targets), prompt_hash(record)):
+                    item = compact(record, self.o.sparse_targets)
+                    refused = self.store.add(item, record_key(record))
+                    if refused is None:
                         self.counts["records_accepted"] += 1
                         added += 1
-                    else:
-                        self.counts["duplicate_prompt"] += 1
+                    else:  # "duplicate" (an exact repeat) or "prompt_cap"
+                        self.counts[refused] += 1
             FAULT("read:line")
             if len(self.store.new) >= self.o.refresh_records:
                 break  # refresh first: every refresh_records records, however many wait
@@ -92,7 +94,7 @@ class TrafficInput:
         if what == "shard_rewritten":
             how = (
                 "was rewritten or truncated under the cursor; reading it again from its "
-                "start (records already taken are refused as duplicate prompts)"
+                "start (records already taken are refused as exact repeats)"
             )
         else:
             how = "has gone before it was read to its end; reading on from the next shard"

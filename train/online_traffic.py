@@ -261,6 +261,12 @@ def prompt_hash(record: dict) -> str:
     return hashlib.sha256(json.dumps(record["prompt_token_ids"]).encode()).hexdigest()[:32]
 
 
+def record_key(record: dict) -> str:
+    """What makes two records the same: their prompt and completion token ids."""
+    ids = [record["prompt_token_ids"], record["completion_token_ids"]]
+    return hashlib.sha256(json.dumps(ids).encode()).hexdigest()[:32]
+
+
 def compact(record: dict, top_logprobs: bool = False) -> dict:
     """What the store keeps of a record: enough to train and evaluate on it (and its
     top_logprobs when `top_logprobs`: online.sparse_targets)."""
@@ -292,34 +298,53 @@ class Store:
     """Recent records (bounded), a reservoir sample of older ones, the anchor set, and the
     held-out newest slice. A record enters `holdout` first; the one it pushes out (older)
     becomes trainable: `new` (not yet trained) and `recent`; the one `recent` pushes out goes
-    to the reservoir (Algorithm R). Duplicate prompts (by hash) are refused at the door."""
+    to the reservoir (Algorithm R).
+
+    Two rules at the door: an exact repeat (the same prompt and completion, by `record_key`,
+    among the last `dedup_size` records) is dropped, and a prompt already held
+    `max_per_prompt` times (holdout, recent and reservoir together) is dropped, so repeats
+    of a popular prompt with other completions (sampled requests) are trained, up to a share
+    that keeps one hot prompt from dominating the replay."""
 
     recent_size: int
     reservoir_size: int
     holdout_size: int
     dedup_size: int
+    max_per_prompt: int = 4
     holdout: deque = field(default_factory=deque)
     recent: deque = field(default_factory=deque)
     new: list = field(default_factory=list)  # trainable records not yet trained
     reservoir: list = field(default_factory=list)
     reservoir_seen: int = 0  # records offered to the reservoir
     anchor: list = field(default_factory=list)
-    seen: deque = field(default_factory=deque)  # prompt hashes, oldest first
+    seen: deque = field(default_factory=deque)  # record keys, oldest first
     seen_set: set = field(default_factory=set)
+    held: Counter = field(default_factory=Counter)  # prompt hash -> records of it held
     rng_state: int = 0  # the reservoir's RNG seed for the next draw
 
-    def add(self, item: dict, phash: str) -> bool:
-        """False (and nothing stored) for a duplicate prompt."""
-        if phash in self.seen_set:
-            return False
-        self.seen.append(phash)
-        self.seen_set.add(phash)
+    def add(self, item: dict, key: str) -> str | None:
+        """None when `item` is stored; else why not: "duplicate" (an exact repeat) or
+        "prompt_cap" (its prompt is held `max_per_prompt` times already)."""
+        if key in self.seen_set:
+            return "duplicate"
+        phash = prompt_hash(item)
+        if self.held[phash] >= self.max_per_prompt:
+            return "prompt_cap"
+        self.seen.append(key)
+        self.seen_set.add(key)
         while len(self.seen) > self.dedup_size:
             self.seen_set.discard(self.seen.popleft())
+        self.held[phash] += 1
         self.holdout.append(item)
         while len(self.holdout) > self.holdout_size:
             self._to_recent(self.holdout.popleft())
-        return True
+        return None
+
+    def _release(self, item: dict) -> None:
+        phash = prompt_hash(item)
+        self.held[phash] -= 1
+        if self.held[phash] <= 0:
+            del self.held[phash]
 
     def _to_recent(self, item: dict) -> None:
         self.recent.append(item)
@@ -330,6 +355,7 @@ class Store:
 
     def _offer_reservoir(self, item: dict) -> None:
         if self.reservoir_size == 0:
+            self._release(item)
             return
         self.reservoir_seen += 1
         rng = random.Random(self.rng_state * 1_000_003 + self.reservoir_seen)
@@ -338,7 +364,10 @@ class Store:
         else:
             j = rng.randrange(self.reservoir_seen)
             if j < self.reservoir_size:
+                self._release(self.reservoir[j])
                 self.reservoir[j] = item
+            else:
+                self._release(item)
 
     def new_items(self) -> list[dict]:
         """The trainable records not trained yet (all in `recent`, or pushed beyond it)."""
@@ -384,6 +413,9 @@ class Store:
         self.reservoir_seen = state["reservoir_seen"]
         self.seen = deque(state["seen"])
         self.seen_set = set(self.seen)
+        self.held = Counter(
+            prompt_hash(it) for it in (*self.holdout, *self.recent, *self.reservoir)
+        )
         self.rng_state = state["rng_state"]
 
 
