@@ -209,7 +209,7 @@ class OnlineJob(TrafficInput, ServedVersions):
         from specdistill.train import online_dirs, online_versions
         from specdistill.train.online_traffic import Cursor
 
-        online_versions.clean(self.root)
+        remove_leftovers(self.root)
         state_dir = self.out / STATE
         olds = sorted(self.out.glob(f".old-{STATE}-*"))
         if not state_dir.exists() and olds:  # a kill between publish_dir's two renames
@@ -432,14 +432,15 @@ class OnlineJob(TrafficInput, ServedVersions):
         FAULT("refresh:gated")
         manifest = None
         if verdict["promote"]:
-            from specdistill.train.online_versions import clean, next_version
+            from specdistill.publish import remove_leftovers
+            from specdistill.train.online_versions import next_version
 
             window = (
                 [min(it["time"] for it in fresh), max(it["time"] for it in fresh)]
                 if fresh
                 else None
             )
-            clean(self.root)
+            remove_leftovers(self.root)
             decision["version"] = next_version(self.root)
             manifest = {
                 "reason": "promoted",

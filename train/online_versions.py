@@ -4,8 +4,8 @@ manifest.json) and ROOT/current, the layout the server follows (serve/drafts.py)
 A version is written under ROOT/.tmp-vNNNNNN, flushed and renamed into place
 (specdistill.publish.publish_dir); only then is `current` replaced (atomic_write_text). A
 kill at any point leaves `current` naming a complete version; leftovers (.tmp-*, .old-*)
-are removed by the next `clean`. Pruning keeps the newest `keep` versions and never removes
-the one `current` names or its parent.
+are removed before the next publish (`specdistill.publish.remove_leftovers`). Pruning keeps
+the newest `keep` versions and never removes the one `current` names or its parent.
 """
 
 import json
@@ -30,11 +30,6 @@ def versions(root) -> list[str]:
         p.name for p in root.iterdir() if VERSION.match(p.name) and (p / "manifest.json").is_file()
     ]
     return sorted(found)
-
-
-def clean(root) -> None:
-    """Delete what a killed publish left (.tmp-*, .old-*)."""
-    remove_leftovers(root)
 
 
 def check_loads(root, version: str) -> None:
@@ -68,7 +63,7 @@ def publish_version(
     the online job's publish-pending marker; default the next free one)."""
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
-    clean(root)
+    remove_leftovers(root)
     version = version or next_version(root)
     if (root / version).exists():
         raise FileExistsError(f"{root / version}: version already exists")

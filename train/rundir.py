@@ -11,12 +11,12 @@ import ast
 import json
 import logging
 import re
-import shutil
 import sys
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
+from specdistill import publish
 from specdistill.drafts.weights import check_state_file
 from specdistill.train.config import Recipe, RecipeError, load_recipe, recipe_to_dict
 
@@ -216,14 +216,10 @@ def restore_int_keys(metrics: dict | None) -> dict | None:
 
 
 def remove_leftovers(out: Path) -> None:
-    """Delete what a kill left of an atomic publish (specdistill/publish.py): temporary dirs
-    and files, and replaced dirs not yet deleted. None of them is ever read."""
+    """Delete what a kill left of an atomic publish in the run directory and its
+    checkpoints (specdistill/publish.py `remove_leftovers`). None of them is ever read."""
     for folder in (out, out / "checkpoints"):
-        for path in (*folder.glob(".tmp-*"), *folder.glob(".old-*"), *folder.glob(".*.tmp-*")):
-            if path.is_dir():
-                shutil.rmtree(path, ignore_errors=True)
-            else:
-                path.unlink(missing_ok=True)
+        publish.remove_leftovers(folder)
 
 
 def progress_line(record: dict, max_steps: int) -> str:
