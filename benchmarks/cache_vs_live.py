@@ -4,7 +4,7 @@
     python benchmarks/cache_vs_live.py --top-n 20,64 --train-records 150 train.max_steps=40
 
 One run on the live target, then per N a cache of the training split (`specdistill cache`,
-train/cache.py, float16 values) and a run with `target.cache` on it: same recipe, seed and
+train/target_cache.py, float16 values) and a run with `target.cache` on it: same recipe, seed and
 sequence order. Held-out α is always measured against the live target, so the numbers
 compare what each draft reaches, not how each target scores it. Prints, and writes to
 OUT/cache_vs_live.json, per run: held-out α (T = eval temperature) and greedy α, training
@@ -23,8 +23,8 @@ from pathlib import Path
 import torch
 from accelerate.state import AcceleratorState, GradientState
 
-from specdistill.train.cache import build_cache
 from specdistill.train.config import load_recipe
+from specdistill.train.target_cache import build_cache
 from specdistill.train.trainer import Trainer
 
 REPO = Path(__file__).resolve().parents[1]

@@ -212,7 +212,10 @@ def good_client(url: str, model: str, prompts, s: Settings, tally: Tally, phase,
             elif kind == 1:  # completion, streamed
                 rid = None
                 for chunk in client.completions.create(
-                    model=model, prompt=prompt, max_tokens=s.max_tokens, temperature=1.0,
+                    model=model,
+                    prompt=prompt,
+                    max_tokens=s.max_tokens,
+                    temperature=1.0,
                     stream=True,
                 ):
                     rid = chunk.id
@@ -437,7 +440,9 @@ def run(s: Settings) -> dict:
     poison_ids = poison_shard(root / "traffic", target_block)
     recipe = write_recipe(s, root)
     job = subprocess.Popen(
-        [*cli, "online", "--recipe", str(recipe)], stdout=logs["online"], stderr=subprocess.STDOUT,
+        [*cli, "online", "--recipe", str(recipe)],
+        stdout=logs["online"],
+        stderr=subprocess.STDOUT,
         env=env,
     )
     procs = {"online": job}
@@ -475,7 +480,7 @@ def run(s: Settings) -> dict:
 
 def identity_of(target: str) -> str:
     from specdistill.drafts.hub import load_target
-    from specdistill.serve.traffic import model_identity
+    from specdistill.drafts.identity import model_identity
 
     return model_identity(target, load_target(target))
 

@@ -38,8 +38,8 @@ from pathlib import Path
 import torch
 
 from specdistill.drafts import lean
-from specdistill.drafts.cache import sync
 from specdistill.drafts.hub import check_tokenizers, load_model, load_tokenizer
+from specdistill.drafts.kv_cache import sync
 from specdistill.eval import stats
 from specdistill.eval.engine import generate
 from specdistill.eval.prompts import encode_prompts, load_prompts

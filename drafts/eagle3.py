@@ -11,7 +11,6 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from specdistill.drafts.cache import left_pad, left_pad_rows
 from specdistill.drafts.eagle3_head import (
     Eagle3Head,
     FeatureCapture,
@@ -20,6 +19,7 @@ from specdistill.drafts.eagle3_head import (
     is_eagle3_dir,
     is_sglang_eagle3_dir,
 )
+from specdistill.drafts.kv_cache import left_pad, left_pad_rows
 from specdistill.drafts.standalone import StandaloneDrafter
 
 Depths = tuple[list[Tensor], list[Tensor], list[Tensor]]

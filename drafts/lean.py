@@ -2,7 +2,7 @@
 
 Small models decoding on a CPU are bound by per-call costs, not FLOPs: one token through a
 128-wide layer is ~20 tensor ops of a few µs each, and transformers' modules add their own
-Python work per layer. `KVStream` (drafts/cache.py) therefore runs a supported model through
+Python work per layer. `KVStream` (drafts/kv_cache.py) therefore runs a supported model through
 this forward instead, with the model's own parameters and the same cache:
 
 - projections multiply by transposed, contiguous copies of the weights, q/k/v and gate/up

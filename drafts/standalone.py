@@ -12,7 +12,7 @@ import torch
 from torch import Tensor
 
 from specdistill.drafts.align import shifted_logits, target_mask
-from specdistill.drafts.cache import KVStream, left_pad
+from specdistill.drafts.kv_cache import KVStream, left_pad
 
 Depths = tuple[list[Tensor], list[Tensor], list[Tensor]]
 

@@ -121,7 +121,7 @@ def score_prompt(
     after-text positions, grouped by the after-target's argmax.
     """
     from specdistill import drafts
-    from specdistill.drafts.cache import eval_mode
+    from specdistill.drafts.kv_cache import eval_mode
     from specdistill.losses.sampling import probabilities
 
     kind = drafts.type_of(draft)

@@ -13,7 +13,7 @@ q = softmax(draft logits / T), unfiltered (docs/theory.md §1). The output is di
 exactly as sampling from the processed target, since verification uses the q each draft was
 drawn from.
 
-Batching: every row accepts on its own (per-row KV rollback, drafts/cache.py), finished
+Batching: every row accepts on its own (per-row KV rollback, drafts/kv_cache.py), finished
 rows leave the batch and waiting prompts take their place (continuous batching). The draft
 type's drafter (drafts/standalone.py, drafts/eagle3.py) keeps the draft's cache; an EAGLE-3
 head's drafter asks the target to capture its features and to sample each prompt's first
@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 import torch
 
 from specdistill import drafts
-from specdistill.drafts.cache import KVStream, eval_mode, left_pad, sync
+from specdistill.drafts.kv_cache import KVStream, eval_mode, left_pad, sync
 from specdistill.eval import verify
 from specdistill.losses.sampling import check_filters, probabilities
 

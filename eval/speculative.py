@@ -21,7 +21,7 @@ from the residual at the first rejection or a bonus token when all γ are kept. 
 Temperature, top-k and top-p make the target's distribution p; the draft samples from its
 unfiltered q at the same temperature (docs/theory.md §1). The output is distributed exactly
 as sampling from the processed target. Rows accept independently (per-row KV rollback) and
-finished rows give their place to waiting prompts (continuous batching, drafts/cache.py).
+finished rows give their place to waiting prompts (continuous batching, drafts/kv_cache.py).
 """
 
 import argparse

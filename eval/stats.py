@@ -17,7 +17,7 @@ from itertools import takewhile
 import torch
 
 from specdistill import drafts, losses
-from specdistill.drafts.cache import eval_mode
+from specdistill.drafts.kv_cache import eval_mode
 from specdistill.eval.engine import Round
 
 # ----------------------------------------------------------------------------- τ formulas

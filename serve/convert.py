@@ -43,6 +43,7 @@ import json
 import math
 from pathlib import Path
 
+from specdistill.drafts.identity import model_identity
 from specdistill.serve.convert_common import (
     NO_SPECULATION,
     ConvertError,
@@ -56,7 +57,7 @@ from specdistill.serve.convert_common import (
     token_ids,
 )
 from specdistill.serve.convert_sglang import from_sglang, sglang_pairs
-from specdistill.serve.traffic import TrafficLog, model_identity, shards
+from specdistill.serve.traffic import TrafficLog, shards
 
 SOURCES = ("vllm", "sglang")
 

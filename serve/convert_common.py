@@ -58,9 +58,7 @@ def speculative_stats(
     return {
         "mean_acceptance_length": 1 + accepted / steps if steps else 1.0,
         "draft_acceptance_rate": accepted / drafted if drafted else 0.0,
-        "acceptance_histogram": [
-            count(n, "acceptance_histogram entry") for n in (histogram or [])
-        ],
+        "acceptance_histogram": [count(n, "acceptance_histogram entry") for n in (histogram or [])],
         "num_spec_steps": steps,
         "num_draft_tokens": drafted,
         "num_accepted_draft_tokens": accepted,

@@ -60,9 +60,7 @@ def sglang_pairs(path: Path) -> list[tuple[str, object]]:
             try:
                 item = json_line(raw)
                 if not isinstance(item, dict):
-                    raise ConvertError(
-                        f"a line must be a JSON object, got {type(item).__name__}"
-                    )
+                    raise ConvertError(f"a line must be a JSON object, got {type(item).__name__}")
                 out.append((where, (item.get("request"), item.get("output"))))
             except ConvertError as e:
                 out.append((where, e))

@@ -12,8 +12,8 @@ A published root:
 beside the running one, checked against the target (tokenizer or vocabulary) and handed to
 the worker, which switches between rounds. Loading is all or nothing (drafts.hub): a version
 whose weights do not cover its config, or whose weights file is cut short, does not load. A
-version that fails to load or to match is logged and skipped (not retried until `current` names it again after another version), and
-the previous one keeps serving.
+version that fails to load or to match is logged and skipped (not retried until `current`
+names it again after another version), and the previous one keeps serving.
 """
 
 import json

@@ -96,11 +96,12 @@ class Server:
         import torch
 
         from specdistill.drafts.hub import load_target, load_tokenizer
+        from specdistill.drafts.identity import model_identity
         from specdistill.serve.app import AppState, ServerConfig, build_app
         from specdistill.serve.auth import ApiKeys, parse_keys
-        from specdistill.serve.schema import Limits
         from specdistill.serve.drafts import DraftWatcher, load_checked
-        from specdistill.serve.traffic import DEFAULT_SHARD_BYTES, TrafficLog, model_identity
+        from specdistill.serve.schema import Limits
+        from specdistill.serve.traffic import DEFAULT_SHARD_BYTES, TrafficLog
         from specdistill.serve.worker import EngineWorker
 
         if draft is not None and drafts_root is not None:

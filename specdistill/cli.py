@@ -33,7 +33,7 @@ VERBS = {
     ),
     "export": ("specdistill.train.export", "export a trained draft for vLLM, SGLang or HF"),
     "cache": (
-        "specdistill.train.cache",
+        "specdistill.train.target_cache",
         "cache the target's top-N log-probabilities over a recipe's data (target.cache)",
     ),
     "regenerate": (
@@ -41,7 +41,7 @@ VERBS = {
         "answer a recipe's prompts with the target (resumable, deduplicated JSONL shards)",
     ),
     "online": (
-        "specdistill.train.online_cli",
+        "specdistill.train.online.cli",
         "learn from served traffic: refresh, gate, publish drafts; `online rollback|demo`",
     ),
     "serve": (

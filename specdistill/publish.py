@@ -103,9 +103,7 @@ class OutputDirError(ValueError):
     """An output directory that a command would overwrite, or that another process holds."""
 
 
-def claim_output_dir(
-    out: str | os.PathLike, *, overwrite: bool, flag: str = "--overwrite"
-) -> Path:
+def claim_output_dir(out: str | os.PathLike, *, overwrite: bool, flag: str = "--overwrite") -> Path:
     """Make `out` ready for a command's outputs, never silently replacing earlier ones.
 
     A missing or empty directory is created and used; one that holds files is refused with

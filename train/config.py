@@ -50,7 +50,7 @@ class TargetConfig:
     # A peft LoRA adapter directory on `model` (a fine-tuned target), loaded unmerged
     # (drafts.hub.load_target); null = the base model alone.
     adapter: str | None = None
-    # A target cache directory (`specdistill cache`, train/cache.py): the loss reads the
+    # A target cache directory (`specdistill cache`, train/target_cache.py): the loss reads the
     # target's cached top-N instead of running it (standalone drafts; null = live target).
     cache: str | None = None
 
@@ -167,7 +167,7 @@ class WandbConfig:
 
 @dataclass
 class OnlineConfig:
-    """`specdistill online` (train/online.py): learn from the server's traffic log."""
+    """`specdistill online` (train/online/job.py): learn from the server's traffic log."""
 
     traffic: str | None = None  # the server's --traffic directory (shards traffic-NNNNNN.jsonl)
     drafts: str = "runs/online/drafts"  # the published root the server follows (--drafts)
@@ -524,7 +524,7 @@ def _online_checks(o: OnlineConfig) -> list[tuple[bool, str]]:
         *(
             (
                 isinstance(c, str) and re.fullmatch(r"key-[0-9a-f]{12}", c) is not None,
-                f"online.clients: {c!r} is not a client id like key-0123456789ab (\"key-\" + "
+                f'online.clients: {c!r} is not a client id like key-0123456789ab ("key-" + '
                 "the first 12 hex digits of the sha256 of the client's API key, as the "
                 "server's traffic records write it)",
             )

@@ -23,7 +23,7 @@ import time
 import torch
 
 from specdistill.data import collate
-from specdistill.drafts.cache import KVStream, eval_mode, sync
+from specdistill.drafts.kv_cache import KVStream, eval_mode, sync
 from specdistill.losses.sampling import probabilities
 
 

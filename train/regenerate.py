@@ -231,7 +231,7 @@ def regenerate(
     from specdistill.drafts import hub
     from specdistill.eval import engine
     from specdistill.publish import atomic_write_text
-    from specdistill.train.cache import target_identity
+    from specdistill.train.target_cache import target_identity
 
     sampling = (sampling or Sampling()).check()
     _check_sizes(

@@ -118,7 +118,9 @@ class Trainer:
         self._perms: dict[int, torch.Tensor] = {}
         self._wandb = None
         self._tau_texts: tuple[list, list] | None = None  # (prompts, target's outputs)
-        self.cache = cache  # a train.cache.TargetCache (target.cache), or None: the live target
+        self.cache = (
+            cache  # a train.target_cache.TargetCache (target.cache), or None: the live target
+        )
         self.on_policy = None  # a train.on_policy.OnPolicy with data.on_policy.fraction > 0
         if plan.finished is not None:
             return  # nothing to train: run() reports the stored result
@@ -182,7 +184,7 @@ class Trainer:
                 raise RecipeError(str(e)) from None
             cache = None
             if r.target.cache is not None:  # checked against this run before any training
-                from specdistill.train.cache import CacheError, open_cache
+                from specdistill.train.target_cache import CacheError, open_cache
 
                 try:
                     cache = open_cache(
@@ -315,7 +317,7 @@ class Trainer:
         """(Σ loss over valid positions, detached Σ α at depth 0) for one micro-batch."""
         lo = self.recipe.loss
         if lo.chunk_size is None:
-            if self.cache is not None:  # the target's cached top-N (train/cache.py)
+            if self.cache is not None:  # the target's cached top-N (train/target_cache.py)
                 d_logits, t_logits, masks = self.cache.depths(self.draft, batch, self.vocab_size)
             else:
                 d_logits, t_logits, masks = self.kind.depths(self.draft, self.target, batch)

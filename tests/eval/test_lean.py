@@ -18,8 +18,8 @@ from transformers import (
 )
 
 from specdistill.drafts import lean
-from specdistill.drafts.cache import KVStream
 from specdistill.drafts.eagle3_head import FeatureCapture
+from specdistill.drafts.kv_cache import KVStream
 
 VOCAB = 96
 SIZES = dict(

@@ -10,7 +10,7 @@ from scipy import stats
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from specdistill import losses
-from specdistill.drafts import cache
+from specdistill.drafts import kv_cache as cache
 from specdistill.eval import engine, verify
 from specdistill.eval import stats as metrics
 from specdistill.eval.stats import tau_iid

@@ -26,7 +26,7 @@ def serve_some(tiny_pair, traffic, adapter, prompts):
 
 
 def run_job(tiny_pair, tmp, adapter, name, refresh=False):
-    from specdistill.train.online import OnlineJob
+    from specdistill.train.online.job import OnlineJob
 
     sizes = dict(refresh_records=2, holdout_size=2, min_holdout=1, min_gain=-1.0)
     recipe = online_recipe(tiny_pair, tmp, **(sizes if refresh else dict(refresh_records=1000)))

@@ -10,14 +10,14 @@ def item(i: int, prompt: list[int], completion: list[int]) -> dict:
 
 
 def store(max_per_prompt: int, **sizes):
-    from specdistill.train.online_traffic import Store
+    from specdistill.train.online.traffic import Store
 
     s = dict(recent_size=8, reservoir_size=4, holdout_size=2, dedup_size=1000) | sizes
     return Store(**s, max_per_prompt=max_per_prompt)
 
 
 def add(st, it):
-    from specdistill.train.online_traffic import record_key
+    from specdistill.train.online.traffic import record_key
 
     return st.add(it, record_key(it))
 
@@ -38,7 +38,7 @@ def test_a_prompt_with_other_completions_is_kept_up_to_the_cap_an_exact_repeat_n
 def test_the_cap_counts_what_is_held_and_frees_with_eviction():
     """Records that leave the store (pushed out of recent, not kept by the reservoir) free
     their prompt's slots; a restored state counts the same."""
-    from specdistill.train.online_traffic import Store
+    from specdistill.train.online.traffic import Store
 
     st = store(max_per_prompt=2, recent_size=2, reservoir_size=0, holdout_size=0)
     prompt = [1, 2]
@@ -59,7 +59,7 @@ def test_the_cap_counts_what_is_held_and_frees_with_eviction():
 def test_the_job_trains_repeats_of_a_prompt_up_to_online_max_per_prompt(
     tiny_pair, traffic_pool, tmp_path
 ):
-    from specdistill.train.online import OnlineJob
+    from specdistill.train.online.job import OnlineJob
 
     identity, pool = traffic_pool
     hot = pool[1]

@@ -8,7 +8,7 @@ tiny_pair = train_conftest.tiny_pair  # the same session fixture
 
 
 def test_demo_runs_serves_learns_and_reports(tiny_pair, tmp_path, monkeypatch):
-    from specdistill.train import online_demo
+    from specdistill.train.online import demo as online_demo
 
     target, draft, data = tiny_pair
     texts = [p.read_text() * 4 for p in sorted(data.glob("*.py"))]

@@ -22,7 +22,7 @@ def trained_head(tiny_pair, traffic_pool, tmp_path_factory):
     from specdistill.drafts.eagle3 import token_counts
     from specdistill.drafts.eagle3_head import Eagle3Head, build_vocab_map
     from specdistill.drafts.hub import load_model, load_tokenizer
-    from specdistill.train.online_traffic import to_tokens
+    from specdistill.train.online.traffic import to_tokens
 
     _, pool = traffic_pool
     target = load_model(str(tiny_pair[0]))
@@ -64,8 +64,8 @@ def test_online_refreshes_gates_and_publishes_an_eagle3_head(
     from specdistill.drafts.hub import load_model, load_tokenizer
     from specdistill.eval.engine import Engine
     from specdistill.serve.drafts import DraftWatcher
-    from specdistill.train.online import FAULT
-    from specdistill.train.online_versions import rollback
+    from specdistill.train.online.job import FAULT
+    from specdistill.train.online.versions import rollback
 
     _, pool = traffic_pool
     root, out = tmp_path / "drafts", tmp_path / "out"

@@ -15,7 +15,7 @@ def quiet(*args, **kwargs):
 
 
 def job(recipe, print=quiet):
-    from specdistill.train.online import OnlineJob
+    from specdistill.train.online.job import OnlineJob
 
     return OnlineJob(recipe, print=print)
 
@@ -96,7 +96,7 @@ def test_random_mutations_of_a_record_never_escape_screen(tiny_pair, traffic_poo
     hypothesis = pytest.importorskip("hypothesis")
     from hypothesis import strategies as st
 
-    from specdistill.train.online_traffic import compact, screen, to_tokens
+    from specdistill.train.online.traffic import compact, screen, to_tokens
 
     identity, pool = traffic_pool
     base = pool[0]
@@ -225,9 +225,7 @@ def test_a_second_job_or_a_rollback_fails_at_once_while_a_job_runs(
     assert first.run()["records_accepted"] == 30  # run takes the locks again
 
 
-def test_a_missing_traffic_directory_is_an_error_or_a_warning_when_following(
-    tiny_pair, tmp_path
-):
+def test_a_missing_traffic_directory_is_an_error_or_a_warning_when_following(tiny_pair, tmp_path):
     recipe = online_recipe(tiny_pair, tmp_path)
     with pytest.raises(FileNotFoundError, match=re.escape(str(tmp_path / "traffic"))):
         job(recipe).run()
@@ -269,7 +267,7 @@ def test_a_shard_rewritten_under_the_cursor_is_read_again_not_skipped(
 
 def publish_two(tiny_pair, root):
     from specdistill.drafts.hub import load_draft, load_tokenizer
-    from specdistill.train.online_versions import publish_version
+    from specdistill.train.online.versions import publish_version
 
     tok = load_tokenizer(str(tiny_pair[0]))
     model = load_draft(str(tiny_pair[1]))

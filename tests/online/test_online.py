@@ -16,7 +16,7 @@ def quiet(*args, **kwargs):
 
 
 def job(recipe):
-    from specdistill.train.online import OnlineJob
+    from specdistill.train.online.job import OnlineJob
 
     return OnlineJob(recipe, print=quiet)
 
@@ -106,7 +106,7 @@ POINTS = [
 
 
 def test_kill_and_restart_loses_no_record_and_trains_none_twice(tiny_pair, traffic_pool, tmp_path):
-    from specdistill.train.online import FAULT
+    from specdistill.train.online.job import FAULT
 
     _, pool = traffic_pool
     write_shard(tmp_path / "traffic", 1, pool[:40], [b"{bad\n"])
@@ -152,7 +152,7 @@ def test_kill_and_restart_loses_no_record_and_trains_none_twice(tiny_pair, traff
 
 
 def test_sigkill_mid_refresh_then_resume(tiny_pair, traffic_pool, tmp_path):
-    """A real kill -9 (SIGKILL from the fault point) of `python -m specdistill.train.online`."""
+    """A real kill -9 (SIGKILL from the fault point) of `python -m specdistill.train.online.job`."""
     import os
 
     from specdistill.train.config import dump_recipe
@@ -164,7 +164,7 @@ def test_sigkill_mid_refresh_then_resume(tiny_pair, traffic_pool, tmp_path):
     cmd = [
         sys.executable,
         "-m",
-        "specdistill.train.online",
+        "specdistill.train.online.job",
         "--recipe",
         str(tmp_path / "r.yaml"),
         "--once",
@@ -185,7 +185,7 @@ def test_sigkill_mid_refresh_then_resume(tiny_pair, traffic_pool, tmp_path):
 def test_crashed_publish_never_exposes_a_partial_version(tiny_pair, tmp_path, point):
     from specdistill.drafts.hub import load_draft, load_tokenizer
     from specdistill.serve.drafts import read_current
-    from specdistill.train import online_versions as ov
+    from specdistill.train.online import versions as ov
 
     root = tmp_path / "drafts"
     draft = load_draft(str(tiny_pair[1]))
@@ -201,7 +201,7 @@ def test_crashed_publish_never_exposes_a_partial_version(tiny_pair, tmp_path, po
         if p == point:
             raise Crash(p)
 
-    from specdistill.train.online import FAULT
+    from specdistill.train.online.job import FAULT
 
     FAULT.hook = crash
     try:
@@ -228,9 +228,9 @@ def test_worse_candidate_is_rejected_and_a_promotion_rolled_back(tiny_pair, traf
     from specdistill.cli import main as cli
     from specdistill.drafts import Standalone
     from specdistill.drafts.hub import load_draft, load_model, load_tokenizer
-    from specdistill.train.online_gate import decide, sequence_alpha
-    from specdistill.train.online_traffic import compact
-    from specdistill.train.online_versions import publish_version
+    from specdistill.train.online.gate import decide, sequence_alpha
+    from specdistill.train.online.traffic import compact
+    from specdistill.train.online.versions import publish_version
 
     _, pool = traffic_pool
     target = load_model(str(tiny_pair[0]))
@@ -271,7 +271,7 @@ def test_worse_candidate_is_rejected_and_a_promotion_rolled_back(tiny_pair, traf
 
 
 def test_bootstrap_interval_has_its_coverage():
-    from specdistill.train.online_gate import paired_bootstrap
+    from specdistill.train.online.gate import paired_bootstrap
 
     rng = np.random.default_rng(1)
     trials, covered = 200, 0
@@ -295,7 +295,7 @@ def test_bootstrap_interval_has_its_coverage():
 
 def test_watch_alerts_when_served_alpha_drops(tiny_pair, traffic_pool, tmp_path):
     from specdistill.eval.stats import alpha_from_counts
-    from specdistill.train.online_watch import Watch
+    from specdistill.train.online.watch import Watch
 
     _, pool = traffic_pool
     w = Watch(window=10, trailing=3, drop=0.1)
@@ -337,7 +337,7 @@ def test_watch_alerts_when_served_alpha_drops(tiny_pair, traffic_pool, tmp_path)
         ],
     )
     printed = []
-    from specdistill.train.online import OnlineJob
+    from specdistill.train.online.job import OnlineJob
 
     OnlineJob(
         online_recipe(tiny_pair, tmp_path, min_gain=-1.0, refresh_records=200),
@@ -352,7 +352,7 @@ def test_follow_mode_tails_appended_lines_and_new_shards(tiny_pair, traffic_pool
     import threading
     import time
 
-    from specdistill.train.online_traffic import Cursor, read_new
+    from specdistill.train.online.traffic import Cursor, read_new
 
     _, pool = traffic_pool
     d = tmp_path / "traffic"
@@ -401,7 +401,7 @@ def test_kill_between_publish_and_commit_completes_the_publish(
     the final commit): the restart completes the publish and never retrains the records."""
     import torch
 
-    from specdistill.train.online import FAULT
+    from specdistill.train.online.job import FAULT
 
     _, pool = traffic_pool
     runs = {}

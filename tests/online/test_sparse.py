@@ -1,5 +1,5 @@
 """Refreshes that train on the records' own top_logprobs (sparse targets with a rest bin)
-instead of a forward of the target (train/online_traffic.py RecordTargets)."""
+instead of a forward of the target (train/online/traffic.py RecordTargets)."""
 
 import json
 
@@ -30,7 +30,7 @@ def with_top_logprobs(job_, records: list[dict], k: int | None) -> list[dict]:
 
 def loss_and_grads(job_, items, sparse: bool):
     from specdistill.data.dataset import TokenDataset
-    from specdistill.train.online_traffic import RecordTargets, to_tokens
+    from specdistill.train.online.traffic import RecordTargets, to_tokens
 
     tr = job_.trainer
     tr.train_data = TokenDataset([to_tokens(it) for it in items], n_records=len(items), skipped={})
@@ -76,7 +76,7 @@ def test_top_k_records_train_without_the_target_forward(tiny_pair, traffic_pool,
 
     j.target.forward = counted
     gate_calls = {"n": 0}
-    from specdistill.train import online_gate
+    from specdistill.train.online import gate as online_gate
 
     real_alpha = online_gate.sequence_alpha
 
@@ -103,7 +103,7 @@ def test_a_loss_at_another_temperature_falls_back_to_the_live_target(
 ):
     _, pool = traffic_pool
     said = []
-    from specdistill.train.online import OnlineJob
+    from specdistill.train.online.job import OnlineJob
 
     recipe = online_recipe(tiny_pair, tmp_path, min_gain=-1.0, sparse_targets=True)
     recipe.loss.temperature = 0.5

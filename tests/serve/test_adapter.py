@@ -5,7 +5,8 @@ import pytest
 from transformers import AutoTokenizer
 
 from specdistill.drafts import hub
-from specdistill.serve.traffic import model_identity, read_traffic
+from specdistill.drafts.identity import model_identity
+from specdistill.serve.traffic import read_traffic
 from tests.serve.test_serve import hf_greedy
 
 PROMPTS = ["def add(a, b):", "class Point:\n    def", "for i in range(10):"]

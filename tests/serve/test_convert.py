@@ -7,8 +7,9 @@ import pickle
 import pytest
 
 from specdistill.drafts.hub import load_tokenizer
+from specdistill.drafts.identity import model_identity
 from specdistill.serve.convert import convert, main
-from specdistill.serve.traffic import model_identity, read_traffic
+from specdistill.serve.traffic import read_traffic
 
 SPEC = {
     "num_spec_steps": 4,

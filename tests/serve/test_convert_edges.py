@@ -86,9 +86,7 @@ def test_a_line_that_is_not_utf8_is_rejected_alone(target, tmp_path):
         ({"seed": 1.5}, "seed must be an integer, got 1.5"),
     ],
 )
-def test_non_finite_and_out_of_range_sampling_is_rejected(
-    target, tmp_path, request_fields, reason
-):
+def test_non_finite_and_out_of_range_sampling_is_rejected(target, tmp_path, request_fields, reason):
     _, tokenizer, identity = target
     source = tmp_path / "proxy.jsonl"
     bad = json.dumps(_completion(tokenizer, 2, **request_fields))  # NaN, Infinity as Python's
@@ -109,9 +107,10 @@ def test_non_finite_speculative_statistics_are_rejected(target, tmp_path):
     source.write_text(json.dumps(line) + "\n")
     result = convert("vllm", [source], tokenizer, identity, tmp_path / "t")
     assert result["converted"] == 0
-    assert "num_draft_tokens must be a non-negative integer, got nan" in _rejects(
-        tmp_path / "t"
-    )[0]["reason"]
+    assert (
+        "num_draft_tokens must be a non-negative integer, got nan"
+        in _rejects(tmp_path / "t")[0]["reason"]
+    )
 
 
 def test_converting_twice_appends_each_record_once(target, tmp_path):
@@ -119,9 +118,7 @@ def test_converting_twice_appends_each_record_once(target, tmp_path):
     _, tokenizer, identity = target
     out = tmp_path / "t"
     first = tmp_path / "a.jsonl"
-    first.write_text(
-        "\n".join(json.dumps(_completion(tokenizer, i)) for i in (1, 2)) + "\n[1]\n"
-    )
+    first.write_text("\n".join(json.dumps(_completion(tokenizer, i)) for i in (1, 2)) + "\n[1]\n")
     result = convert("vllm", [first], tokenizer, identity, out)
     assert result["converted"] == 2, result
     again = convert("vllm", [first], tokenizer, identity, out)

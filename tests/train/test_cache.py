@@ -1,4 +1,4 @@
-"""The target cache (train/cache.py, `specdistill cache`, `target.cache`): the cached target
+"""The target cache (train/target_cache.py, `specdistill cache`, `target.cache`): the cached target
 trains the draft exactly as the live one when N covers the vocabulary, a cache built for
 another tokenizer, target or dataset is refused before training, and the manifest's sizes
 are those of the files."""
@@ -11,8 +11,8 @@ import torch
 from safetensors.torch import load_file
 
 from specdistill import cli
-from specdistill.train.cache import build_cache
 from specdistill.train.config import RecipeError, load_recipe
+from specdistill.train.target_cache import build_cache
 from specdistill.train.trainer import Trainer
 
 from .test_trainer import overrides
@@ -67,7 +67,7 @@ def test_float16_top_n_cache_is_the_coarsened_target(tiny_pair, tmp_path):
     (docs/theory.md §3, computed here by hand from the full distributions), up to the float16
     rounding of the stored values. N = V: the plain KL."""
     from specdistill.drafts.align import shifted_logits, target_mask
-    from specdistill.train.cache import TargetCache
+    from specdistill.train.target_cache import TargetCache
 
     live = Trainer.from_recipe(load_recipe(None, overrides(tiny_pair, tmp_path / "live")))
     batch = live.micro_batches(0)[0]
@@ -235,7 +235,7 @@ def test_refuses_a_missing_cache_eagle3_and_what_it_cannot_know(tiny_pair, tmp_p
 
 
 def test_build_refuses_a_non_empty_out(tiny_pair, train_cache, tmp_path):
-    from specdistill.train.cache import CacheError
+    from specdistill.train.target_cache import CacheError
 
     recipe = load_recipe(None, overrides(tiny_pair, tmp_path / "u"))
     with pytest.raises(CacheError, match="not empty; pass --overwrite"):

@@ -6,8 +6,8 @@ import shutil
 
 import pytest
 
-from specdistill.train.cache import build_cache
 from specdistill.train.config import RecipeError, load_recipe
+from specdistill.train.target_cache import build_cache
 from specdistill.train.trainer import Trainer
 
 from .test_trainer import overrides

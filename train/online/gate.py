@@ -15,7 +15,7 @@ import torch
 
 from specdistill import losses
 from specdistill.data.dataset import collate
-from specdistill.train.online_traffic import to_tokens
+from specdistill.train.online.traffic import to_tokens
 
 
 @torch.no_grad()

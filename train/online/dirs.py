@@ -95,7 +95,7 @@ def rollback_main(argv: list[str]) -> int:
     """`specdistill online rollback [VERSION] --drafts ROOT`."""
     import argparse
 
-    from specdistill.train.online_versions import rollback
+    from specdistill.train.online.versions import rollback
 
     p = argparse.ArgumentParser(
         prog="specdistill online rollback",

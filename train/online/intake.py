@@ -1,5 +1,5 @@
 """The online job's input side: reading the traffic after the cursor, screening each line
-(train/online_traffic.py), filing the usable records into the store, and logging what was
+(train/online/traffic.py), filing the usable records into the store, and logging what was
 refused (OUT/rejects.jsonl), skipped by choice (counted only) or found wrong with the shards
 (a warning and a metric)."""
 
@@ -8,11 +8,11 @@ import sys
 import time
 from pathlib import Path
 
-from specdistill.train.online_faults import FAULT
+from specdistill.train.online.faults import FAULT
 
 
 class TrafficInput:
-    """Mixed into OnlineJob (train/online.py): uses its recipe section `o`, cursor, store,
+    """Mixed into OnlineJob (train/online/job.py): uses its recipe section `o`, cursor, store,
     watch, counts and OUT."""
 
     # ----------------------------------------------------------------------------- input
@@ -37,11 +37,11 @@ class TrafficInput:
     def read(self) -> int:
         """Consume the complete lines after the cursor, up to the point a refresh is due;
         returns the number of new records stored."""
-        from specdistill.train.online_traffic import (
+        from specdistill.train.online.traffic import (
             SKIP_REASONS,
             compact,
-            record_key,
             read_new,
+            record_key,
             screen,
         )
 

@@ -1,7 +1,7 @@
 """The online job's input: a cursor over the server's traffic shards, record screening, and
 the bounded training store (recent records, a reservoir of older ones, an anchor set, the
 held-out newest slice). Everything here is plain data that `state()` / `from_state()` turn
-into JSON, so that the job can commit it atomically with each refresh (train/online.py).
+into JSON, so that the job can commit it atomically with each refresh (train/online/job.py).
 
 Cursor: (shard name, byte offset of the next unread line, lines consumed). Only complete
 lines (ending in a newline) are consumed; a final line without its newline is left for
@@ -23,7 +23,6 @@ import numpy as np
 
 from specdistill.data.tokenize import Tokens
 from specdistill.serve.traffic import SHARD, TrafficError, shards, validate
-
 
 SEAL_BYTES = 4096  # a shard's bytes hashed into the cursor: its first and the last consumed
 
@@ -447,7 +446,7 @@ class RecordTargets:
     """The target of a refresh taken from its records' own `top_logprobs` (the target's raw
     top-k at temperature 1, docs/traffic.md) instead of a forward of the target: each position
     a `SparseTarget` of the k logged tokens plus a rest bin holding 1 − Σ p (docs/theory.md
-    §3). The interface of `train.cache.TargetCache` (`depths`), which the Trainer uses in
+    §3). The interface of `train.target_cache.TargetCache` (`depths`), which the Trainer uses in
     place of the live target; rows are found by `batch["sequence"]`, indices into `items`."""
 
     def __init__(self, items: list[dict]):
@@ -465,11 +464,11 @@ class RecordTargets:
 def sparse_target(items: list[dict], mask, vocab_size: int):
     """SparseTarget [B, L−1, k] with rest [B, L−1] from the items' top_logprobs, one entry per
     completion token, placed at the valid positions of `mask` (those predicting a completion
-    token, in order; train.cache.place_sparse_rows). Entries with fewer than k alternatives
+    token, in order; train.target_cache.place_sparse_rows). Entries with fewer than k alternatives
     are padded with unused ids of probability 0."""
     import torch
 
-    from specdistill.train.cache import place_sparse_rows
+    from specdistill.train.target_cache import place_sparse_rows
 
     k = max(len(entry) for it in items for entry in it["top_logprobs"])
     rows = []

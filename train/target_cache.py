@@ -26,8 +26,8 @@ compared on the N tokens plus one bin for every other token), instead of running
 target. The loss is therefore at temperature 1, unfiltered: the cache knows the dropped
 mass only there. The manifest is compared with the run's tokenizer, target and data, and
 every shard the run reads with its manifest entry (size, header, offsets, the split and first
-sequence written into it: train/cache_shards.py), before any training (`open_cache`); held-out evaluation still runs the live target, so the reported
-α is the true one. docs/cache.md gives the sizes.
+sequence written into it: train/target_cache_shards.py), before any training (`open_cache`);
+held-out evaluation still runs the live target, so the reported α is the true one. docs/cache.md gives the sizes.
 """
 
 import argparse
@@ -42,7 +42,7 @@ from pathlib import Path
 
 import torch
 
-from specdistill.train.cache_shards import FORMAT, ShardWriter, shard_problem
+from specdistill.train.target_cache_shards import FORMAT, ShardWriter, shard_problem
 
 VERSION = 1
 MANIFEST = "manifest.json"
@@ -82,9 +82,9 @@ def data_hash(dataset) -> str:
 
 
 def target_identity(target_cfg, model=None) -> dict:
-    """What names the target's distributions: its model (`serve.traffic.model_identity`,
+    """What names the target's distributions: its model (`drafts.identity.model_identity`,
     sha256 of config and weights), adapter (when the recipe has `target.adapter`), dtype."""
-    from specdistill.serve.traffic import model_identity
+    from specdistill.drafts.identity import model_identity
 
     adapter = getattr(target_cfg, "adapter", None)
     identity = model_identity(target_cfg.model, model, adapter)  # the adapter's files too
@@ -373,7 +373,7 @@ def place_sparse_rows(mask: torch.Tensor, top_n: int, rows: list, mismatch):
     (indices [n, top_n] int64, probs [n, top_n], rest [n]) go to the valid positions of
     mask[b], in order; masked positions hold a uniform placeholder. An item whose n differs
     from its number of valid positions raises `mismatch(b, n, valid)`. Shared by the target
-    cache and the online job's records (train/online_traffic.py RecordTargets)."""
+    cache and the online job's records (train/online/traffic.py RecordTargets)."""
     from specdistill.losses import SparseTarget
 
     shape = (*mask.shape, top_n)

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from specdistill.publish import atomic_write_text, publish_dir, remove_leftovers
 from specdistill.serve.drafts import read_current, read_manifest
-from specdistill.train.online_faults import FAULT
+from specdistill.train.online.faults import FAULT
 
 VERSION = re.compile(r"^v(\d{6})$")
 

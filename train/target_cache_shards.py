@@ -1,4 +1,4 @@
-"""A target cache's shard files (train/cache.py): their writing, and the check that a shard
+"""A target cache's shard files (train/target_cache.py): their writing, and the check that a shard
 file is the one the manifest lists.
 
 A shard that was truncated, replaced, renamed or swapped with another is found before any

@@ -13,7 +13,7 @@ In one process, on 127.0.0.1 only:
   1. the online job's first version, DIR/drafts/v000001, is that draft;
   2. the server (serve/server.py `Server`) on the served target with --drafts DIR/drafts and
      --traffic DIR/traffic;
-  3. the online job (train/online.py) in follow mode on a thread, OUT = DIR/online;
+  3. the online job (train/online/job.py) in follow mode on a thread, OUT = DIR/online;
   4. a bounded load generator: `--clients` threads of the official openai client, temperature
      1, in three timed phases: code (prompts cut from held-out standard-library modules, the
      domain the embedded models were trained on), prose (paragraphs of the interpreter's own
@@ -222,7 +222,7 @@ def plot(path: Path, records, starts, promotions, window: int) -> None:
 
 
 def offline_alpha(job, model, evals: dict) -> dict:
-    from specdistill.train.online_gate import sequence_alpha
+    from specdistill.train.online.gate import sequence_alpha
 
     pad = job.tokenizer.pad_token_id
     return {
@@ -343,7 +343,7 @@ def demo(args) -> dict:
 
     from specdistill.serve.server import Server
     from specdistill.serve.traffic import read_traffic
-    from specdistill.train.online import OnlineJob
+    from specdistill.train.online.job import OnlineJob
 
     if args.threads:
         torch.set_num_threads(args.threads)

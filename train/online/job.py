@@ -3,7 +3,7 @@
     specdistill online --recipe recipes/online.yaml [key.sub=value ...] [--follow | --once]
     specdistill online rollback [VERSION] --drafts ROOT      # default: the parent of current
     specdistill online demo --out DIR [--minutes M]           # serve + shift + learn + OSD
-    python train/online.py --recipe recipes/online.yaml
+    python train/online/job.py --recipe recipes/online.yaml
 
 The job reads `online.traffic` (the shards `specdistill serve --traffic` writes) after its
 committed cursor, screens each record (schema, the target identity as serve/traffic.py
@@ -11,16 +11,16 @@ computes it, size, the range of every field that reaches the loss, the gate or t
 the refused ones are counted by reason and written to OUT/rejects.jsonl; records of clients
 outside `online.clients` are counted and skipped), drops exact repeats and a prompt's
 records beyond `online.max_per_prompt`, and files the rest into the store
-(train/online_traffic.py): the newest `online.holdout_size` records are held
+(train/online/traffic.py): the newest `online.holdout_size` records are held
 out for the gate, older ones are trainable. Every `online.refresh_records` new trainable
 records (or `online.refresh_seconds`), a refresh runs `online.refresh_steps` optimiser steps
 of the Trainer's own `train_step` on every new record once plus replay (recent store,
 reservoir, anchor), warm-started from the running draft and its optimiser state, against the
-frozen target with the recipe's loss. The gate (train/online_gate.py) compares candidate and
+frozen target with the recipe's loss. The gate (train/online/gate.py) compares candidate and
 the served incumbent (ROOT/current) on the held-out slice; a promotion is published as a new
-version (train/online_versions.py). Each decision goes to OUT/decisions.jsonl and stdout.
+version (train/online/versions.py). Each decision goes to OUT/decisions.jsonl and stdout.
 
-Directories (train/online_dirs.py): OUT and ROOT are locked for the job's lifetime (a
+Directories (train/online/dirs.py): OUT and ROOT are locked for the job's lifetime (a
 second job or a rollback on either fails at once); a used OUT that is not this job's own is
 refused unless `online.overwrite`.
 
@@ -61,9 +61,9 @@ from pathlib import Path
 
 from specdistill.errors import run_guarded
 from specdistill.train.config import RecipeError, load_recipe
-from specdistill.train.online_faults import FAULT
-from specdistill.train.online_input import TrafficInput
-from specdistill.train.online_served import ServedVersions
+from specdistill.train.online.faults import FAULT
+from specdistill.train.online.intake import TrafficInput
+from specdistill.train.online.served import ServedVersions
 
 STATE = "state"
 
@@ -75,7 +75,7 @@ def _truncate(path: Path, size: int) -> None:
 
 class OnlineJob(TrafficInput, ServedVersions):
     def __init__(self, recipe, *, print=print):
-        from specdistill.train import online_dirs
+        from specdistill.train.online import dirs as online_dirs
 
         self._locks = []
         self.print = print
@@ -101,7 +101,7 @@ class OnlineJob(TrafficInput, ServedVersions):
 
     def close(self) -> None:
         """Release OUT and ROOT (the end of the job's lifetime; `run` calls it)."""
-        from specdistill.train import online_dirs
+        from specdistill.train.online import dirs as online_dirs
 
         online_dirs.release(self._locks)
         self._locks = []
@@ -112,9 +112,9 @@ class OnlineJob(TrafficInput, ServedVersions):
 
         from specdistill import drafts
         from specdistill.drafts import hub
-        from specdistill.serve.traffic import model_identity
-        from specdistill.train.online_traffic import Cursor, Store, load_anchor
-        from specdistill.train.online_watch import Watch
+        from specdistill.drafts.identity import model_identity
+        from specdistill.train.online.traffic import Cursor, Store, load_anchor
+        from specdistill.train.online.watch import Watch
         from specdistill.train.rundir import RunPlan
         from specdistill.train.trainer import Trainer
 
@@ -178,7 +178,7 @@ class OnlineJob(TrafficInput, ServedVersions):
         completion tokens. None where nothing is needed (a standalone draft, a trained head,
         or V_d = V); a RecipeError where a V_d < V has nothing to be built from."""
         from specdistill.data.dataset import TokenDataset
-        from specdistill.train.online_traffic import to_tokens
+        from specdistill.train.online.traffic import to_tokens
 
         d = self.recipe.draft
         if d.type != "eagle3" or d.model is not None:
@@ -206,8 +206,9 @@ class OnlineJob(TrafficInput, ServedVersions):
 
         from specdistill.publish import remove_leftovers
         from specdistill.serve.drafts import read_current
-        from specdistill.train import online_dirs, online_versions
-        from specdistill.train.online_traffic import Cursor
+        from specdistill.train.online import dirs as online_dirs
+        from specdistill.train.online import versions as online_versions
+        from specdistill.train.online.traffic import Cursor
 
         remove_leftovers(self.root)
         state_dir = self.out / STATE
@@ -354,8 +355,8 @@ class OnlineJob(TrafficInput, ServedVersions):
     def refresh(self) -> dict:
         """K optimiser steps on the new records + replay, the gate, maybe a publish, commit."""
         from specdistill.data.dataset import TokenDataset
-        from specdistill.train.online_gate import by_temperature, decide, sequence_alpha
-        from specdistill.train.online_traffic import RecordTargets, to_tokens
+        from specdistill.train.online.gate import by_temperature, decide, sequence_alpha
+        from specdistill.train.online.traffic import RecordTargets, to_tokens
 
         self._follow_external_change()
         r, o, tr = self.recipe, self.o, self.trainer
@@ -433,7 +434,7 @@ class OnlineJob(TrafficInput, ServedVersions):
         manifest = None
         if verdict["promote"]:
             from specdistill.publish import remove_leftovers
-            from specdistill.train.online_versions import next_version
+            from specdistill.train.online.versions import next_version
 
             window = (
                 [min(it["time"] for it in fresh), max(it["time"] for it in fresh)]
@@ -511,7 +512,7 @@ class OnlineJob(TrafficInput, ServedVersions):
 
     # ----------------------------------------------------------------------------- run
     def run(self, follow: bool | None = None) -> dict:
-        from specdistill.train import online_dirs
+        from specdistill.train.online import dirs as online_dirs
 
         if not self._locks:  # a job run again after close()
             self._locks = online_dirs.lock_dirs(self.out, self.root)
@@ -581,7 +582,7 @@ class OnlineJob(TrafficInput, ServedVersions):
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] == "rollback":
-        from specdistill.train.online_dirs import rollback_main
+        from specdistill.train.online.dirs import rollback_main
 
         return rollback_main(argv[1:])
     p = argparse.ArgumentParser(

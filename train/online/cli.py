@@ -1,8 +1,8 @@
 """`specdistill online [rollback | demo] ...`: routes the verb's subcommands.
 
-specdistill online --recipe R [--follow | --once]   -> train/online.py (the job)
-specdistill online rollback [VERSION] --drafts ROOT -> train/online_dirs.py
-specdistill online demo --out DIR [--minutes M]     -> train/online_demo.py
+specdistill online --recipe R [--follow | --once]   -> train/online/job.py (the job)
+specdistill online rollback [VERSION] --drafts ROOT -> train/online/dirs.py
+specdistill online demo --out DIR [--minutes M]     -> train/online/demo.py
 """
 
 import sys
@@ -11,10 +11,10 @@ import sys
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] == "demo":
-        from specdistill.train.online_demo import main as demo_main
+        from specdistill.train.online.demo import main as demo_main
 
         return demo_main(argv[1:])
-    from specdistill.train.online import main as online_main
+    from specdistill.train.online.job import main as online_main
 
     return online_main(argv)
 

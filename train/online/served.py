@@ -8,7 +8,7 @@ import time
 
 
 class ServedVersions:
-    """Mixed into OnlineJob (train/online.py): uses its root, recipe, target, tokenizer,
+    """Mixed into OnlineJob (train/online/job.py): uses its root, recipe, target, tokenizer,
     trainer, kind and logs."""
 
     def _complete_pending(self) -> None:
@@ -107,7 +107,7 @@ class ServedVersions:
 
     def _publish(self, model, manifest: dict, version: str | None = None) -> str:
         from specdistill.drafts.embedded import resolve_model
-        from specdistill.train.online_versions import publish_version
+        from specdistill.train.online.versions import publish_version
 
         verifier = resolve_model(self.recipe.target.model)
         manifest = {
