@@ -9,6 +9,7 @@ and ``mask: [...]`` bool (True = valid). ``V = V_d`` unless ``d2t`` maps the dra
 vocabulary into a larger target vocabulary.
 """
 
+from collections.abc import Iterable
 from typing import NamedTuple
 
 import torch
@@ -17,7 +18,9 @@ from torch import Tensor
 from specdistill.losses.divergences import (
     LOG_P_FLOOR,
     LOSSES,
+    LossParam,
     check_params,
+    keyword_params,
     log_acceptance,
     params_of,
 )
@@ -121,6 +124,24 @@ def compute_loss(
         mask_out_of_vocab=mask_out_of_vocab,
     )
     return masked_loss(name, prepared, params).sum(), prepared.mask.sum()
+
+
+# compute_loss keywords that the caller (the trainer) sets itself, not loss parameters
+CALLER_KEYWORDS = ("temperature", "d2t")
+
+
+def loss_params(name: str, parts: Iterable[str] = ()) -> dict[str, LossParam]:
+    """The parameters a caller may give loss ``name`` (name, annotation, default): the
+    sampling keywords of :func:`compute_loss` (top_p, top_k, mask_out_of_vocab), then the
+    loss function's own, then for ``mix`` those of each of ``parts``. Annotations are the
+    functions' own (``alpha_bar: Tensor | float | None``)."""
+    functions = [compute_loss, LOSSES[name], *(LOSSES[part] for part in parts)]
+    params = {}
+    for function in functions:
+        for key, param in keyword_params(function).items():
+            if key not in CALLER_KEYWORDS:
+                params.setdefault(key, param)
+    return params
 
 
 def acceptance(

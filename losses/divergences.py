@@ -13,10 +13,12 @@ vocabulary is a subset of the target's (mass outside V_d). Acceptance-style loss
 acceptance; KL-style losses renormalise p over the draft vocabulary first.
 """
 
+import functools
 import inspect
 import math
+import typing
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
@@ -170,10 +172,38 @@ LOSSES: dict[str, Callable[..., Tensor]] = {
 }
 
 
+class LossParam(NamedTuple):
+    """A keyword-only parameter of a loss function: its name, annotation and default
+    (``REQUIRED`` when it has none)."""
+
+    name: str
+    type: Any
+    default: Any
+
+
+REQUIRED = inspect.Parameter.empty
+
+
+def keyword_params(function: Callable) -> dict[str, LossParam]:
+    """The keyword-only parameters of ``function`` in signature order: the one reading of the
+    loss functions' signatures (``losses.api.loss_params`` builds the recipe's view on it)."""
+    return dict(_keyword_params(function))
+
+
+@functools.cache
+def _keyword_params(function: Callable) -> tuple[tuple[str, LossParam], ...]:
+    hints = typing.get_type_hints(function)
+    params = []
+    for p in inspect.signature(function).parameters.values():
+        if p.kind is p.KEYWORD_ONLY:
+            default_type = Any if p.default is p.empty or p.default is None else type(p.default)
+            params.append((p.name, LossParam(p.name, hints.get(p.name, default_type), p.default)))
+    return tuple(params)
+
+
 def param_names(name: str) -> set[str]:
-    """Keyword params that loss ``name`` takes (``mix`` also lists its parts' params)."""
-    signature = inspect.signature(LOSSES[name]).parameters.values()
-    return {p.name for p in signature if p.kind is inspect.Parameter.KEYWORD_ONLY}
+    """Keyword params that loss ``name``'s own function takes (for ``mix``: ``parts``)."""
+    return set(keyword_params(LOSSES[name]))
 
 
 def params_of(name: str, params: dict) -> dict:

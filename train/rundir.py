@@ -19,20 +19,15 @@ from pathlib import Path
 from specdistill import publish
 from specdistill.drafts.weights import check_state_file
 from specdistill.train.config import Recipe, RecipeError, load_recipe, recipe_to_dict
+from specdistill.train.recipe import harmless_keys
 
 CHECKPOINT_PREFIX = "step-"
 
 STATE_FILE = "trainer_state.json"
-# Recipe keys a resumed run may change: they do not change the trained draft. Everything else
-# (target, draft, data, loss, the rest of train, the seed) does, and is refused.
-HARMLESS_KEYS = {
-    "train.save_every",
-    "train.keep_checkpoints",
-    "train.log_every",
-    "train.resume",
-    "train.overwrite",
-    "train.output_dir",
-}
+# Recipe keys a resumed run may change: they do not change the trained draft (the schema marks
+# them, train/recipe.py). Everything else (target, draft, data, loss, the rest of train, the
+# seed) does, and is refused.
+HARMLESS_KEYS = harmless_keys()
 HARMLESS_SECTIONS = ("eval.", "wandb.", "online.")  # distill ignores online.
 # Where accelerate logs "Removed shared tensor ... while saving" (clean_state_dict_for_safetensors)
 ACCELERATE_SAVE_LOGGER = "accelerate.utils.other"

@@ -1,3 +1,4 @@
+import re
 from pathlib import Path
 
 import pytest
@@ -166,3 +167,132 @@ def test_a_shipped_recipe_by_name(tmp_path, monkeypatch):
     assert load_recipe("code").train.output_dir == load_recipe("code.yaml").train.output_dir
     with pytest.raises(RecipeError, match=r"recipe file not found: cod \(shipped recipes: .*code"):
         load_recipe("cod")
+
+
+# The schema is the one source: key sets, loss parameters and the reference doc come from it.
+
+
+def test_key_sets_come_from_the_schema_marks():
+    from specdistill.train.config import EAGLE3_KEYS, harmless_keys
+    from specdistill.train.rundir import HARMLESS_KEYS
+
+    assert EAGLE3_KEYS == {
+        "draft.vocab_size",
+        "draft.aux_layers",
+        "draft.ttt_steps",
+        "draft.intermediate_size",
+        "draft.norm_before_residual",
+        "draft.freeze_lm_head",
+    }
+    assert HARMLESS_KEYS == harmless_keys()
+    outside = {k for k in HARMLESS_KEYS if not k.startswith(("eval.", "wandb.", "online."))}
+    assert outside == {
+        "train.save_every",
+        "train.keep_checkpoints",
+        "train.log_every",
+        "train.resume",
+        "train.overwrite",
+        "train.output_dir",
+    }
+    assert {"eval.speculative.gammas", "wandb.mode", "online.policy"} <= HARMLESS_KEYS
+    assert not HARMLESS_KEYS & {"train.seed", "train.max_steps", "loss.name", "data.train"}
+
+
+def test_every_key_is_described():
+    from specdistill.train.recipe import leaf_keys
+
+    keys = leaf_keys()
+    assert len(keys) > 100
+    assert [k for k, field in keys.items() if not field.description] == []
+
+
+def test_reference_doc_is_the_generated_one():
+    """docs/recipe-keys.md is `python -m specdistill.train.recipe_docs` output: regenerate it
+    after changing the schema."""
+    from specdistill.train import recipe_docs
+
+    committed = (Path(__file__).parents[2] / recipe_docs.DOC).read_text()
+    assert committed == recipe_docs.render(), f"stale: run {recipe_docs.COMMAND}"
+    for key in ("`train.max_steps`", "`draft.ttt_steps`", "`online.clients`", "`loss.eta`"):
+        assert key in committed
+
+
+def test_loss_parameters_are_read_from_the_library_once():
+    from specdistill.losses.api import loss_params
+    from specdistill.losses.divergences import REQUIRED, param_names
+
+    jsd = loss_params("jsd")
+    assert list(jsd) == ["top_p", "top_k", "mask_out_of_vocab", "beta"]
+    assert jsd["beta"].type is float and jsd["beta"].default == 0.5
+    assert loss_params("mix")["parts"].default is REQUIRED
+    assert {"parts", "beta", "eta"} <= set(loss_params("mix", ["jsd", "lk_lambda"]))
+    assert param_names("lk_lambda") == {"eta", "lambda_mode", "alpha_bar"}
+
+
+def test_errors_point_at_the_file_line_unless_an_override_set_the_key(tmp_path):
+    path = write(tmp_path, "train:\n  max_steps: 0\nloss:\n  name: jsd\n  bta: 0.3\n")
+    at = re.escape(str(path))
+    with pytest.raises(RecipeError, match=rf"^{at}:2: train.max_steps must be >= 1, got 0$"):
+        load_recipe(path)
+    with pytest.raises(RecipeError, match=rf"^{at}:5: loss: jsd takes no parameter 'loss.bta'"):
+        load_recipe(path, ["train.max_steps=3"])
+    with pytest.raises(RecipeError, match=r"^loss: jsd takes no parameter 'loss.bta'"):
+        load_recipe(path, ["train.max_steps=3", "loss.bta=0.5"])
+
+
+@pytest.mark.parametrize(
+    "override",
+    [
+        "train=3",
+        "draft.lora=[1]",
+        "loss.params=3",
+        "data.train=[]",
+        "data.train=[1]",
+        "eval.speculative.gammas=[1, 0]",
+        "online.clients=[alice]",
+        "wandb.project=5",
+        "train.resume=true",
+        "loss.parts=3",
+        "loss.top_p=high",
+    ],
+)
+def test_messages_are_one_line_and_never_pydantic_text(override):
+    overrides = ["loss.name=mix"] if override == "loss.parts=3" else []
+    with pytest.raises(RecipeError) as info:
+        load_recipe(None, [*overrides, override])
+    message = str(info.value)
+    assert "\n" not in message and override.split("=")[0].split(".")[-1] in message
+    for pydantic_words in ("validation error", "Input should", "pydantic", "[type="):
+        assert pydantic_words not in message
+
+
+def test_nullable_keys_say_null_is_allowed():
+    with pytest.raises(RecipeError, match=r"wandb.project must be a string or null, got 5"):
+        load_recipe(None, ["wandb.project=5"])
+    with pytest.raises(RecipeError, match=r"draft.vocab_size must be >= 1 or null, got 0"):
+        load_recipe(None, ["draft.type=eagle3", "draft.model=null", "draft.vocab_size=0"])
+    with pytest.raises(RecipeError, match=r"eval.speculative.gammas\[1\] must be >= 1, got 0"):
+        load_recipe(None, ["eval.speculative.gammas=[1, 0]"])
+
+
+@pytest.mark.parametrize("path", RECIPES, ids=[p.name for p in RECIPES])
+def test_every_shipped_recipe_round_trips(path, tmp_path):
+    recipe = load_recipe(path)
+    dump_recipe(recipe, tmp_path / "recipe.yaml")
+    assert load_recipe(tmp_path / "recipe.yaml") == recipe
+
+
+def test_resume_reads_yaml_false_as_no_and_refuses_true():
+    assert load_recipe(None, ["train.resume=false"]).train.resume == "no"
+    assert load_recipe(None, ["train.resume=no"]).train.resume == "no"
+    assert load_recipe(None, ["train.resume=auto"]).train.resume == "auto"
+    with pytest.raises(RecipeError, match=r"train.resume must be .*got true .*write auto"):
+        load_recipe(None, ["train.resume=yes"])
+
+
+def test_sections_copy_with_changes_like_the_online_job():
+    """A section copy with changed values (the online job's constant schedule) keeps the rest."""
+    recipe = load_recipe(None, ["train.lr=3e-4"])
+    changed = recipe.train.model_copy(update={"warmup_steps": 0, "min_lr_ratio": 1.0})
+    assert (changed.lr, changed.warmup_steps, changed.min_lr_ratio) == (3e-4, 0, 1.0)
+    assert recipe.train.warmup_steps == 20

@@ -47,7 +47,6 @@ Not done: multi-process training.
 
 import argparse
 import copy
-import dataclasses
 import json
 import math
 import os
@@ -81,13 +80,15 @@ class OnlineJob(TrafficInput, ServedVersions):
         self.print = print
         r = copy.deepcopy(recipe)
         # A refresh is a continuation, not a schedule: constant learning rate.
-        r.train = dataclasses.replace(r.train, warmup_steps=0, min_lr_ratio=1.0)
+        r.train = r.train.model_copy(update={"warmup_steps": 0, "min_lr_ratio": 1.0})
         self.recipe, o = r, r.online
         self.o = o
         if o.traffic is None:
             raise RecipeError("online.traffic must name the server's --traffic directory")
         if o.policy == "osd":  # OSD's buffer: cleared after each update; nothing held out
-            o = dataclasses.replace(o, holdout_size=0, recent_size=0, reservoir_size=0, anchor=[])
+            o = o.model_copy(
+                update={"holdout_size": 0, "recent_size": 0, "reservoir_size": 0, "anchor": []}
+            )
             r.online = self.o = o
         self.out = Path(o.output_dir)
         self.root = Path(o.drafts)

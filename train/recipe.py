@@ -1,0 +1,352 @@
+"""The recipe schema: one pydantic model per section, the single source of every key's type,
+default, allowed values or range, description, and whether it applies to EAGLE-3 heads
+only or may change when a run resumes.
+
+Loading a YAML file and the `key.sub=value` overrides is train/config.py; the checks that
+relate several keys are train/recipe_checks.py; the reference of all keys in docs/ is
+generated from these models by train/recipe_docs.py.
+"""
+
+from typing import Any
+
+from pydantic import model_validator
+
+from specdistill.train.recipe_online import OnlineConfig
+from specdistill.train.recipe_types import (
+    EAGLE3_ONLY,
+    RESUME,
+    DepthWeighting,
+    DraftType,
+    Dtype,
+    Float,
+    Ints,
+    MixedPrecision,
+    OnPolicySource,
+    PositiveInts,
+    Resume,
+    Section,
+    Strings,
+    WandbMode,
+    recipe_key,
+)
+
+
+class LoraConfig(Section):
+    r: int = recipe_key(
+        0,
+        "0: full fine-tuning of the draft; > 0: train a peft LoRA adapter of this "
+        "rank instead, merged into final/",
+        ge=0,
+    )
+    alpha: int = recipe_key(16, "LoRA alpha (scale alpha / r)")
+    dropout: Float = recipe_key(0.0, "LoRA dropout")
+    target_modules: Strings = recipe_key(
+        description="the draft's modules that get an adapter",
+        factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"],
+    )
+
+
+class TargetConfig(Section):
+    model: str = recipe_key("embedded:code-deep", "HF id, local directory or embedded:<name>")
+    dtype: Dtype = recipe_key("float32", "the target's weights dtype")
+    revision: str | None = recipe_key(None, "HF revision (branch, tag or commit) of target.model")
+    adapter: str | None = recipe_key(
+        None,
+        "a peft LoRA adapter directory on target.model (a fine-tuned target), loaded "
+        "unmerged; null: the base model alone",
+    )
+    cache: str | None = recipe_key(
+        None,
+        "a target cache directory (specdistill cache): the loss reads the target's "
+        "cached top-N instead of running it (standalone drafts); null: the live target",
+    )
+
+
+class DraftConfig(Section):
+    type: DraftType = recipe_key(
+        "standalone", "standalone: a small causal LM; eagle3: a head on the target's features"
+    )
+    model: str | None = recipe_key(
+        "embedded:code-deep-draft",
+        "standalone: HF id, local directory or embedded:<name>. "
+        "eagle3: null for a fresh head built on the target, or an EAGLE-3 checkpoint directory "
+        "to continue from",
+    )
+    dtype: Dtype = recipe_key(
+        "float32", "master weights; the compute precision comes from train.mixed_precision"
+    )
+    revision: str | None = recipe_key(None, "HF revision (branch, tag or commit) of draft.model")
+    lora: LoraConfig = recipe_key(
+        description="A LoRA adapter instead of full fine-tuning (standalone drafts).",
+        factory=LoraConfig,
+    )
+    vocab_size: int | None = recipe_key(
+        None,
+        "V_d: the head's vocabulary, the most frequent loss-masked training tokens; "
+        "null: the target's V",
+        eagle3_only=True,
+        ge=1,
+    )
+    aux_layers: Ints | None = recipe_key(
+        None, "target layers whose input is fused into the head; null: automatic", eagle3_only=True
+    )
+    ttt_steps: int = recipe_key(3, "training-time-test depth K", eagle3_only=True, ge=1)
+    intermediate_size: int | None = recipe_key(
+        None, "the head's MLP width; null: the target's", eagle3_only=True
+    )
+    norm_before_residual: bool = recipe_key(
+        False, "as vLLM's flag of the same name; SGLang supports only false", eagle3_only=True
+    )
+    freeze_lm_head: bool = recipe_key(
+        False, "keep lm_head at the target's rows of V_d (not trained)", eagle3_only=True
+    )
+
+
+class OnPolicyConfig(Section):
+    """Part of each batch generated on the fly (train/on_policy.py)."""
+
+    fraction: Float = recipe_key(
+        0.0,
+        "share of each global batch's sequences generated on the fly (0: off); only the "
+        "generated tokens are trained on",
+        ge=0,
+        le=1,
+    )
+    source: OnPolicySource = recipe_key(
+        "draft",
+        "draft: the draft's own samples (DistillSpec / GKD); target: the target's, "
+        "through speculative decoding with the current draft",
+    )
+    prompt_tokens: int = recipe_key(
+        32, "the first tokens of the slot's training sequence: the prompt", ge=1
+    )
+    max_new_tokens: int | None = recipe_key(
+        None,
+        "new tokens per sequence (each stops after EOS); null: up to data.max_length in all",
+        ge=1,
+    )
+    temperature: Float = recipe_key(
+        1.0, "sampling temperature: set it to the serving one (0: greedy)", ge=0
+    )
+    gamma: int = recipe_key(4, "source=target: draft tokens per speculative round", ge=1)
+
+
+class DataConfig(Section):
+    train: Strings = recipe_key(
+        description="files, globs, directories, org/name[:split] HF datasets or embedded:<name>",
+        factory=lambda: ["embedded:code"],
+        min_length=1,
+    )
+    eval: Strings | None = recipe_key(
+        None, "same forms; null: a held-out split of data.train (data.eval_fraction)"
+    )
+    max_length: int = recipe_key(256, "sequence length in tokens", ge=2)
+    pack: bool = recipe_key(True, "true: pack text into full blocks; false: truncate each record")
+    eval_fraction: Float = recipe_key(
+        0.05, "the held-out share of data.train when data.eval is null", gt=0, lt=1
+    )
+    skip_malformed: bool = recipe_key(
+        False, "skip (and count) malformed records instead of stopping at the first"
+    )
+    on_policy: OnPolicyConfig = recipe_key(
+        description="Sequences generated on the fly during training (train/on_policy.py).",
+        factory=OnPolicyConfig,
+    )
+
+
+class LossConfig(Section):
+    name: str = recipe_key(
+        "lk_lambda",
+        "the objective: a loss of the loss library (fkl, rkl, jsd, tv, lk_alpha, "
+        "lk_lambda, ce, topk_ce, mix)",
+    )
+    temperature: Float = recipe_key(
+        1.0, "both distributions are compared at this temperature", gt=0
+    )
+    chunk_size: int | None = recipe_key(
+        None,
+        "positions per chunk: a memory-bounded loss from hidden states that never "
+        "materialises [batch, seq, vocab]; null: the direct loss",
+        ge=1,
+    )
+    depth_weighting: DepthWeighting = recipe_key(
+        "geometric",
+        "weighting of the K draft depths of an EAGLE-3 head's training-time test "
+        "(end_to_end: the multi-depth TV loss, loss.name=tv)",
+    )
+    depth_decay: Float | None = recipe_key(
+        None, "the geometric ratio of depth_weighting=geometric; null: 0.8, EAGLE-3's", gt=0
+    )
+    params: dict[str, Any] = recipe_key(
+        description="the loss's own parameters, e.g. {eta: 3.0}; also written flat "
+        "(loss.eta=3.0). The section of loss parameters below lists them",
+        factory=dict,
+    )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _flat_params(cls, raw: Any) -> Any:
+        """loss: {name: lk_lambda, eta: 3} is loss: {name: lk_lambda, params: {eta: 3}}."""
+        if not isinstance(raw, dict) or not isinstance(raw.get("params") or {}, dict):
+            return raw
+        raw = dict(raw)
+        params = dict(raw.pop("params", None) or {})
+        params.update({k: raw.pop(k) for k in list(raw) if k not in cls.model_fields})
+        return {**raw, "params": params}
+
+
+class TrainConfig(Section):
+    max_steps: int = recipe_key(
+        200, "optimiser steps; a resumed run may raise it", resume="grow", ge=1
+    )
+    global_batch_size: int = recipe_key(
+        16,
+        "sequences per optimiser step, over all processes (a multiple of "
+        "train.micro_batch_size; the accumulation is derived)",
+        ge=1,
+    )
+    micro_batch_size: int = recipe_key(8, "sequences per forward on one process", ge=1)
+    lr: Float = recipe_key(1e-3, "AdamW's peak learning rate", gt=0)
+    weight_decay: Float = recipe_key(0.0, "AdamW's weight decay", ge=0)
+    warmup_steps: int = recipe_key(20, "linear warmup steps, then cosine decay", ge=0)
+    min_lr_ratio: Float = recipe_key(0.1, "the cosine decay ends at lr × min_lr_ratio", ge=0, le=1)
+    max_grad_norm: Float = recipe_key(1.0, "gradient clipping norm", gt=0)
+    mixed_precision: MixedPrecision = recipe_key("no", "bf16 / fp16 through accelerate")
+    seed: int = recipe_key(0, "seed of the data order, the held-out split and the initialisation")
+    output_dir: str = recipe_key("runs/code", "where everything is written", resume="harmless")
+    save_every: int = recipe_key(
+        100, "checkpoint period in steps (0: the final draft only)", resume="harmless", ge=0
+    )
+    keep_checkpoints: int = recipe_key(2, "checkpoints kept", resume="harmless", ge=1)
+    resume: Resume = recipe_key(
+        "no",
+        "no (YAML false reads as no); auto: continue from the newest checkpoint in "
+        "output_dir (a finished run is reported, not retrained); or a checkpoint path. The "
+        "checkpoint's recipe must not differ in a key that changes the trained draft",
+        resume="harmless",
+    )
+    overwrite: bool = recipe_key(
+        False,
+        "true: delete the contents of a non-empty output_dir first; otherwise a "
+        "non-empty one is refused unless resuming, so that two runs never mix their outputs",
+        resume="harmless",
+    )
+    log_every: int = recipe_key(10, "steps between progress lines", resume="harmless", ge=1)
+
+
+class SpeculativeEvalConfig(Section):
+    every: int = recipe_key(
+        0,
+        "> 0: real speculative decoding on held-out prompts every N steps and at the end; "
+        "logs measured τ, speedup and best γ (spec/*)",
+        ge=0,
+    )
+    gammas: PositiveInts = recipe_key(
+        description="draft lengths γ tried", factory=lambda: [1, 2, 4], min_length=1
+    )
+    prompts: int = recipe_key(
+        4, "held-out sequences whose first prompt_tokens tokens are prompts", ge=1
+    )
+    prompt_tokens: int = recipe_key(32, "prompt length in tokens", ge=1)
+    max_new_tokens: int = recipe_key(32, "tokens generated per prompt", ge=1)
+
+
+class EvalConfig(Section):
+    every: int = recipe_key(
+        100, "held-out α every N steps (0: only before and after training)", ge=0
+    )
+    temperature: Float = recipe_key(
+        1.0, "temperature of the held-out α (0: greedy agreement)", ge=0
+    )
+    max_sequences: int = recipe_key(64, "held-out sequences per evaluation", ge=1)
+    max_gamma: int = recipe_key(8, "tau_pred is reported for γ = 1..max_gamma", ge=1)
+    tau_prompts: int = recipe_key(
+        8,
+        "tau_pred replays rounds along the target's own continuations (greedy at T = 0, "
+        "sampled at eval.temperature) of this many held-out prompts, generated once per run "
+        "(tau_texts.json); 0: tau_pred is the i.i.d. formula (also tau_pred_iid)",
+        ge=0,
+    )
+    tau_prompt_tokens: int = recipe_key(32, "prompt length of those prompts in tokens", ge=1)
+    tau_tokens: int = recipe_key(64, "tokens of each continuation", ge=2)
+    speculative: SpeculativeEvalConfig = recipe_key(
+        description="Real speculative decoding on held-out prompts during training.",
+        factory=SpeculativeEvalConfig,
+    )
+
+
+class WandbConfig(Section):
+    project: str | None = recipe_key(None, "wandb project; null: wandb is off")
+    mode: WandbMode = recipe_key("offline", "offline unless you say online")
+    entity: str | None = recipe_key(None, "wandb entity")
+    name: str | None = recipe_key(None, "run name")
+
+
+class Recipe(Section):
+    target: TargetConfig = recipe_key(
+        description="The model the draft learns from.", factory=TargetConfig
+    )
+    draft: DraftConfig = recipe_key(
+        description="The model trained: a standalone draft or an EAGLE-3 head.", factory=DraftConfig
+    )
+    data: DataConfig = recipe_key(
+        description="Training and held-out text (text files, JSONL with text, chat JSONL).",
+        factory=DataConfig,
+    )
+    loss: LossConfig = recipe_key(
+        description="The objective (docs/theory.md §3).", factory=LossConfig
+    )
+    train: TrainConfig = recipe_key(
+        description="Optimisation and the run directory.", factory=TrainConfig
+    )
+    eval: EvalConfig = recipe_key(
+        description="Held-out evaluation during training.", factory=EvalConfig, resume="harmless"
+    )
+    wandb: WandbConfig = recipe_key(
+        description="Weights & Biases logging.", factory=WandbConfig, resume="harmless"
+    )
+    online: OnlineConfig = recipe_key(
+        description="`specdistill online`: learn from the server's traffic log "
+        "(docs/online.md); `distill` ignores it.",
+        factory=OnlineConfig,
+        resume="harmless",
+    )
+
+
+def leaf_keys(model: type[Section] = Recipe, prefix: str = "") -> dict[str, Any]:
+    """Every dotted key of `model` and its FieldInfo, sections expanded, in schema order."""
+    keys = {}
+    for name, field in model.model_fields.items():
+        key = f"{prefix}{name}"
+        if isinstance(field.annotation, type) and issubclass(field.annotation, Section):
+            keys.update(leaf_keys(field.annotation, f"{key}."))
+        else:
+            keys[key] = field
+    return keys
+
+
+def _section_marks(model: type[Section] = Recipe, prefix: str = "") -> dict[str, dict]:
+    """Dotted key -> its own marks merged over its sections' (a harmless section's keys are
+    harmless)."""
+    marks = {}
+    for name, field in model.model_fields.items():
+        key, own = f"{prefix}{name}", dict(field.json_schema_extra or {})
+        if isinstance(field.annotation, type) and issubclass(field.annotation, Section):
+            for sub, sub_marks in _section_marks(field.annotation, f"{key}.").items():
+                marks[sub] = {**own, **sub_marks}
+        else:
+            marks[key] = own
+    return marks
+
+
+def keys_marked(name: str, value: Any = True) -> set[str]:
+    return {key for key, marks in _section_marks().items() if marks.get(name) == value}
+
+
+def harmless_keys() -> set[str]:
+    """The keys a resumed run may change: they do not change the trained draft."""
+    return keys_marked(RESUME, "harmless")
+
+
+# Keys that configure an EAGLE-3 head; setting one on a standalone draft is a mistake.
+EAGLE3_KEYS = keys_marked(EAGLE3_ONLY)

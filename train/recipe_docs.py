@@ -1,0 +1,171 @@
+"""The reference of every recipe key, generated from the schema (train/recipe.py) and the
+loss library's parameters (losses.api.loss_params):
+
+    python -m specdistill.train.recipe_docs > docs/recipe-keys.md
+
+tests/train/test_config.py fails when the committed file differs from `render()`.
+"""
+
+import sys
+import typing
+from typing import Annotated, Any, Literal
+
+from specdistill.train.recipe import EAGLE3_ONLY, RESUME, Recipe, Section
+from specdistill.train.recipe_errors import bounds_of, nullable, range_text, strip_optional
+
+DOC = "docs/recipe-keys.md"
+COMMAND = "python -m specdistill.train.recipe_docs > docs/recipe-keys.md"
+RESUME_WORDS = {"harmless": "may change", "grow": "may grow"}
+
+INTRO = f"""# Recipe keys
+
+<!-- Generated from train/recipe.py by `{COMMAND}`; do not edit by hand. -->
+
+A recipe is a YAML file of sections (`target`, `draft`, `data`, `loss`, `train`, `eval`,
+`wandb`, `online`); a key left out takes its default. Any key can be set on the command line
+as `key.sub=value`, the value read as YAML (`train.max_steps=50`, `data.train=[a.jsonl,
+b.jsonl]`, `wandb.project=null`). An unknown key or a bad value stops the run with one line
+that names the key, the value and what it may be (`unknown recipe key 'train.max_step'; did
+you mean 'train.max_steps'?`), with the file and line when the recipe file sets it.
+
+Columns: **type** (a list key also takes a single value, read as a one-element list; a number
+key takes an integer too), **allowed** (the values or the range), **EAGLE-3** (the key
+configures an EAGLE-3 head and is refused with `draft.type: standalone`), **resume** (what a
+resumed run, `train.resume`, may do with it: *may change* does not change the trained draft;
+every other key must keep the checkpoint's value).
+"""
+
+
+def render() -> str:
+    parts = [INTRO]
+    for name, field in Recipe.model_fields.items():
+        parts += _section(name, field.annotation, field.description, _marks(field))
+    parts.append(_loss_params())
+    return "\n".join(parts)
+
+
+def _marks(field) -> dict:
+    return dict(field.json_schema_extra or {})
+
+
+def _section(key: str, model: type[Section], description: str, marks: dict) -> list[str]:
+    rows, subsections = [], []
+    for name, field in model.model_fields.items():
+        own = {**marks, **_marks(field)}
+        if isinstance(field.annotation, type) and issubclass(field.annotation, Section):
+            subsections += _section(f"{key}.{name}", field.annotation, field.description, own)
+            continue
+        rows.append(
+            "| "
+            + " | ".join(
+                [
+                    f"`{key}.{name}`",
+                    type_text(field.annotation),
+                    f"`{_value(field.get_default(call_default_factory=True))}`",
+                    _allowed(field),
+                    "yes" if own.get(EAGLE3_ONLY) else "",
+                    RESUME_WORDS.get(own.get(RESUME), ""),
+                    (field.description or "").replace("|", "\\|"),
+                ]
+            )
+            + " |"
+        )
+    head = [
+        f"## `{key}`\n",
+        f"{description}\n",
+        "| key | type | default | allowed | EAGLE-3 | resume | description |",
+        "|---|---|---|---|---|---|---|",
+        *rows,
+        "",
+    ]
+    return head + subsections
+
+
+def type_text(annotation: Any) -> str:
+    """The recipe's name of a value type: int, number, bool, string, list of ..., mapping."""
+    if nullable(annotation):
+        return f"{type_text(strip_optional(annotation))} or null"
+    while typing.get_origin(annotation) is Annotated:
+        annotation = typing.get_args(annotation)[0]
+    origin, args = typing.get_origin(annotation), typing.get_args(annotation)
+    if origin is Literal:
+        return "string"
+    if origin is list:
+        return f"list of {type_text(args[0])}s"
+    if origin is dict:
+        return "mapping" if args[1] is Any else f"mapping to {type_text(args[1])}"
+    words = {int: "int", float: "number", bool: "bool", str: "string"}
+    if annotation in words:
+        return words[annotation]
+    return "any" if annotation is Any else str(annotation)
+
+
+def _allowed(field) -> str:
+    base = strip_optional(field.annotation)
+    while typing.get_origin(base) is Annotated:
+        base = typing.get_args(base)[0]
+    if typing.get_origin(base) is Literal:
+        return ", ".join(f"`{v}`" for v in typing.get_args(base))
+    texts = []
+    if bounds := bounds_of(field.metadata):
+        texts.append(range_text(bounds))
+    if typing.get_origin(base) is list:
+        (item,) = typing.get_args(base)
+        if item_bounds := bounds_of(list(typing.get_args(item)[1:])):
+            texts.append(f"items {range_text(item_bounds)}")
+    if any(getattr(m, "min_length", None) for m in field.metadata):
+        texts.append("not empty")
+    return "; ".join(texts)
+
+
+def _value(value: Any) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, list):
+        return "[" + ", ".join(_value(v) for v in value) + "]"
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{k}: {_value(v)}" for k, v in value.items()) + "}"
+    return str(value)
+
+
+def _loss_params() -> str:
+    """The loss parameters, as the loss library declares them (names, types, defaults)."""
+    from specdistill.losses import LOSSES
+    from specdistill.losses.api import loss_params
+    from specdistill.losses.divergences import PARAM_CHECKS, REQUIRED
+    from specdistill.train.recipe_checks import recipe_type
+
+    takers: dict[str, list[str]] = {}
+    declared = {}
+    for name in LOSSES:
+        for key, param in loss_params(name).items():
+            takers.setdefault(key, []).append(name)
+            declared.setdefault(key, param)
+    rows = []
+    for key, param in declared.items():
+        losses = takers[key]
+        default = "required" if param.default is REQUIRED else f"`{_value(param.default)}`"
+        rows.append(
+            f"| `loss.{key}` | {'every loss' if len(losses) == len(LOSSES) else ', '.join(losses)}"
+            f" | {type_text(recipe_type(param.type))} | {default} | "
+            f"{PARAM_CHECKS.get(key, (None, ''))[1]} |"
+        )
+    return "\n".join(
+        [
+            "## Loss parameters\n",
+            "Each loss's own parameters, read from the loss library's function signatures "
+            "(`losses.api.loss_params`); written flat (`loss.eta: 3.0`) or under "
+            "`loss.params`. A loss refuses a parameter it does not take; `mix` takes those of "
+            "its `parts` (docs/theory.md §3).\n",
+            "| key | losses | type | default | allowed |",
+            "|---|---|---|---|---|",
+            *rows,
+            "",
+        ]
+    )
+
+
+if __name__ == "__main__":
+    sys.stdout.write(render())

@@ -1,0 +1,117 @@
+"""The building blocks of the recipe schema (train/recipe.py): the base of a section, the
+field helper that carries a key's description and marks, and the value types that read YAML
+as the recipe means it."""
+
+import re
+from typing import Annotated, Any, Literal
+
+from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field
+
+from specdistill.train.recipe_errors import RecipeError
+
+# Field metadata (json_schema_extra): EAGLE3_ONLY marks the keys of an EAGLE-3 head; setting
+# one on a standalone draft is refused. RESUME says what a resumed run may do with the key:
+# "harmless" (change it freely: it does not change the trained draft) or "grow" (raise it).
+EAGLE3_ONLY = "eagle3_only"
+RESUME = "resume"
+
+
+def recipe_key(
+    default: Any = None,
+    description: str = "",
+    *,
+    factory=None,
+    eagle3_only=False,
+    resume: str | None = None,
+    **constraints,
+) -> Any:
+    """A recipe key's pydantic Field: its default (or `factory` for a list or a section), its
+    description, its range (`ge=`, `gt=`, `le=`, `lt=`, `min_length=`) and its marks."""
+    extra = {EAGLE3_ONLY: True} if eagle3_only else {}
+    if resume:
+        extra[RESUME] = resume
+    kwargs = {"default_factory": factory} if factory else {"default": default}
+    return Field(**kwargs, description=description, json_schema_extra=extra or None, **constraints)
+
+
+def _number(value: Any) -> Any:
+    """YAML 1.1 reads `1e-3` (no dot) as a string: a number key still takes it."""
+    if isinstance(value, str):
+        try:
+            return float(value)
+        except ValueError:
+            pass
+    return value
+
+
+def _one_or_more(value: Any) -> Any:
+    """A single path (or number) where a list is expected is a one-element list."""
+    if isinstance(value, str | int | float) and not isinstance(value, bool):
+        return [value]
+    return value
+
+
+CLIENT_ID = r"key-[0-9a-f]{12}"
+
+
+def _client_id(value: str) -> str:
+    if re.fullmatch(CLIENT_ID, value) is None:
+        raise RecipeError(
+            f'online.clients: {value!r} is not a client id like key-0123456789ab ("key-" + '
+            "the first 12 hex digits of the sha256 of the client's API key, as the server's "
+            "traffic records write it)",
+            key="online.clients",
+        )
+    return value
+
+
+RESUME_VALUES = "no (or false), auto, or the path of a checkpoint directory"
+
+
+def _resume_value(value: Any) -> Any:
+    """train.resume as written: YAML 1.1 reads `no` / `off` / `false` as the boolean false,
+    which means `no`. True (`yes`, `on`, `true`) is refused: it does not say whether to
+    continue the newest checkpoint (`auto`) or a given one."""
+    if value is False:
+        return "no"
+    if value is True:
+        raise RecipeError(
+            f"train.resume must be {RESUME_VALUES}; got true (YAML reads yes / on / true as "
+            "a boolean): write auto to continue from the newest checkpoint in train.output_dir",
+            key="train.resume",
+        )
+    if isinstance(value, str) and not value.strip():
+        raise RecipeError(
+            f"train.resume must be {RESUME_VALUES}; got an empty string", key="train.resume"
+        )
+    if not isinstance(value, str):
+        raise RecipeError(
+            f"train.resume must be {RESUME_VALUES}; got {value!r}", key="train.resume"
+        )
+    return value
+
+
+Float = Annotated[float, BeforeValidator(_number)]
+Strings = Annotated[list[str], BeforeValidator(_one_or_more)]
+Ints = Annotated[list[int], BeforeValidator(_one_or_more)]
+PositiveInts = Annotated[list[Annotated[int, Field(ge=1)]], BeforeValidator(_one_or_more)]
+ClientIds = Annotated[
+    list[Annotated[str, AfterValidator(_client_id)]], BeforeValidator(_one_or_more)
+]
+Resume = Annotated[str, BeforeValidator(_resume_value)]
+
+Dtype = Literal["float32", "bfloat16", "float16"]
+DraftType = Literal["standalone", "eagle3"]  # the types of the drafts layer (drafts.TYPES)
+DepthWeighting = Literal["geometric", "expected_length", "end_to_end"]
+MixedPrecision = Literal["no", "bf16", "fp16"]
+WandbMode = Literal["offline", "online", "disabled"]
+OnPolicySource = Literal["draft", "target"]
+OnlinePolicy = Literal["specdistill", "osd"]
+
+
+class Section(BaseModel):
+    """A recipe section: unknown keys refused, values of the declared type only (strict: no
+    silent conversion; a number key also takes an integer or a YAML 1.1 exponent string, and a
+    list key a single value)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
