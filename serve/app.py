@@ -26,8 +26,14 @@ from specdistill.serve.auth import ApiKeys, AuthMiddleware
 from specdistill.serve.errors import APIError, error_response
 from specdistill.serve.metrics import Metrics
 from specdistill.serve.schema import Limits, Parsed, parse, read_body, validate_body
-from specdistill.serve.traffic import SCHEMA_VERSION, TrafficLog
-from specdistill.serve.worker import EngineWorker, Job
+from specdistill.serve.traffic import (
+    SCHEMA_VERSION,
+    SamplingRecord,
+    Target,
+    TrafficLog,
+    TrafficRecord,
+)
+from specdistill.serve.worker import EngineWorker, Failed, Job
 
 log = logging.getLogger("specdistill.serve")
 
@@ -147,24 +153,24 @@ class Run:
     async def next_delta(self) -> tuple[str, list]:
         """Wait for the worker's next event: (new text, new logprob entries)."""
         event = await self.queue.get()
-        if "error" in event:
+        if isinstance(event, Failed):
             self._end()
-            raise RuntimeError(event["error"])
-        if event["tokens"] and self.ttft is None:
+            raise RuntimeError(event.error)
+        if event.tokens and self.ttft is None:
             self.ttft = time.perf_counter() - self.start
         before = self.text.n_tokens
-        delta = self.text.push(event["tokens"], final=event["finished"])
-        new_lp = event["logprobs"] or []
+        delta = self.text.push(event.tokens, final=event.finished)
+        new_lp = event.logprobs or []
         if self.text.stopped:
             keep = self.text.n_tokens - before
             new_lp = new_lp[: max(keep, 0)]
             self.finish_reason = "stop"
         self.logprobs += new_lp
-        self.stats = event["stats"]
-        if event["finished"] or self.text.stopped:
+        self.stats = event.stats
+        if event.finished or self.text.stopped:
             if self.finish_reason is None:
-                self.finish_reason = event["finish_reason"]
-            if not event["finished"]:  # a stop string: free the row now
+                self.finish_reason = event.finish_reason
+            if not event.finished:  # a stop string: free the row now
                 self.s.worker.cancel(self.job)
             self._end()
         return delta, new_lp
@@ -242,33 +248,33 @@ class Run:
         if k > 0:
             top = [[[i, v] for i, v in alts[:k]] for _, alts in self.logprobs]
         sp = self.p.sampling
-        record = {
-            "schema_version": SCHEMA_VERSION,
-            "id": self.id,
-            "time": time.time(),
-            "endpoint": "chat.completions" if self.p.chat else "completions",
-            "target": {"name": s.config.target_name, "identity": s.config.target_identity},
-            "draft_version": self.job.version,
-            "sampling": {
-                "temperature": sp.temperature,
-                "top_p": 1.0 if sp.top_p is None else sp.top_p,
-                "max_tokens": self.p.max_tokens,
-                "seed": self.p.seed,
-                "stop": self.p.stops,
-            },
-            "prompt": self.p.prompt,
-            "prompt_token_ids": list(self.p.prompt_ids),
-            "completion_token_ids": self.completion_ids,
-            "completion_text": self.text.text,
-            "finish_reason": self.finish_reason,
-            "speculative": stats,
-            "category": self.p.category,
-            "top_logprobs": top,
-            "latency_s": latency,
-            "ttft_s": self.ttft,
-            "client": self.client,
-        }
         try:
+            record = TrafficRecord(
+                schema_version=SCHEMA_VERSION,
+                id=self.id,
+                time=time.time(),
+                endpoint="chat.completions" if self.p.chat else "completions",
+                target=Target(name=s.config.target_name, identity=s.config.target_identity),
+                draft_version=self.job.version,
+                sampling=SamplingRecord(
+                    temperature=sp.temperature,
+                    top_p=1.0 if sp.top_p is None else sp.top_p,
+                    max_tokens=self.p.max_tokens,
+                    seed=self.p.seed,
+                    stop=self.p.stops,
+                ),
+                prompt=self.p.prompt,
+                prompt_token_ids=list(self.p.prompt_ids),
+                completion_token_ids=self.completion_ids,
+                completion_text=self.text.text,
+                finish_reason=self.finish_reason,
+                speculative=stats,
+                category=self.p.category,
+                top_logprobs=top,
+                latency_s=latency,
+                ttft_s=self.ttft,
+                client=self.client,
+            )
             await asyncio.to_thread(s.traffic.append, record)
         except Exception:  # noqa: BLE001 - a full disk must not fail the request
             log.exception("traffic record %s not written", self.id)
