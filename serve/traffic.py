@@ -84,7 +84,6 @@ TOP_P = Bounds(gt=0.0, le=1.0)
 COUNT = Bounds(ge=0)
 RATE = Bounds(ge=0.0, le=1.0)
 LOGPROB = Bounds(le=1e-4)  # a log-probability (rounding a little above 0 allowed)
-MAX_ID_CHARS = 256  # a record's id and category
 
 Int = Annotated[int, Field(strict=True)]  # never a bool, a float or a string
 Number = number()
@@ -127,7 +126,7 @@ class TrafficRecord(_Open):
     `convert-traffic` write and what every reader validates."""
 
     schema_version: Literal[1]
-    id: Annotated[str, Field(min_length=1, max_length=MAX_ID_CHARS)]
+    id: str
     time: Number
     endpoint: str
     target: Target
@@ -139,7 +138,7 @@ class TrafficRecord(_Open):
     completion_text: str
     finish_reason: str
     speculative: SpeculativeRecord
-    category: Annotated[str, Field(max_length=MAX_ID_CHARS)] | None
+    category: str | None
     top_logprobs: list[TopEntry] | None
     latency_s: Number
     ttft_s: Number | None

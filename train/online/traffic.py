@@ -134,6 +134,7 @@ SKIP_REASONS = ("client",)  # screened out by choice: counted, not written to re
 # A positive temperature below MIN_TEMPERATURE overflows logits / T in low precision (the
 # schema's own range, `serve.traffic.TEMPERATURE`, bounds it above). 0 is greedy.
 MIN_TEMPERATURE = 1e-4
+MAX_ID_CHARS = 256  # a record's id and category: kept in the state, keys of the gate's groups
 # The reject reason of a schema error found under a field (any error, its type included);
 # elsewhere an out-of-range value of these fields has its own reason, everything else is
 # "schema". Errors of a reason other than "schema" are reported after the target's checks.
@@ -178,8 +179,13 @@ def _reason(error: dict) -> str:
 
 
 def _policy_problem(record: dict, vocab_size: int) -> tuple[str, str] | None:
-    """(reason, detail) for what follows the schema but the job cannot train on: a positive
-    temperature too small for low precision, a token id outside the target's vocabulary."""
+    """(reason, detail) for what follows the schema but the job cannot keep or train on: an
+    empty or over-long id or category, a positive temperature too small for low precision, a
+    token id outside the target's vocabulary."""
+    if not 0 < len(record["id"]) <= MAX_ID_CHARS:
+        return "schema", f"id of {len(record['id'])} characters (1 to {MAX_ID_CHARS})"
+    if record["category"] is not None and len(record["category"]) > MAX_ID_CHARS:
+        return "schema", f"category of {len(record['category'])} characters (> {MAX_ID_CHARS})"
     t = record["sampling"]["temperature"]
     if 0 < t < MIN_TEMPERATURE:
         return "sampling", f"sampling.temperature {t!r} is not 0 or >= {MIN_TEMPERATURE:g}"
