@@ -202,11 +202,11 @@ class Run:
             "draft_version": self.job.version,
         }
 
-    def body(self, obj: str, choice: Choice, **fields) -> Completion:
-        """A response body or chunk of this run with one choice."""
+    def body(self, obj: str, choices: list[Choice], **fields) -> Completion:
+        """A response body or chunk of this run."""
         model = self.s.config.model_name
         return Completion(
-            id=self.id, object=obj, created=self.created, model=model, choices=[choice], **fields
+            id=self.id, object=obj, created=self.created, model=model, choices=choices, **fields
         )
 
     # ------------------------------------------------------------------ logprobs formats
@@ -438,19 +438,10 @@ def build_app(state: AppState) -> FastAPI:
                     if p.include_usage:
                         fields["usage"] = None
                     first = False
-                    yield _sse(run.body(obj, choice, **fields))
+                    yield _sse(run.body(obj, [choice], **fields))
             await run.log()
             if p.include_usage:
-                last = Completion(
-                    id=run.id,
-                    object=obj,
-                    created=run.created,
-                    model=state.config.model_name,
-                    choices=[],
-                    usage=run.usage(),
-                    **run.extras(),
-                )
-                yield _sse(last)
+                yield _sse(run.body(obj, [], usage=run.usage(), **run.extras()))
             yield b"data: [DONE]\n\n"
         finally:
             run.cancel()  # a client gone mid-stream frees its row (no-op when finished)
@@ -469,4 +460,4 @@ async def collect(run: Run) -> Completion:
     else:
         text, obj = {"text": run.text.text}, "text_completion"
     choice = Choice(finish_reason=run.finish_reason, logprobs=logprobs, **text)
-    return run.body(obj, choice, usage=run.usage(), **run.extras())
+    return run.body(obj, [choice], usage=run.usage(), **run.extras())

@@ -66,7 +66,10 @@ class Message(BaseModel):
     content: str
 
 
-class Delta(BaseModel):
+class Delta(_Body):
+    """A chat chunk's new text; `role` only on the first chunk."""
+
+    OPTIONAL = ("role",)
     role: Literal["assistant"] | None = None
     content: str
 
