@@ -51,6 +51,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from specdistill.eval.stats import bootstrap_indices, percentile_interval
+
 # ----------------------------------------------------------------------------- scoring
 
 
@@ -203,25 +205,16 @@ def paired_bootstrap(
         return np.divide(num, den, out=np.full_like(num, np.nan, dtype=float), where=den > 0)
 
     a_b, a_a = float(ratio(before[None])[0]), float(ratio(after[None])[0])
-    rng = np.random.default_rng(seed)
-    idx = rng.integers(0, n, size=(samples, n))
+    idx = bootstrap_indices(n, samples, seed)
     boot_b, boot_a = ratio(before[idx]), ratio(after[idx])
-    lo_q, hi_q = (1 - confidence) / 2, 1 - (1 - confidence) / 2
-
-    def interval(x):
-        x = x[~np.isnan(x)]
-        return (
-            [float(np.quantile(x, lo_q)), float(np.quantile(x, hi_q))] if x.size else [math.nan] * 2
-        )
-
     return {
         "n": n,
         "before": a_b,
         "after": a_a,
         "drop": a_b - a_a,
-        "before_ci": interval(boot_b),
-        "after_ci": interval(boot_a),
-        "drop_ci": interval(boot_b - boot_a),
+        "before_ci": percentile_interval(boot_b, confidence),
+        "after_ci": percentile_interval(boot_a, confidence),
+        "drop_ci": percentile_interval(boot_b - boot_a, confidence),
     }
 
 

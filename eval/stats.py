@@ -7,13 +7,15 @@ the generated text: `positional_alpha` (offline α, `losses.acceptance`), `pathw
 the measured rounds' starts) and `tau_rounds` (the rounds replayed with their own boundaries,
 no engine run needed: what training reports as tau_pred).
 The speedup model (Leviathan et al. 2023, Thm 3.8): `speedup_model`, `best_gamma_model`,
-with the cost ratios `cost_ratios` measures.
+with the cost ratios `cost_ratios` measures. Intervals: `bootstrap_indices` (the paired
+resampling every bootstrap in the project draws) and `percentile_interval`.
 """
 
 import math
 from collections.abc import Sequence
 from itertools import takewhile
 
+import numpy as np
 import torch
 
 from specdistill import drafts, losses
@@ -299,3 +301,25 @@ def tau_rounds_pooled(texts: Sequence, gamma: int, *, first: int | None = None) 
         dt, dr = round_counts(alphas, gamma, first=first)
         t, r = t + dt, r + dr
     return t / r if r else math.nan
+
+
+# ----------------------------------------------------------------------------- bootstrap
+
+
+def bootstrap_indices(n: int, samples: int, seed: int) -> np.ndarray:
+    """[samples, n] indices into n paired observations, drawn with replacement: row r is the
+    r-th resample. Every side of a pair is indexed by the same row, so pairs stay together."""
+    if n == 0:
+        raise ValueError("no paired samples to bootstrap")
+    return np.random.default_rng(seed).integers(0, n, size=(samples, n))
+
+
+def percentile_interval(values, confidence: float) -> list[float]:
+    """[lower, upper]: the two-sided percentile interval of the bootstrap statistics `values`
+    at `confidence`; NaN statistics (an empty denominator) are dropped, [nan, nan] if all are."""
+    values = np.asarray(values, dtype=np.float64)
+    values = values[~np.isnan(values)]
+    if not values.size:
+        return [math.nan, math.nan]
+    tail = (1 - confidence) / 2
+    return [float(np.quantile(values, tail)), float(np.quantile(values, 1 - tail))]

@@ -10,7 +10,6 @@ shape) and `draft_version`. Log-probabilities are the target's, from its raw log
 """
 
 import asyncio
-import json
 import logging
 import time
 import uuid
@@ -18,16 +17,34 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
+from pydantic import BaseModel
 
 from specdistill.serve import errors
 from specdistill.serve.auth import ApiKeys, AuthMiddleware
-from specdistill.serve.errors import APIError, error_response
+from specdistill.serve.errors import APIError, error_body, error_response
 from specdistill.serve.metrics import Metrics
+from specdistill.serve.responses import (
+    Choice,
+    Completion,
+    Delta,
+    Message,
+    ModelCard,
+    ModelList,
+    SpecMetrics,
+    Usage,
+    body,
+)
 from specdistill.serve.schema import Limits, Parsed, parse, read_body, validate_body
-from specdistill.serve.traffic import SCHEMA_VERSION, TrafficLog
-from specdistill.serve.worker import EngineWorker, Job
+from specdistill.serve.traffic import (
+    SCHEMA_VERSION,
+    SamplingRecord,
+    Target,
+    TrafficLog,
+    TrafficRecord,
+)
+from specdistill.serve.worker import EngineWorker, Failed, Job
 
 log = logging.getLogger("specdistill.serve")
 
@@ -147,24 +164,24 @@ class Run:
     async def next_delta(self) -> tuple[str, list]:
         """Wait for the worker's next event: (new text, new logprob entries)."""
         event = await self.queue.get()
-        if "error" in event:
+        if isinstance(event, Failed):
             self._end()
-            raise RuntimeError(event["error"])
-        if event["tokens"] and self.ttft is None:
+            raise RuntimeError(event.error)
+        if event.tokens and self.ttft is None:
             self.ttft = time.perf_counter() - self.start
         before = self.text.n_tokens
-        delta = self.text.push(event["tokens"], final=event["finished"])
-        new_lp = event["logprobs"] or []
+        delta = self.text.push(event.tokens, final=event.finished)
+        new_lp = event.logprobs or []
         if self.text.stopped:
             keep = self.text.n_tokens - before
             new_lp = new_lp[: max(keep, 0)]
             self.finish_reason = "stop"
         self.logprobs += new_lp
-        self.stats = event["stats"]
-        if event["finished"] or self.text.stopped:
+        self.stats = event.stats
+        if event.finished or self.text.stopped:
             if self.finish_reason is None:
-                self.finish_reason = event["finish_reason"]
-            if not event["finished"]:  # a stop string: free the row now
+                self.finish_reason = event.finish_reason
+            if not event.finished:  # a stop string: free the row now
                 self.s.worker.cancel(self.job)
             self._end()
         return delta, new_lp
@@ -173,16 +190,24 @@ class Run:
     def completion_ids(self) -> list[int]:
         return self.text.ids[: self.text.n_tokens]
 
-    def usage(self) -> dict:
+    def usage(self) -> Usage:
         n_out = len(self.completion_ids)
         n_in = len(self.p.prompt_ids)
-        return {"prompt_tokens": n_in, "completion_tokens": n_out, "total_tokens": n_in + n_out}
+        return Usage(prompt_tokens=n_in, completion_tokens=n_out, total_tokens=n_in + n_out)
 
     def extras(self) -> dict:
+        """The fields of a last chunk and a whole response beyond OpenAI's."""
         return {
-            "metrics": {"speculative_decoding": self.stats},
+            "metrics": SpecMetrics(speculative_decoding=self.stats),
             "draft_version": self.job.version,
         }
+
+    def body(self, obj: str, choices: list[Choice], **fields) -> Completion:
+        """A response body or chunk of this run."""
+        model = self.s.config.model_name
+        return Completion(
+            id=self.id, object=obj, created=self.created, model=model, choices=choices, **fields
+        )
 
     # ------------------------------------------------------------------ logprobs formats
     def _tok(self, t: int) -> str:
@@ -242,33 +267,33 @@ class Run:
         if k > 0:
             top = [[[i, v] for i, v in alts[:k]] for _, alts in self.logprobs]
         sp = self.p.sampling
-        record = {
-            "schema_version": SCHEMA_VERSION,
-            "id": self.id,
-            "time": time.time(),
-            "endpoint": "chat.completions" if self.p.chat else "completions",
-            "target": {"name": s.config.target_name, "identity": s.config.target_identity},
-            "draft_version": self.job.version,
-            "sampling": {
-                "temperature": sp.temperature,
-                "top_p": 1.0 if sp.top_p is None else sp.top_p,
-                "max_tokens": self.p.max_tokens,
-                "seed": self.p.seed,
-                "stop": self.p.stops,
-            },
-            "prompt": self.p.prompt,
-            "prompt_token_ids": list(self.p.prompt_ids),
-            "completion_token_ids": self.completion_ids,
-            "completion_text": self.text.text,
-            "finish_reason": self.finish_reason,
-            "speculative": stats,
-            "category": self.p.category,
-            "top_logprobs": top,
-            "latency_s": latency,
-            "ttft_s": self.ttft,
-            "client": self.client,
-        }
         try:
+            record = TrafficRecord(
+                schema_version=SCHEMA_VERSION,
+                id=self.id,
+                time=time.time(),
+                endpoint="chat.completions" if self.p.chat else "completions",
+                target=Target(name=s.config.target_name, identity=s.config.target_identity),
+                draft_version=self.job.version,
+                sampling=SamplingRecord(
+                    temperature=sp.temperature,
+                    top_p=1.0 if sp.top_p is None else sp.top_p,
+                    max_tokens=self.p.max_tokens,
+                    seed=self.p.seed,
+                    stop=self.p.stops,
+                ),
+                prompt=self.p.prompt,
+                prompt_token_ids=list(self.p.prompt_ids),
+                completion_token_ids=self.completion_ids,
+                completion_text=self.text.text,
+                finish_reason=self.finish_reason,
+                speculative=stats,
+                category=self.p.category,
+                top_logprobs=top,
+                latency_s=latency,
+                ttft_s=self.ttft,
+                client=self.client,
+            )
             await asyncio.to_thread(s.traffic.append, record)
         except Exception:  # noqa: BLE001 - a full disk must not fail the request
             log.exception("traffic record %s not written", self.id)
@@ -312,8 +337,8 @@ class AppState:
         self.in_flight -= 1
 
 
-def _sse(obj) -> bytes:
-    return b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
+def _sse(obj: BaseModel) -> bytes:
+    return b"data: " + obj.model_dump_json().encode() + b"\n\n"
 
 
 def build_app(state: AppState) -> FastAPI:
@@ -328,18 +353,8 @@ def build_app(state: AppState) -> FastAPI:
 
     @app.get("/v1/models")
     async def models():
-        return {
-            "object": "list",
-            "data": [
-                {
-                    "id": state.config.model_name,
-                    "object": "model",
-                    "created": 0,
-                    "owned_by": "specdistill",
-                    "draft_version": state.worker.version,
-                }
-            ],
-        }
+        card = ModelCard(id=state.config.model_name, draft_version=state.worker.version)
+        return body(ModelList(data=[card]))
 
     @app.get("/metrics")
     async def metrics():
@@ -372,7 +387,7 @@ def build_app(state: AppState) -> FastAPI:
                 if await request.is_disconnected():  # the client is gone: free its row
                     return Response(status_code=499)
             try:
-                return JSONResponse(task.result())
+                return body(task.result())
             except RuntimeError as e:
                 return error_response(500, str(e))
         finally:  # gone, failed, or cancelled by a drain: the row is freed
@@ -397,12 +412,6 @@ def build_app(state: AppState) -> FastAPI:
     async def stream(run: Run):
         p = run.p
         obj = "chat.completion.chunk" if p.chat else "text_completion"
-        base = {
-            "id": run.id,
-            "object": obj,
-            "created": run.created,
-            "model": state.config.model_name,
-        }
         first = True
         sent_ids = 0
         offset = 0
@@ -411,34 +420,28 @@ def build_app(state: AppState) -> FastAPI:
                 try:
                     delta, lps = await run.next_delta()
                 except RuntimeError as e:
-                    yield _sse({"error": {"message": str(e), "type": "server_error"}})
+                    yield _sse(error_body(500, str(e)))
                     return
                 ids = run.completion_ids[sent_ids : sent_ids + len(lps)] if lps else []
                 sent_ids += len(lps)
                 if delta or (lps and p.logprobs is not None) or first or run.finished:
                     lp_json = run.logprobs_json(lps, ids, offset) if lps else None
                     offset += len(delta)
-                    choice = {
-                        "index": 0,
-                        "logprobs": lp_json,
-                        "finish_reason": run.finish_reason if run.finished else None,
-                    }
+                    finish = run.finish_reason if run.finished else None
                     if p.chat:
-                        choice["delta"] = (
-                            {"role": "assistant", "content": delta} if first else {"content": delta}
-                        )
+                        role = {"role": "assistant"} if first else {}
+                        text = {"delta": Delta(content=delta, **role)}
                     else:
-                        choice["text"] = delta
-                    chunk = {**base, "choices": [choice]}
-                    if run.finished:
-                        chunk.update(run.extras())
+                        text = {"text": delta}
+                    choice = Choice(logprobs=lp_json, finish_reason=finish, **text)
+                    fields = run.extras() if run.finished else {}
                     if p.include_usage:
-                        chunk["usage"] = None
+                        fields["usage"] = None
                     first = False
-                    yield _sse(chunk)
+                    yield _sse(run.body(obj, [choice], **fields))
             await run.log()
             if p.include_usage:
-                yield _sse({**base, "choices": [], "usage": run.usage(), **run.extras()})
+                yield _sse(run.body(obj, [], usage=run.usage(), **run.extras()))
             yield b"data: [DONE]\n\n"
         finally:
             run.cancel()  # a client gone mid-stream frees its row (no-op when finished)
@@ -446,30 +449,15 @@ def build_app(state: AppState) -> FastAPI:
     return app
 
 
-async def collect(run: Run) -> dict:
+async def collect(run: Run) -> Completion:
     """Read a run to its end; the non-streaming response body."""
     while not run.finished:
         await run.next_delta()
     await run.log()
-    p = run.p
-    ids = run.completion_ids
-    choice = {
-        "index": 0,
-        "finish_reason": run.finish_reason,
-        "logprobs": run.logprobs_json(run.logprobs, ids),
-    }
-    if p.chat:
-        choice["message"] = {"role": "assistant", "content": run.text.text}
-        obj = "chat.completion"
+    logprobs = run.logprobs_json(run.logprobs, run.completion_ids)
+    if run.p.chat:
+        text, obj = {"message": Message(content=run.text.text)}, "chat.completion"
     else:
-        choice["text"] = run.text.text
-        obj = "text_completion"
-    return {
-        "id": run.id,
-        "object": obj,
-        "created": run.created,
-        "model": run.s.config.model_name,
-        "choices": [choice],
-        "usage": run.usage(),
-        **run.extras(),
-    }
+        text, obj = {"text": run.text.text}, "text_completion"
+    choice = Choice(finish_reason=run.finish_reason, logprobs=logprobs, **text)
+    return run.body(obj, [choice], usage=run.usage(), **run.extras())

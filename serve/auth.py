@@ -10,7 +10,6 @@ request state (`request.state.client`). /health and /metrics stay open. The clie
 import hashlib
 import hmac
 import ipaddress
-import json
 from collections.abc import Iterable
 
 from specdistill.serve.errors import error_body
@@ -97,7 +96,7 @@ class AuthMiddleware:
 
 async def _reject(send) -> None:
     message = "a valid API key is required: send the header 'Authorization: Bearer <key>'"
-    body = json.dumps(error_body(401, message)).encode()
+    body = error_body(401, message).model_dump_json().encode()
     headers = [
         (b"content-type", b"application/json"),
         (b"content-length", str(len(body)).encode()),

@@ -9,7 +9,15 @@ import math
 import time
 from pathlib import Path
 
-from specdistill.serve.traffic import SCHEMA_VERSION, validate
+from pydantic import ValidationError
+
+from specdistill.serve.traffic import (
+    SCHEMA_VERSION,
+    TEMPERATURE,
+    TOP_P,
+    TrafficRecord,
+    describe,
+)
 
 MAX_DEPTH = 64  # nesting of a source entry (lists, objects, pickled attribute bags)
 
@@ -85,42 +93,49 @@ def record(
     created: float | None,
     latency_s: float | None,
 ) -> dict:
-    out = {
-        "schema_version": SCHEMA_VERSION,
-        "id": rid,
-        "time": finite(created, "created", low=0) if created is not None else time.time(),
-        "endpoint": endpoint,
-        "target": target,
-        "draft_version": None,  # the serving engine's own draft: not named in its logs
-        "sampling": sampling,
-        "prompt": prompt,
-        "prompt_token_ids": [int(t) for t in prompt_ids],
-        "completion_token_ids": [int(t) for t in completion_ids],
-        "completion_text": completion_text,
-        "finish_reason": finish_reason or "stop",
-        "speculative": speculative,
-        "category": category,
-        "top_logprobs": top_logprobs,
-        "latency_s": finite(latency_s, "latency_s", low=0) or 0.0,
-        "ttft_s": None,
-    }
-    return validate(out)
+    """The traffic record, validated by `TrafficRecord` (ConvertError naming the field), as
+    the dict the log appends; no `client` field (the engine's logs name none)."""
+    fields = dict(
+        schema_version=SCHEMA_VERSION,
+        id=rid,
+        time=finite(created, "created", low=0) if created is not None else time.time(),
+        endpoint=endpoint,
+        target=target,
+        draft_version=None,  # the serving engine's own draft: not named in its logs
+        sampling=sampling,
+        prompt=prompt,
+        prompt_token_ids=[int(t) for t in prompt_ids],
+        completion_token_ids=[int(t) for t in completion_ids],
+        completion_text=completion_text,
+        finish_reason=finish_reason or "stop",
+        speculative=speculative,
+        category=category,
+        top_logprobs=top_logprobs,
+        latency_s=finite(latency_s, "latency_s", low=0) or 0.0,
+        ttft_s=None,
+    )
+    try:
+        return TrafficRecord(**fields).model_dump(exclude_unset=True)
+    except ValidationError as e:
+        raise ConvertError(describe(e.errors(include_url=False)[0])) from None
 
 
 def sampling_params(params: dict) -> dict:
     """The record's sampling parameters, range-checked as the server checks a request's:
-    temperature finite and >= 0, top_p in (0, 1], max_tokens a positive integer or absent,
-    seed an integer or absent, stop a string or a list of strings."""
+    temperature finite and in `traffic.TEMPERATURE`, top_p in `traffic.TOP_P`, max_tokens a
+    positive integer or absent, seed an integer or absent, stop a string or a list of strings."""
     if not isinstance(params, dict):
         raise ConvertError(f"sampling parameters must be an object, got {type(params).__name__}")
     temperature = params.get("temperature")
     temperature = 1.0 if temperature is None else finite(temperature, "temperature", low=0)
+    if not TEMPERATURE.contains(temperature):
+        raise ConvertError(f"temperature must be in {TEMPERATURE}, got {temperature!r}")
     top_p = params.get("top_p")
     top_p = 1.0 if top_p is None else finite(top_p, "top_p")
     if top_p == 0:  # engines read 0 as "off"
         top_p = 1.0
-    if not 0 < top_p <= 1:
-        raise ConvertError(f"top_p must be in (0, 1], got {top_p!r}")
+    if not TOP_P.contains(top_p):
+        raise ConvertError(f"top_p must be in {TOP_P}, got {top_p!r}")
     max_tokens = params.get("max_tokens", params.get("max_new_tokens"))
     if max_tokens is not None:
         max_tokens = count(max_tokens, "max_tokens")

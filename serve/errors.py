@@ -11,8 +11,10 @@ import logging
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from fastapi.responses import Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from specdistill.serve.responses import ErrorBody, ErrorDetail, body
 
 log = logging.getLogger("specdistill.serve")
 
@@ -44,15 +46,15 @@ class APIError(Exception):
         self.headers = headers
 
 
-def error_body(status: int, message: str, param: str | None = None) -> dict:
+def error_body(status: int, message: str, param: str | None = None) -> ErrorBody:
     kind = TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error")
-    return {"error": {"message": message, "type": kind, "param": param, "code": status}}
+    return ErrorBody(error=ErrorDetail(message=message, type=kind, param=param, code=status))
 
 
 def error_response(
     status: int, message: str, param: str | None = None, headers: dict | None = None
-) -> JSONResponse:
-    return JSONResponse(error_body(status, message, param), status, headers=headers)
+) -> Response:
+    return body(error_body(status, message, param), status, headers)
 
 
 def install(app: FastAPI) -> None:

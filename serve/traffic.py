@@ -6,14 +6,21 @@ Each record is written with one `os.write` of the whole line (newline included) 
 opened for appending, then fsynced, so a crash leaves at most one torn *final* line, never a
 torn line in the middle; `read_traffic` skips a final line without its newline. A server
 starting on a directory that already has shards opens the next shard number, so it never
-appends after a torn line. docs/traffic.md documents the schema (`SCHEMA_VERSION`).
+appends after a torn line. The schema (docs/traffic.md, `SCHEMA_VERSION`) is one pydantic
+model, `TrafficRecord`: the writers build it, the readers validate against it.
 """
 
 import json
+import math
 import os
 import re
 import threading
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, PlainValidator, ValidationError, model_validator
+from pydantic_core import PydanticCustomError
 
 SCHEMA_VERSION = 1
 SHARD = re.compile(r"^traffic-(\d{6})\.jsonl$")
@@ -24,79 +31,180 @@ class TrafficError(ValueError):
     """A traffic record that does not follow the schema (file and line named)."""
 
 
-# field -> accepted types (None allowed where listed); docs/traffic.md
-_NUM = (int, float)
-SCHEMA: dict[str, tuple] = {
-    "schema_version": (int,),
-    "id": (str,),
-    "time": _NUM,
-    "endpoint": (str,),
-    "target": (dict,),
-    "draft_version": (str, type(None)),
-    "sampling": (dict,),
-    "prompt": (str, list),
-    "prompt_token_ids": (list,),
-    "completion_token_ids": (list,),
-    "completion_text": (str,),
-    "finish_reason": (str,),
-    "speculative": (dict,),
-    "category": (str, type(None)),
-    "top_logprobs": (list, type(None)),
-    "latency_s": _NUM,
-    "ttft_s": _NUM + (type(None),),
-}
-# fields a record may lack (a record without them is valid)
-OPTIONAL: dict[str, tuple] = {
-    "client": (str, type(None)),  # `key-<sha256(key)[:12]>` of the API key used; null: no key
-}
-SAMPLING_KEYS = ("temperature", "top_p", "max_tokens", "seed", "stop")
-SPECULATIVE_KEYS = (
-    "mean_acceptance_length",
-    "draft_acceptance_rate",
-    "acceptance_histogram",
-    "num_spec_steps",
-    "num_draft_tokens",
-    "num_accepted_draft_tokens",
-)
+# ----------------------------------------------------------------------------- the record
+
+
+@dataclass(frozen=True)
+class Bounds:
+    """The range of a numeric field (None: unbounded on that side)."""
+
+    ge: float | None = None
+    gt: float | None = None
+    le: float | None = None
+
+    def __call__(self, value):
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise PydanticCustomError(
+                "number", "is not a number (got {got})", {"got": _show(value)}
+            )
+        if isinstance(value, int) and abs(value) >= 2**1023 or not math.isfinite(value):
+            raise PydanticCustomError("number", "is not finite (got {got})", {"got": _show(value)})
+        if not self.contains(value):
+            raise PydanticCustomError(
+                "out_of_range", "{got} is not in {range}", {"got": _show(value), "range": str(self)}
+            )
+        return value
+
+    def contains(self, value) -> bool:
+        return not (
+            (self.ge is not None and value < self.ge)
+            or (self.gt is not None and value <= self.gt)
+            or (self.le is not None and value > self.le)
+        )
+
+    def __str__(self) -> str:
+        if self.ge is not None:
+            low = f"[{self.ge:g}"
+        else:
+            low = "(-inf" if self.gt is None else f"({self.gt:g}"
+        return f"{low}, {self.le:g}]" if self.le is not None else f"{low}, inf)"
+
+
+def _show(value) -> str:
+    return repr(value)[:60]
+
+
+def number(bounds: Bounds = Bounds()) -> object:
+    """A finite int or float (never a bool) within `bounds`; an int stays an int when written."""
+    return Annotated[int | float, PlainValidator(bounds)]
+
+
+TEMPERATURE = Bounds(ge=0.0, le=100.0)  # as the server accepts it (serve/schema.py)
+TOP_P = Bounds(gt=0.0, le=1.0)
+COUNT = Bounds(ge=0)
+RATE = Bounds(ge=0.0, le=1.0)
+LOGPROB = Bounds(le=1e-4)  # a log-probability (rounding a little above 0 allowed)
+
+Int = Annotated[int, Field(strict=True)]  # never a bool, a float or a string
+Number = number()
+Count = number(COUNT)
+TopEntry = Annotated[list[tuple[Int, number(LOGPROB)]], Field(min_length=1)]
+
+
+class _Open(BaseModel):
+    """Unknown fields are kept (and written back) but never required: readers ignore them."""
+
+    model_config = ConfigDict(extra="allow")
+
+
+class Target(_Open):
+    name: str
+    identity: str
+
+
+class SamplingRecord(_Open):
+    temperature: number(TEMPERATURE)
+    top_p: number(TOP_P) | None  # null or 1.0: off
+    max_tokens: Int | None
+    seed: Int | None
+    stop: list[str]
+
+
+class SpeculativeRecord(_Open):
+    """vLLM's per-request speculative statistics (`metrics.speculative_decoding`)."""
+
+    mean_acceptance_length: Number | None
+    draft_acceptance_rate: number(RATE) | None
+    acceptance_histogram: list[Int] | None
+    num_spec_steps: Count | None
+    num_draft_tokens: Count | None
+    num_accepted_draft_tokens: Count | None
+
+
+class TrafficRecord(_Open):
+    """One completed request, schema version 1 (docs/traffic.md): what the server and
+    `convert-traffic` write and what every reader validates."""
+
+    schema_version: Literal[1]
+    id: str
+    time: Number
+    endpoint: str
+    target: Target
+    draft_version: str | None
+    sampling: SamplingRecord
+    prompt: str | list
+    prompt_token_ids: list[Int]
+    completion_token_ids: list[Int]
+    completion_text: str
+    finish_reason: str
+    speculative: SpeculativeRecord
+    category: str | None
+    top_logprobs: list[TopEntry] | None
+    latency_s: Number
+    ttft_s: Number | None
+    # `key-` + sha256(API key)[:12]; null: the server has no key; absent: convert-traffic
+    client: Annotated[str, Field(pattern=r"^key-[0-9a-f]{12}$")] | None = None
+
+    @model_validator(mode="after")
+    def _consistent(self):
+        top = self.top_logprobs
+        if top is not None and len(top) != len(self.completion_token_ids):
+            raise PydanticCustomError(
+                "top_logprobs_length",
+                "top_logprobs has {n} entries for {m} completion tokens (one per token)",
+                {"n": len(top), "m": len(self.completion_token_ids)},
+            )
+        for i, entry in enumerate(top or ()):
+            ids = [t for t, _ in entry]
+            if len(set(ids)) != len(ids):
+                raise PydanticCustomError(
+                    "top_logprobs_range", "top_logprobs[{i}] repeats a token id", {"i": i}
+                )
+            if sum(math.exp(min(lp, 0.0)) for _, lp in entry) > 1.001:
+                raise PydanticCustomError(
+                    "top_logprobs_range", "top_logprobs[{i}]: probabilities sum above 1", {"i": i}
+                )
+        return self
+
+    def line(self) -> bytes:
+        """The record as one JSON line (newline included); fields left unset are not written."""
+        return self.model_dump_json(exclude_unset=True).encode() + b"\n"
+
+
+def describe(error: dict) -> str:
+    """One pydantic error as `field.path: what (value)`."""
+    where = ".".join(str(p) for p in error["loc"]) or "record"
+    if error["type"] == "missing":
+        return f"field {where!r} missing"
+    message = error["msg"]
+    if error["type"] in ("number", "out_of_range") or "input" not in error:
+        return f"{where}: {message}"
+    return f"{where}: {message} (got {_show(error['input'])})"
+
+
+def check(record) -> tuple[TrafficRecord | None, list[dict]]:
+    """(the model, []) for a record that follows the schema, else (None, pydantic's errors)."""
+    if not isinstance(record, dict):
+        kind = type(record).__name__
+        return None, [
+            {"loc": (), "type": "model_type", "msg": f"a record is a JSON object, got {kind}"}
+        ]
+    try:
+        return TrafficRecord.model_validate(record), []
+    except ValidationError as e:
+        return None, e.errors(include_url=False)
 
 
 def validate(record: dict) -> dict:
-    """Raise TrafficError unless `record` follows schema version 1; return it."""
-    if not isinstance(record, dict):
-        raise TrafficError(f"a record is a JSON object, got {type(record).__name__}")
-    if record.get("schema_version") != SCHEMA_VERSION:
+    """Raise TrafficError (naming the field and value) unless `record` follows schema
+    version 1; return it unchanged."""
+    if isinstance(record, dict) and record.get("schema_version") != SCHEMA_VERSION:
         version = record.get("schema_version")
         raise TrafficError(f"schema_version {version!r} is not {SCHEMA_VERSION}")
-    for key, types in SCHEMA.items():
-        if key not in record:
-            raise TrafficError(f"field {key!r} missing")
-        value = record[key]
-        if isinstance(value, bool) or not isinstance(value, types):
-            raise TrafficError(f"field {key!r} has type {type(value).__name__}")
-    for key, types in OPTIONAL.items():
-        value = record.get(key)
-        if isinstance(value, bool) or not isinstance(value, types):
-            raise TrafficError(f"field {key!r} has type {type(value).__name__}")
-    for key in ("name", "identity"):
-        if not isinstance(record["target"].get(key), str):
-            raise TrafficError(f"target.{key} missing or not a string")
-    for name, keys in (("sampling", SAMPLING_KEYS), ("speculative", SPECULATIVE_KEYS)):
-        missing = [k for k in keys if k not in record[name]]
-        if missing:
-            raise TrafficError(f"{name} lacks {', '.join(missing)}")
-    for key in ("prompt_token_ids", "completion_token_ids"):
-        if not all(isinstance(t, int) and not isinstance(t, bool) for t in record[key]):
-            raise TrafficError(f"{key} must be a list of integers")
-    top = record["top_logprobs"]
-    if top is not None:
-        if len(top) != len(record["completion_token_ids"]):
-            raise TrafficError("top_logprobs needs one entry per completion token")
-        for entry in top:
-            if not all(
-                isinstance(pair, list) and len(pair) == 2 and isinstance(pair[0], int)
-                for pair in entry
-            ):
-                raise TrafficError("top_logprobs entries are lists of [token_id, logprob]")
+    model, errors = check(record)
+    if model is None:
+        more = f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""
+        raise TrafficError(describe(errors[0]) + more)
     return record
 
 
@@ -128,10 +236,12 @@ class TrafficLog:
     def path(self) -> Path:
         return self.dir / f"traffic-{self.index:06d}.jsonl"
 
-    def append(self, record: dict) -> None:
+    def append(self, record: TrafficRecord | dict) -> None:
         """Validate and write one record as one line: one write, flush, fsync."""
-        validate(record)
-        line = (json.dumps(record, ensure_ascii=False, separators=(",", ":")) + "\n").encode()
+        if not isinstance(record, TrafficRecord):
+            validate(record)
+            record = TrafficRecord.model_validate(record)
+        line = record.line()
         with self.lock:
             if self.size > 0 and self.size + len(line) > self.max_bytes:
                 self._open_next()

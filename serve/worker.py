@@ -15,11 +15,34 @@ import logging
 import queue
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from specdistill.eval.engine import Engine, Sampling
 
 log = logging.getLogger("specdistill.serve")
+
+
+@dataclass(frozen=True)
+class Progress:
+    """A job's new tokens after a decoding round (the last one has `finished` set)."""
+
+    tokens: list[int]
+    logprobs: list | None  # per new token (logprob, [(token id, logprob), ...]); None: not asked
+    finished: bool
+    finish_reason: str | None  # "stop" or "length" once finished
+    stats: dict  # the request's speculative statistics so far (`metrics.speculative_decoding`)
+
+
+@dataclass(frozen=True)
+class Failed:
+    """The job ended without a completion: the engine refused it, a round failed, or the
+    server is shutting down."""
+
+    error: str
+
+
+Event = Progress | Failed
 
 
 @dataclass
@@ -28,7 +51,7 @@ class Job:
     max_tokens: int
     sampling: Sampling
     logprobs: int | None  # top-k alternatives per token (0: only the token), None: none
-    deliver: object  # callable(event dict), thread-safe
+    deliver: Callable[[Event], None]  # thread-safe
     version: str | None = None  # set when the worker assigns it an engine
     submitted: float = field(default_factory=time.perf_counter)
     rid: int | None = None
@@ -100,7 +123,7 @@ class EngineWorker(threading.Thread):
                     self._step(engine)
             self.draining = [e for e in self.draining if e.busy]
         for job in list(self.jobs.values()):
-            job.deliver({"error": "server shutting down"})
+            job.deliver(Failed("server shutting down"))
 
     def _handle(self, kind: str, payload) -> None:
         if kind == "submit":
@@ -114,7 +137,7 @@ class EngineWorker(threading.Thread):
                     logprobs=job.logprobs,
                 )
             except ValueError as e:
-                job.deliver({"error": str(e)})
+                job.deliver(Failed(str(e)))
                 return
             job.engine, job.version = engine, engine.version
             self.jobs[id(engine), job.rid] = job
@@ -145,7 +168,7 @@ class EngineWorker(threading.Thread):
         except Exception as e:  # noqa: BLE001 - fail this engine's jobs, keep serving
             log.exception("decoding round failed")
             for key in [k for k in self.jobs if k[0] == id(engine)]:
-                self.jobs.pop(key).deliver({"error": f"decoding failed: {e}"})
+                self.jobs.pop(key).deliver(Failed(f"decoding failed: {e}"))
             fresh = self._engine(engine.draft, engine.version)
             if engine is self.current:
                 self.current = fresh
@@ -157,13 +180,9 @@ class EngineWorker(threading.Thread):
             job = self.jobs.get((id(engine), u.request))
             if job is None:
                 continue
-            event = {
-                "tokens": u.tokens,
-                "logprobs": u.logprobs,
-                "finished": u.finished,
-                "finish_reason": u.finish_reason,
-                "stats": engine.stats(u.request).as_dict(),
-            }
+            event = Progress(
+                u.tokens, u.logprobs, u.finished, u.finish_reason, engine.stats(u.request).as_dict()
+            )
             if u.finished:
                 del self.jobs[id(engine), u.request]
             job.deliver(event)

@@ -14,10 +14,11 @@ In one process, on 127.0.0.1 only:
   2. the server (serve/server.py `Server`) on the served target with --drafts DIR/drafts and
      --traffic DIR/traffic;
   3. the online job (train/online/job.py) in follow mode on a thread, OUT = DIR/online;
-  4. a bounded load generator: `--clients` threads of the official openai client, temperature
-     1, in three timed phases: code (prompts cut from held-out standard-library modules, the
-     domain the embedded models were trained on), prose (paragraphs of the interpreter's own
-     help topics, `pydoc_data.topics.topics`, in ROT13 under `--shift target`), then code.
+  4. a bounded load generator (train/online/loadgen.py): `--clients` threads of a
+     standard-library HTTP client, temperature 1, in three timed phases: code (prompts cut
+     from held-out standard-library modules, the domain the embedded models were trained
+     on), prose (paragraphs of the interpreter's own help topics, `pydoc_data.topics.topics`,
+     in ROT13 under `--shift target`), then code.
 At the end the clients, the server and the job are stopped; then OSD's policy (arXiv
 2310.07177: an update on every `--osd-batch` records, no replay, no hold-out gate, promote
 always, forward KL) runs one pass over the same DIR/traffic (OUT = DIR/osd), and the offline α
@@ -31,64 +32,25 @@ promotion marked). Served α = accepted / drafted tokens of the traffic records.
 import argparse
 import codecs
 import json
-import random
 import threading
 import time
 from pathlib import Path
 
 import numpy as np
 
-from specdistill.eval.stats import alpha_from_counts
-
-PHASES = ("code", "prose", "code")
-FRACTIONS = (0.25, 0.45, 0.30)  # of the load time, per phase
-
-
-# ------------------------------------------------------------------------------ prompts
-def code_texts(max_files: int | None = None) -> list[str]:
-    """Chunks (blank-line separated blocks, merged to >= 400 chars) of held-out stdlib code."""
-    from specdistill.data.stdlib import stdlib_files
-
-    files = stdlib_files("heldout")
-    if max_files:
-        files = files[:max_files]
-    chunks = []
-    for f in files:
-        try:
-            text = f.read_text(encoding="utf-8")
-        except (UnicodeDecodeError, OSError):
-            continue
-        cur = ""
-        for block in text.split("\n\n"):
-            cur = f"{cur}\n\n{block}" if cur else block
-            if len(cur) >= 400:
-                chunks.append(cur)
-                cur = ""
-    return chunks
+from specdistill.train.online.demo_report import phase_of, plot, served_alpha
+from specdistill.train.online.loadgen import (
+    FRACTIONS,
+    PHASES,
+    code_texts,
+    prompt_of,
+    prose_texts,
+    run_load,
+    split_pools,
+)
 
 
-def prose_texts(cipher: bool = False) -> list[str]:
-    """Paragraphs (>= 200 chars) of the interpreter's help topics (data.stdlib.help_topics'
-    fine-tune split); `cipher`: enciphered with ROT13, the stand-in for a new language that
-    `--shift target` teaches the served target and its draft has never seen."""
-    from specdistill.data.stdlib import help_topics
-
-    paragraphs = []
-    for text in help_topics()[0]:
-        for p in text.split("\n\n"):
-            p = p.strip()
-            if len(p) >= 200 and not p.startswith(" "):  # prose, not indented code samples
-                paragraphs.append(codecs.encode(p, "rot13") if cipher else p)
-    return paragraphs
-
-
-def split_pools(texts: list[str], seed: int) -> tuple[list[str], list[str]]:
-    """(traffic, evaluation): a fixed shuffle, every third text held out for evaluation."""
-    texts = list(texts)
-    random.Random(seed).shuffle(texts)
-    return [t for i, t in enumerate(texts) if i % 3], texts[::3]
-
-
+# ------------------------------------------------------------------------------ evaluation
 def eval_items(texts, tokenizer, category: str, n: int, prompt_tokens: int, total_tokens: int):
     """Teacher-forced sequences: the first `prompt_tokens` ids as prompt, the rest (up to
     `total_tokens`) as completion; temperature 1 like the traffic."""
@@ -109,116 +71,6 @@ def eval_items(texts, tokenizer, category: str, n: int, prompt_tokens: int, tota
         if len(items) >= n:
             break
     return items
-
-
-def prompt_of(text: str, tokenizer, prompt_tokens: int) -> list[int]:
-    return tokenizer(text)["input_ids"][:prompt_tokens]
-
-
-# ------------------------------------------------------------------------------ load
-def run_load(url: str, pools: dict, phase_seconds, args, events: list) -> dict:
-    """The clients: phase by phase, each client sends prompts one after another."""
-    import openai
-
-    client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=120)
-    served, failures, lock = [], [], threading.Lock()
-    counter = {"n": 0}
-
-    def worker(deadline: float, category: str, pool: list):
-        while time.monotonic() < deadline:
-            with lock:
-                n = counter["n"]
-                counter["n"] += 1
-            prompt = pool[n % len(pool)]
-            try:
-                out = client.completions.create(
-                    model=args.target,  # the Server serves it under its name
-                    prompt=prompt,
-                    max_tokens=args.max_tokens,
-                    temperature=1.0,
-                    seed=n,
-                    extra_body={"metadata": {"category": category}},
-                )
-                with lock:
-                    served.append({"id": out.id, "category": category})
-            except Exception as e:  # noqa: BLE001 - counted and reported
-                with lock:
-                    failures.append(repr(e)[:300])
-
-    for phase, (category, seconds) in enumerate(zip(PHASES, phase_seconds, strict=True)):
-        events.append(
-            {"event": "phase", "phase": phase + 1, "domain": category, "time": time.time()}
-        )
-        print(f"online demo: phase {phase + 1}: {category} traffic for {seconds:.0f} s", flush=True)
-        deadline = time.monotonic() + seconds
-        threads = [
-            threading.Thread(target=worker, args=(deadline, category, pools[category]))
-            for _ in range(args.clients)
-        ]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-    events.append({"event": "end", "time": time.time()})
-    return {"served": served, "failures": failures}
-
-
-# ------------------------------------------------------------------------------ results
-def served_alpha(records) -> float | None:
-    """Per-token α of the served draft over `records` (eval.stats.alpha_from_counts), from
-    their summed speculative counters; None without speculative steps."""
-    specs = [r["speculative"] for r in records if r.get("speculative")]
-    steps = sum(s["num_spec_steps"] for s in specs)
-    drafted = sum(s["num_draft_tokens"] for s in specs)
-    if not steps or not drafted:
-        return None
-    return alpha_from_counts(steps, drafted, sum(s["num_accepted_draft_tokens"] for s in specs))
-
-
-def phase_of(record, starts: list[float]) -> int:
-    """1-based phase by the record's time (the time it completed)."""
-    phase = 1
-    for i, s in enumerate(starts):
-        if record["time"] >= s:
-            phase = i + 1
-    return phase
-
-
-def plot(path: Path, records, starts, promotions, window: int) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    records = sorted((r for r in records if r.get("speculative")), key=lambda r: r["time"])
-    t0 = starts[0]
-    xs, ys = [], []
-    for i in range(len(records)):
-        chunk = records[max(0, i - window + 1) : i + 1]
-        xs.append((records[i]["time"] - t0) / 60)
-        ys.append(served_alpha(chunk))
-    fig, ax = plt.subplots(figsize=(10, 4.5))
-    ax.plot(xs, ys, lw=1.2, label=f"served α (rolling {window} requests)")
-    for i, s in enumerate(starts[1:], 2):
-        ax.axvline((s - t0) / 60, color="k", ls="--", lw=1)
-        ax.text((s - t0) / 60, 1.0, f" {PHASES[i - 1]}", va="top", fontsize=9)
-    for j, (t, v) in enumerate(promotions):
-        ax.axvline(
-            (t - t0) / 60,
-            color="tab:green",
-            lw=0.8,
-            alpha=0.7,
-            label="promotion" if j == 0 else None,
-        )
-        ax.text((t - t0) / 60, 0.02, v, rotation=90, fontsize=7, color="tab:green")
-    ax.set_xlabel("minutes")
-    ax.set_ylabel("accepted / drafted tokens")
-    ax.set_ylim(0, 1.02)
-    ax.set_title("specdistill online demo: served acceptance, code → prose → code")
-    ax.legend(loc="lower right", fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
 
 
 def offline_alpha(job, model, evals: dict) -> dict:

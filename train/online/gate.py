@@ -15,6 +15,7 @@ import torch
 
 from specdistill import losses
 from specdistill.data.dataset import collate
+from specdistill.eval.stats import bootstrap_indices, percentile_interval
 from specdistill.train.online.traffic import to_tokens
 
 
@@ -73,17 +74,15 @@ def by_temperature(cand, inc, temperatures) -> dict:
     }
 
 
-def paired_bootstrap(delta, *, samples: int = 1000, confidence: float = 0.95, seed: int = 0):
-    """(mean, lower, upper): percentile bootstrap interval of mean(delta) at `confidence`."""
+def mean_difference_interval(
+    delta, *, samples: int = 1000, confidence: float = 0.95, seed: int = 0
+) -> tuple[float, float, float]:
+    """(mean, lower, upper): percentile bootstrap interval of mean(delta) at `confidence`, the
+    pairs resampled by `eval.stats.bootstrap_indices`."""
     delta = np.asarray(delta, dtype=np.float64)
-    n = len(delta)
-    if n == 0:
-        raise ValueError("no paired samples")
-    rng = np.random.default_rng(seed)
-    means = delta[rng.integers(0, n, size=(samples, n))].mean(axis=1)
-    tail = (1 - confidence) / 2
-    lower, upper = np.quantile(means, [tail, 1 - tail])
-    return float(delta.mean()), float(lower), float(upper)
+    means = delta[bootstrap_indices(len(delta), samples, seed)].mean(axis=1)
+    lower, upper = percentile_interval(means, confidence)
+    return float(delta.mean()), lower, upper
 
 
 def decide(cand, inc, categories, cfg, *, seed: int = 0) -> dict:
@@ -101,7 +100,7 @@ def decide(cand, inc, categories, cfg, *, seed: int = 0) -> dict:
             "why": f"held-out slice has {n} < min_holdout {cfg.min_holdout} sequences",
         }
     delta = cand - inc
-    mean, lower, upper = paired_bootstrap(
+    mean, lower, upper = mean_difference_interval(
         delta, samples=cfg.bootstrap_samples, confidence=cfg.confidence, seed=seed
     )
     per_cat = {}

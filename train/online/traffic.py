@@ -14,7 +14,6 @@ import json
 import math
 import os
 import random
-import re
 from collections import Counter, deque
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,7 +21,7 @@ from pathlib import Path
 import numpy as np
 
 from specdistill.data.tokenize import Tokens
-from specdistill.serve.traffic import SHARD, TrafficError, shards, validate
+from specdistill.serve.traffic import SHARD, TrafficError, check, describe, shards
 
 SEAL_BYTES = 4096  # a shard's bytes hashed into the cursor: its first and the last consumed
 
@@ -131,12 +130,18 @@ def read_new(directory, cursor: Cursor, max_line_bytes: int):
                 yield name, at, raw, None
 
 
-CLIENT = re.compile(r"^key-[0-9a-f]{12}$")  # serve: "key-" + sha256(api key)[:12]
 SKIP_REASONS = ("client",)  # screened out by choice: counted, not written to rejects.jsonl
-# A positive temperature below MIN_TEMPERATURE overflows logits / T in low precision; above
-# MAX_TEMPERATURE the served distribution is uniform for any logits. 0 is greedy.
-MIN_TEMPERATURE, MAX_TEMPERATURE = 1e-4, 100.0
+# A positive temperature below MIN_TEMPERATURE overflows logits / T in low precision (the
+# schema's own range, `serve.traffic.TEMPERATURE`, bounds it above). 0 is greedy.
+MIN_TEMPERATURE = 1e-4
 MAX_ID_CHARS = 256  # a record's id and category: kept in the state, keys of the gate's groups
+# The reject reason of a schema error found under a field (any error, its type included);
+# elsewhere an out-of-range value of these fields has its own reason, everything else is
+# "schema". Errors of a reason other than "schema" are reported after the target's checks.
+REASON_OF_FIELD = {"sampling": "sampling", "speculative": "speculative"}
+RANGE_REASONS = {"top_logprobs": "top_logprobs"}
+RANGE_ERRORS = ("out_of_range", "too_short")
+TYPE_REASONS = {"top_logprobs_range": "top_logprobs"}  # the record's own cross-field checks
 
 
 def _refuse_constant(name: str):
@@ -159,64 +164,48 @@ def parse_line(raw: bytes):
         raise ValueError("nested too deeply") from None
 
 
-def _number(value) -> bool:
-    """A finite int or float, not a bool."""
-    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+def _reason(error: dict) -> str:
+    """The reject reason of one of `TrafficRecord`'s validation errors."""
+    loc = error["loc"]
+    if error["type"] in TYPE_REASONS:
+        return TYPE_REASONS[error["type"]]
+    if error["type"] == "missing" or not loc:
+        return "schema"
+    if loc[0] in REASON_OF_FIELD:
+        return REASON_OF_FIELD[loc[0]]
+    if error["type"] in RANGE_ERRORS:
+        return RANGE_REASONS.get(loc[0], "schema")
+    return "schema"
 
 
-def _range_problem(record: dict, vocab_size: int) -> tuple[str, str] | None:
-    """(reason, detail) for the first field that would reach the loss, the gate or the watch
-    out of its range; None when every one is in range."""
+def _policy_problem(record: dict, vocab_size: int) -> tuple[str, str] | None:
+    """(reason, detail) for what follows the schema but the job cannot keep or train on: an
+    empty or over-long id or category, a positive temperature too small for low precision, a
+    token id outside the target's vocabulary."""
     if not 0 < len(record["id"]) <= MAX_ID_CHARS:
         return "schema", f"id of {len(record['id'])} characters (1 to {MAX_ID_CHARS})"
     if record["category"] is not None and len(record["category"]) > MAX_ID_CHARS:
         return "schema", f"category of {len(record['category'])} characters (> {MAX_ID_CHARS})"
-    if not _number(record["time"]):
-        return "schema", f"time {record['time']!r}"
-    s = record["sampling"]
-    t = s["temperature"]
-    if not _number(t) or not (t == 0 or MIN_TEMPERATURE <= t <= MAX_TEMPERATURE):
-        return "sampling", (
-            f"sampling.temperature {t!r} is not 0 or a number in "
-            f"[{MIN_TEMPERATURE:g}, {MAX_TEMPERATURE:g}]"
-        )
-    if s["top_p"] is not None and not (_number(s["top_p"]) and 0 < s["top_p"] <= 1):
-        return "sampling", f"sampling.top_p {s['top_p']!r} is not null or a number in (0, 1]"
-    spec = record["speculative"]
-    for key in ("num_spec_steps", "num_draft_tokens", "num_accepted_draft_tokens"):
-        v = spec[key]
-        if v is not None and not (_number(v) and v >= 0):
-            return "speculative", f"speculative.{key} {v!r} is not null or a number >= 0"
-    rate = spec["draft_acceptance_rate"]
-    if rate is not None and not (_number(rate) and 0 <= rate <= 1):
-        return "speculative", f"speculative.draft_acceptance_rate {rate!r} is not in [0, 1]"
+    t = record["sampling"]["temperature"]
+    if 0 < t < MIN_TEMPERATURE:
+        return "sampling", f"sampling.temperature {t!r} is not 0 or >= {MIN_TEMPERATURE:g}"
     ids = record["prompt_token_ids"] + record["completion_token_ids"]
     if ids and (min(ids) < 0 or max(ids) >= vocab_size):
         return "token_out_of_range", f"ids must be in [0, {vocab_size})"
     for i, entry in enumerate(record["top_logprobs"] or ()):
-        if not isinstance(entry, list) or not entry:
-            return "top_logprobs", f"top_logprobs[{i}] is not a non-empty list"
-        seen = set()
-        for pair in entry:
-            t_id, lp = pair  # validate: [int, value]
-            if isinstance(t_id, bool) or not 0 <= t_id < vocab_size or t_id in seen:
-                why = f"id {t_id!r} repeated or not in [0, {vocab_size})"
-                return "top_logprobs", f"top_logprobs[{i}]: {why}"
-            if not _number(lp) or lp > 1e-4:
-                why = f"logprob {lp!r} is not a finite number <= 0"
-                return "top_logprobs", f"top_logprobs[{i}]: {why}"
-            seen.add(t_id)
-        if sum(math.exp(min(lp, 0.0)) for _, lp in entry) > 1.001:
-            return "top_logprobs", f"top_logprobs[{i}]: probabilities sum above 1"
+        bad = [t_id for t_id, _ in entry if not 0 <= t_id < vocab_size]
+        if bad:
+            return "top_logprobs", f"top_logprobs[{i}]: id {bad[0]!r} not in [0, {vocab_size})"
     return None
 
 
 def screen(raw: bytes, identity: str, *, max_tokens: int, vocab_size: int, clients=None):
     """(record, None, "") for a usable line, or (record or None, reason, detail) otherwise.
 
-    Never raises: any line (bytes of any kind, JSON of any shape) gets a reason. Every field
-    that reaches the loss, the gate or the watch is range-checked here (token ids in the
-    vocabulary, finite temperature and top_p in range, finite top_logprobs, sane counters).
+    Never raises: any line (bytes of any kind, JSON of any shape) gets a reason. The record
+    is validated against the traffic schema (`serve.traffic.TrafficRecord`: types, finite
+    numbers, sampling and speculative ranges, top_logprobs shape), then against the job: its
+    target, its token budget and vocabulary, the clients it trains on.
     `clients`: a set of client ids; a record from another client (or none) gets the reason
     "client" (one of SKIP_REASONS). None or empty: every client."""
     if not raw.strip():
@@ -225,21 +214,25 @@ def screen(raw: bytes, identity: str, *, max_tokens: int, vocab_size: int, clien
         parsed = parse_line(raw)
     except ValueError as e:  # JSONDecodeError, UnicodeDecodeError, NaN, overflow, depth
         return None, "malformed_json", str(e)[:500]
+    record = parsed if isinstance(parsed, dict) else None
     try:
-        record = validate(parsed)
-    except (TrafficError, TypeError, ValueError) as e:  # TypeError: an entry of another shape
-        return (parsed if isinstance(parsed, dict) else None), "schema", str(e)[:500]
+        _, errors = check(parsed)
+    except (TypeError, ValueError, OverflowError) as e:  # a shape no validator foresaw
+        return record, "schema", str(e)[:500]
+    found = [(_reason(e), describe(e)[:500]) for e in errors]
+    schema = [f for f in found if f[0] == "schema"]
+    if schema:
+        return record, *schema[0]
     client = record.get("client")
-    if client is not None and not (isinstance(client, str) and CLIENT.match(client)):
-        return record, "schema", f"client {str(client)[:60]!r} is not null or key-<12 hex>"
     if clients and client not in clients:
         return record, "client", f"client {client!r} is not in online.clients"
-    if record["target"]["identity"] != identity:
+    target = record.get("target")
+    if target["identity"] != identity:
         return (
             record,
             "target_identity",
             (
-                f"record of target {record['target']['name']!r} ({record['target']['identity']}), "
+                f"record of target {target['name']!r} ({target['identity']}), "
                 f"job's target is {identity}"
             ),
         )
@@ -250,7 +243,9 @@ def screen(raw: bytes, identity: str, *, max_tokens: int, vocab_size: int, clien
         return record, "empty_prompt", ""
     if n_prompt + n_completion > max_tokens:
         return record, "oversized", f"{n_prompt + n_completion} tokens > {max_tokens}"
-    problem = _range_problem(record, vocab_size)
+    if found:
+        return record, *found[0]
+    problem = _policy_problem(record, vocab_size)
     if problem is not None:
         return record, *problem
     return record, None, ""

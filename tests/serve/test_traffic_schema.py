@@ -1,0 +1,90 @@
+"""The traffic record's one schema: what the writer writes is what the readers accept."""
+
+import json
+import re
+
+import pytest
+
+from specdistill.serve.traffic import (
+    TrafficError,
+    TrafficLog,
+    TrafficRecord,
+    read_traffic,
+    validate,
+)
+
+
+def record(**changes) -> dict:
+    rec = {
+        "schema_version": 1,
+        "id": "cmpl-1",
+        "time": 1764662400.25,
+        "endpoint": "completions",
+        "target": {"name": "t", "identity": "sha256:ab"},
+        "draft_version": "v000001",
+        "sampling": {"temperature": 0.7, "top_p": 1.0, "max_tokens": 4, "seed": None, "stop": []},
+        "prompt": "héllo",
+        "prompt_token_ids": [1, 2],
+        "completion_token_ids": [3, 4],
+        "completion_text": "wörld",
+        "finish_reason": "length",
+        "speculative": {
+            "mean_acceptance_length": 1.5,
+            "draft_acceptance_rate": 0.25,
+            "acceptance_histogram": [1, 0],
+            "num_spec_steps": 2,
+            "num_draft_tokens": 4,
+            "num_accepted_draft_tokens": 1,
+        },
+        "category": None,
+        "top_logprobs": [[[3, -0.1], [5, -2.5]], [[4, -0.01]]],
+        "latency_s": 0.5,
+        "ttft_s": 0.1,
+        "client": None,
+    }
+    rec.update(changes)
+    return rec
+
+
+def test_the_model_writes_the_lines_the_dict_writer_wrote(tmp_path):
+    rec = record()
+    expected = json.dumps(rec, ensure_ascii=False, separators=(",", ":")) + "\n"
+    assert TrafficRecord.model_validate(rec).line() == expected.encode()
+    log = TrafficLog(tmp_path)
+    log.append(TrafficRecord.model_validate(rec))
+    log.append(record(id="cmpl-2", unknown_field=[1]))  # unknown fields are kept, not required
+    log.close()
+    assert (tmp_path / "traffic-000001.jsonl").read_text().splitlines()[0] == expected.strip()
+    assert [r["id"] for r in read_traffic(tmp_path)] == ["cmpl-1", "cmpl-2"]
+    no_client = record()
+    del no_client["client"]
+    assert b'"client"' not in TrafficRecord.model_validate(no_client).line()
+
+
+@pytest.mark.parametrize(
+    "changes, message",
+    [
+        ({"time": "yesterday"}, "time: is not a number (got 'yesterday')"),
+        ({"sampling": {**record()["sampling"], "temperature": -1}}, "sampling.temperature: -1"),
+        (
+            {"sampling": {**record()["sampling"], "top_p": 0.0}},
+            "sampling.top_p: 0.0 is not in (0, 1]",
+        ),
+        ({"completion_token_ids": [3, True]}, "completion_token_ids.1"),
+        ({"top_logprobs": [[[3, -0.1]]]}, "top_logprobs has 1 entries for 2 completion tokens"),
+        ({"top_logprobs": [[[3, -0.1], [3, -0.2]], [[4, -0.1]]]}, "repeats a token id"),
+        ({"top_logprobs": [[[3, 2.0]], [[4, -0.1]]]}, "2.0 is not in (-inf, 0.0001]"),
+        ({"client": "someone"}, "client"),
+        ({"schema_version": 2}, "schema_version 2 is not 1"),
+    ],
+)
+def test_a_record_outside_the_schema_is_refused_naming_field_and_value(changes, message):
+    with pytest.raises(TrafficError, match=re.escape(message)):
+        validate(record(**changes))
+
+
+def test_a_missing_field_is_named():
+    rec = record()
+    del rec["speculative"]["num_spec_steps"]
+    with pytest.raises(TrafficError, match="'speculative.num_spec_steps' missing"):
+        validate(rec)

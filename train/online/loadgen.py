@@ -1,0 +1,122 @@
+"""The online demo's load: its prompt pools (held-out standard-library code, the
+interpreter's help topics as prose) and its clients, threads of a standard-library HTTP
+client that send completions requests to the server in timed phases.
+"""
+
+import codecs
+import json
+import random
+import threading
+import time
+import urllib.request
+
+PHASES = ("code", "prose", "code")
+FRACTIONS = (0.25, 0.45, 0.30)  # of the load time, per phase
+
+
+# ------------------------------------------------------------------------------ prompts
+def code_texts(max_files: int | None = None) -> list[str]:
+    """Chunks (blank-line separated blocks, merged to >= 400 chars) of held-out stdlib code."""
+    from specdistill.data.stdlib import stdlib_files
+
+    files = stdlib_files("heldout")
+    if max_files:
+        files = files[:max_files]
+    chunks = []
+    for f in files:
+        try:
+            text = f.read_text(encoding="utf-8")
+        except (UnicodeDecodeError, OSError):
+            continue
+        cur = ""
+        for block in text.split("\n\n"):
+            cur = f"{cur}\n\n{block}" if cur else block
+            if len(cur) >= 400:
+                chunks.append(cur)
+                cur = ""
+    return chunks
+
+
+def prose_texts(cipher: bool = False) -> list[str]:
+    """Paragraphs (>= 200 chars) of the interpreter's help topics (data.stdlib.help_topics'
+    fine-tune split); `cipher`: enciphered with ROT13, the stand-in for a new language that
+    `--shift target` teaches the served target and its draft has never seen."""
+    from specdistill.data.stdlib import help_topics
+
+    paragraphs = []
+    for text in help_topics()[0]:
+        for p in text.split("\n\n"):
+            p = p.strip()
+            if len(p) >= 200 and not p.startswith(" "):  # prose, not indented code samples
+                paragraphs.append(codecs.encode(p, "rot13") if cipher else p)
+    return paragraphs
+
+
+def split_pools(texts: list[str], seed: int) -> tuple[list[str], list[str]]:
+    """(traffic, evaluation): a fixed shuffle, every third text held out for evaluation."""
+    texts = list(texts)
+    random.Random(seed).shuffle(texts)
+    return [t for i, t in enumerate(texts) if i % 3], texts[::3]
+
+
+def prompt_of(text: str, tokenizer, prompt_tokens: int) -> list[int]:
+    return tokenizer(text)["input_ids"][:prompt_tokens]
+
+
+# ------------------------------------------------------------------------------ load
+def complete(url: str, body: dict, timeout: float = 120) -> dict:
+    """POST `body` to URL/v1/completions; the response's JSON (OSError on a failure: an
+    HTTP error status, a refused or timed-out connection)."""
+    request = urllib.request.Request(
+        url + "/v1/completions",
+        data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json", "Authorization": "Bearer none"},
+        method="POST",
+    )
+    with urllib.request.urlopen(request, timeout=timeout) as response:
+        return json.loads(response.read())
+
+
+def run_load(url: str, pools: dict, phase_seconds, args, events: list) -> dict:
+    """The clients: phase by phase, each client sends prompts one after another (one request
+    at a time per client thread, no retries)."""
+    served, failures, lock = [], [], threading.Lock()
+    counter = {"n": 0}
+
+    def worker(deadline: float, category: str, pool: list):
+        while time.monotonic() < deadline:
+            with lock:
+                n = counter["n"]
+                counter["n"] += 1
+            body = {
+                "model": args.target,  # the Server serves it under its name
+                "prompt": pool[n % len(pool)],
+                "max_tokens": args.max_tokens,
+                "temperature": 1.0,
+                "seed": n,
+                "metadata": {"category": category},
+            }
+            try:
+                out = complete(url, body)
+                with lock:
+                    served.append({"id": out["id"], "category": category})
+            except Exception as e:  # noqa: BLE001 - counted and reported
+                with lock:
+                    failures.append(repr(e)[:300])
+
+    for phase, (category, seconds) in enumerate(zip(PHASES, phase_seconds, strict=True)):
+        events.append(
+            {"event": "phase", "phase": phase + 1, "domain": category, "time": time.time()}
+        )
+        print(f"online demo: phase {phase + 1}: {category} traffic for {seconds:.0f} s", flush=True)
+        deadline = time.monotonic() + seconds
+        threads = [
+            threading.Thread(target=worker, args=(deadline, category, pools[category]))
+            for _ in range(args.clients)
+        ]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    events.append({"event": "end", "time": time.time()})
+    return {"served": served, "failures": failures}
