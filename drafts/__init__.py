@@ -10,8 +10,13 @@ saves a trained draft (`save`), and knows its own directories (`detect`). Both g
 `vocab_size_of` counts its logit columns and whose `path_logits` gives the teacher-forced
 logits of the offline α along generated text (eval/stats.py).
 
-Adding a type (an MTP or DFlash-style head): a module here with a class of the same
-interface, one entry in `TYPES` and one in `DETECTED` (before `Standalone`, the fallback).
+The interface is written down as `drafts.types.DraftType` (and the engine's proposer as
+`drafts.types.Drafter`); both types satisfy it (tests/eval/test_draft_contracts.py).
+`compared_vocab_size` is the one rule for the logit columns a target and a loaded draft are
+compared over (the engine, the offline α, drift).
+
+Adding a type (an MTP or DFlash-style head): a module here with a class that satisfies
+`DraftType`, one entry in `TYPES` and one in `DETECTED` (before `Standalone`, the fallback).
 """
 
 from pathlib import Path
@@ -20,10 +25,11 @@ from torch import nn
 
 from specdistill.drafts.eagle3 import Eagle3, SGLangEagle3
 from specdistill.drafts.standalone import Standalone
+from specdistill.drafts.types import Drafter, DraftType
 
-TYPES = {"standalone": Standalone, "eagle3": Eagle3}
+TYPES: dict[str, type[DraftType]] = {"standalone": Standalone, "eagle3": Eagle3}
 # Asked in this order by `detect`; Standalone (any HF model directory) is the fallback, last.
-DETECTED = (Eagle3, SGLangEagle3, Standalone)
+DETECTED: tuple[type[DraftType], ...] = (Eagle3, SGLangEagle3, Standalone)
 
 
 def build(cfg, target, tokenizer, train_data, *, print=print):
@@ -32,7 +38,7 @@ def build(cfg, target, tokenizer, train_data, *, print=print):
     return TYPES[cfg.type].build(cfg, target, tokenizer, train_data, print=print)
 
 
-def detect(draft) -> type:
+def detect(draft) -> type[DraftType]:
     """The draft type class of a directory (or of an in-memory draft module).
 
     Each class's `detect(path)` recognises its own directories; `SGLangEagle3` is an EAGLE-3
@@ -50,23 +56,41 @@ def detect(draft) -> type:
     return next(kind for kind in DETECTED if kind.detect(path))
 
 
-def type_of(model) -> type:
+def type_of(model) -> type[DraftType]:
     """The draft type class of a loaded draft module: `Eagle3` for an EAGLE-3 head (it says
     `is_eagle3`), else `Standalone` (a causal LM). The one place that tells them apart."""
     return Eagle3 if getattr(model, "is_eagle3", False) else Standalone
 
 
-def drafter_for(model, vocab_size: int, device):
+def drafter_for(model, vocab_size: int, device) -> Drafter:
     """The speculative decoding engine's drafter for a loaded draft (eval/engine.py)."""
     return type_of(model).drafter(model, vocab_size, device)
+
+
+def compared_vocab_size(*targets, draft=None) -> int:
+    """The logit columns compared between one or more targets and a loaded draft (or none):
+    the fewest any of them produces. A target counts its output head's rows; a draft what
+    its type says (`vocab_size_of`: an EAGLE-3 head counts with its target vocabulary).
+    Columns past a smaller head are never drafted, so comparing them would only add the
+    other model's padding rows.
+    """
+    if not targets:
+        raise ValueError("compared_vocab_size needs at least one target model")
+    heads = [t.get_output_embeddings().weight.shape[0] for t in targets]
+    if draft is not None:
+        heads.append(type_of(draft).vocab_size_of(draft))
+    return min(heads)
 
 
 __all__ = [
     "DETECTED",
     "TYPES",
+    "DraftType",
+    "Drafter",
     "Eagle3",
     "SGLangEagle3",
     "Standalone",
+    "compared_vocab_size",
     "detect",
     "drafter_for",
     "type_of",

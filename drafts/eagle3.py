@@ -21,11 +21,14 @@ from specdistill.drafts.eagle3_head import (
 )
 from specdistill.drafts.kv_cache import left_pad, left_pad_rows
 from specdistill.drafts.standalone import StandaloneDrafter
-
-Depths = tuple[list[Tensor], list[Tensor], list[Tensor]]
+from specdistill.drafts.types import Depths
 
 
 class Eagle3:
+    """The EAGLE-3 draft type (a `drafts.types.DraftType`): K = `steps` depths over the
+    target's `vocab_size` columns; `d2t` maps the head's draft vocabulary into the target's
+    when it is smaller (else None). Built from a head, and not changed after."""
+
     name = "eagle3"
     formats = ("vllm", "sglang", "hf")  # export formats (train/export/)
     layout = "vllm"  # a saved head is in the speculators layout (`Eagle3Head.save_pretrained`)
@@ -133,7 +136,7 @@ class Eagle3:
         t = n_prompt - 2 + torch.arange(length - n_prompt + 1, device=t_logits.device)
         out = []
         for k, logits in enumerate(steps):
-            full = head._logits_to_full(logits[0])[:, :vocab_size].to(t_logits.device)
+            full = head.logits_to_full(logits[0])[:, :vocab_size].to(t_logits.device)
             valid = (t >= 0) & (t + k + 1 < length)
             rows = t.clamp(0, length - 1)
             out.append((full[rows], t_logits[(t + k + 1).clamp(0, length - 1)], valid))

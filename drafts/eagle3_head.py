@@ -18,12 +18,15 @@ The module's parameter names are those of the `speculators` Eagle-3 format that 
 (docs/theory.md §5), so a checkpoint is written by `save_pretrained` without renaming.
 d2t / t2d map the draft vocabulary V_d into the target's V: target_id = i + d2t[i];
 t2d[v] is True for the V_d target ids. Every load and save checks the map (`check_vocab_map`).
+
+Modules: this one holds the head's layers, its drafting forward and its training-time test
+(`unroll`, `align_depths`); drafts/eagle3_vocab.py the vocabulary map, drafts/eagle3_features.py
+the target's feature capture, drafts/eagle3_format.py the on-disk layout. Their public names
+are importable from here too.
 """
 
-import json
 from collections.abc import Sequence
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 from torch import Tensor, nn
@@ -35,151 +38,41 @@ from transformers.models.llama.modeling_llama import (
     apply_rotary_pos_emb,
 )
 
-from specdistill.drafts.weights import IncompleteDraftError, describe, read_safetensors
+from specdistill.drafts import eagle3_format
+from specdistill.drafts.eagle3_features import (
+    FeatureCapture,
+    decoder_layers,
+    default_aux_layers,
+)
+from specdistill.drafts.eagle3_format import (
+    DEFAULT_SPECULATIVE_TOKENS,
+    SGLANG_ARCH,
+    SPECULATORS_VERSION,
+    is_eagle3_dir,
+    is_sglang_eagle3_dir,
+    read_config,
+)
+from specdistill.drafts.eagle3_vocab import VocabMapError, build_vocab_map, check_vocab_map
 
-SPECULATORS_VERSION = "0.9.0"  # the format version written (and tested in tests/interop)
-# speculative_tokens written for a head whose training depth is unknown (vLLM's proposal length)
-DEFAULT_SPECULATIVE_TOKENS = 3
-SGLANG_ARCH = "LlamaForCausalLMEagle3"  # SGLang's EAGLE-3 head class (an SGLang export's config)
-
-
-class VocabMapError(ValueError):
-    """A d2t / t2d draft-vocabulary map is missing, malformed or inconsistent."""
-
-
-# ----------------------------------------------------------------------------- vocabulary
-
-
-def build_vocab_map(counts: Tensor, draft_vocab_size: int) -> tuple[Tensor, Tensor]:
-    """The `draft_vocab_size` most frequent target tokens -> (d2t [V_d] int64, t2d [V] bool).
-
-    counts: [V] token frequencies (on the loss-masked training tokens). Ties, and tokens never
-    seen, are ordered by id. Draft ids follow target ids in increasing order.
-    """
-    vocab_size = counts.shape[0]
-    if not 0 < draft_vocab_size <= vocab_size:
-        raise VocabMapError(
-            f"draft vocab size must be in [1, {vocab_size}] (the target's vocab), "
-            f"got {draft_vocab_size}"
-        )
-    # Stable descending sort: equal counts keep increasing id order.
-    order = torch.sort(counts.double(), descending=True, stable=True).indices
-    ids = order[:draft_vocab_size].sort().values
-    d2t = ids - torch.arange(draft_vocab_size)
-    t2d = torch.zeros(vocab_size, dtype=torch.bool)
-    t2d[ids] = True
-    return d2t.long(), t2d
-
-
-def check_vocab_map(d2t: Tensor | None, t2d: Tensor | None, vocab_size: int, draft_vocab_size: int):
-    """Raise `VocabMapError` unless d2t / t2d describe the same V_d of distinct target ids."""
-    if d2t is None or t2d is None:
-        missing = " and ".join(n for n, t in (("d2t", d2t), ("t2d", t2d)) if t is None)
-        raise VocabMapError(f"the draft vocabulary map is missing {missing}")
-    if d2t.dtype != torch.int64 or tuple(d2t.shape) != (draft_vocab_size,):
-        raise VocabMapError(
-            f"d2t must be int64 of shape [{draft_vocab_size}], got {d2t.dtype} {list(d2t.shape)}"
-        )
-    if t2d.dtype != torch.bool or tuple(t2d.shape) != (vocab_size,):
-        raise VocabMapError(
-            f"t2d must be bool of shape [{vocab_size}], got {t2d.dtype} {list(t2d.shape)}"
-        )
-    ids = torch.arange(draft_vocab_size, device=d2t.device) + d2t
-    if int(ids.min()) < 0 or int(ids.max()) >= vocab_size:
-        raise VocabMapError(f"d2t maps draft ids outside the target vocab [0, {vocab_size})")
-    if draft_vocab_size > 1 and not bool((ids[1:] > ids[:-1]).all()):
-        if ids.unique().numel() != draft_vocab_size:
-            raise VocabMapError("d2t maps two draft ids to the same target id")
-        raise VocabMapError(
-            "d2t must list target ids in increasing order (speculators builds its head as "
-            "lm_head[t2d], which assumes it)"
-        )
-    if int(t2d.sum()) != draft_vocab_size:
-        raise VocabMapError(f"t2d marks {int(t2d.sum())} target ids, d2t has {draft_vocab_size}")
-    if not bool(t2d[ids.to(t2d.device)].all()):
-        bad = int(ids[~t2d[ids.to(t2d.device)].to(ids.device)][0])
-        raise VocabMapError(f"d2t and t2d disagree: target id {bad} is in d2t but not in t2d")
-
-
-# ----------------------------------------------------------------------------- target features
-
-
-def decoder_layers(model) -> nn.ModuleList:
-    """The decoder layers of a Llama- / Qwen2-style causal LM (peft-wrapped too)."""
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    layers = getattr(base.get_decoder(), "layers", None)
-    if layers is None:
-        raise ValueError(f"cannot find decoder layers in {type(base).__name__}")
-    return layers
-
-
-def default_aux_layers(num_layers: int) -> list[int]:
-    """Low, middle and high feature layers: vLLM's (2, L//2, L−3) where distinct, else spread."""
-    if num_layers >= 7:
-        return [2, num_layers // 2, num_layers - 3]
-    if num_layers >= 4:
-        return [1, num_layers // 2, num_layers - 1]
-    raise ValueError(
-        f"automatic aux layers need a target with >= 4 layers (it has {num_layers}); "
-        "set draft.aux_layers"
-    )
-
-
-class FeatureCapture:
-    """Capture the hidden states entering the given decoder layers during a target forward.
-
-    Layer id i is the residual stream *entering* layer i (HF `hidden_states[i]`; vLLM's
-    `eagle_aux_hidden_state_layer_ids` convention). The capture happens inside the forward
-    that computes the target's logits: no second pass.
-
-        with FeatureCapture(target, [1, 2, 3]) as cap:
-            logits = target(input_ids).logits
-        features = cap.features()  # [B, T, 3·H_t]
-    """
-
-    def __init__(self, model, layer_ids: Sequence[int]):
-        layers = decoder_layers(model)
-        for i in layer_ids:
-            if not 0 <= i < len(layers):
-                raise ValueError(f"aux layer {i} out of range for a {len(layers)}-layer target")
-        self.layers, self.layer_ids = layers, list(layer_ids)
-        self._captured: dict[int, Tensor] = {}
-        self._handles = []
-
-    def __enter__(self):
-        for i in dict.fromkeys(self.layer_ids):
-            self._handles.append(
-                self.layers[i].register_forward_pre_hook(self._hook(i), with_kwargs=True)
-            )
-        return self
-
-    def _hook(self, i: int):
-        def hook(module, args, kwargs):
-            self._captured[i] = args[0] if args else kwargs["hidden_states"]
-
-        return hook
-
-    def record(self, i: int, hidden: Tensor) -> None:
-        """Store the hidden states entering layer i if it is captured. For forwards that do not
-        call the layer modules, so hooks cannot see them (drafts/lean.py)."""
-        if i in self.layer_ids:
-            self._captured[i] = hidden
-
-    def __exit__(self, *exc):
-        for handle in self._handles:
-            handle.remove()
-        self._handles = []
-
-    def features(self) -> Tensor:
-        missing = [i for i in self.layer_ids if i not in self._captured]
-        if missing:
-            raise RuntimeError(f"no hidden states captured for layers {missing}; run a forward")
-        out = torch.cat([self._captured[i] for i in self.layer_ids], dim=-1)
-        self._captured = {}
-        return out
-
-
-# ----------------------------------------------------------------------------- the head
+__all__ = [
+    "DEFAULT_SPECULATIVE_TOKENS",
+    "SGLANG_ARCH",
+    "SPECULATORS_VERSION",
+    "Eagle3Attention",
+    "Eagle3Head",
+    "Eagle3Layer",
+    "Eagle3Output",
+    "FeatureCapture",
+    "VocabMapError",
+    "align_depths",
+    "build_vocab_map",
+    "check_vocab_map",
+    "decoder_layers",
+    "default_aux_layers",
+    "is_eagle3_dir",
+    "is_sglang_eagle3_dir",
+    "read_config",
+]
 
 
 @dataclass
@@ -347,9 +240,9 @@ class Eagle3Head(nn.Module):
     # ------------------------------------------------------------------ compute
     def _logits(self, hidden: Tensor, full_vocab: bool) -> Tensor:
         logits = self.lm_head(self.norm(hidden))
-        return self._logits_to_full(logits) if full_vocab else logits
+        return self.logits_to_full(logits) if full_vocab else logits
 
-    def _logits_to_full(self, logits: Tensor) -> Tensor:
+    def logits_to_full(self, logits: Tensor) -> Tensor:
         """[..., V_d] -> [..., V] with −inf outside V_d (q puts no mass there)."""
         full = logits.new_full((*logits.shape[:-1], self.config.vocab_size), float("-inf"))
         return full.index_copy(-1, self.draft_ids(), logits)
@@ -462,48 +355,8 @@ class Eagle3Head(nn.Module):
     def speculators_config(
         self, verifier: str | None = None, verifier_arch=None, speculative_tokens: int | None = None
     ) -> dict:
-        """The speculators config.json. `speculative_tokens` (the proposal length vLLM uses by
-        default) defaults to the head's training depth, else `DEFAULT_SPECULATIVE_TOKENS`."""
-        if speculative_tokens is None:
-            speculative_tokens = self.ttt_steps or DEFAULT_SPECULATIVE_TOKENS
-        layer_config = self.config.to_dict()
-        layer_config["architectures"] = ["LlamaForCausalLM"]
-        # Our own key (the package's config classes accept unknown keys; vLLM ignores it).
-        depth = {} if self.ttt_steps is None else {"ttt_steps": self.ttt_steps}
-        return {
-            "architectures": ["Eagle3Speculator"],
-            "speculators_model_type": "eagle3",
-            "speculators_version": SPECULATORS_VERSION,
-            "transformer_layer_config": layer_config,
-            "draft_vocab_size": self.draft_vocab_size,
-            "target_hidden_size": self.target_hidden_size,
-            "eagle_aux_hidden_state_layer_ids": self.aux_layers,
-            "norm_before_residual": self.norm_before_residual,
-            "norm_before_fc": False,
-            "fc_norm": False,
-            "norm_output": False,
-            "embed_requires_grad": False,
-            "has_no_defaults_at_init": False,
-            "dtype": str(self.fc.weight.dtype).removeprefix("torch."),
-            "torch_dtype": str(self.fc.weight.dtype).removeprefix("torch."),
-            **depth,
-            "speculators_config": {
-                "algorithm": "eagle3",
-                "proposal_methods": [
-                    {
-                        "proposal_type": "greedy",
-                        "speculative_tokens": speculative_tokens,
-                        "verifier_accept_k": 1,
-                        "accept_tolerance": 0.0,
-                    }
-                ],
-                "default_proposal_method": "greedy",
-                "verifier": {
-                    "name_or_path": verifier,
-                    "architectures": list(verifier_arch or []),
-                },
-            },
-        }
+        """The speculators config.json (drafts/eagle3_format.py)."""
+        return eagle3_format.speculators_config(self, verifier, verifier_arch, speculative_tokens)
 
     def save_pretrained(
         self,
@@ -514,87 +367,22 @@ class Eagle3Head(nn.Module):
         speculative_tokens: int | None = None,
     ):
         """config.json + model.safetensors in the speculators layout (docs/theory.md §5)."""
-        from safetensors.torch import save_file
-
-        check_vocab_map(self.d2t, self.t2d, self.config.vocab_size, self.draft_vocab_size)
-        directory = Path(directory)
-        directory.mkdir(parents=True, exist_ok=True)
-        config = self.speculators_config(verifier, verifier_arch, speculative_tokens)
-        (directory / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-        state = {k: v.detach().contiguous().cpu() for k, v in self.state_dict().items()}
-        save_file(state, str(directory / "model.safetensors"), metadata={"format": "pt"})
+        eagle3_format.save_pretrained(
+            self,
+            directory,
+            verifier=verifier,
+            verifier_arch=verifier_arch,
+            speculative_tokens=speculative_tokens,
+        )
 
     @classmethod
     def from_pretrained(cls, directory, dtype: torch.dtype | None = None) -> "Eagle3Head":
         """Load a head saved by `save_pretrained` (or any speculators Eagle-3 checkpoint)."""
-        directory = Path(directory)
-        path = directory / "config.json"
-        if not path.is_file():
-            raise FileNotFoundError(f"{path} not found: not an EAGLE-3 checkpoint directory")
-        config = json.loads(path.read_text())
-        if config.get("speculators_model_type") != "eagle3":
-            raise ValueError(
-                f"{path}: speculators_model_type is {config.get('speculators_model_type')!r}, "
-                "expected 'eagle3'"
-            )
-        layer = {k: v for k, v in config["transformer_layer_config"].items() if k != "model_type"}
-        head = cls(
-            LlamaConfig(**layer),
-            draft_vocab_size=config["draft_vocab_size"],
-            target_hidden_size=config["target_hidden_size"],
-            aux_layers=config["eagle_aux_hidden_state_layer_ids"],
-            norm_before_residual=config["norm_before_residual"],
-            ttt_steps=config.get("ttt_steps"),
-        )
-        weights = directory / "model.safetensors"
-        if not weights.is_file():
-            raise FileNotFoundError(f"{weights} not found: the head's weights are missing")
-        head.load_checked(read_safetensors(weights), str(directory))
-        return head.to(dtype) if dtype is not None else head
+        return eagle3_format.from_pretrained(cls, directory, dtype)
 
     def load_checked(self, state: dict[str, Tensor], source: str) -> None:
-        """Load a full state dict, all or nothing: the vocabulary map is checked first, then
-        names and shapes must match the head its config describes (`IncompleteDraftError`
-        naming the tensors otherwise; nothing is loaded)."""
-        check_vocab_map(
-            state.get("d2t"), state.get("t2d"), self.config.vocab_size, self.draft_vocab_size
-        )
-        ours = self.state_dict()
-        mismatched = [
-            f"{name} {tuple(state[name].shape)} vs {tuple(ours[name].shape)}"
-            for name in ours
-            if name in state and state[name].shape != ours[name].shape
-        ]
-        message = describe(
-            source,
-            missing=[name for name in ours if name not in state],
-            unexpected=[name for name in state if name not in ours],
-            mismatched=mismatched,
-        )
-        if message:
-            raise IncompleteDraftError(message)
-        self.load_state_dict(state)
-
-
-def read_config(path) -> dict | None:
-    """The config.json of directory `path` as a dict; None when it has none."""
-    config = Path(path) / "config.json"
-    if not config.is_file():
-        return None
-    try:
-        return json.loads(config.read_text())
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{config} is not valid JSON: {e}") from e
-
-
-def is_eagle3_dir(path) -> bool:
-    """A head in the speculators layout (`save_pretrained`; vLLM and HF exports)."""
-    return (read_config(path) or {}).get("speculators_model_type") == "eagle3"
-
-
-def is_sglang_eagle3_dir(path) -> bool:
-    """A head in SGLang's LlamaForCausalLMEagle3 layout (an SGLang export)."""
-    return SGLANG_ARCH in ((read_config(path) or {}).get("architectures") or [])
+        """Load a full state dict, all or nothing (`IncompleteDraftError` otherwise)."""
+        eagle3_format.load_checked(self, state, source)
 
 
 def align_depths(

@@ -6,6 +6,7 @@ which is also what serving engines load (docs/theory.md §5).
 """
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -13,11 +14,16 @@ from torch import Tensor
 
 from specdistill.drafts.align import shifted_logits, target_mask
 from specdistill.drafts.kv_cache import KVStream, left_pad
+from specdistill.drafts.types import Depths
 
-Depths = tuple[list[Tensor], list[Tensor], list[Tensor]]
 
-
+@dataclass(frozen=True)
 class Standalone:
+    """The standalone draft type (a `drafts.types.DraftType`); `vocab_size` is the logit
+    columns compared with the target (`hub.shared_vocab_size`)."""
+
+    vocab_size: int
+
     name = "standalone"
     d2t = None
     formats = ("vllm", "sglang", "hf")  # export formats (train/export/): a plain HF directory
@@ -27,9 +33,6 @@ class Standalone:
     def detect(path) -> bool:
         """Any Hugging Face model directory: the fallback after the other types (`detect`)."""
         return (Path(path) / "config.json").is_file()
-
-    def __init__(self, vocab_size: int):
-        self.vocab_size = vocab_size
 
     @classmethod
     def build(cls, cfg, target, tokenizer, train_data, *, print=print):

@@ -38,143 +38,47 @@ Writes DIR/report.json, DIR/report.md, DIR/drift.png and DIR/responses_after.jso
 after-target's responses as training records: `data.train` of a repair run, recipes/repair.yaml).
 DIR must be new or empty unless --overwrite; the prompt file is read and checked first, and a
 run that fails before writing removes the DIR it created.
+
+Modules: eval/drift_score.py scores the prompts, this module summarises them (`summarise`,
+with the bootstrap) and runs the command line, eval/drift_report.py writes the report
+(`DriftReport` is report.json's schema).
 """
 
 import argparse
-import json
 import math
 from collections import defaultdict
 from collections.abc import Sequence
-from dataclasses import dataclass, field
-from pathlib import Path
 
 import numpy as np
 import torch
 
+from specdistill.eval.drift_report import (
+    DriftReport,
+    markdown,
+    plot,
+    response_records,
+    save_responses,
+    write,
+)
+from specdistill.eval.drift_score import PromptScore, generate_responses, score_prompt
 from specdistill.eval.stats import bootstrap_indices, percentile_interval
 
-# ----------------------------------------------------------------------------- scoring
-
-
-@dataclass
-class PromptScore:
-    """Sums over one prompt's scored positions. Arrays are [K, 3] per depth: (Σ α at the
-    serving temperature, Σ α at T = 0, n positions)."""
-
-    category: str | None
-    before: np.ndarray  # draft vs before-target, on the before-target's response
-    after: np.ndarray  # draft vs after-target, on the after-target's response
-    cross: np.ndarray  # draft vs before-target, on the after-target's response
-    tv: np.ndarray = field(default_factory=lambda: np.zeros(3))  # (Σ TV, Σ argmax differ, n)
-
-
-def _depth_alphas(kind, target, draft, ids, n_prompt, n_out, depth, vocab_size, sampling):
-    """Per depth: (α_T [n_out], α_0 [n_out], valid [n_out], target logits [n_out, V])."""
-    temperature, top_p, top_k = sampling
-    from specdistill import losses
-
-    out = []
-    for d_logits, t_logits, mask in kind.path_logits(
-        target, draft, ids, n_prompt, depth, vocab_size
-    ):
-        d_logits, t_logits = d_logits[:n_out].float(), t_logits[:n_out].float()
-        valid = (
-            torch.ones(n_out, dtype=torch.bool, device=t_logits.device)
-            if mask is None
-            else mask[:n_out].to(t_logits.device)
-        )
-        if temperature > 0:
-            a_t = losses.acceptance(
-                d_logits, t_logits, temperature, valid, top_p=top_p, top_k=top_k
-            )
-        else:
-            a_t = losses.acceptance(d_logits, t_logits, 0.0, valid)
-        a_0 = losses.acceptance(d_logits, t_logits, 0.0, valid)
-        out.append((a_t, a_0, valid, t_logits))
-    return out
-
-
-def _sums(depths) -> np.ndarray:
-    return np.array(
-        [[float(a_t.sum()), float(a_0.sum()), float(valid.sum())] for a_t, a_0, valid, _ in depths]
-    )
-
-
-@torch.inference_mode()
-def score_prompt(
-    target_before,
-    target_after,
-    draft,
-    prompt: Sequence[int],
-    out_before: Sequence[int],
-    out_after: Sequence[int],
-    *,
-    temperature: float,
-    top_p: float | None = None,
-    top_k: int | None = None,
-    depth: int = 1,
-    vocab_size: int,
-    category: str | None = None,
-    token_loss: dict | None = None,
-) -> PromptScore:
-    """Teacher-forced α of `draft` against both targets on both responses of one prompt.
-
-    `token_loss` (token id -> [Σ (α_before − α_after), count]) is updated with the
-    after-text positions, grouped by the after-target's argmax.
-    """
-    from specdistill import drafts
-    from specdistill.drafts.kv_cache import eval_mode
-    from specdistill.losses.sampling import probabilities
-
-    kind = drafts.type_of(draft)
-    sampling = (temperature, top_p, top_k)
-    device = next(target_after.parameters()).device
-    k = depth if kind.per_depth_alpha else 1
-    empty = np.zeros((k, 3))
-    with eval_mode(target_before, target_after, draft):
-        before = empty.copy()
-        if out_before:
-            ids = torch.tensor([list(prompt) + list(out_before)], device=device)
-            before = _sums(
-                _depth_alphas(
-                    kind,
-                    target_before,
-                    draft,
-                    ids,
-                    len(prompt),
-                    len(out_before),
-                    k,
-                    vocab_size,
-                    sampling,
-                )
-            )
-        after, cross, tv = empty.copy(), empty.copy(), np.zeros(3)
-        if out_after:
-            ids = torch.tensor([list(prompt) + list(out_after)], device=device)
-            args = (ids, len(prompt), len(out_after), k, vocab_size, sampling)
-            on_after = _depth_alphas(kind, target_after, draft, *args)
-            on_cross = _depth_alphas(kind, target_before, draft, *args)
-            after, cross = _sums(on_after), _sums(on_cross)
-            a_t, _, valid, logits_a = on_after[0]
-            b_t, _, valid_b, logits_b = on_cross[0]
-            valid = valid & valid_b
-            tv_temp = temperature if temperature > 0 else 1.0
-            p_a = probabilities(logits_a, tv_temp, top_p, top_k)
-            p_b = probabilities(logits_b.to(logits_a.device), tv_temp, top_p, top_k)
-            tv_pos = 0.5 * (p_a - p_b).abs().sum(-1)
-            differ = (logits_a.argmax(-1) != logits_b.argmax(-1)).float()
-            tv = np.array(
-                [float(tv_pos[valid].sum()), float(differ[valid].sum()), float(valid.sum())]
-            )
-            if token_loss is not None:
-                argmax = logits_a.argmax(-1)[valid].tolist()
-                loss = (b_t - a_t)[valid].tolist()
-                for tok, value in zip(argmax, loss, strict=True):
-                    entry = token_loss.setdefault(tok, [0.0, 0])
-                    entry[0] += value
-                    entry[1] += 1
-    return PromptScore(category, before, after, cross, tv)
-
+__all__ = [
+    "DriftReport",
+    "PromptScore",
+    "generate_responses",
+    "main",
+    "markdown",
+    "measure",
+    "paired_bootstrap",
+    "per_category",
+    "plot",
+    "response_records",
+    "save_responses",
+    "score_prompt",
+    "summarise",
+    "write",
+]
 
 # ----------------------------------------------------------------------------- statistics
 
@@ -371,36 +275,6 @@ def summarise(
 # ----------------------------------------------------------------------------- pipeline
 
 
-def generate_responses(
-    target,
-    prompt_ids: list[list[int]],
-    *,
-    temperature: float,
-    top_p: float | None = None,
-    top_k: int | None = None,
-    max_new_tokens: int = 128,
-    eos_token_id: int | None = None,
-    seed: int = 0,
-    batch_size: int = 8,
-) -> list[list[int]]:
-    """Each prompt's response by `target` alone (the project's engine, no draft)."""
-    from specdistill.eval import engine
-
-    gen = engine.generate(
-        target,
-        None,
-        prompt_ids,
-        temperature=temperature,
-        top_p=top_p if temperature > 0 else None,
-        top_k=top_k if temperature > 0 else None,
-        max_new_tokens=max_new_tokens,
-        eos_token_id=eos_token_id,
-        seed=seed,
-        batch_size=batch_size,
-    )
-    return [list(s) for s in gen.sequences]
-
-
 def measure(
     target_before,
     target_after,
@@ -430,12 +304,7 @@ def measure(
     kind = drafts.type_of(draft)
     if depth is None:
         depth = getattr(draft, "ttt_steps", None) or getattr(draft.config, "ttt_steps", 3) or 3
-    heads = [
-        target_before.get_output_embeddings().weight.shape[0],
-        target_after.get_output_embeddings().weight.shape[0],
-        kind.vocab_size_of(draft),
-    ]
-    vocab_size = min(heads)
+    vocab_size = drafts.compared_vocab_size(target_before, target_after, draft=draft)
     prompt_ids = encode_prompts(prompts, tokenizer, max_tokens=max_prompt_tokens)
     gen = dict(
         temperature=temperature,
@@ -481,194 +350,6 @@ def measure(
     report["temperature"] = temperature
     report["draft_type"] = kind.name
     return report, {"before": out_before, "after": out_after}
-
-
-def response_records(prompts, responses: list[list[int]], tokenizer) -> list[dict]:
-    """Training records (data/records.py) of prompts and a target's responses: chat records
-    ({"messages": [user, assistant]}) when the prompt is a chat and the tokenizer has a chat
-    template (only the response is then a loss token), else {"text": prompt + response}."""
-    records = []
-    for prompt, ids in zip(prompts, responses, strict=True):
-        eos = tokenizer.eos_token_id
-        body = tokenizer.decode([t for t in ids if t != eos])
-        if prompt.messages is not None and tokenizer.chat_template:
-            records.append({"messages": [*prompt.messages, {"role": "assistant", "content": body}]})
-        else:
-            from specdistill.eval.prompts import prompt_text
-
-            records.append({"text": prompt_text(prompt, tokenizer) + body})
-        if prompt.category is not None:
-            records[-1]["category"] = prompt.category
-    return records
-
-
-def save_responses(path, prompts, responses: list[list[int]], tokenizer) -> Path:
-    """Write `response_records` as JSONL at `path` (usable as a recipe's data.train)."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "w", encoding="utf-8") as f:
-        for record in response_records(prompts, responses, tokenizer):
-            f.write(json.dumps(record, ensure_ascii=False) + "\n")
-    return path
-
-
-# ----------------------------------------------------------------------------- output
-
-
-def _fmt(x, digits=4) -> str:
-    return "n/a" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.{digits}f}"
-
-
-def _ci(ci) -> str:
-    return f"[{_fmt(ci[0])}, {_fmt(ci[1])}]"
-
-
-def markdown(report: dict) -> str:
-    r = report
-    verdict = "REFIT RECOMMENDED" if r["verdict"]["refit_recommended"] else "no refit needed"
-    lines = [
-        "# α drift report",
-        "",
-        f"Draft: `{r.get('meta', {}).get('draft', '?')}` ({r.get('draft_type', '?')}); "
-        f"before: `{r.get('meta', {}).get('target_before', '?')}`; "
-        f"after: `{r.get('meta', {}).get('target_after', '?')}`. "
-        f"{r['n_prompts']} prompts, serving temperature {r.get('temperature')}.",
-        "",
-        "| | before | after | drop (95% CI) |",
-        "|---|---|---|---|",
-        f"| α (T={r.get('temperature')}) | {_fmt(r['alpha_before'])} | {_fmt(r['alpha_after'])} "
-        f"| {_fmt(r['alpha_drop'])} {_ci(r['alpha_drop_ci'])} |",
-        f"| α (T=0) | {_fmt(r['alpha_greedy_before'])} | {_fmt(r['alpha_greedy_after'])} "
-        f"| {_fmt(r['alpha_greedy_drop'])} {_ci(r['alpha_greedy_drop_ci'])} |",
-        "",
-        f"- α of the draft vs the *before*-target on the after-target's text: "
-        f"{_fmt(r['alpha_before_on_after_text'])} (drop from the text moving: "
-        f"{_fmt(r['drop_from_text'])}; from the target's distribution moving: "
-        f"{_fmt(r['drop_from_target'])})",
-        f"- TV between the targets on the after-target's text: {_fmt(r['target_tv'])}; "
-        f"argmax disagreement {_fmt(r['target_argmax_disagreement'])}",
-        f"- **Verdict**: {verdict} ({r['verdict']['reason']})",
-        "",
-        "## Predicted τ per γ",
-        "",
-        "| γ | τ before | τ after | τ before (T=0) | τ after (T=0) |",
-        "|---|---|---|---|---|",
-    ]
-    for g in r["tau_before"]:
-        lines.append(
-            f"| {g} | {_fmt(r['tau_before'][g], 3)} | {_fmt(r['tau_after'].get(g), 3)} | "
-            f"{_fmt(r['tau_greedy_before'].get(g), 3)} | {_fmt(r['tau_greedy_after'].get(g), 3)} |"
-        )
-    lines += [
-        "",
-        "## Per category",
-        "",
-        "| category | n | α before | α after | drop (95% CI) |",
-        "|---|---|---|---|---|",
-    ]
-    for name, cell in r["per_category"].items():
-        if cell["insufficient"]:
-            lines.append(f"| {name} | {cell['n']} | insufficient (< {cell['min_samples']}) | | |")
-        else:
-            lines.append(
-                f"| {name} | {cell['n']} | {_fmt(cell['before'])} | {_fmt(cell['after'])} | "
-                f"{_fmt(cell['drop'])} {_ci(cell['drop_ci'])} |"
-            )
-    if "per_depth" in r:
-        d = r["per_depth"]
-        lines += [
-            "",
-            "## Per draft position (EAGLE-3, chained)",
-            "",
-            "| depth | α before | α after | α before (T=0) | α after (T=0) |",
-            "|---|---|---|---|---|",
-        ]
-        for i in range(len(d["alpha_before"])):
-            lines.append(
-                f"| {i + 1} | {_fmt(d['alpha_before'][i])} | {_fmt(d['alpha_after'][i])} | "
-                f"{_fmt(d['alpha_greedy_before'][i])} | {_fmt(d['alpha_greedy_after'][i])} |"
-            )
-    if r.get("top_tokens"):
-        lines += [
-            "",
-            "## Tokens losing the most acceptance mass (after-target's argmax)",
-            "",
-            "| token | count | share of α lost | mean α drop |",
-            "|---|---|---|---|",
-        ]
-        for t in r["top_tokens"]:
-            lines.append(
-                f"| {json.dumps(t['token'])} | {t['count']} | {_fmt(t['alpha_mass_lost'])} | "
-                f"{_fmt(t['mean_alpha_drop'])} |"
-            )
-    return "\n".join(lines) + "\n"
-
-
-def plot(report: dict, path) -> Path | None:
-    """Per-category α before / after with intervals, and τ per γ (or α per depth)."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return None
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
-    cells = {
-        "all": {
-            "before": report["alpha_before"],
-            "after": report["alpha_after"],
-            "before_ci": report["alpha_before_ci"],
-            "after_ci": report["alpha_after_ci"],
-        }
-    }
-    cells.update({k: v for k, v in report["per_category"].items() if not v["insufficient"]})
-    names = list(cells)
-    x = np.arange(len(names))
-    for offset, side, color in ((-0.2, "before", "tab:blue"), (0.2, "after", "tab:red")):
-        values = [cells[n][side] for n in names]
-        err = np.array(
-            [
-                [v - cells[n][f"{side}_ci"][0], cells[n][f"{side}_ci"][1] - v]
-                for n, v in zip(names, values, strict=True)
-            ]
-        ).T
-        axes[0].bar(x + offset, values, 0.4, yerr=err, color=color, label=side, capsize=3)
-    axes[0].set_xticks(x, names, rotation=30, ha="right")
-    axes[0].set_ylabel(f"α (T={report.get('temperature')})")
-    axes[0].set_title("acceptance per category (95% CI)")
-    axes[0].legend()
-    if "per_depth" in report:
-        d = report["per_depth"]
-        depths = np.arange(1, len(d["alpha_before"]) + 1)
-        axes[1].plot(depths, d["alpha_before"], "o-", label="before")
-        axes[1].plot(depths, d["alpha_after"], "o-", label="after")
-        axes[1].set_xlabel("draft position")
-        axes[1].set_ylabel("α")
-        axes[1].set_title("α per draft position")
-    else:
-        gammas = list(report["tau_before"])
-        axes[1].plot(gammas, list(report["tau_before"].values()), "o-", label="before")
-        axes[1].plot(gammas, list(report["tau_after"].values()), "o-", label="after")
-        axes[1].set_xlabel("γ")
-        axes[1].set_ylabel("predicted τ")
-        axes[1].set_title("predicted tokens per round")
-    axes[1].legend()
-    fig.tight_layout()
-    path = Path(path)
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path
-
-
-def write(report: dict, out, prompts=None, responses=None, tokenizer=None) -> None:
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "report.json").write_text(json.dumps(report, indent=2, default=str) + "\n")
-    (out / "report.md").write_text(markdown(report))
-    plot(report, out / "drift.png")
-    if responses is not None:
-        save_responses(out / "responses_after.jsonl", prompts, responses["after"], tokenizer)
 
 
 # ----------------------------------------------------------------------------- CLI

@@ -8,9 +8,134 @@ adaptive γ). `summary_table` is the markdown table the CLI prints.
 import json
 import math
 from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict
 
 from specdistill.eval.engine import Generation
 from specdistill.eval.prompts import Prompt, prompt_text
+from specdistill.eval.sweep import Settings
+
+# ----------------------------------------------------------------------------- report.json
+
+Number = int | float  # kept as given (an int stays an int in report.json)
+Metric = int | float | None  # None: no data (NaN in memory, null in report.json)
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class Percentiles(_Strict):
+    p50: Metric
+    p95: Metric
+    p99: Metric
+    mean: Metric
+
+
+class DecodeStats(_Strict):
+    """One run's decoding measurements (eval/sweep.py `_decode_stats`)."""
+
+    tokens: int
+    wall_s: Number
+    tokens_per_s: Number
+    requests_per_s: Number
+    ttft_s: Percentiles
+    token_latency_s: Percentiles
+    request_latency_s: Percentiles
+    queue_s: Percentiles
+    rounds: int
+    verify_s_per_round: Metric
+    prefill_s: Number
+
+
+class _Named(_Strict):
+    name: str
+
+
+class Baseline(DecodeStats, _Named):
+    """The target-only run at one temperature: `name`, then its `DecodeStats`."""
+
+
+class _ConfigFields(_Strict):
+    name: str
+    temperature: Number
+    gamma: int | Literal["adaptive"]
+    tau: Metric
+    tau_pred: Metric
+    tau_pred_pathwise: Metric
+    tau_pred_rounds: Metric
+    tau_pred_rounds_error: Metric
+    tau_pred_iid_error: Metric
+    tau_gap: Metric
+    tau_within_tolerance: bool
+    alpha_offline: Metric
+    alpha_offline_depth: list[Metric] | None
+    alpha_measured: Metric
+    acceptance_rate: Metric
+    slot_acceptance: list[Metric]
+    rejection_histogram: list[int]
+    no_rejection: int
+    mean_gamma: Metric
+    draft_time_share: Metric
+    draft_s: Number
+    verify_s: Number
+    cost_ratio_c: Metric
+    verify_cost_ratio: Metric
+    speedup: Metric
+    ideal_speedup: Metric
+    engine_efficiency: Metric
+    best_gamma_predicted: int | None
+    target_tokens_per_s: Number
+
+
+class ConfigEntry(DecodeStats, _ConfigFields):
+    """One (temperature, γ) configuration: its speculative measurements and predictions
+    (eval/sweep.py `_config`), then its `DecodeStats`."""
+
+
+class BestGamma(_Strict):
+    measured: int
+    speedup: Metric
+    predicted: int | None
+    predicted_rounds: int | None
+
+
+class SpeculateMeta(_Strict):
+    """What the `speculate` command line ran."""
+
+    target: str
+    target_adapter: str | None
+    draft: str
+    prompts: str
+    n_prompts: int
+    device: str
+    dtype: str
+    threads: int
+
+
+class SpeculateReport(_Strict):
+    """report.json of `specdistill speculate`: the sweep's result (eval/sweep.py `sweep`:
+    temperatures as f"{T:g}") and the run's `meta`. NaN metrics are written as null."""
+
+    settings: Settings
+    tau_tolerance: Number
+    baselines: dict[str, Baseline]
+    configs: list[ConfigEntry]
+    best_gamma: dict[str, BestGamma]
+    meta: SpeculateMeta | None = None
+
+    @classmethod
+    def of(cls, result: dict) -> "SpeculateReport":
+        """The report of a sweep's result dict (NaN -> None)."""
+        return cls.model_validate(_json_safe(result))
+
+    def to_json(self) -> str:
+        return json.dumps(self.model_dump(exclude_unset=True), indent=2, allow_nan=False)
+
+    @classmethod
+    def read(cls, path) -> "SpeculateReport":
+        return cls.model_validate_json(Path(path).read_text())
 
 
 def _fmt(x, digits: int = 2) -> str:
@@ -312,7 +437,7 @@ def write(
     """Write report.json, report.md, outputs.jsonl and the PNG plots into `out_dir`."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "report.json").write_text(json.dumps(_json_safe(result), indent=2, allow_nan=False))
+    (out / "report.json").write_text(SpeculateReport.of(result).to_json())
     (out / "report.md").write_text(_markdown(result))
     texts = [prompt_text(p, tokenizer) for p in prompts]
     with open(out / "outputs.jsonl", "w", encoding="utf-8") as f:

@@ -172,8 +172,7 @@ def positional_alpha(
     vocab_size: logit columns compared (default: as the engine, the smaller head).
     """
     kind = drafts.type_of(draft)
-    heads = [target.get_output_embeddings().weight.shape[0], kind.vocab_size_of(draft)]
-    vocab_size = vocab_size or min(heads)
+    vocab_size = vocab_size or drafts.compared_vocab_size(target, draft=draft)
     ids = torch.tensor([list(prompt) + list(output)], device=target.device)
     with eval_mode(target, draft):
         depths = kind.path_logits(target, draft, ids, len(prompt), depth, vocab_size)

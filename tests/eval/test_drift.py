@@ -57,6 +57,10 @@ def test_self_drift_is_exactly_zero(tiny_pair, prompt_file, tmp_path):  # noqa: 
     assert set(saved["per_category"]) == {"code", "loops"}
     assert saved["per_category"]["loops"]["insufficient"] is True  # 4 prompts < 5
     assert saved["per_category"]["code"]["drop"] == 0.0
+    typed = drift.DriftReport.read(out / "report.json")  # report.json's schema reads it back
+    typed.write_json(tmp_path / "again.json")
+    assert (tmp_path / "again.json").read_text() == (out / "report.json").read_text()
+    assert typed.meta is not None and typed.meta.target_after == str(target)
     assert (out / "report.md").read_text().startswith("# α drift report")
     assert (out / "drift.png").stat().st_size > 0
     records = [

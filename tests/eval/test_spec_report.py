@@ -12,6 +12,7 @@ from transformers import PreTrainedTokenizerFast
 
 from specdistill.eval import speculative as spec
 from specdistill.eval.prompts import encode_prompts, load_prompts, prompt_text
+from specdistill.eval.report import SpeculateReport
 from tests.eval.test_speculative import perturbed, tiny_llama
 
 WORDS = ["<pad>", "<eos>", "<unk>", "user", "assistant", ":", *"abcdefghijklmnopqrstuvwxyz"]
@@ -100,6 +101,9 @@ def test_cli_writes_report(tmp_path, tokenizer, monkeypatch):
     assert "NaN" not in (out / "report.json").read_text()  # strict JSON: no data is null
     report = json.loads((out / "report.json").read_text())
     assert [c["tau"] for c in report["configs"]] == [c["tau"] for c in result["configs"]]
+    typed = SpeculateReport.read(out / "report.json")  # report.json's schema reads it back
+    assert typed.to_json() == (out / "report.json").read_text()
+    assert typed.meta is not None and typed.meta.n_prompts == 4
     assert [c["name"] for c in report["configs"]] == [
         "T=0 gamma=1",
         "T=0 gamma=3",

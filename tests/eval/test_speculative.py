@@ -12,6 +12,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from specdistill import losses
 from specdistill.drafts import kv_cache as cache
 from specdistill.eval import engine, verify
+from specdistill.eval import sampling as engine_sampling
 from specdistill.eval import stats as metrics
 from specdistill.eval.stats import tau_iid
 from specdistill.eval.sweep import Settings, sweep
@@ -424,7 +425,7 @@ def test_offline_alpha_predicts_measured_acceptance_under_top_p(close_pair, monk
     _, wrong, _ = pathwise_agreement(runs, 2)
     assert abs(measured - wrong) > 2 * tolerance
     # And an engine that drafted from a filtered q (lossless too) fails the prediction.
-    monkeypatch.setattr(engine._Sampler, "q", engine._Sampler.p)
+    monkeypatch.setattr(engine_sampling.Sampler, "q", engine_sampling.Sampler.p)
     runs = top_p_runs(*close_pair)
     measured, predicted, tolerance = pathwise_agreement(runs, 1)
     assert abs(measured - predicted) > 2 * tolerance

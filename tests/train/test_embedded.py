@@ -12,7 +12,7 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from specdistill.data.stdlib import stdlib_files
-from specdistill.drafts import embedded
+from specdistill.drafts import embedded, embedded_train
 
 
 @pytest.fixture(scope="module")
@@ -64,7 +64,7 @@ def test_build_record(tiny_cache):
     _, paths = tiny_cache
     record = json.loads((Path(paths["tiny"]) / embedded.BUILD_RECORD).read_text())
     assert record["build_version"] == embedded.BUILD_VERSION
-    assert record["spec"] == embedded._record_spec(embedded.EMBEDDED["tiny"])
+    assert record["spec"] == embedded.record_spec(embedded.EMBEDDED["tiny"])
     assert record["train_steps"] == embedded.EMBEDDED["tiny"].steps
     assert 0 < record["heldout_loss"] < 10
     assert record["seed"] == 0
@@ -154,7 +154,7 @@ def test_interrupted_build_leaves_no_final_dir(cache, monkeypatch):
             raise KeyboardInterrupt
         return 1.0
 
-    monkeypatch.setattr(embedded, "_train_step", crash)
+    monkeypatch.setattr(embedded_train, "train_step", crash)
     with pytest.raises(KeyboardInterrupt):
         embedded.resolve_model("embedded:tiny-draft")
     assert not (cache / "embedded" / "tiny-draft").exists()
@@ -217,8 +217,8 @@ def test_other_names_pass_through(cache, name):
 
 
 def test_the_prose_family_is_keyed_by_its_text_and_code_records_stay_as_they_were():
-    code = embedded._record_spec(embedded.EMBEDDED["code"])
-    prose = embedded._record_spec(embedded.EMBEDDED["prose"])
+    code = embedded.record_spec(embedded.EMBEDDED["code"])
+    prose = embedded.record_spec(embedded.EMBEDDED["prose"])
     assert "text" not in code["corpus"]  # builds recorded before the field still match
     assert prose["corpus"]["text"] == "prose"
     assert embedded.EMBEDDED["prose"].corpus == embedded.EMBEDDED["prose-draft"].corpus
@@ -241,7 +241,7 @@ def test_growth_repeats_each_layer_and_divides_its_residual_outputs():
     torch.manual_seed(0)
     shallow = LlamaForCausalLM(config(2))
     rng_state = torch.get_rng_state()
-    deep = embedded._grown(shallow, config(6))
+    deep = embedded_train.grown(shallow, config(6))
     assert torch.equal(torch.get_rng_state(), rng_state)  # the caller's RNG is untouched
     assert len(deep.model.layers) == 6
     for i, layer in enumerate(deep.model.layers):
@@ -266,10 +266,10 @@ def test_a_grown_build_trains_both_stages_and_records_them(cache, monkeypatch):
     )
     monkeypatch.setitem(embedded.EMBEDDED, "tiny-grown", grown)
     stages = []
-    original = embedded._train_step
+    original = embedded_train.train_step
     monkeypatch.setattr(
-        embedded,
-        "_train_step",
+        embedded_train,
+        "train_step",
         lambda model, *a: stages.append(len(model.model.layers)) or original(model, *a),
     )
     path = embedded.resolve_model("embedded:tiny-grown")
@@ -280,7 +280,7 @@ def test_a_grown_build_trains_both_stages_and_records_them(cache, monkeypatch):
     assert record["spec"]["grow_from_layers"] == 2 and record["spec"]["grow_at_step"] == 12
     assert record["n_params"] == sum(p.numel() for p in model.parameters())
     # Specs without growth keep the records they had before the fields existed.
-    assert "grow_from_layers" not in embedded._record_spec(embedded.EMBEDDED["code"])
+    assert "grow_from_layers" not in embedded.record_spec(embedded.EMBEDDED["code"])
 
 
 def test_growth_needs_a_layer_count_that_divides_and_a_step_inside_the_run():

@@ -1,0 +1,103 @@
+"""The interface of a draft type (`DraftType`) and of its engine-side proposer (`Drafter`).
+
+The trainer, the offline evaluation, the engine, the server and the export call a draft type
+through these members only and never branch on which type it is. A type's class
+(drafts/standalone.py `Standalone`, drafts/eagle3.py `Eagle3`) answers the questions about a
+loaded draft module (`vocab_size_of`, `drafter`, `path_logits`, `per_depth_alpha`,
+`own_tokenizer`) and about directories (`detect`, `layout`, `formats`); an instance, built
+with the draft for training (`build`), answers the training-time ones (`depths`,
+`count_mask`, `save`, `vocab_size`, `d2t`). Instances are never mutated after `build`.
+"""
+
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any, ClassVar, Protocol, runtime_checkable
+
+import torch
+from torch import Tensor
+
+# K aligned depths: (draft logits per depth, target logits per depth, mask per depth).
+Depths = tuple[list[Tensor], list[Tensor], list[Tensor]]
+
+# Teacher-forced logits of the offline α: per depth (draft logits, target logits, mask | None).
+PathLogits = list[tuple[Tensor, Tensor, Tensor | None]]
+
+
+@runtime_checkable
+class Drafter(Protocol):
+    """The engine's proposer (eval/batch.py) for a loaded draft, on its own KV cache."""
+
+    target_first_token: bool  # the target prefills the whole prompt and samples token 1
+
+    def capture(self, target) -> Any:
+        """What the target's KV stream must capture for this drafter (None: nothing)."""
+        ...
+
+    def admit(self, prompts: Sequence[Sequence[int]], features=None) -> None:
+        """New rows join with their prompts (and the target's features, when captured)."""
+        ...
+
+    def propose(self, gamma: int, sample: Callable) -> tuple[Tensor, list]:
+        """γ drafts per row -> (drafts [B, γ], per-step q [B, V] or None when greedy)."""
+        ...
+
+    def commit(self, gamma: int, n_accepted: Tensor, host: list, features=None) -> None:
+        """After verification: host[i] = [n_i, next_i, *drafts_i]."""
+        ...
+
+    def select_rows(self, keep: list[int], index: Tensor) -> None:
+        """Keep the rows at positions `keep` (also as `index` [n] on the device)."""
+        ...
+
+
+@runtime_checkable
+class DraftType(Protocol):
+    """Everything that differs between draft types, as the rest of the project calls it."""
+
+    name: ClassVar[str]  # "standalone", "eagle3": the recipe's draft.type
+    formats: ClassVar[tuple[str, ...]]  # export formats (train/export/)
+    layout: ClassVar[str]  # the export format whose layout a saved draft of this type has
+    per_depth_alpha: ClassVar[bool]  # offline α depends on the drafting depth
+    own_tokenizer: ClassVar[bool]  # ships its own tokenizer (which must match the target's)
+
+    vocab_size: int  # logit columns compared with the target in training
+    d2t: Tensor | None  # draft-to-target id offsets when the draft vocabulary is smaller
+
+    @staticmethod
+    def detect(path) -> bool:
+        """Whether a directory holds a draft of this type (in this layout)."""
+        ...
+
+    @classmethod
+    def build(cls, cfg, target, tokenizer, train_data, *, print=print) -> tuple[Any, "DraftType"]:
+        """(draft module, type instance) for a recipe's `draft` section."""
+        ...
+
+    def count_mask(self, batch: dict) -> Tensor:
+        """The positions a step's loss is normalised by."""
+        ...
+
+    def depths(self, draft, target, batch: dict) -> Depths:
+        """K aligned (draft logits, target logits, mask) depths of a batch."""
+        ...
+
+    def save(self, draft, out: Path, tokenizer, verifier: str) -> None:
+        """Write a trained draft to the directory `out`."""
+        ...
+
+    @staticmethod
+    def vocab_size_of(model) -> int:
+        """Logit columns a loaded draft module produces."""
+        ...
+
+    @staticmethod
+    def drafter(model, vocab_size: int, device: torch.device) -> Drafter:
+        """The engine's drafter for a loaded draft module."""
+        ...
+
+    @staticmethod
+    def path_logits(
+        target, model, ids: Tensor, n_prompt: int, depth: int, vocab_size: int
+    ) -> PathLogits:
+        """Teacher-forced logits along ids [1, T] = prompt + output, for the offline α."""
+        ...

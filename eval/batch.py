@@ -1,0 +1,423 @@
+"""The speculative decoding engine's batch: one `RowState` per request, the active rows and
+their KV caches, and one verification round at a time (eval/engine.py drives it).
+
+Per round: the draft proposes d_1..d_γ autoregressively on its own KV cache; the target
+scores [pending, d_1..d_γ] in one forward pass; the drafts are verified (eval/verify.py,
+through the sampler of eval/sampling.py); each row commits its accepted drafts and the
+next token, and both caches are rolled back to the committed tokens, row by row
+(drafts/kv_cache.py). Finished rows leave the batch and waiting requests take their place
+(continuous batching).
+"""
+
+import math
+import time
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from specdistill.drafts.kv_cache import KVStream, left_pad, sync
+from specdistill.eval.sampling import Sampling, logprob_entries
+
+# ----------------------------------------------------------------------------- γ policy
+
+
+@dataclass
+class AdaptiveGamma:
+    """Batch-level γ policy: lengthen after high-acceptance rounds, shorten after rejections.
+
+    After each round, with f = mean accepted fraction over the batch's rows: f == 1 (every
+    draft of every row accepted) -> γ + `up`; f < `low` -> γ − 1; bounded to [min_gamma, max_gamma].
+    """
+
+    start: int = 4
+    min_gamma: int = 1
+    max_gamma: int = 12
+    up: int = 2
+    low: float = 0.5
+    gamma: int = field(init=False)
+
+    def __post_init__(self):
+        if not 1 <= self.min_gamma <= self.start <= self.max_gamma:
+            raise ValueError(
+                f"adaptive γ needs 1 ≤ min_gamma ≤ start ≤ max_gamma, got "
+                f"{self.min_gamma}, {self.start}, {self.max_gamma}"
+            )
+        self.gamma = self.start
+
+    def update(self, n_accepted: Sequence[int], gamma: int) -> None:
+        fraction = sum(n_accepted) / (len(n_accepted) * gamma)
+        if fraction == 1.0:
+            self.gamma = min(self.gamma + self.up, self.max_gamma)
+        elif fraction < self.low:
+            self.gamma = max(self.gamma - 1, self.min_gamma)
+
+
+# ----------------------------------------------------------------------------- results
+
+
+@dataclass
+class Round:
+    """One verification round. Lists are per active row, in `requests` order."""
+
+    gamma: int  # drafts proposed this round (0: target-only step)
+    capped: bool  # γ was shortened because the rows needed fewer tokens
+    requests: list[int]
+    starts: list[int]  # tokens each row had generated before this round
+    accepted: list[int]  # drafts accepted per row (n, 0 ≤ n ≤ γ)
+    committed: list[int]  # tokens appended per row (after max_new_tokens / EOS cuts)
+    draft_s: float
+    verify_s: float
+    round_s: float
+
+
+@dataclass
+class Update:
+    """What one `Engine.step` gave a request: new tokens (cut at EOS / max_new_tokens), their
+    target log-probabilities when asked, and whether (and why) the request ended."""
+
+    request: int
+    tokens: list[int]
+    logprobs: list | None = None  # per token: (logprob, [(token, logprob)] top-k)
+    finished: bool = False
+    finish_reason: str | None = None  # "stop" (EOS) or "length"
+
+
+@dataclass
+class SpecStats:
+    """One request's speculative statistics (vLLM's meanings: a draft = one round's
+    proposal, accepted tokens exclude the bonus / correction token)."""
+
+    num_spec_steps: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_draft_tokens: int = 0
+    acceptance_histogram: list[int] = field(default_factory=list)  # accepted per position
+
+    def record(self, gamma: int, n_accepted: int) -> None:
+        """One speculative round of γ drafts, n of them accepted."""
+        self.num_spec_steps += 1
+        self.num_draft_tokens += gamma
+        self.num_accepted_draft_tokens += n_accepted
+        if len(self.acceptance_histogram) < gamma:
+            self.acceptance_histogram += [0] * (gamma - len(self.acceptance_histogram))
+        for j in range(n_accepted):
+            self.acceptance_histogram[j] += 1
+
+    def as_dict(self) -> dict:
+        steps = self.num_spec_steps
+        return {
+            "mean_acceptance_length": 1 + self.num_accepted_draft_tokens / steps if steps else 1.0,
+            "draft_acceptance_rate": (
+                self.num_accepted_draft_tokens / self.num_draft_tokens
+                if self.num_draft_tokens
+                else 0.0
+            ),
+            "acceptance_histogram": list(self.acceptance_histogram),
+            "num_spec_steps": steps,
+            "num_draft_tokens": self.num_draft_tokens,
+            "num_accepted_draft_tokens": self.num_accepted_draft_tokens,
+        }
+
+
+@dataclass
+class RowState:
+    """One request, from `add` until it is forgotten: everything the batch keeps about it.
+
+    `pending` holds the committed tokens that the target's cache does not hold yet (its last
+    token) while the request has a row; `round_logprobs` the target log-probabilities of
+    the round being committed, for a request that asked for them (`logprobs_k` alternatives).
+    """
+
+    request: int
+    prompt: list[int]
+    max_new: int
+    logprobs_k: int | None = None  # None: no log-probabilities wanted
+    sampling: Sampling = field(default_factory=Sampling)
+    generator: torch.Generator | None = None  # a sampled request's own (Engine)
+    outputs: list[int] = field(default_factory=list)
+    admitted_at: float = math.nan
+    ttft: float = math.nan
+    latency: float = math.nan
+    stats: SpecStats = field(default_factory=SpecStats)
+    pending: list[int] = field(default_factory=list)
+    round_logprobs: list | None = None
+
+    @property
+    def remaining(self) -> int:
+        """Tokens this request may still generate."""
+        return self.max_new - len(self.outputs)
+
+
+# ----------------------------------------------------------------------------- the batch
+
+
+class Batch:
+    """The decoding state: the requests' `RowState`s, the active rows and their caches.
+
+    `rows` maps each known request id to its state; `requests` lists the active rows'
+    request ids in batch order, `waiting` the queued ones. The drafter keeps the draft's own
+    cache and pending tokens, row for row. Requests come in with `add` at any time and join
+    at the next `step` (continuous batching); `cancel` takes one out before the next round;
+    `forget` drops a request's state.
+    """
+
+    def __init__(
+        self,
+        target,
+        drafter,
+        sampler,
+        *,
+        capacity: int,
+        gamma: int | AdaptiveGamma,
+        eos_token_id: int | None,
+        vocab_size: int,
+        cap_gamma: bool = True,
+        record: bool = True,
+    ):
+        self.device = target.device
+        self.drafter = drafter
+        capture = drafter.capture(target) if drafter is not None else None
+        self.t_stream = KVStream(target, vocab_size, self.device, capture)
+        self.sampler = sampler
+        self.capacity, self.gamma = capacity, gamma
+        self.eos_token_id = eos_token_id
+        self.cap_gamma, self.record = cap_gamma, record
+        self.rows: dict[int, RowState] = {}
+        self.token_latency: list[float] = []
+        self.rounds: list[Round] = []
+        self.updates: list[Update] = []
+        self.waiting: deque[int] = deque()
+        self.cancelled: set[int] = set()
+        self.requests: list[int] = []
+        self.prefill_s = 0.0
+        self._next_id = 0
+
+    def add(
+        self,
+        prompt: list[int],
+        max_new_tokens: int,
+        logprobs: int | None = None,
+        *,
+        sampling: Sampling | None = None,
+        generator: torch.Generator | None = None,
+    ) -> int:
+        """Queue a request; it joins the batch at the next `step` with a free row."""
+        r = self._next_id
+        self._next_id += 1
+        self.rows[r] = RowState(
+            r, list(prompt), max_new_tokens, logprobs, sampling or Sampling(), generator
+        )
+        self.waiting.append(r)
+        return r
+
+    def cancel(self, r: int) -> None:
+        """Take request r out: at once when waiting, before the next round when active."""
+        if r in self.waiting:
+            self.waiting.remove(r)
+        elif r in self.requests:
+            self.cancelled.add(r)
+
+    def forget(self, r: int) -> None:
+        """Drop request r's state (after its last update, or once cancelled)."""
+        self.rows.pop(r, None)
+
+    def active_rows(self) -> list[RowState]:
+        """The active rows' states, in batch order."""
+        return [self.rows[r] for r in self.requests]
+
+    def step(self) -> list[Update]:
+        """Admit waiting requests into free rows, then run one round; the round's updates."""
+        self.updates = []
+        if self.cancelled:
+            gone = [r in self.cancelled for r in self.requests]
+            self.cancelled.clear()
+            if any(gone):
+                self.remove(gone)
+        if self.waiting and len(self.requests) < self.capacity:
+            self.admit()
+        if self.requests:
+            g, capped = self.round_gamma()
+            round_start = time.perf_counter()
+            drafted, q, draft_s = self.draft(g)
+            verify_start = time.perf_counter()
+            n_accepted, host = self.verify(g, drafted, q)
+            now = time.perf_counter()
+            timing = (draft_s, now - verify_start, now - round_start)
+            self.commit(g, capped, n_accepted, host, now, timing)
+        return self.updates
+
+    # ------------------------------------------------------------------ rows in and out
+    def admit(self) -> None:
+        """Waiting requests take the free rows; their prompts are prefilled."""
+        start = time.perf_counter()
+        free = min(self.capacity - len(self.requests), len(self.waiting))
+        admitted = [self.rows[self.waiting.popleft()] for _ in range(free)]
+        for row in admitted:
+            row.admitted_at = start
+        self.requests += [row.request for row in admitted]
+        if self.drafter is not None and self.drafter.target_first_token:
+            self._admit_after_first_token(admitted, start)
+            return
+        self.t_stream.admit([row.prompt[:-1] for row in admitted])
+        if self.drafter is not None:
+            self.drafter.admit([row.prompt for row in admitted])
+        for row in admitted:
+            row.pending = [row.prompt[-1]]
+        sync(self.device)
+        self.prefill_s += time.perf_counter() - start
+
+    def _admit_after_first_token(self, admitted: list[RowState], start: float) -> None:
+        """EAGLE: the target prefills the whole prompt and samples the first token; the
+        head needs the features of every prompt position."""
+        logits, features, valid = self.t_stream.admit([row.prompt for row in admitted])
+        first = self.sampler.target(logits, admitted)[0].tolist()
+        self.drafter.admit(
+            [row.prompt + [f] for row, f in zip(admitted, first, strict=True)],
+            [f[v] for f, v in zip(features, valid, strict=True)],
+        )
+        for i, row in enumerate(admitted):
+            row.pending = [first[i]]
+            if row.logprobs_k is not None:
+                row.round_logprobs = logprob_entries(logits[i : i + 1], [first[i]], row.logprobs_k)
+        sync(self.device)
+        now = time.perf_counter()
+        done = [self.emit(row, [f], now) for row, f in zip(admitted, first, strict=True)]
+        self.prefill_s += now - start
+        finished = [False] * (len(self.requests) - len(admitted)) + done
+        if any(finished):
+            self.remove(finished)
+
+    def remove(self, finished: list[bool]) -> None:
+        """Finished rows leave the batch (and both caches)."""
+        keep = [i for i, f in enumerate(finished) if not f]
+        self.requests = [self.requests[i] for i in keep]
+        index = torch.tensor(keep, dtype=torch.long, device=self.device)
+        self.t_stream.select_rows(index)
+        if self.drafter is not None:
+            self.drafter.select_rows(keep, index)
+
+    def emit(self, row: RowState, new: list[int], now: float) -> bool:
+        """Append a request's new tokens (cut at EOS and at its max_new_tokens); True when
+        the request is done."""
+        remaining = row.remaining
+        new = new[:remaining]
+        done, reason = len(new) == remaining, "length"
+        if self.eos_token_id is not None and self.eos_token_id in new:
+            new = new[: new.index(self.eos_token_id) + 1]
+            done, reason = True, "stop"
+        if not row.outputs:
+            row.ttft = now - row.admitted_at
+        row.outputs.extend(new)
+        if done:
+            row.latency = now - row.admitted_at
+        logprobs, row.round_logprobs = row.round_logprobs, None
+        self.updates.append(
+            Update(
+                row.request,
+                new,
+                None if logprobs is None else logprobs[: len(new)],
+                done,
+                reason if done else None,
+            )
+        )
+        return done
+
+    # ------------------------------------------------------------------ one round
+    def round_gamma(self) -> tuple[int, bool]:
+        """(γ of this round, whether it was shortened: no row needs more than γ + 1 tokens).
+
+        Without `cap_gamma` γ is never shortened, so that each row's random draws do not
+        depend on the other rows (per-request seeds); the surplus is cut by `emit`.
+        """
+        if self.drafter is None:
+            g = 0
+        else:
+            g = self.gamma.gamma if isinstance(self.gamma, AdaptiveGamma) else self.gamma
+        if not self.cap_gamma:
+            return g, False
+        most = max(row.remaining for row in self.active_rows())
+        capped = g > most - 1
+        return (most - 1 if capped else g), capped
+
+    def draft(self, g: int) -> tuple[torch.Tensor, list, float]:
+        """The drafter proposes g tokens per row: (drafts [B, g], q per slot, seconds)."""
+        if g == 0:
+            return torch.zeros(len(self.requests), 0, dtype=torch.long, device=self.device), [], 0.0
+        start = time.perf_counter()
+        rows = self.active_rows()
+        drafted, q = self.drafter.propose(g, lambda logits: self.sampler.draft(logits, rows))
+        sync(self.device)
+        return drafted, q, time.perf_counter() - start
+
+    def verify(self, g: int, drafted: torch.Tensor, q: list) -> tuple[torch.Tensor, list]:
+        """The target scores [pending, d_1..d_g] in one pass and verifies the drafts.
+
+        Returns (n_accepted [B], host rows [n_i, next_i, *drafts_i]) once on the host.
+        """
+        rows = self.active_rows()
+        tokens, valid = left_pad([row.pending for row in rows], self.device)
+        if g > 0:
+            tokens = torch.cat([tokens, drafted], dim=1)
+            valid = torch.cat([valid, torch.ones_like(drafted, dtype=torch.bool)], dim=1)
+        logits = self.t_stream.forward(tokens, valid, keep=g + 1)
+        if g == 0:
+            next_token, _ = self.sampler.target(logits[:, -1], rows)
+            n_accepted = torch.zeros_like(next_token)
+        else:
+            n_accepted, next_token = self.sampler.verify(logits, drafted, q, rows)
+        host = torch.cat([n_accepted[:, None], next_token[:, None], drafted], dim=1).tolist()
+        for i, row in enumerate(rows):
+            if row.logprobs_k is not None:
+                n_i, next_i, *drafts_i = host[i]
+                row.round_logprobs = logprob_entries(
+                    logits[i, : n_i + 1], drafts_i[:n_i] + [next_i], row.logprobs_k
+                )
+        sync(self.device)
+        return n_accepted, host
+
+    def commit(
+        self,
+        g: int,
+        capped: bool,
+        n_accepted: torch.Tensor,
+        host: list,
+        now: float,
+        timing: tuple[float, float, float],
+    ) -> None:
+        """Append each row's accepted drafts and next token, record the round, roll both
+        caches back to the committed tokens, and let finished rows go."""
+        rows = self.active_rows()
+        starts = [len(row.outputs) for row in rows]
+        accepted = [h[0] for h in host]
+        committed, finished = [], []
+        round_s = timing[2]
+        for i, row in enumerate(rows):
+            n_i, next_i, drafts_i = host[i][0], host[i][1], host[i][2:]
+            before = len(row.outputs)
+            finished.append(self.emit(row, drafts_i[:n_i] + [next_i], now))
+            n_new = len(row.outputs) - before
+            committed.append(n_new)
+            if g > 0:
+                row.stats.record(g, n_i)
+            if self.record:
+                self.token_latency.extend([round_s / n_new] * n_new)
+            # The target cached [pending, d_1..d_n]; the new token is pending.
+            row.pending = [next_i]
+        if self.record:
+            self.rounds.append(
+                Round(g, capped, list(self.requests), starts, accepted, committed, *timing)
+            )
+        if isinstance(self.gamma, AdaptiveGamma) and g > 0 and not capped:
+            self.gamma.update(accepted, g)
+
+        self.t_stream.drop_last(g - n_accepted)
+        if self.drafter is not None and g > 0:
+            features = self.t_stream.features
+            self.drafter.commit(
+                g, n_accepted, host, None if features is None else features[:, -(g + 1) :]
+            )
+        elif self.drafter is not None:
+            assert all(finished), "a γ = 0 round only happens when every row ends in it"
+        if any(finished):
+            self.remove(finished)
