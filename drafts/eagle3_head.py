@@ -36,6 +36,7 @@ from transformers.models.llama.modeling_llama import (
 )
 
 from specdistill.drafts.weights import IncompleteDraftError, describe, read_safetensors
+from specdistill.errors import UserError
 
 SPECULATORS_VERSION = "0.9.0"  # the format version written (and tested in tests/interop)
 # speculative_tokens written for a head whose training depth is unknown (vLLM's proposal length)
@@ -43,7 +44,7 @@ DEFAULT_SPECULATIVE_TOKENS = 3
 SGLANG_ARCH = "LlamaForCausalLMEagle3"  # SGLang's EAGLE-3 head class (an SGLang export's config)
 
 
-class VocabMapError(ValueError):
+class VocabMapError(UserError):
     """A d2t / t2d draft-vocabulary map is missing, malformed or inconsistent."""
 
 

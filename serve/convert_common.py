@@ -9,12 +9,13 @@ import math
 import time
 from pathlib import Path
 
+from specdistill.errors import UserError
 from specdistill.serve.traffic import SCHEMA_VERSION, validate
 
 MAX_DEPTH = 64  # nesting of a source entry (lists, objects, pickled attribute bags)
 
 
-class ConvertError(ValueError):
+class ConvertError(UserError):
     """A source record that cannot become a traffic record (the reason is the message)."""
 
 

@@ -18,8 +18,10 @@ from typing import Any, Literal
 
 import yaml
 
+from specdistill.errors import UserError
 
-class RecipeError(ValueError):
+
+class RecipeError(UserError):
     """A recipe key is unknown or its value is invalid."""
 
 
