@@ -2,17 +2,20 @@
 
 A bad recipe, malformed data, a missing file: the message names the problem, so the user
 sees `error: <message>` on stderr and exit status 2, not a traceback. `--debug` (on
-`specdistill`) or SPECDISTILL_DEBUG=1 re-raises instead. Imports nothing from the project,
-so every layer's modules can use it.
+`specdistill`) or SPECDISTILL_DEBUG=1 re-raises instead. Imports nothing from the project
+but specdistill/publish.py (standard library only), so every layer's modules can use it.
 
 Anticipated means one of the project's own error types (`UserError` and its subclasses:
 RecipeError, DataError, PromptError, VocabMapError, ExportError, ...; `UserFileError`), or a
 `FileNotFoundError` (a path the user gave that is not there). Any other exception is a bug:
-its traceback is printed as Python prints it.
+its traceback is printed as Python prints it. specdistill/publish.py, which imports nothing
+but the standard library, keeps its `OutputDirError` a ValueError; it is listed here.
 """
 
 import os
 import sys
+
+from specdistill.publish import OutputDirError
 
 
 class UserError(ValueError):
@@ -31,7 +34,7 @@ def debugging() -> bool:
 
 
 # Errors whose message is the whole story (a user's input, not a bug in this program).
-ANTICIPATED = (UserError, UserFileError, FileNotFoundError)
+ANTICIPATED = (UserError, UserFileError, OutputDirError, FileNotFoundError)
 
 
 def run_guarded(main, argv: list[str]) -> int:

@@ -19,8 +19,6 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from specdistill.errors import UserError
-
 
 def fsync_path(path: str | os.PathLike) -> None:
     """Flush one file or directory to disk (a directory: its entries, i.e. renames into it)."""
@@ -101,7 +99,7 @@ def remove_leftovers(folder: str | os.PathLike) -> None:
                 path.unlink(missing_ok=True)
 
 
-class OutputDirError(UserError):
+class OutputDirError(ValueError):
     """An output directory that a command would overwrite, or that another process holds."""
 
 
