@@ -15,6 +15,8 @@ every later error can point at it.
 from dataclasses import dataclass
 from typing import Any
 
+from specdistill.errors import UserError
+
 # What a DataError is about, in short stable words, for counting skipped records: the first
 # phrase found in its message (written here, in sources.py or in tokenize.py) gives it.
 REASONS = (
@@ -32,7 +34,7 @@ REASONS = (
 OTHER_REASON = "malformed record"  # e.g. a turn without 'content', content not text
 
 
-class DataError(ValueError):
+class DataError(UserError):
     """A problem with the data. The message names where (file:line or record) and what."""
 
     @property

@@ -8,8 +8,10 @@ built from token frequencies (`build_vocab_map`) and checked on every load and s
 import torch
 from torch import Tensor
 
+from specdistill.errors import UserError
 
-class VocabMapError(ValueError):
+
+class VocabMapError(UserError):
     """A d2t / t2d draft-vocabulary map is missing, malformed or inconsistent."""
 
 

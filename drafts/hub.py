@@ -36,6 +36,7 @@ from specdistill.drafts.weights import (
     describe,
     tensor_names,
 )
+from specdistill.errors import UserError, UserFileError
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -52,15 +53,15 @@ __all__ = [
 ]
 
 
-class TokenizerMismatchError(ValueError):
+class TokenizerMismatchError(UserError):
     """Target and draft do not share a tokenizer, so draft tokens cannot be verified."""
 
 
-class ModelNotFoundError(OSError):
+class ModelNotFoundError(UserFileError):
     """A model name names no usable local directory, or a hub model that cannot be fetched."""
 
 
-class AdapterMismatchError(ValueError):
+class AdapterMismatchError(UserError):
     """A peft adapter that was not trained on the base model it is applied to."""
 
 

@@ -21,9 +21,19 @@ spare capacity (`GrowingLayer`) instead of concatenating the whole cache every s
 multi-token forward on a filled cache (the target's verification pass) gets a prepared
 additive 4-D mask instead of one transformers builds as booleans, which SDPA converts again in
 every layer (`additive_mask`).
+
+`GrowingLayer` reimplements `DynamicLayer.update` of transformers' cache-layer protocol. Before
+the first cache is made, a probe checks that it leaves a layer in the state `DynamicLayer`
+would (same attributes, same keys/values, same length, same after `reset`); when it does not
+(a transformers release this module was not written for), caches keep transformers' own
+layers and one warning per process names the difference.
+
+The cache goes to the model as its `cache` argument (transformers ≥ 5), read from the forward
+signature of the model or, for a peft-wrapped one, of the model inside it (peft passes it on).
 """
 
 import inspect
+import logging
 from collections.abc import Sequence
 from contextlib import contextmanager, nullcontext
 
@@ -41,10 +51,17 @@ _MIN_SPARE = 256
 # Attention implementations that take an additive 4-D float mask as it is.
 _ADDITIVE_MASK_ATTENTION = ("sdpa", "eager")
 
+log = logging.getLogger(__name__)
+
 
 def cache_keyword(model) -> str:
-    """transformers ≥ 5 names the cache argument `cache`; 4.x named it `past_key_values`."""
-    params = inspect.signature(model.forward).parameters
+    """transformers ≥ 5 names the cache argument `cache`; 4.x named it `past_key_values`.
+
+    A peft model's own forward takes `**kwargs` and hands them to the model it wraps, so the
+    name is read from that model's forward.
+    """
+    inner = model.get_base_model() if hasattr(model, "get_base_model") else model
+    params = inspect.signature(inner.forward).parameters
     return "cache" if "cache" in params else "past_key_values"
 
 
@@ -110,9 +127,67 @@ class GrowingLayer(DynamicLayer):
         super().reset()
 
 
+def _state(layer) -> dict:
+    return {k: v for k, v in vars(layer).items() if k != "buffers"}
+
+
+def _same(a, b) -> bool:
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return (
+            isinstance(a, torch.Tensor)
+            and isinstance(b, torch.Tensor)
+            and a.shape == b.shape
+            and a.dtype == b.dtype
+            and torch.equal(a, b)
+        )
+    return type(a) is type(b) and a == b
+
+
+def growing_layer_problem() -> str | None:
+    """None when `GrowingLayer` leaves a layer as `DynamicLayer` does after appends of several
+    lengths and a reset, else the first difference (or the error the probe raised)."""
+    plain, growing = DynamicLayer(), GrowingLayer()
+    try:
+        for step, k in enumerate((3, 1, 2, 300)):
+            key = torch.arange(2 * 2 * k * 4, dtype=torch.float32).view(2, 2, k, 4) + step
+            for layer in (plain, growing):
+                out = layer.update(key, -key)
+            if not (_same(out[0], plain.keys) and _same(out[1], plain.values)):
+                return f"update's returned keys/values after {step + 1} appends"
+            if growing.get_seq_length() != plain.get_seq_length():
+                return f"get_seq_length() after {step + 1} appends"
+            a, b = _state(plain), _state(growing)
+            for name in sorted(a.keys() | b.keys()):
+                if not _same(a.get(name), b.get(name)):
+                    return f"the layer attribute {name!r} after {step + 1} appends"
+        plain.reset()
+        growing.reset()
+        a, b = _state(plain), _state(growing)
+        for name in sorted(a.keys() | b.keys()):
+            if not _same(a.get(name), b.get(name)):
+                return f"the layer attribute {name!r} after reset()"
+    except (TypeError, ValueError, AttributeError, RuntimeError, IndexError) as e:
+        return f"{type(e).__name__}: {e}"
+    return None
+
+
+_PROBED: list[str | None] = []  # growing_layer_problem()'s answer, once per process
+
+
 def growing_cache(config) -> DynamicCache:
-    """A transformers DynamicCache whose full-attention layers are `GrowingLayer`s."""
+    """A transformers DynamicCache whose full-attention layers are `GrowingLayer`s, or its own
+    layers when `growing_layer_problem()` finds one (warned once)."""
     cache = DynamicCache(config=config)
+    if not _PROBED:
+        _PROBED.append(growing_layer_problem())
+        if _PROBED[0]:
+            log.warning(
+                "drafts.kv_cache: GrowingLayer does not match this transformers' DynamicLayer "
+                "(%s); caches keep transformers' own layers",
+                _PROBED[0],
+            )
+    if _PROBED[0]:
+        return cache
     cache.layers = [GrowingLayer() if type(x) is DynamicLayer else x for x in cache.layers]
     if getattr(cache, "layer_class_to_replicate", None) is DynamicLayer:
         cache.layer_class_to_replicate = GrowingLayer

@@ -15,7 +15,7 @@ this forward instead, with the model's own parameters and the same cache:
 Everything else is transformers' math: RMSNorm in float32 as `LlamaRMSNorm`, SDPA with the
 module's scale and the same masks, keys/values appended to the same cache layers (so a cache
 filled by transformers' forward continues here and the other way round). Logits equal
-transformers' to float rounding (tests/eval/test_lean.py).
+transformers' to float rounding (tests/drafts/test_lean.py).
 
 Supported: `model_type` llama, mistral (no sliding window), qwen2 (q/k/v biases) and qwen3
 (q/k norms), SiLU MLPs, full attention in every layer, plain `nn.Linear`/`nn.Embedding`
@@ -30,8 +30,16 @@ step, `load_state_dict`) or by a new storage (`.data = ...`, `.to(dtype)`), and 
 is made when a module was replaced; a draft evaluated during training never runs stale
 weights. Not seen: in-place writes through `.data` (`p.data.add_(...)` bumps no version
 counter); code that updates weights that way should set `drafts.lean.enabled = False`.
+
+Internals it reads, each checked before a decoder is made (`missing_internal(model)`): the
+attention modules' `scaling`, the RMSNorms' `variance_epsilon`, the rotary module called as
+`rotary_emb(x, position_ids) -> (cos, sin)`, and torch's per-tensor version counter
+(`Tensor._version`). When one is missing or behaves otherwise (a transformers or torch release
+this module was not written for), the model keeps transformers' forward and one warning per
+process names what was missing.
 """
 
+import logging
 import weakref
 
 import torch
@@ -45,6 +53,9 @@ enabled = True
 # The prepared copies double the weights' memory: larger models keep transformers' forward
 # (where per-call costs matter less than the GEMMs anyway).
 MAX_WEIGHT_BYTES = 2 << 30
+
+log = logging.getLogger(__name__)
+_WARNED: set[str] = set()  # internals already named in a warning (one warning each per process)
 
 
 def why_not(model) -> str | None:
@@ -81,17 +92,83 @@ def why_not(model) -> str | None:
     return None
 
 
-# One decoder (one set of weight copies) per model, shared by all its streams and engines.
+def _version_of(p: torch.Tensor) -> int:
+    """torch's in-place version counter of `p` (0 for inference tensors, which keep none)."""
+    return 0 if p.is_inference() else p._version
+
+
+def _norms(model) -> list[tuple[str, nn.Module]]:
+    base = model.model
+    found = [("model.norm", base.norm)]
+    for i, layer in enumerate(base.layers):
+        a = layer.self_attn
+        found += [
+            (f"layers[{i}].input_layernorm", layer.input_layernorm),
+            (f"layers[{i}].post_attention_layernorm", layer.post_attention_layernorm),
+        ]
+        found += [(f"layers[{i}].self_attn.{n}", getattr(a, n, None)) for n in ("q_norm", "k_norm")]
+    return [(name, norm) for name, norm in found if norm is not None]
+
+
+def missing_internal(model) -> str | None:
+    """None when every internal attribute the lean forward reads is there and behaves as
+    expected on `model` (a model `why_not` accepts), else what is missing."""
+    params = list(model.parameters())
+    first = params[0]
+    if not first.is_inference() and not isinstance(getattr(first, "_version", None), int):
+        return "torch's Tensor._version (the in-place version counter)"
+    for i, layer in enumerate(model.model.layers):
+        if not isinstance(getattr(layer.self_attn, "scaling", None), (int, float)):
+            return f"the attention module's `scaling` (layers[{i}].self_attn.scaling)"
+    for name, norm in _norms(model):
+        eps = getattr(norm, "variance_epsilon", None)
+        if not isinstance(eps, (int, float)) or not isinstance(norm.weight, torch.Tensor):
+            return f"the RMSNorm's `variance_epsilon` / `weight` ({name})"
+    c = model.config
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    x = params[0].new_zeros(1, 1, c.hidden_size)
+    try:
+        with torch.no_grad():
+            cos, sin = model.model.rotary_emb(x, torch.zeros(1, 1, dtype=torch.long))
+        if cos.shape != (1, 1, head_dim) or sin.shape != (1, 1, head_dim):
+            raise ValueError(f"shapes {tuple(cos.shape)}, {tuple(sin.shape)}")
+    except (TypeError, ValueError, AttributeError, RuntimeError) as e:
+        return f"the rotary module's forward(x, position_ids) -> (cos, sin) ({e})"
+    return None
+
+
+def _warn_once(what: str) -> None:
+    if what not in _WARNED:
+        _WARNED.add(what)
+        log.warning(
+            "drafts.lean: %s is missing or changed in this transformers/torch; "
+            "such models keep transformers' forward",
+            what,
+        )
+
+
+# One decoder (one set of weight copies) per model, shared by all its streams and engines;
+# the models whose internals were found missing, with their parameters' ids when checked.
 _SHARED: "weakref.WeakKeyDictionary[nn.Module, LeanDecoder]" = weakref.WeakKeyDictionary()
+_REFUSED: "weakref.WeakKeyDictionary[nn.Module, list[int]]" = weakref.WeakKeyDictionary()
 
 
 def decoder(model) -> "LeanDecoder | None":
-    """`model`'s shared LeanDecoder, or None when `why_not(model)` gives a reason. A new one
-    when the model's parameters are other objects than before (a module was replaced)."""
+    """`model`'s shared LeanDecoder, or None when `why_not(model)` gives a reason or an internal
+    the forward reads is missing (`missing_internal`: warned once). A new one when the model's
+    parameters are other objects than before (a module was replaced)."""
     if why_not(model):
         return None
+    ids = [id(p) for p in model.parameters()]
+    if _REFUSED.get(model) == ids:
+        return None
     shared = _SHARED.get(model)
-    if shared is None or [id(p) for p in model.parameters()] != shared.param_ids:
+    if shared is None or ids != shared.param_ids:
+        missing = missing_internal(model)
+        if missing:
+            _warn_once(missing)
+            _REFUSED[model] = ids
+            return None
         shared = _SHARED[model] = LeanDecoder(model, checked=True)
     return shared
 
@@ -163,7 +240,7 @@ class LeanDecoder:
     """`model`'s decoding forward without transformers' modules (see the module docstring)."""
 
     def __init__(self, model, checked: bool = False):
-        reason = None if checked else why_not(model)
+        reason = None if checked else (why_not(model) or missing_internal(model))
         if reason:
             raise ValueError(f"LeanDecoder cannot run this model: {reason}")
         # Submodules only, never `model` itself: the shared table holds models weakly.
@@ -178,7 +255,7 @@ class LeanDecoder:
     def _prepare(self) -> None:
         """(Re)build the copies when a parameter changed: in place (its version counter) or
         through `.data` / `.to()` (its storage). Inference tensors keep no version counter."""
-        state = [(0 if p.is_inference() else p._version, p.data_ptr()) for p in self._params]
+        state = [(_version_of(p), p.data_ptr()) for p in self._params]
         if state == self._state:
             return
         with torch.no_grad():

@@ -21,17 +21,19 @@ from pathlib import Path
 
 from safetensors import SafetensorError, safe_open
 
+from specdistill.errors import UserError
+
 log = logging.getLogger("specdistill.drafts")
 SHOWN = 4  # names shown per kind of problem
 
 
-class IncompleteDraftError(ValueError):
+class IncompleteDraftError(UserError):
     """A model directory (a draft, a checkpoint, or a target) whose weights do not cover its
     config (missing, mismatched or unexpected tensors); loading it would leave randomly
     initialised tensors."""
 
 
-class BrokenWeightsError(ValueError):
+class BrokenWeightsError(UserError):
     """A weights file that cannot be read: truncated, or not a safetensors file."""
 
 

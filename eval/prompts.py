@@ -17,6 +17,8 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from specdistill.errors import UserError
+
 
 @dataclass
 class Prompt:
@@ -26,7 +28,7 @@ class Prompt:
     category: str | None = None  # the record's `category` (Spec-Bench), for per-category reports
 
 
-class PromptError(ValueError):
+class PromptError(UserError):
     """A prompt file that cannot be read; the message names the file (and line) at fault."""
 
 

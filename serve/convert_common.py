@@ -11,6 +11,7 @@ from pathlib import Path
 
 from pydantic import ValidationError
 
+from specdistill.errors import UserError
 from specdistill.serve.traffic import (
     SCHEMA_VERSION,
     TEMPERATURE,
@@ -22,7 +23,7 @@ from specdistill.serve.traffic import (
 MAX_DEPTH = 64  # nesting of a source entry (lists, objects, pickled attribute bags)
 
 
-class ConvertError(ValueError):
+class ConvertError(UserError):
     """A source record that cannot become a traffic record (the reason is the message)."""
 
 

@@ -22,12 +22,14 @@ from typing import Annotated, Literal
 from pydantic import BaseModel, ConfigDict, Field, PlainValidator, ValidationError, model_validator
 from pydantic_core import PydanticCustomError
 
+from specdistill.errors import UserError
+
 SCHEMA_VERSION = 1
 SHARD = re.compile(r"^traffic-(\d{6})\.jsonl$")
 DEFAULT_SHARD_BYTES = 64 * 1024 * 1024
 
 
-class TrafficError(ValueError):
+class TrafficError(UserError):
     """A traffic record that does not follow the schema (file and line named)."""
 
 

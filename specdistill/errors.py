@@ -2,21 +2,39 @@
 
 A bad recipe, malformed data, a missing file: the message names the problem, so the user
 sees `error: <message>` on stderr and exit status 2, not a traceback. `--debug` (on
-`specdistill`) or SPECDISTILL_DEBUG=1 re-raises instead. Imports nothing from the project,
-so every layer's scripts can use it.
+`specdistill`) or SPECDISTILL_DEBUG=1 re-raises instead. Imports nothing from the project
+but specdistill/publish.py (standard library only), so every layer's modules can use it.
+
+Anticipated means one of the project's own error types (`UserError` and its subclasses:
+RecipeError, DataError, PromptError, VocabMapError, ExportError, ...; `UserFileError`), or a
+`FileNotFoundError` (a path the user gave that is not there). Any other exception is a bug:
+its traceback is printed as Python prints it. specdistill/publish.py, which imports nothing
+but the standard library, keeps its `OutputDirError` a ValueError; it is listed here.
 """
 
 import os
 import sys
+
+from specdistill.publish import OutputDirError
+
+
+class UserError(ValueError):
+    """An error in what the user gave (a recipe, a data file, a model or output directory), with
+    a message that names the problem and what to do. A ValueError, so callers that catch
+    ValueError keep catching it."""
+
+
+class UserFileError(OSError):
+    """The same for a file or directory, as an OSError (errno, filename), so callers that catch
+    OSError keep catching it."""
 
 
 def debugging() -> bool:
     return os.environ.get("SPECDISTILL_DEBUG", "").lower() not in ("", "0", "false", "no")
 
 
-# Errors whose message is the whole story (a user's input, not a bug in this program):
-# RecipeError, DataError, PromptError, VocabMapError, ExportError are all ValueErrors.
-ANTICIPATED = (ValueError, OSError)
+# Errors whose message is the whole story (a user's input, not a bug in this program).
+ANTICIPATED = (UserError, UserFileError, OutputDirError, FileNotFoundError)
 
 
 def run_guarded(main, argv: list[str]) -> int:

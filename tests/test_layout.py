@@ -2,8 +2,9 @@
 
 Layers, lowest first (an arrow may only point down):
 
-    data, losses        depend on nothing else in the project
-    publish, errors     utilities: atomic writes, one-line errors (stdlib only)
+    data, losses        depend on nothing else in the project but the errors utility
+    publish, errors     utilities: atomic writes, one-line errors (stdlib only; errors may
+                        use publish)
     drafts              what differs between draft types; may use losses, publish
     eval                may use drafts, data, losses, publish; never train
     train               may use everything below
@@ -11,6 +12,10 @@ Layers, lowest first (an arrow may only point down):
 
 Imports are read from the source with `ast`, deferred (function-level) imports included:
 a cycle through a deferred import is still a cycle for the reader.
+
+No module reads another's private names: `x._name` where `x` is not `self`/`cls` and nothing
+called `_name` is defined in the same module (`getattr`/`hasattr`/`setattr` with a literal
+`"_name"` too), except the few library internals in PRIVATE_ALLOWED, each with its reason.
 """
 
 import ast
@@ -37,10 +42,11 @@ FOLDERS = {
 }
 UTILITIES = {"publish", "errors"}
 ALLOWED = {
-    "data": set(),
-    "losses": set(),
+    # specdistill/errors.py defines the project's error base classes (stdlib only)
+    "data": {"errors"},
+    "losses": {"errors"},
     "publish": set(),
-    "errors": set(),
+    "errors": {"publish"},  # OutputDirError: publish imports only the standard library
     # the embedded default target is built from the data layer's corpus (drafts/embedded.py)
     "drafts": {"losses", "data"} | UTILITIES,
     "eval": {"data", "losses", "drafts"} | UTILITIES,
@@ -238,3 +244,94 @@ def test_cli_unknown_verb_suggests():
         [sys.executable, "-m", "specdistill", "distil"], capture_output=True, text=True
     )
     assert out.returncode == 2 and "did you mean 'distill'" in out.stderr
+
+
+# name -> why reading it is allowed
+PRIVATE_ALLOWED = {
+    "_version": "torch's per-tensor version counter; drafts/lean.py checks it is there first "
+    "and keeps transformers' forward when it is not (missing_internal)",
+    "_attn_implementation": "transformers' attention backend on a config: the documented way "
+    "to read it (read with a default)",
+    "_hf_hook": "accelerate's hook attribute, tested with hasattr to refuse offloaded models",
+}
+
+
+def defined_names(tree: ast.AST) -> set[str]:
+    """Every name a module binds: functions, classes, variables, attributes it assigns,
+    parameters, import aliases."""
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+            names.add(node.id)
+        elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store):
+            names.add(node.attr)
+        elif isinstance(node, ast.arg):
+            names.add(node.arg)
+        elif isinstance(node, ast.alias):
+            names.add(node.asname or node.name.split(".")[0])
+    return names
+
+
+def private_reads(source: str, where: str = "<string>") -> list[str]:
+    """`where:line: expression` for each read of another module's private name in `source`."""
+    tree = ast.parse(source, where)
+    defined = defined_names(tree)
+    found = []
+    for node in ast.walk(tree):
+        name = None
+        if isinstance(node, ast.Attribute):
+            if isinstance(node.value, ast.Name) and node.value.id in ("self", "cls"):
+                continue
+            name = node.attr
+        elif (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Name)
+            and node.func.id in ("getattr", "hasattr", "setattr")
+            and len(node.args) >= 2
+            and isinstance(node.args[1], ast.Constant)
+            and isinstance(node.args[1].value, str)
+            and not (isinstance(node.args[0], ast.Name) and node.args[0].id in ("self", "cls"))
+        ):
+            name = node.args[1].value
+        if (
+            name
+            and name.startswith("_")
+            and not (name.startswith("__") and name.endswith("__"))
+            and name not in defined
+            and name not in PRIVATE_ALLOWED
+        ):
+            found.append(f"{where}:{node.lineno}: {ast.unparse(node)}")
+    return found
+
+
+def test_private_reads_can_be_found():
+    source = (
+        "import torch\n"
+        "class A:\n"
+        "    def __init__(self):\n"
+        "        self._mine = 1\n"
+        "    def f(self, o, tr):\n"
+        "        return self._x, o._mine, tr._perms, getattr(tr, '_step'), torch._C, o.__dict__\n"
+    )
+    assert [line.split(": ", 1)[1] for line in private_reads(source)] == [
+        "tr._perms",
+        "getattr(tr, '_step')",
+        "torch._C",
+    ]
+
+
+# Left to remove: drafts/eagle3.py reads Eagle3Head._logits_to_full (drafts/eagle3_head.py),
+# train/online/demo.py reads the online job's _load_version (train/online/job.py).
+PRIVATE_READS_LEFT = True
+
+
+@pytest.mark.xfail(PRIVATE_READS_LEFT, reason="two modules read private names", strict=True)
+def test_no_module_reads_another_modules_private_names():
+    found = [
+        line
+        for path in modules().values()
+        for line in private_reads(path.read_text(), str(path.relative_to(REPO)))
+    ]
+    assert not found, "private names read across modules:\n" + "\n".join(found)

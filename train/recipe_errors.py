@@ -11,8 +11,10 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ValidationError
 from pydantic.fields import FieldInfo
 
+from specdistill.errors import UserError
 
-class RecipeError(ValueError):
+
+class RecipeError(UserError):
     """A recipe key is unknown or its value is invalid. `key`: the dotted key the message is
     about, when it is about one (used to point at the recipe file's line)."""
 

@@ -47,12 +47,14 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from specdistill.errors import UserError
+
 SHARD = re.compile(r"^regen-(\d{6})\.jsonl$")
 MANIFEST = "manifest.json"
 FAILURES = "failures.jsonl"
 
 
-class RegenerateError(ValueError):
+class RegenerateError(UserError):
     """An argument out of range, or an output directory that this run cannot continue."""
 
 

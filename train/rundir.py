@@ -18,6 +18,7 @@ from pathlib import Path
 
 from specdistill import publish
 from specdistill.drafts.weights import check_state_file
+from specdistill.errors import UserError
 from specdistill.train.config import Recipe, RecipeError, load_recipe, recipe_to_dict
 from specdistill.train.recipe import harmless_keys
 
@@ -33,7 +34,7 @@ HARMLESS_SECTIONS = ("eval.", "wandb.", "online.")  # distill ignores online.
 ACCELERATE_SAVE_LOGGER = "accelerate.utils.other"
 
 
-class CheckpointError(ValueError):
+class CheckpointError(UserError):
     """No checkpoint to resume from could be loaded; the message names each one and why."""
 
 

@@ -42,6 +42,7 @@ from pathlib import Path
 
 import torch
 
+from specdistill.errors import UserError
 from specdistill.train.target_cache_shards import FORMAT, ShardWriter, shard_problem
 
 VERSION = 1
@@ -52,7 +53,7 @@ DEFAULT_TOP_N = 64
 DEFAULT_SHARD_BYTES = 256 * 1024 * 1024
 
 
-class CacheError(ValueError):
+class CacheError(UserError):
     """A cache directory that cannot serve this run (missing, damaged or built for another
     tokenizer, target or dataset). The trainer re-raises it as a RecipeError."""
 

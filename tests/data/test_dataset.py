@@ -9,7 +9,7 @@ from specdistill.data import DataError, DataStats, build_datasets, collate
 from specdistill.data.dataset import split_records
 from specdistill.data.records import TextRecord
 from specdistill.data.stdlib import stdlib_files
-from tests.data.conftest import make_tokenizer
+from tests.data.helpers import make_tokenizer
 
 DOCS = ["def f(x):\n    return x + 1\n", "hello world", "the quick brown fox", "A"]
 

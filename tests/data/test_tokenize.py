@@ -7,8 +7,8 @@ from transformers import PreTrainedTokenizerFast
 
 from specdistill.data.records import ChatRecord, DataError, TextRecord
 from specdistill.data.tokenize import Tokens, tokenize_records
-from tests.data.conftest import EOS, make_tokenizer
-from tests.train.conftest import make_tokenizer as make_train_tokenizer
+from tests.data.helpers import EOS, make_tokenizer
+from tests.helpers import make_tokenizer as make_train_tokenizer
 
 END = "<|im_end|>"
 

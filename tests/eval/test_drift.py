@@ -9,13 +9,7 @@ import torch
 from specdistill.drafts import hub
 from specdistill.eval import drift
 from specdistill.eval.prompts import load_prompts
-from tests.train.conftest import (  # noqa: F401
-    TEXT,
-    make_lora_adapter,
-    make_model,
-    make_tokenizer,
-    tiny_pair,
-)
+from tests.helpers import make_lora_adapter
 
 
 @pytest.fixture(scope="module")

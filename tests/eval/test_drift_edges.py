@@ -10,7 +10,6 @@ import pytest
 from specdistill.eval import drift
 from specdistill.eval.prompts import PromptError
 from specdistill.publish import OutputDirError
-from tests.train.conftest import tiny_pair  # noqa: F401
 
 
 def _argv(tiny_pair, prompts, out, *extra) -> list[str]:  # noqa: F811

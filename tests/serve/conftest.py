@@ -1,21 +1,8 @@
-"""A server on the tiny pair (tests/train/conftest.py), started on 127.0.0.1 in a thread."""
+"""A server on the tiny pair (tests/conftest.py), started on 127.0.0.1 in a thread."""
 
 import pytest
-import torch
 
-from tests.train import conftest as train_conftest
-from tests.train.conftest import make_model, make_tokenizer
-
-tiny_pair = train_conftest.tiny_pair  # the same session fixture
-
-
-@pytest.fixture(autouse=True, scope="session")
-def one_thread():
-    """Tiny models gain nothing from intra-op threads on a shared CPU."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+from tests.helpers import make_model, make_tokenizer
 
 
 @pytest.fixture(scope="session")
@@ -69,13 +56,3 @@ def client(server):
     import openai
 
     return openai.OpenAI(base_url=server[0] + "/v1", api_key="none", max_retries=0, timeout=60)
-
-
-@pytest.fixture(scope="session")
-def tiny_adapter(tiny_pair, tmp_path_factory):
-    """A peft LoRA adapter on the tiny target (a "fine-tune" of it), built with peft here."""
-    from tests.train.conftest import make_lora_adapter
-
-    return make_lora_adapter(
-        tiny_pair[0], tmp_path_factory.mktemp("tiny_adapter") / "adapter", scale=3.0
-    )

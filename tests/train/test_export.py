@@ -19,7 +19,7 @@ from transformers import (
 
 from specdistill.drafts.eagle3_head import Eagle3Head, VocabMapError, build_vocab_map
 from specdistill.train.export import FORMATS, ExportError, export, load_export, main
-from tests.train.conftest import make_tokenizer
+from tests.helpers import make_tokenizer
 
 ROOT = Path(__file__).resolve().parents[2]
 VOCAB, DRAFT_VOCAB, HIDDEN = 64, 40, 32

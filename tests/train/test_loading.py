@@ -137,7 +137,7 @@ def test_an_eagle3_head_is_loaded_all_or_nothing(head_dir, tmp_path):
 
 
 def test_a_target_adapter_missing_lora_tensors_is_refused(tiny_pair, tmp_path):
-    from tests.train.conftest import make_lora_adapter
+    from tests.helpers import make_lora_adapter
 
     adapter = make_lora_adapter(tiny_pair[0], tmp_path / "adapter")
     load_target(str(tiny_pair[0]), str(adapter))

@@ -2,8 +2,6 @@
 
 import json
 
-from tests.train.conftest import tiny_pair  # noqa: F401 - the session fixture
-
 
 def test_loss_compare_runs_both_levers_and_reports_measured_tau(tiny_pair, tmp_path):  # noqa: F811
     from benchmarks import loss_compare

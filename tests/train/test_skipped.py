@@ -4,7 +4,7 @@ import json
 
 from specdistill.train.config import load_recipe
 from specdistill.train.trainer import Trainer
-from tests.train.conftest import TEXT
+from tests.helpers import TEXT
 from tests.train.test_trainer import metrics, overrides
 
 

@@ -16,12 +16,13 @@ from pathlib import Path
 import torch
 
 from specdistill.drafts.eagle3_head import DEFAULT_SPECULATIVE_TOKENS, read_config
+from specdistill.errors import UserError
 
 WEIGHTS = "model.safetensors"
 _SAFETENSORS_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
 
 
-class ExportError(ValueError):
+class ExportError(UserError):
     """The draft cannot be exported in the requested format (or --out is not usable)."""
 
 

@@ -2,10 +2,6 @@
 
 import json
 
-from tests.train import conftest as train_conftest
-
-tiny_pair = train_conftest.tiny_pair  # the same session fixture
-
 
 def test_demo_runs_serves_learns_and_reports(tiny_pair, tmp_path, monkeypatch):
     from specdistill.train.online import demo as online_demo

@@ -5,7 +5,7 @@ import json
 
 import openai
 
-from tests.online.conftest import online_recipe
+from tests.train.online.helpers import online_recipe
 
 
 def serve_some(tiny_pair, traffic, adapter, prompts):

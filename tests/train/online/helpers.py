@@ -1,25 +1,10 @@
-"""Synthetic traffic (docs/traffic.md schema) from the tiny target of tests/train/conftest.py."""
+"""Synthetic traffic (docs/traffic.md schema) and online recipes for the online job's tests."""
 
 import json
 from pathlib import Path
 
-import pytest
-import torch
-
-from tests.train import conftest as train_conftest
-
-tiny_pair = train_conftest.tiny_pair  # the same session fixture
-
 CODE = ["def f{i}(a, b):", "class C{i}:\n    def", "for i in range({i}):", "import os  # {i}\n"]
 PROSE = ["The topic {i} describes", "Help on section {i}: the", "Operator precedence {i} is"]
-
-
-@pytest.fixture(autouse=True, scope="session")
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def make_record(
@@ -52,45 +37,6 @@ def make_record(
         "latency_s": 0.01,
         "ttft_s": 0.001,
     }
-
-
-@pytest.fixture(scope="session")
-def traffic_pool(tiny_pair):
-    """(identity, records): 96 records (code and prose) completed by the tiny target, greedy."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from specdistill.drafts.identity import model_identity
-
-    target_dir = str(tiny_pair[0])
-    tok = AutoTokenizer.from_pretrained(target_dir)
-    model = AutoModelForCausalLM.from_pretrained(target_dir).eval()
-    identity = model_identity(target_dir, model)
-    records = []
-    for i in range(96):
-        templates, category = (CODE, "code") if i % 3 else (PROSE, "prose")
-        prompt = templates[i % len(templates)].format(i=i)
-        ids = tok(prompt)["input_ids"]
-        with torch.no_grad():
-            out = model.generate(
-                torch.tensor([ids]),
-                max_new_tokens=8,
-                do_sample=False,
-                pad_token_id=tok.pad_token_id,
-            )
-        completion = out[0, len(ids) :].tolist()
-        records.append(
-            make_record(
-                i,
-                prompt,
-                ids,
-                completion,
-                tok.decode(completion),
-                identity,
-                category=category,
-                t=0.0 if i % 2 else 1.0,
-            )
-        )
-    return identity, records
 
 
 def write_shard(directory: Path, index: int, records: list, extra_lines: list[bytes] = ()):
@@ -130,13 +76,3 @@ def online_recipe(tiny_pair, tmp: Path, **online):
         **{f"online.{k}": v for k, v in online.items()},
     }
     return load_recipe(None, [f"{k}={json.dumps(v)}" for k, v in overrides.items()])
-
-
-@pytest.fixture(scope="session")
-def tiny_adapter(tiny_pair, tmp_path_factory):
-    """A peft LoRA adapter on the tiny target (a "fine-tune" of it), built with peft here."""
-    from tests.train.conftest import make_lora_adapter
-
-    return make_lora_adapter(
-        tiny_pair[0], tmp_path_factory.mktemp("tiny_adapter") / "adapter", scale=3.0
-    )

@@ -8,7 +8,7 @@ import sys
 import numpy as np
 import pytest
 
-from tests.online.conftest import online_recipe, write_shard
+from tests.train.online.helpers import online_recipe, write_shard
 
 
 def quiet(*args, **kwargs):

@@ -6,8 +6,8 @@ import json
 import pytest
 import torch
 
-from tests.online.conftest import online_recipe, write_shard
-from tests.online.test_online import job, lines
+from tests.train.online.helpers import online_recipe, write_shard
+from tests.train.online.test_online import job, lines
 
 
 def with_top_logprobs(job_, records: list[dict], k: int | None) -> list[dict]:

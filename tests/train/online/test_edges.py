@@ -7,7 +7,7 @@ import re
 
 import pytest
 
-from tests.online.conftest import online_recipe, write_shard
+from tests.train.online.helpers import online_recipe, write_shard
 
 
 def quiet(*args, **kwargs):

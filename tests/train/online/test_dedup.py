@@ -2,7 +2,7 @@
 
 import json
 
-from tests.online.conftest import online_recipe, write_shard
+from tests.train.online.helpers import online_recipe, write_shard
 
 
 def item(i: int, prompt: list[int], completion: list[int]) -> dict:

@@ -1,9 +1,9 @@
-"""A tiny target/draft pair saved as ordinary Hugging Face directories, plus text data.
+"""Plain helpers shared by the test folders: a tiny byte-level tokenizer, tiny Llama models and
+a peft LoRA adapter, all built in the test process (no downloads).
 
-Loaded by the trainer through the same `from_pretrained` path as real models.
+The session fixtures built from them (`tiny_pair`, ...) are in tests/conftest.py.
 """
 
-import pytest
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
@@ -52,35 +52,6 @@ def make_model(tokenizer, *, hidden: int, layers: int, seed: int) -> LlamaForCau
         pad_token_id=tokenizer.pad_token_id,
     )
     return LlamaForCausalLM(config)
-
-
-@pytest.fixture(scope="session")
-def tiny_pair(tmp_path_factory):
-    """(target_dir, draft_dir, data_dir): models of the same tokenizer; 24 small text files."""
-    root = tmp_path_factory.mktemp("tiny_pair")
-    tokenizer = make_tokenizer()
-    for name, hidden, layers, seed in (("target", 32, 2, 1), ("draft", 16, 1, 2)):
-        model = make_model(tokenizer, hidden=hidden, layers=layers, seed=seed)
-        model.save_pretrained(root / name)
-        tokenizer.save_pretrained(root / name)
-    data = root / "data"
-    data.mkdir()
-    for i in range(24):
-        (data / f"f{i:02d}.py").write_text(TEXT[i % len(TEXT)] * (1 + i % 3) + f"# file {i}\n")
-    return root / "target", root / "draft", data
-
-
-@pytest.fixture(scope="session")
-def other_tokenizer_draft(tmp_path_factory):
-    """A draft whose tokenizer was trained on different text: same size, different ids."""
-    root = tmp_path_factory.mktemp("other_draft")
-    tokenizer = make_tokenizer(
-        corpus=["SELECT * FROM t WHERE x = 1;\n", "<html><body></body></html>\n"]
-    )
-    model = make_model(tokenizer, hidden=16, layers=1, seed=3)
-    model.save_pretrained(root)
-    tokenizer.save_pretrained(root)
-    return root
 
 
 def make_lora_adapter(base_dir, out_dir, *, scale: float = 1.0, seed: int = 0):
