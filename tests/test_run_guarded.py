@@ -103,7 +103,7 @@ def error_classes() -> list[str]:
 
 def test_every_error_class_is_one_of_the_projects_own():
     names = error_classes()
-    assert "specdistill.train.config.RecipeError" in names and len(names) > 10
+    assert "specdistill.train.recipe_errors.RecipeError" in names and len(names) > 10
     wrong = []
     for name in names:
         if name in NOT_USER_ERRORS:
