@@ -23,6 +23,7 @@ import torch
 from specdistill.data.records import DataError, Record
 from specdistill.data.sources import read_records
 from specdistill.data.tokenize import Tokens, tokenize_records
+from specdistill.errors import UserError
 
 logger = logging.getLogger(__name__)
 
@@ -95,9 +96,9 @@ def build_datasets(
     from them.
     """
     if max_length < MIN_BLOCK:
-        raise ValueError(f"max_length must be >= {MIN_BLOCK}, got {max_length}")
+        raise UserError(f"max_length must be >= {MIN_BLOCK}, got {max_length}")
     if eval is None and not 0 < eval_fraction < 1:
-        raise ValueError(f"eval_fraction must be in (0, 1), got {eval_fraction}")
+        raise UserError(f"eval_fraction must be in (0, 1), got {eval_fraction}")
     train_sources = [train] if isinstance(train, str) else list(train)
     train_label = f"train data ({', '.join(train_sources)})"
     train_records, train_skipped = _read(train_sources, skip_malformed, train_label)
@@ -145,7 +146,7 @@ def collate(batch: list[dict], pad_token_id: int) -> dict[str, torch.Tensor]:
     if not batch:
         raise ValueError("collate needs at least one item")
     if pad_token_id is None:
-        raise ValueError("pad_token_id is None; set tokenizer.pad_token (e.g. to its eos_token)")
+        raise UserError("pad_token_id is None; set tokenizer.pad_token (e.g. to its eos_token)")
     length = max(len(item["input_ids"]) for item in batch)
     input_ids = torch.full((len(batch), length), pad_token_id, dtype=torch.long)
     attention_mask = torch.zeros((len(batch), length), dtype=torch.long)

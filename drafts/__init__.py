@@ -26,6 +26,7 @@ from torch import nn
 from specdistill.drafts.eagle3 import Eagle3, SGLangEagle3
 from specdistill.drafts.standalone import Standalone
 from specdistill.drafts.types import Drafter, DraftType
+from specdistill.errors import UserError
 
 TYPES: dict[str, type[DraftType]] = {"standalone": Standalone, "eagle3": Eagle3}
 # Asked in this order by `detect`; Standalone (any HF model directory) is the fallback, last.
@@ -49,7 +50,7 @@ def detect(draft) -> type[DraftType]:
         return type_of(draft)
     path = Path(draft)
     if not (path / "config.json").is_file():
-        raise ValueError(
+        raise UserError(
             f"{path}: no config.json; a draft directory is an EAGLE-3 head (speculators or "
             "SGLang layout) or a Hugging Face causal LM directory"
         )

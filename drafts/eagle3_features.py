@@ -7,13 +7,15 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor, nn
 
+from specdistill.errors import UserError
+
 
 def decoder_layers(model) -> nn.ModuleList:
     """The decoder layers of a Llama- / Qwen2-style causal LM (peft-wrapped too)."""
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     layers = getattr(base.get_decoder(), "layers", None)
     if layers is None:
-        raise ValueError(f"cannot find decoder layers in {type(base).__name__}")
+        raise UserError(f"cannot find decoder layers in {type(base).__name__}")
     return layers
 
 
@@ -23,7 +25,7 @@ def default_aux_layers(num_layers: int) -> list[int]:
         return [2, num_layers // 2, num_layers - 3]
     if num_layers >= 4:
         return [1, num_layers // 2, num_layers - 1]
-    raise ValueError(
+    raise UserError(
         f"automatic aux layers need a target with >= 4 layers (it has {num_layers}); "
         "set draft.aux_layers"
     )
@@ -45,7 +47,7 @@ class FeatureCapture:
         layers = decoder_layers(model)
         for i in layer_ids:
             if not 0 <= i < len(layers):
-                raise ValueError(f"aux layer {i} out of range for a {len(layers)}-layer target")
+                raise UserError(f"aux layer {i} out of range for a {len(layers)}-layer target")
         self.layers, self.layer_ids = layers, list(layer_ids)
         self._captured: dict[int, Tensor] = {}
         self._handles = []

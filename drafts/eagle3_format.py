@@ -13,6 +13,7 @@ from transformers import LlamaConfig
 
 from specdistill.drafts.eagle3_vocab import check_vocab_map
 from specdistill.drafts.weights import IncompleteDraftError, describe, read_safetensors
+from specdistill.errors import UserError
 
 SPECULATORS_VERSION = "0.9.0"  # the format version written (and tested in tests/interop)
 # speculative_tokens written for a head whose training depth is unknown (vLLM's proposal length)
@@ -95,7 +96,7 @@ def from_pretrained(cls, directory, dtype: torch.dtype | None = None):
         raise FileNotFoundError(f"{path} not found: not an EAGLE-3 checkpoint directory")
     config = json.loads(path.read_text())
     if config.get("speculators_model_type") != "eagle3":
-        raise ValueError(
+        raise UserError(
             f"{path}: speculators_model_type is {config.get('speculators_model_type')!r}, "
             "expected 'eagle3'"
         )
@@ -147,7 +148,7 @@ def read_config(path) -> dict | None:
     try:
         return json.loads(config.read_text())
     except json.JSONDecodeError as e:
-        raise ValueError(f"{config} is not valid JSON: {e}") from e
+        raise UserError(f"{config} is not valid JSON: {e}") from e
 
 
 def is_eagle3_dir(path) -> bool:

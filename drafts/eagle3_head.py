@@ -53,6 +53,7 @@ from specdistill.drafts.eagle3_format import (
     read_config,
 )
 from specdistill.drafts.eagle3_vocab import VocabMapError, build_vocab_map, check_vocab_map
+from specdistill.errors import UserError
 
 __all__ = [
     "DEFAULT_SPECULATIVE_TOKENS",
@@ -398,7 +399,7 @@ def align_depths(
     steps, t = len(draft_logits), target_logits.shape[1]
     length = t - steps - 1
     if length < 1:
-        raise ValueError(f"sequences of {t} tokens are too short for {steps} TTT steps")
+        raise UserError(f"sequences of {t} tokens are too short for {steps} TTT steps")
     valid = loss_mask.bool() & attention_mask.bool()
     drafts = [d[:, :length] for d in draft_logits]
     targets = [target_logits[:, k + 1 : k + 1 + length] for k in range(steps)]

@@ -62,6 +62,7 @@ from specdistill.drafts.embedded_specs import (
     record_spec,
 )
 from specdistill.drafts.embedded_train import log, new_tokenizer, train_model
+from specdistill.errors import UserError
 from specdistill.publish import publish_dir
 
 __all__ = [
@@ -125,7 +126,7 @@ def build(name: str, *, force: bool = False) -> Path:
 def _model_dir(name: str) -> Path:
     if name not in EMBEDDED:
         valid = ", ".join(PREFIX + n for n in EMBEDDED)
-        raise ValueError(f"unknown embedded model {PREFIX + name!r}; valid names: {valid}")
+        raise UserError(f"unknown embedded model {PREFIX + name!r}; valid names: {valid}")
     return _embedded_root() / name
 
 

@@ -52,6 +52,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
+from specdistill.errors import UserError
 from specdistill.eval.drift_report import (
     DriftReport,
     markdown,
@@ -181,7 +182,7 @@ def summarise(
 ) -> dict:
     """The drift report's numbers (the module docstring says what each one is)."""
     if not scores:
-        raise ValueError("no prompts scored")
+        raise UserError("no prompts scored")
     before = np.stack([s.before for s in scores])  # [N, K, 3]
     after = np.stack([s.after for s in scores])
     cross = np.stack([s.cross for s in scores])

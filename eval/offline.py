@@ -18,6 +18,7 @@ import torch
 
 from specdistill import drafts as draft_types
 from specdistill import losses
+from specdistill.errors import UserError
 from specdistill.eval import stats
 from specdistill.eval.engine import generate
 from specdistill.eval.stats import tau_chain, tau_iid
@@ -44,7 +45,7 @@ def acceptance_sums(
             sums[k, 1] += greedy.double().sum().cpu()
             sums[k, 2] += mask.sum().cpu()
     if sums is None:
-        raise ValueError("no evaluation batches")
+        raise UserError("no evaluation batches")
     return sums
 
 
@@ -65,7 +66,7 @@ def summarise(
     sums = sums.reshape(-1, 3)
     n = int(sums[0, 2].item())
     if n == 0:
-        raise ValueError("no valid positions in the evaluation data (empty loss mask)")
+        raise UserError("no valid positions in the evaluation data (empty loss mask)")
     per_depth = [float(s[0] / s[2]) if s[2] > 0 else 0.0 for s in sums]
     alpha = per_depth[0]
     result = {

@@ -12,6 +12,7 @@ import hmac
 import ipaddress
 from collections.abc import Iterable
 
+from specdistill.errors import UserError
 from specdistill.serve.errors import error_body
 
 PROTECTED = "/v1/"
@@ -62,7 +63,7 @@ def is_loopback(host: str) -> bool:
 def check_bind(host: str, keys: ApiKeys, insecure: bool) -> None:
     """Refuse to listen beyond loopback without an API key unless told `insecure`."""
     if not keys and not insecure and not is_loopback(host):
-        raise ValueError(
+        raise UserError(
             f"refusing to serve on {host} without an API key: anyone who reaches the port "
             "could use the model and write the traffic log; give --api-key (or "
             "SPECDISTILL_API_KEY), or --insecure to serve without one"

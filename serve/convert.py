@@ -44,6 +44,7 @@ import math
 from pathlib import Path
 
 from specdistill.drafts.identity import model_identity
+from specdistill.errors import UserError
 from specdistill.serve.convert_common import (
     NO_SPECULATION,
     ConvertError,
@@ -205,7 +206,7 @@ def convert(source: str, inputs: list[Path], tokenizer, target: dict, out: Path)
     """Append every convertible record not yet in `out`'s traffic log to it; rejects to
     out/rejects.jsonl. Returns {"converted": n, "already_logged": n, "rejected": {reason: n}}."""
     if source not in SOURCES:
-        raise ValueError(f"--from must be one of {', '.join(SOURCES)}, got {source!r}")
+        raise UserError(f"--from must be one of {', '.join(SOURCES)}, got {source!r}")
     out.mkdir(parents=True, exist_ok=True)
     keys = logged_keys(out)
     written_rejects = _logged_rejects(out / "rejects.jsonl")

@@ -56,6 +56,8 @@ import threading
 import time
 from collections.abc import Sequence
 
+from specdistill.errors import UserError
+
 log = logging.getLogger("specdistill.serve")
 
 
@@ -105,11 +107,11 @@ class Server:
         from specdistill.serve.worker import EngineWorker
 
         if draft is not None and drafts_root is not None:
-            raise ValueError("give --draft or --drafts, not both")
+            raise UserError("give --draft or --drafts, not both")
         if gamma < 1:
-            raise ValueError(f"--gamma must be >= 1, got {gamma}")
+            raise UserError(f"--gamma must be >= 1, got {gamma}")
         if max_num_seqs is not None and max_batch is not None and max_num_seqs != max_batch:
-            raise ValueError("give --max-num-seqs or its alias --max-batch, not both")
+            raise UserError("give --max-num-seqs or its alias --max-batch, not both")
         max_num_seqs = max_num_seqs or max_batch or 8
         for flag, value, low in (
             ("--max-num-seqs", max_num_seqs, 1),
@@ -119,13 +121,13 @@ class Server:
             ("--max-tokens", default_max_tokens, 1),
         ):
             if value < low:
-                raise ValueError(f"{flag} must be >= {low}, got {value}")
+                raise UserError(f"{flag} must be >= {low}, got {value}")
         if not drain_s >= 0:
-            raise ValueError(f"--drain-s must be >= 0, got {drain_s}")
+            raise UserError(f"--drain-s must be >= 0, got {drain_s}")
         self.keys = ApiKeys(parse_keys(api_key))
         self.insecure, self.drain_s = insecure, drain_s
         if not 0 <= log_top_logprobs <= 20:
-            raise ValueError(f"--log-top-logprobs must be in [0, 20], got {log_top_logprobs}")
+            raise UserError(f"--log-top-logprobs must be in [0, 20], got {log_top_logprobs}")
         device = device or ("cuda" if torch.cuda.is_available() else "cpu")
         self.tokenizer = load_tokenizer(target)
         # A peft adapter stays unmerged (drafts.hub.load_target); the identity the traffic
@@ -136,12 +138,12 @@ class Server:
         context = getattr(self.target.config, "max_position_embeddings", None)
         if max_model_len is None:
             if not context:
-                raise ValueError(
+                raise UserError(
                     f"{target}: its config names no max_position_embeddings; give --max-model-len"
                 )
             max_model_len = context
         elif max_model_len < 2:
-            raise ValueError(f"--max-model-len must be >= 2, got {max_model_len}")
+            raise UserError(f"--max-model-len must be >= 2, got {max_model_len}")
         elif context and max_model_len > context:
             log.warning(
                 "--max-model-len %d is beyond the target's context (%d positions): outputs "

@@ -10,6 +10,8 @@ from pathlib import Path
 
 import torch
 
+from specdistill.errors import UserError
+
 LORA_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
@@ -19,7 +21,7 @@ def token_blocks(tokenizer, texts: list[str], seq: int) -> torch.Tensor:
     for text in texts:
         ids += tokenizer(text)["input_ids"] + [tokenizer.eos_token_id]
     if len(ids) < seq:
-        raise ValueError(f"{len(ids)} tokens in all: too few for one row of {seq}")
+        raise UserError(f"{len(ids)} tokens in all: too few for one row of {seq}")
     return torch.tensor(ids[: len(ids) // seq * seq]).view(-1, seq)
 
 
