@@ -19,6 +19,10 @@ The output is a logit per position; sigmoid(logit) is the predicted acceptance. 
 layer starts at zero weight and bias logit(prior), so an untrained head predicts `prior`
 everywhere. The head runs in float32 on the device of its input.
 
+Training: `head_loss` over a draft type's depths (hidden states recorded with `HeadInputs`
+and aligned by `align_hidden`), or `chunked_head_loss` where the logits exist one chunk of
+positions at a time; both against the label α of `losses.acceptance_head`.
+
 On disk, beside the draft's own files (`save_acceptance_head`, `load_acceptance_head`):
 ``acceptance_head.safetensors`` (the head's tensors) and ``acceptance_head.json``
 (``{"acceptance_head": {"version": 1, "hidden_size": H, "inner_size": h, ...}}``). A loaded
@@ -262,6 +266,62 @@ def head_loss(
     if total is None:
         raise ValueError("head_loss needs at least one depth")
     return HeadLoss(total, count, predicted, labels)
+
+
+def chunked_head_loss(
+    head: AcceptanceHead,
+    draft_hidden: Tensor,
+    draft_head_weight: Tensor,
+    target_logits,
+    mask: Tensor | None = None,
+    *,
+    chunk_size: int = 1024,
+    temperature: float = 1.0,
+    top_p: float | None = None,
+    top_k: int | None = None,
+    d2t: Tensor | None = None,
+) -> HeadLoss:
+    """`head_loss` of one depth whose logits are never materialised whole (the trainer's
+    chunked path, `losses.chunked_loss`): the draft's logits ``draft_hidden [..., H] @
+    draft_head_weight.T`` and the target's, a tensor [..., V], a `losses.SparseTarget` or
+    ``(target_hidden [..., H_t], target_head_weight [V, H_t])``, are formed `chunk_size`
+    positions at a time. The head's inputs are detached (the draft gets no gradient)."""
+    if chunk_size < 1:
+        raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+    lead = draft_hidden.shape[:-1]
+    hidden = draft_hidden.detach().reshape(-1, draft_hidden.shape[-1])
+    flat_mask = None if mask is None else mask.reshape(-1)
+    total, count, predicted, labels = None, None, [], []
+    for start in range(0, hidden.shape[0], chunk_size):
+        rows = slice(start, start + chunk_size)
+        h = hidden[rows]
+        m = None if flat_mask is None else flat_mask[rows]
+        with torch.no_grad():
+            d = h @ draft_head_weight.detach().T
+            t = _target_rows(target_logits, lead, rows)
+        part = head_loss(
+            head, [h], [d], [t], [m], temperature=temperature, top_p=top_p, top_k=top_k, d2t=d2t
+        )
+        total = part.loss_sum if total is None else total + part.loss_sum
+        count = part.n_valid if count is None else count + part.n_valid
+        predicted += part.predicted
+        labels += part.labels
+    if total is None:
+        raise ValueError("chunked_head_loss needs at least one position")
+    return HeadLoss(
+        total, count, [torch.cat(predicted).reshape(lead)], [torch.cat(labels).reshape(lead)]
+    )
+
+
+def _target_rows(target, lead: torch.Size, rows: slice):
+    """Rows `rows` of a target flattened over the leading dims `lead`."""
+    if isinstance(target, tuple) and not hasattr(target, "_fields"):  # (hidden, head weight)
+        t_hidden, t_weight = target
+        return t_hidden.reshape(-1, t_hidden.shape[-1])[rows] @ t_weight.T
+    if isinstance(target, Tensor):
+        return target.reshape(-1, target.shape[-1])[rows]
+    fields = [None if f is None else f.reshape(-1, *f.shape[len(lead) :])[rows] for f in target]
+    return type(target)(*fields)  # a SparseTarget
 
 
 # ----------------------------------------------------------------------------- a loaded draft

@@ -21,6 +21,7 @@ from specdistill.drafts.acceptance_head import (
     align_hidden,
     attach_head,
     attached_head,
+    chunked_head_loss,
     draft_stats,
     head_features,
     head_loss,
@@ -37,7 +38,7 @@ from specdistill.drafts.hub import (
     load_tokenizer,
 )
 from specdistill.drafts.standalone import Standalone
-from specdistill.losses import acceptance, acceptance_head_loss, acceptance_label
+from specdistill.losses import SparseTarget, acceptance, acceptance_head_loss, acceptance_label
 
 
 def trained_head(hidden_size: int, seed: int = 0, **fields) -> AcceptanceHead:
@@ -361,3 +362,26 @@ def test_draft_stats_are_the_same_computed_in_chunks_of_rows():
     assert whole.shape == (3, 7, 2)
     assert torch.allclose(draft_stats(logits, rows=4), whole)
     assert draft_stats(logits[:, :0]).shape == (3, 0, 2)
+
+
+def test_the_chunked_head_loss_equals_the_head_loss_on_whole_logits(tiny_pair, tiny_draft):
+    target = LlamaForCausalLM.from_pretrained(tiny_pair[0])
+    vocab = target.config.vocab_size
+    batch = tiny_batch(vocab, seed=2)
+    mask = torch.rand(2, 11, generator=torch.Generator().manual_seed(3)) > 0.3
+    head = trained_head(tiny_draft.config.hidden_size, seed=3)
+    with torch.no_grad():
+        d_hidden, t_hidden = shifted_hidden(tiny_draft, batch), shifted_hidden(target, batch)
+        d_logits = shifted_logits(tiny_draft, batch, vocab)
+        t_logits = shifted_logits(target, batch, vocab)
+    whole = head_loss(head, [d_hidden], [d_logits], [t_logits], [mask], temperature=0.9)
+    top = t_logits.softmax(-1).topk(vocab, dim=-1)
+    sparse = SparseTarget(top.indices, top.values)
+    for chunk, t in ((5, t_logits), (7, (t_hidden, target.lm_head.weight)), (1000, sparse)):
+        part = chunked_head_loss(
+            head, d_hidden, tiny_draft.lm_head.weight, t, mask, chunk_size=chunk, temperature=0.9
+        )
+        assert torch.allclose(part.loss_sum, whole.loss_sum, atol=1e-4)
+        assert part.n_valid == whole.n_valid == int(mask.sum())
+        assert torch.allclose(part.labels[0], whole.labels[0], atol=1e-5)
+        assert torch.allclose(part.predicted[0], whole.predicted[0], atol=1e-6)
