@@ -100,9 +100,12 @@ class Eagle3:
         return align_depths(logits, t_logits, batch["loss_mask"], batch["attention_mask"])
 
     def save(self, draft, out: Path, tokenizer, verifier: str) -> None:
+        from specdistill.drafts.acceptance_head import save_attached_head
+
         draft.ttt_steps = self.steps  # recorded in config.json: the export's speculative tokens
         draft.save_pretrained(out, verifier=verifier)
         tokenizer.save_pretrained(out)
+        save_attached_head(draft, out)  # its acceptance head's files, when it carries one
 
     # ------------------------------------------------------------------ a loaded head
     # Offline α depends on the drafting depth: the head drafts from its own hidden states.

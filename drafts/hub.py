@@ -26,6 +26,7 @@ from urllib.parse import urlparse
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from specdistill.drafts.acceptance_head import attach_saved_head
 from specdistill.drafts.embedded import PREFIX, resolve_model
 from specdistill.drafts.model_lock import model_lock
 from specdistill.drafts.weights import (
@@ -256,17 +257,31 @@ def _adapter_embedding_rows(path: Path) -> int | None:
     return None
 
 
-def load_draft(name: str, *, dtype: str = "float32", revision: str | None = None):
+def load_draft(
+    name: str,
+    *,
+    dtype: str = "float32",
+    revision: str | None = None,
+    use_acceptance_head: bool = True,
+):
     """A standalone draft (like `load_model`) or an EAGLE-3 head dir (drafts/eagle3_head.py),
-    refused (IncompleteDraftError, BrokenWeightsError) unless its weights cover its config."""
+    refused (IncompleteDraftError, BrokenWeightsError) unless its weights cover its config.
+
+    A local draft directory with an acceptance head (drafts/acceptance_head.py) gives a draft
+    carrying it as `model.acceptance_head`, checked like the draft's own weights; without the
+    head's files, or with `use_acceptance_head=False`, the draft has no such attribute."""
     path = local_model_dir(name)  # checks a local path before the imports
     # The head's own check (what `drafts.Eagle3.detect` uses): the drafts package imports
     # this module, so this module does not import the package.
     from specdistill.drafts.eagle3_head import Eagle3Head, is_eagle3_dir
 
     if path is not None and is_eagle3_dir(path):
-        return Eagle3Head.from_pretrained(path, dtype=DTYPES[dtype])
-    return load_model(name, dtype=dtype, revision=revision)
+        model = Eagle3Head.from_pretrained(path, dtype=DTYPES[dtype])
+    else:
+        model = load_model(name, dtype=dtype, revision=revision)
+    if use_acceptance_head and path is not None:
+        attach_saved_head(model, path)
+    return model
 
 
 def _from_pretrained(auto_class, name: str, revision: str | None, **kwargs):

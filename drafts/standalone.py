@@ -59,8 +59,11 @@ class Standalone:
         return [shifted_logits(draft, batch, self.vocab_size)], [t_logits], [target_mask(batch)]
 
     def save(self, draft, out: Path, tokenizer, verifier: str) -> None:
+        from specdistill.drafts.acceptance_head import save_attached_head
+
         draft.save_pretrained(out, safe_serialization=True)
         tokenizer.save_pretrained(out)
+        save_attached_head(draft, out)  # its acceptance head's files, when it carries one
 
     # ------------------------------------------------------------------ a loaded draft
     # Offline α depends on the position only: a round's slot i at start s is α at s + i − 1.

@@ -5,9 +5,11 @@ Every loss entry point returns ``(loss_sum, n_valid)`` (multi_depth_loss adds pe
 divide once by the global number of valid positions. See :mod:`losses.api` for the target
 forms (logits, probabilities as log-probs, SparseTarget, truncated draft vocabulary via
 d2t) and the sampling parameters (temperature, top_p, top_k), and :mod:`losses.sampling`
-for the one sampling filter (`filter_logits`, `probabilities`) the engine uses too.
+for the one sampling filter (`filter_logits`, `probabilities`) the engine uses too, and
+:mod:`losses.acceptance_head` for the acceptance head's label (α) and loss.
 """
 
+from specdistill.losses.acceptance_head import acceptance_head_loss, acceptance_label
 from specdistill.losses.api import SparseTarget, acceptance, compute_loss
 from specdistill.losses.chunked import chunked_loss
 from specdistill.losses.divergences import LOSSES
@@ -18,6 +20,8 @@ __all__ = [
     "LOSSES",
     "SparseTarget",
     "acceptance",
+    "acceptance_head_loss",
+    "acceptance_label",
     "chunked_loss",
     "compute_loss",
     "filter_logits",
