@@ -124,6 +124,7 @@ class Trainer:
         # The held-out-α-best evaluation so far ({"step", "alpha", ...}); its draft is best/.
         self.best: dict | None = None
         self.core: DistillStep | None = None
+        self._cache = None
         if plan.finished is not None:
             return  # nothing to train: run() reports the stored result
         self.accum = accumulation_steps(r, acc)
@@ -133,13 +134,7 @@ class Trainer:
         if self.tokenizer.pad_token_id is None:
             self.tokenizer.pad_token = self.tokenizer.eos_token
         self.core = DistillStep(r, accelerator=acc, target=target, draft=draft, kind=kind)
-        if cache is not None:  # the target's cached top-N (train/target_cache.py)
-            self.core.set_targets(IndexedTargets(cache, kind.vocab_size))
-        pad = self.tokenizer.pad_token_id
-        self.batches = Batches(
-            train_data, recipe=r, accelerator=acc, pad_token_id=pad, indexed=cache is not None
-        )
-        held = Batches(eval_data, recipe=r, accelerator=acc, pad_token_id=pad)
+        held = Batches(eval_data, recipe=r, accelerator=acc, pad_token_id=tokenizer.pad_token_id)
         self.evaluator = Evaluator(r, self.core, held, self.out)
         self.outputs = Outputs(r, self.out, kind, tokenizer)
         self.on_policy = None  # a train.on_policy.OnPolicy with data.on_policy.fraction > 0
@@ -147,7 +142,7 @@ class Trainer:
             from specdistill.train.on_policy import for_core
 
             self.on_policy = for_core(r, self.core, tokenizer)
-            self.batches.use_on_policy(self.on_policy)
+        self.cache = cache
 
     @classmethod
     def from_recipe(cls, recipe: Recipe, accelerator: Accelerator | None = None) -> "Trainer":
@@ -201,21 +196,29 @@ class Trainer:
         )
 
     # ----------------------------------------------------------------------------- parts
-    @property
-    def step(self) -> int:
-        return 0 if self.core is None else self.core.step
+    step = property(lambda self: 0 if self.core is None else self.core.step)
+    draft = property(lambda self: self.core.draft)
+    target = property(lambda self: self.core.target)
+    vocab_size = property(lambda self: self.core.vocab_size)
 
     @property
-    def draft(self):
-        return self.core.draft
+    def cache(self):
+        """The target's cached top-N (train/target_cache.py) trained on; None: the live one."""
+        return self._cache
 
-    @property
-    def target(self):
-        return self.core.target
-
-    @property
-    def vocab_size(self) -> int:
-        return self.core.vocab_size
+    @cache.setter
+    def cache(self, cache) -> None:
+        """Train on `cache`: the core's target source and the data order follow."""
+        self._cache = cache
+        self.core.set_targets(None if cache is None else IndexedTargets(cache, self.vocab_size))
+        self.batches = Batches(
+            self.train_data,
+            recipe=self.recipe,
+            accelerator=self.accelerator,
+            pad_token_id=self.tokenizer.pad_token_id,
+            indexed=cache is not None,
+        )
+        self.batches.use_on_policy(self.on_policy)
 
     def micro_batches(self, step: int) -> list[dict]:
         return self.batches.micro_batches(step)
@@ -268,9 +271,6 @@ class Trainer:
             self.best = restore_int_keys(state["best"]) if state.get("best") else None
         return resumed
 
-    def log(self, record: dict) -> None:
-        self.metrics.log(record)
-
     # ----------------------------------------------------------------------------- run
     def run(self) -> dict:
         acc, r = self.accelerator, self.recipe
@@ -290,7 +290,7 @@ class Trainer:
         )
         skipped = {"train": self.train_data.stats.skipped, "eval": self.eval_data.stats.skipped}
         if any(skipped.values()) and resumed is None:  # a resumed log has it already
-            self.log(
+            self.metrics.log(
                 {
                     "step": self.step,
                     "data/skipped": skipped["train"],
@@ -299,13 +299,13 @@ class Trainer:
             )
         if self.alpha_before is None:
             self.alpha_before = self.evaluate()
-            self.log(eval_record(self.step, self.alpha_before))
+            self.metrics.log(eval_record(self.step, self.alpha_before))
         before = self.alpha_before
         acc.print(before_line(r, before["alpha"], before["alpha_greedy"]))
         self._loop()
         final = self.evaluate()
         self.history.append({"step": self.step, "alpha": final["alpha"]})
-        self.log(eval_record(self.step, final))
+        self.metrics.log(eval_record(self.step, final))
         if r.eval.speculative.every:
             spec = self.speculative_eval()
             if spec is not None:
@@ -353,13 +353,13 @@ class Trainer:
             bar.set_postfix(loss=f"{record['loss']:.4f}", alpha=f"{record['alpha']:.3f}")
             if self.step % r.train.log_every == 0 or self.step == r.train.max_steps:
                 record["elapsed_s"] = time.perf_counter() - start
-                self.log(record)
+                self.metrics.log(record)
                 if not use_bar:
                     acc.print(progress_line(record, r.train.max_steps))
             if r.eval.every and self.step % r.eval.every == 0 and self.step < r.train.max_steps:
                 metrics = self.evaluate()
                 self.history.append({"step": self.step, "alpha": metrics["alpha"]})
-                self.log(eval_record(self.step, metrics))
+                self.metrics.log(eval_record(self.step, metrics))
                 say(f"step {self.step}: held-out alpha {metrics['alpha']:.4f}")
                 self.keep_best(metrics)
             spec_every = r.eval.speculative.every
