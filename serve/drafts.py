@@ -16,17 +16,73 @@ version that fails to load or to match is logged and skipped (not retried until 
 names it again after another version), and the previous one keeps serving.
 """
 
+import dataclasses
 import json
 import logging
 import re
 import threading
+from dataclasses import dataclass
 from pathlib import Path
 
 from specdistill import drafts
 from specdistill.drafts.hub import check_tokenizers, load_draft, load_tokenizer
 
 log = logging.getLogger("specdistill.serve")
-VERSION = re.compile(r"^v\d{6}$")
+# A version's name: "v" and six digits, numbered from v000001 (`version_name`).
+VERSION = re.compile(r"^v(\d{6})$")
+
+
+def version_name(number: int) -> str:
+    """The name of version `number` (1 -> "v000001")."""
+    return f"v{number:06d}"
+
+
+def version_number(name: str) -> int | None:
+    """The number of the version called `name`, or None when it is not a version's name."""
+    match = VERSION.match(name)
+    return int(match[1]) if match else None
+
+
+@dataclass
+class Manifest:
+    """ROOT/vNNNNNN/manifest.json: what a published version is and where it came from.
+
+    version, parent (the version `current` named when it was published) and time are set by
+    the publisher (train/online/versions.py `publish_version`); the rest by the job. A
+    promotion's gate numbers are null for the initial draft. draft_dir: the draft's
+    directory inside the version, when it is not the version directory itself."""
+
+    version: str | None = None
+    parent: str | None = None
+    time: float | None = None
+    target: dict | None = None  # {"name", "identity"} (specdistill.drafts.identity)
+    draft_type: str | None = None
+    reason: str | None = None  # "initial draft" or "promoted"
+    records_trained: int = 0
+    policy: str | None = None
+    traffic_window: list[float] | None = None  # [first, last] record time of the refresh
+    alpha: float | None = None
+    alpha_incumbent: float | None = None
+    delta: float | None = None
+    ci: list[float] | None = None
+    confidence: float | None = None
+    loss: float | None = None
+    cursor: dict | None = None
+    draft_dir: str | None = None
+
+    @classmethod
+    def from_dict(cls, fields: dict) -> "Manifest":
+        known = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in fields.items() if k in known})
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    def draft_path(self, version_dir: Path) -> Path:
+        return version_dir / self.draft_dir if self.draft_dir else version_dir
+
+    def write(self, version_dir: Path) -> None:
+        (version_dir / "manifest.json").write_text(json.dumps(self.to_dict(), indent=1))
 
 
 def load_checked(path: str, target, tokenizer, *, dtype: str = "float32"):
@@ -64,11 +120,12 @@ def read_current(root: Path) -> str | None:
     return name or None
 
 
-def read_manifest(version_dir: Path) -> dict:
+def read_manifest(version_dir: Path) -> Manifest:
+    """The version's manifest (an empty one when it has no manifest.json)."""
     try:
-        return json.loads((version_dir / "manifest.json").read_text())
+        return Manifest.from_dict(json.loads((version_dir / "manifest.json").read_text()))
     except FileNotFoundError:
-        return {}
+        return Manifest()
 
 
 class DraftWatcher(threading.Thread):
@@ -93,8 +150,7 @@ class DraftWatcher(threading.Thread):
         path = self.root / version
         if not path.is_dir():
             raise FileNotFoundError(f"{path}: no such version directory")
-        manifest = read_manifest(path)
-        model_dir = path / manifest["draft_dir"] if manifest.get("draft_dir") else path
+        model_dir = read_manifest(path).draft_path(path)
         return load_checked(str(model_dir), self.target, self.tokenizer, dtype=self.dtype)
 
     def poll(self) -> tuple[object, str] | None:

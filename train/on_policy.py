@@ -182,3 +182,26 @@ def cut(tokens: list[int], eos_token_id: int | None) -> list[int]:
     if eos_token_id is not None and eos_token_id in tokens:
         return tokens[: tokens.index(eos_token_id) + 1]
     return tokens
+
+
+def for_core(recipe, core, tokenizer) -> OnPolicy:
+    """The generator of data.on_policy rows for the step core `core` (train/step.py). A
+    sharded draft cannot write alone: source=draft is refused there, source=target decodes
+    with the target."""
+    from specdistill.train.config import RecipeError
+    from specdistill.train.distributed import is_sharded, layout
+
+    acc, source = core.accelerator, recipe.data.on_policy.source
+    if is_sharded(acc) and source == "draft":
+        raise RecipeError(
+            f"data.on_policy.source=draft is not supported with a sharded draft "
+            f"({layout(acc)}): use data.on_policy.source=target or a replicated layout"
+        )
+    return OnPolicy(
+        recipe,
+        target=core.target,
+        draft=None if is_sharded(acc) else core.draft_module(),
+        tokenizer=tokenizer,
+        vocab_size=core.vocab_size,
+        device=acc.device,
+    )

@@ -139,7 +139,8 @@ def prepare_output_dir(recipe: Recipe) -> RunPlan:
 
 
 def _read_report(out: Path) -> dict | None:
-    """eval.json of a complete run in `out`: written last, after final/ (`Trainer.save_final`)."""
+    """eval.json of a complete run in `out`: written last, after final/
+    (train/outputs.py `Outputs.save_final`)."""
     if not (out / "final").is_dir():
         return None
     try:

@@ -16,9 +16,11 @@ import json
 from pathlib import Path
 
 from specdistill.publish import DirLock, OutputDirError, atomic_write_text, claim_output_dir
+from specdistill.train.rundir import STATE_FILE
 
 MARKER = ".online-job"  # OUT/.online-job: {"drafts": ROOT}, written when a job takes OUT
 LOGS = ("rejects.jsonl", "decisions.jsonl", "metrics.jsonl")
+STATE = "state"  # OUT/state: the job's checkpoint (train/run_dir.py), replaced at each commit
 HOLDER = "an online job or rollback"
 
 
@@ -54,7 +56,7 @@ def claim_out(out: Path, root: Path, *, overwrite: bool) -> bool:
             made_for = json.loads(marker.read_text()).get("drafts")
         except (ValueError, AttributeError):
             made_for = "?"
-    own = made_for == root_id or (made_for is None and (out / "state" / "state.json").is_file())
+    own = made_for == root_id or (made_for is None and has_state(out))
     if made_for is not None and made_for != root_id and not overwrite:
         raise OutputDirError(
             f"{out} holds the online job's state for the drafts root {made_for}, not "
@@ -67,7 +69,12 @@ def claim_out(out: Path, root: Path, *, overwrite: bool) -> bool:
         forget(out)
     out.mkdir(parents=True, exist_ok=True)
     atomic_write_text(marker, json.dumps({"drafts": root_id}) + "\n")
-    return own and (out / "state" / "state.json").is_file()
+    return own and has_state(out)
+
+
+def has_state(out: Path) -> bool:
+    """Whether OUT holds a committed state of the job."""
+    return (out / STATE / STATE_FILE).is_file()
 
 
 def only_root(out: Path, root: Path) -> bool:
@@ -86,7 +93,7 @@ def forget(out: Path) -> None:
     """Delete the job's state and logs in OUT (a fresh start)."""
     import shutil
 
-    shutil.rmtree(out / "state", ignore_errors=True)
+    shutil.rmtree(out / STATE, ignore_errors=True)
     for name in LOGS:
         (out / name).unlink(missing_ok=True)
 

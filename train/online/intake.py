@@ -8,12 +8,10 @@ import sys
 import time
 from pathlib import Path
 
-from specdistill.train.online.faults import FAULT
-
 
 class TrafficInput:
     """Mixed into OnlineJob (train/online/job.py): uses its recipe section `o`, cursor, store,
-    watch, counts and OUT."""
+    watch, counts, OUT and faults."""
 
     # ----------------------------------------------------------------------------- input
     def _log(self, name: str, record: dict) -> None:
@@ -81,7 +79,7 @@ class TrafficInput:
                         added += 1
                     else:  # "duplicate" (an exact repeat) or "prompt_cap"
                         self.counts[refused] += 1
-            FAULT("read:line")
+            self.faults("read:line")
             if len(self.store.new) >= self.o.refresh_records:
                 break  # refresh first: every refresh_records records, however many wait
         self.cursor.seal(self.o.traffic)

@@ -13,12 +13,13 @@ outside `online.clients` are counted and skipped), drops exact repeats and a pro
 records beyond `online.max_per_prompt`, and files the rest into the store
 (train/online/traffic.py): the newest `online.holdout_size` records are held
 out for the gate, older ones are trainable. Every `online.refresh_records` new trainable
-records (or `online.refresh_seconds`), a refresh runs `online.refresh_steps` optimiser steps
-of the Trainer's own `train_step` on every new record once plus replay (recent store,
-reservoir, anchor), warm-started from the running draft and its optimiser state, against the
-frozen target with the recipe's loss. The gate (train/online/gate.py) compares candidate and
-the served incumbent (ROOT/current) on the held-out slice; a promotion is published as a new
-version (train/online/versions.py). Each decision goes to OUT/decisions.jsonl and stdout.
+records (or `online.refresh_seconds`), a refresh (train/online/refresh.py) runs
+`online.refresh_steps` optimiser steps of the step core (train/step.py, the offline run's own
+step) on every new record once plus replay (recent store, reservoir, anchor), warm-started
+from the running draft and its optimiser state, against the frozen target with the recipe's
+loss. The gate (train/online/gate.py) compares candidate and the served incumbent
+(ROOT/current) on the held-out slice; a promotion is published as a new version
+(train/online/versions.py). Each decision goes to OUT/decisions.jsonl and stdout.
 
 Directories (train/online/dirs.py): OUT and ROOT are locked for the job's lifetime (a
 second job or a rollback on either fails at once); a used OUT that is not this job's own is
@@ -26,9 +27,10 @@ refused unless `online.overwrite`.
 
 Crash safety: the cursor, the store, the counters, the ids of the trained records, the
 running draft and its optimiser state, and the sizes of the three logs are committed
-together, atomically (OUT/state, via publish_dir), after each refresh and at the end of a
-pass. A restart loads that state and cuts the logs back to the committed sizes, so a record
-read after the last commit is read again, once: none is skipped, none is counted twice.
+together, atomically, as one checkpoint (OUT/state, train/run_dir.py), after each refresh
+and at the end of a pass. A restart loads that state and cuts the logs back to the committed
+sizes, so a record read after the last commit is read again, once: none is skipped, none is
+counted twice.
 
 Targets: when every record of a refresh carries the target's top_logprobs (the server's
 --log-top-logprobs K, or converted vLLM/SGLang logprobs) and online.sparse_targets is on (off
@@ -48,9 +50,6 @@ Not done: multi-process training.
 import argparse
 import copy
 import json
-import math
-import os
-import shutil
 import signal
 import sys
 import threading
@@ -60,24 +59,23 @@ from pathlib import Path
 
 from specdistill.errors import run_guarded
 from specdistill.train.config import RecipeError, load_recipe
-from specdistill.train.online.faults import FAULT
+from specdistill.train.online.dirs import LOGS, STATE
 from specdistill.train.online.intake import TrafficInput
-from specdistill.train.online.served import ServedVersions
-
-STATE = "state"
-
-
-def _truncate(path: Path, size: int) -> None:
-    if path.exists() and path.stat().st_size > size:
-        os.truncate(path, size)
+from specdistill.train.online.refresh import Refreshes
+from specdistill.train.online.served import ServedVersions, initial_manifest
+from specdistill.train.run_dir import Faults, no_faults
 
 
-class OnlineJob(TrafficInput, ServedVersions):
-    def __init__(self, recipe, *, print=print):
+class OnlineJob(TrafficInput, ServedVersions, Refreshes):
+    """One online job on OUT and ROOT. `faults`: a hook called with the name of each
+    crash-test point the job passes (tests only; a no-op otherwise)."""
+
+    def __init__(self, recipe, *, print=print, faults: Faults = no_faults):
         from specdistill.train.online import dirs as online_dirs
 
         self._locks = []
         self.print = print
+        self.faults = faults
         r = copy.deepcopy(recipe)
         # A refresh is a continuation, not a schedule: constant learning rate.
         r.train = r.train.model_copy(update={"warmup_steps": 0, "min_lr_ratio": 1.0})
@@ -114,10 +112,11 @@ class OnlineJob(TrafficInput, ServedVersions):
         from specdistill import drafts
         from specdistill.drafts import hub
         from specdistill.drafts.identity import model_identity
+        from specdistill.train.batches import accumulation_steps
         from specdistill.train.online.traffic import Cursor, Store, load_anchor
         from specdistill.train.online.watch import Watch
-        from specdistill.train.rundir import RunPlan
-        from specdistill.train.trainer import Trainer
+        from specdistill.train.run_dir import RunDir
+        from specdistill.train.step import DistillStep
 
         self.clients = set(o.clients or ())
         self._said: set[str] = set()  # warnings given once
@@ -137,20 +136,12 @@ class OnlineJob(TrafficInput, ServedVersions):
         draft, kind = drafts.build(
             r.draft, self.target, self.tokenizer, self._vocab_data(anchor), print=lambda *a: None
         )
-        self.kind = kind
+        self.kind = kind  # the draft type: read, never assigned to (the step core has it too)
         acc = Accelerator(cpu=not torch.cuda.is_available())
-        plan = RunPlan(out=self.out, resume_from=[])
-        self.trainer = Trainer(
-            r,
-            accelerator=acc,
-            plan=plan,
-            target=self.target,
-            draft=draft,
-            kind=kind,
-            tokenizer=self.tokenizer,
-            train_data=None,
-            eval_data=None,
-        )
+        accumulation_steps(r, acc)  # the global batch splits into micro-batches
+        self.core = DistillStep(r, accelerator=acc, target=self.target, draft=draft, kind=kind)
+        self.on_policy = self._on_policy() if r.data.on_policy.fraction > 0 else None
+        self.run_dir = RunDir(self.out, acc, faults=self.faults)
         self.cursor = Cursor()
         self.store = Store(
             o.recent_size,
@@ -195,32 +186,34 @@ class OnlineJob(TrafficInput, ServedVersions):
             )
         return TokenDataset([to_tokens(it) for it in anchor], n_records=len(anchor), skipped={})
 
-    def _sync_vocab_map(self) -> None:
-        """An EAGLE-3 head's d2t map, which the loss and the gate read from the draft type,
-        is the running head's own (after a version's weights and buffers were loaded)."""
-        if getattr(self.kind, "d2t", None) is not None:
-            self.kind.d2t = self.trainer.accelerator.unwrap_model(self.trainer.draft).d2t
+    def _on_policy(self):
+        """The generator of data.on_policy rows (train/on_policy.py), as the offline run's."""
+        from specdistill.train.on_policy import OnPolicy
+
+        return OnPolicy(
+            self.recipe,
+            target=self.core.target,
+            draft=self.core.draft_module(),
+            tokenizer=self.tokenizer,
+            vocab_size=self.core.vocab_size,
+            device=self.core.accelerator.device,
+        )
 
     # ----------------------------------------------------------------------------- state
     def _recover(self) -> None:
-        import torch
-
-        from specdistill.publish import remove_leftovers
+        from specdistill.publish import atomic_write_text, remove_leftovers
         from specdistill.serve.drafts import read_current
         from specdistill.train.online import dirs as online_dirs
         from specdistill.train.online import versions as online_versions
         from specdistill.train.online.traffic import Cursor
+        from specdistill.train.run_dir import read_state
 
         remove_leftovers(self.root)
+        self.run_dir.recover(STATE)
         state_dir = self.out / STATE
-        olds = sorted(self.out.glob(f".old-{STATE}-*"))
-        if not state_dir.exists() and olds:  # a kill between publish_dir's two renames
-            os.replace(olds[-1], state_dir)
-        remove_leftovers(self.out)
-        student = self.trainer.accelerator.unwrap_model(self.trainer.draft)
         s = None
-        if (state_dir / "state.json").is_file():
-            s = json.loads((state_dir / "state.json").read_text())
+        if online_dirs.has_state(self.out):
+            s = read_state(state_dir)
             if s["identity"] != self.identity:
                 if not self.o.overwrite:
                     raise RecipeError(
@@ -231,6 +224,7 @@ class OnlineJob(TrafficInput, ServedVersions):
                 online_dirs.forget(self.out)
                 s = None
         if s is not None:
+            self.run_dir.load(state_dir, self.core)
             self.cursor = Cursor.from_dict(s["cursor"])
             self.store.load(s["store"])
             self.watch.load(s["watch"])
@@ -240,13 +234,7 @@ class OnlineJob(TrafficInput, ServedVersions):
             self.records_since = s["records_since"]
             self.known_current = s["known_current"]
             self.pending = s.get("pending")
-            self.trainer.step = s["step"]
-            blob = torch.load(state_dir / "trainer.pt", map_location="cpu", weights_only=False)
-            student.load_state_dict(blob["draft"])
-            self.trainer.optimizer.load_state_dict(blob["optimizer"])
-            self.trainer.scheduler.load_state_dict(blob["scheduler"])
-            for name, size in s["log_bytes"].items():
-                _truncate(self.out / name, size)
+            self.run_dir.truncate_logs(s["log_bytes"])
             self.print(
                 f"online: resumed at {self.cursor.as_dict()} after "
                 f"{self.refreshes} refreshes, {len(self.trained_ids)} records trained"
@@ -258,12 +246,11 @@ class OnlineJob(TrafficInput, ServedVersions):
             current = read_current(self.root)
             left = online_versions.versions(self.root)
             if current is None and left:  # killed between a first publish and its `current`
-                from specdistill.publish import atomic_write_text
-
                 atomic_write_text(self.root / "current", left[-1] + "\n")
                 current = left[-1]
+            student = self.core.draft_module()
             if current is None:
-                version = self._publish(student, {"reason": "initial draft", "records_trained": 0})
+                version = self._publish(student, initial_manifest())
                 self.print(f"online: published the initial draft as {version}")
             else:
                 model = self._try_load_version(current)
@@ -271,32 +258,11 @@ class OnlineJob(TrafficInput, ServedVersions):
                     student.load_state_dict(model.state_dict())
                     self.print(f"online: starting from the served version {current}")
                 self.known_current = current
-        self._sync_vocab_map()
         self._follow_external_change()
 
     def commit(self) -> None:
-        """Everything the job knows, as of now, replaces OUT/state in one rename."""
-        import torch
-
-        from specdistill.publish import publish_dir
-
-        FAULT("commit:before")
-        tmp = self.out / f".tmp-{STATE}"
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir()
-        student = self.trainer.accelerator.unwrap_model(self.trainer.draft)
-        torch.save(
-            {
-                "draft": student.state_dict(),
-                "optimizer": self.trainer.optimizer.state_dict(),
-                "scheduler": self.trainer.scheduler.state_dict(),
-            },
-            tmp / "trainer.pt",
-        )
-        logs = {}
-        for name in ("rejects.jsonl", "decisions.jsonl", "metrics.jsonl"):
-            p = self.out / name
-            logs[name] = p.stat().st_size if p.exists() else 0
+        """Everything the job knows, as of now, replaces OUT/state in one rename: a
+        checkpoint of the step core (train/run_dir.py) with the job's own state."""
         state = {
             "identity": self.identity,
             "cursor": self.cursor.as_dict(),
@@ -308,208 +274,9 @@ class OnlineJob(TrafficInput, ServedVersions):
             "records_since": self.records_since,
             "known_current": self.known_current,
             "pending": self.pending,
-            "step": self.trainer.step,
-            "log_bytes": logs,
-            "time": time.time(),
+            "log_bytes": self.run_dir.log_sizes(LOGS),
         }
-        (tmp / "state.json").write_text(json.dumps(state))
-        FAULT("commit:written")
-        publish_dir(tmp, self.out / STATE)
-        FAULT("commit:after")
-
-    # ----------------------------------------------------------------------------- refresh
-    def due(self, final: bool = False) -> bool:
-        n = len(self.store.new)
-        if n >= self.o.refresh_records:
-            return True
-        if n >= self.o.min_refresh_records:
-            return final or time.time() - self.last_refresh >= self.o.refresh_seconds
-        return False
-
-    def sparse_targets(self, items: list[dict]) -> bool:
-        """Whether a refresh on `items` trains on their top_logprobs (online.sparse_targets):
-        every record carries them and the loss can compare a rest bin."""
-        r = self.recipe
-        if not (r.online.sparse_targets and all(it.get("top_logprobs") for it in items)):
-            return False
-        lo = r.loss
-        why = [
-            f"{key}={value}"
-            for key, value, fine in (
-                ("loss.temperature", lo.temperature, lo.temperature == 1.0),
-                ("loss.top_p", lo.params.get("top_p"), lo.params.get("top_p") is None),
-                ("loss.top_k", lo.params.get("top_k"), lo.params.get("top_k") is None),
-                ("loss.chunk_size", lo.chunk_size, lo.chunk_size is None),
-                ("draft.type", r.draft.type, r.draft.type == "standalone"),
-            )
-            if not fine
-        ]
-        if why and not getattr(self, "_said_sparse", False):
-            self._said_sparse = True
-            self.print(
-                "online: the records carry top_logprobs, but the refreshes run the target: "
-                f"sparse targets need loss temperature 1, unfiltered, unchunked, a standalone "
-                f"draft ({', '.join(why)})"
-            )
-        return not why
-
-    def refresh(self) -> dict:
-        """K optimiser steps on the new records + replay, the gate, maybe a publish, commit."""
-        from specdistill.data.dataset import TokenDataset
-        from specdistill.train.online.gate import by_temperature, decide, sequence_alpha
-        from specdistill.train.online.traffic import RecordTargets, to_tokens
-
-        self._follow_external_change()
-        r, o, tr = self.recipe, self.o, self.trainer
-        g = r.train.global_batch_size
-        osd = o.policy == "osd"
-        if osd:  # OSD (arXiv 2310.07177): the new records once, no replay
-            fresh, replay = self.store.new_items(), []
-        else:
-            fresh, replay = self.store.refresh_mix(
-                o.refresh_steps * g,
-                o.recent_ratio,
-                o.anchor_ratio,
-                seed=r.train.seed * 7919 + self.refreshes,
-            )
-        items = fresh + replay
-        tr.train_data = TokenDataset(
-            [to_tokens(it) for it in items], n_records=len(items), skipped={}
-        )
-        sparse = self.sparse_targets(items)
-        tr.cache = RecordTargets(items) if sparse else None  # None: the live target
-        tr._perms = {}
-        one_pass = math.ceil(len(items) / g)
-        steps = max(1, one_pass) if osd else max(o.refresh_steps, one_pass)
-        losses = []
-        for s in range(steps):  # the Trainer's own step: loss, accumulation, clipping
-            record = tr.train_step(s)
-            tr.step += 1
-            losses.append(record["loss"])
-            FAULT("refresh:step")
-        student = tr.accelerator.unwrap_model(tr.draft)
-        version, incumbent = self.incumbent()
-        if osd:  # no gate: every update is served
-            verdict = {
-                "promote": True,
-                "why": "osd policy: no gate, promote always",
-                "n_heldout": 0,
-                "alpha_candidate": None,
-                "alpha_incumbent": None,
-            }
-        elif version is not None and incumbent is None:
-            verdict = {
-                "promote": False,
-                "why": f"the served version {version} does not load: roll back to a good one",
-                "n_heldout": len(self.store.holdout),
-                "alpha_candidate": None,
-                "alpha_incumbent": None,
-            }
-        else:
-            held = list(self.store.holdout)
-            pad = self.tokenizer.pad_token_id
-            cand = sequence_alpha(self.kind, self.target, student, held, pad) if held else []
-            inc = sequence_alpha(self.kind, self.target, incumbent, held, pad) if held else []
-            verdict = decide(
-                cand, inc, [it["category"] for it in held], o, seed=r.train.seed + self.refreshes
-            )
-            if held:
-                verdict["by_temperature"] = by_temperature(
-                    cand, inc, [it["temperature"] for it in held]
-                )
-        self.refreshes += 1
-        decision = {
-            "refresh": self.refreshes,
-            "time": time.time(),
-            "decision": "promoted" if verdict["promote"] else "rejected",
-            "why": verdict["why"],
-            "incumbent": version,
-            "steps": steps,
-            "loss": sum(losses) / len(losses),
-            "records_new": len(fresh),
-            "records_replay": len(replay),
-            "target": "records' top_logprobs" if sparse else "live",
-            **{k: v for k, v in verdict.items() if k not in ("promote", "why")},
-        }
-        FAULT("refresh:gated")
-        manifest = None
-        if verdict["promote"]:
-            from specdistill.publish import remove_leftovers
-            from specdistill.train.online.versions import next_version
-
-            window = (
-                [min(it["time"] for it in fresh), max(it["time"] for it in fresh)]
-                if fresh
-                else None
-            )
-            remove_leftovers(self.root)
-            decision["version"] = next_version(self.root)
-            manifest = {
-                "reason": "promoted",
-                "policy": o.policy,
-                "traffic_window": window,
-                "records_trained": len(self.trained_ids) + len(fresh),
-                "alpha": verdict["alpha_candidate"],
-                "alpha_incumbent": verdict["alpha_incumbent"],
-                "delta": verdict.get("delta"),
-                "ci": verdict.get("ci"),
-                "confidence": verdict.get("confidence"),
-                "loss": decision["loss"],
-                "cursor": self.cursor.as_dict(),
-            }
-        self._log("decisions.jsonl", decision)
-        self.print(
-            f"online refresh {self.refreshes}: {decision['decision']} "
-            f"({decision['why']}); loss {decision['loss']:.4f}, {len(fresh)} new + "
-            f"{len(replay)} replayed records"
-            + (f" -> {decision['version']}" if "version" in decision else "")
-            + (
-                "; alpha by temperature (incumbent -> candidate): "
-                + ", ".join(
-                    f"T={t} {v['alpha_incumbent']:.3f} -> {v['alpha_candidate']:.3f}"
-                    for t, v in decision["by_temperature"].items()
-                )
-                if len(decision.get("by_temperature") or ()) > 1
-                else ""
-            )
-        )
-        self.store.mark_trained(it["id"] for it in fresh)
-        self.trained_ids.extend(it["id"] for it in fresh)
-        self.counts["records_trained"] += len(fresh)
-        self.counts["promotions" if verdict["promote"] else "rejections"] += 1
-        self._log(
-            "metrics.jsonl",
-            {
-                "kind": "refresh",
-                **{
-                    k: decision[k]
-                    for k in (
-                        "refresh",
-                        "time",
-                        "decision",
-                        "loss",
-                        "records_new",
-                        "alpha_candidate",
-                        "alpha_incumbent",
-                    )
-                },
-                "counts": dict(self.counts),
-            },
-        )
-        self.last_refresh = time.time()
-        self.records_since = len(self.store.new)
-        if manifest is not None:
-            # Publish pending: commit the state after this refresh and the version about to
-            # be published first, so that a kill from here until the next commit makes the
-            # restart finish (or find) the publish instead of training these records again.
-            self.pending = {"version": decision["version"], "manifest": manifest}
-            self.commit()
-            FAULT("refresh:pending")
-            self._publish(student, manifest, version=decision["version"])
-            FAULT("refresh:published")
-            self.pending = None
-        self.commit()
-        return decision
+        self.run_dir.commit(self.out / STATE, self.core, state, self.recipe)
 
     # ----------------------------------------------------------------------------- run
     def run(self, follow: bool | None = None) -> dict:
@@ -580,7 +347,8 @@ class OnlineJob(TrafficInput, ServedVersions):
 
 
 # --------------------------------------------------------------------------------- CLI
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, *, faults: Faults = no_faults) -> int:
+    """`specdistill online ...`; `faults`: the crash-test hook (tests only)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] == "rollback":
         from specdistill.train.online.dirs import rollback_main
@@ -599,7 +367,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     recipe = load_recipe(args.recipe, args.overrides)
     follow = True if args.follow else False if args.once else None
-    OnlineJob(recipe).run(follow=follow)
+    OnlineJob(recipe, faults=faults).run(follow=follow)
     return 0
 
 

@@ -6,10 +6,17 @@ reported (an ALERT, once, and a metric) and never stops the job."""
 import sys
 import time
 
+from specdistill.serve.drafts import Manifest
+
+
+def initial_manifest() -> Manifest:
+    """The manifest fields of the first version a job publishes: its starting draft."""
+    return Manifest(reason="initial draft", records_trained=0)
+
 
 class ServedVersions:
     """Mixed into OnlineJob (train/online/job.py): uses its root, recipe, target, tokenizer,
-    trainer, kind and logs."""
+    step core, faults and logs."""
 
     def _complete_pending(self) -> None:
         """The committed state is the one after a promoted refresh whose version was being
@@ -18,16 +25,16 @@ class ServedVersions:
         from specdistill.publish import atomic_write_text
         from specdistill.serve.drafts import read_current, read_manifest
 
-        version, manifest = self.pending["version"], self.pending["manifest"]
+        version = self.pending["version"]
+        manifest = Manifest.from_dict(self.pending["manifest"])
         if (self.root / version / "manifest.json").is_file():
             current = read_current(self.root)
-            if current != version and read_manifest(self.root / version).get("parent") == current:
+            if current != version and read_manifest(self.root / version).parent == current:
                 atomic_write_text(self.root / "current", version + "\n")  # killed before this
             self.known_current = read_current(self.root)
             how = "found it published"
         else:
-            student = self.trainer.accelerator.unwrap_model(self.trainer.draft)
-            self._publish(student, manifest, version=version)
+            self._publish(self.core.draft_module(), manifest, version=version)
             how = "published it now"
         self.pending = None
         self.commit()
@@ -38,8 +45,7 @@ class ServedVersions:
         from specdistill.serve.drafts import load_checked, read_manifest
 
         path = self.root / version
-        manifest = read_manifest(path)
-        model_dir = path / manifest["draft_dir"] if manifest.get("draft_dir") else path
+        model_dir = read_manifest(path).draft_path(path)
         return load_checked(
             str(model_dir), self.target, self.tokenizer, dtype=self.recipe.draft.dtype
         )
@@ -89,9 +95,7 @@ class ServedVersions:
         if current is not None and current != self.known_current:
             model = self._try_load_version(current)
             if model is not None:
-                student = self.trainer.accelerator.unwrap_model(self.trainer.draft)
-                student.load_state_dict(model.state_dict())
-                self._sync_vocab_map()
+                self.core.draft_module().load_state_dict(model.state_dict())
             then = "the running draft restarts from it" if model is not None else "kept the draft"
             self.print(f"online: current moved {self.known_current} -> {current}; {then}")
             self._log(
@@ -105,22 +109,26 @@ class ServedVersions:
             )
             self.known_current = current
 
-    def _publish(self, model, manifest: dict, version: str | None = None) -> str:
+    def _publish(self, model, manifest: Manifest, version: str | None = None) -> str:
+        import dataclasses
+
         from specdistill.drafts.embedded import resolve_model
         from specdistill.train.online.versions import publish_version
 
         verifier = resolve_model(self.recipe.target.model)
-        manifest = {
-            "target": {"name": self.recipe.target.model, "identity": self.identity},
-            "draft_type": self.kind.name,
-            **manifest,
-        }
+        kind = self.core.kind
+        manifest = dataclasses.replace(
+            manifest,
+            target={"name": self.recipe.target.model, "identity": self.identity},
+            draft_type=kind.name,
+        )
         version = publish_version(
             self.root,
-            lambda d: self.kind.save(model, d, self.tokenizer, verifier=verifier),
+            lambda d: kind.save(model, d, self.tokenizer, verifier=verifier),
             manifest,
             keep=self.o.keep_versions,
             version=version,
+            faults=self.faults,
         )
         self.known_current = version
         return version

@@ -8,17 +8,22 @@ are removed before the next publish (`specdistill.publish.remove_leftovers`). Pr
 the newest `keep` versions and never removes the one `current` names or its parent.
 """
 
+import dataclasses
 import json
-import re
 import shutil
 import time
 from pathlib import Path
 
 from specdistill.publish import atomic_write_text, publish_dir, remove_leftovers
-from specdistill.serve.drafts import read_current, read_manifest
-from specdistill.train.online.faults import FAULT
-
-VERSION = re.compile(r"^v(\d{6})$")
+from specdistill.serve.drafts import (
+    VERSION,
+    Manifest,
+    read_current,
+    read_manifest,
+    version_name,
+    version_number,
+)
+from specdistill.train.run_dir import Faults, no_faults
 
 
 def versions(root) -> list[str]:
@@ -38,8 +43,7 @@ def check_loads(root, version: str) -> None:
     from specdistill.drafts.hub import load_draft
 
     path = Path(root) / version
-    manifest = read_manifest(path)
-    model_dir = path / manifest["draft_dir"] if manifest.get("draft_dir") else path
+    model_dir = read_manifest(path).draft_path(path)
     try:
         load_draft(str(model_dir))
     except Exception as e:  # noqa: BLE001 - any failure to load means a broken version
@@ -49,18 +53,23 @@ def check_loads(root, version: str) -> None:
 
 def next_version(root) -> str:
     root = Path(root)
-    used = (
-        [int(m[1]) for p in root.iterdir() if (m := VERSION.match(p.name))] if root.is_dir() else []
-    )
-    return f"v{max(used, default=0) + 1:06d}"
+    numbers = [version_number(p.name) for p in root.iterdir()] if root.is_dir() else []
+    return version_name(max((n for n in numbers if n is not None), default=0) + 1)
 
 
 def publish_version(
-    root, save, manifest: dict, *, keep: int = 5, version: str | None = None
+    root,
+    save,
+    manifest: Manifest,
+    *,
+    keep: int = 5,
+    version: str | None = None,
+    faults: Faults = no_faults,
 ) -> str:
-    """Write a new version with `save(directory)` and its manifest, then point `current` at
-    it. Returns the version name (`version`: that name, chosen beforehand by the caller, e.g.
-    the online job's publish-pending marker; default the next free one)."""
+    """Write a new version with `save(directory)` and its manifest (version, parent and time
+    filled in here), then point `current` at it. Returns the version name (`version`: that
+    name, chosen beforehand by the caller, e.g. the online job's publish-pending marker;
+    default the next free one). `faults`: the crash-test hook (tests only)."""
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
     remove_leftovers(root)
@@ -70,12 +79,14 @@ def publish_version(
     tmp = root / f".tmp-{version}"
     tmp.mkdir()
     save(tmp)
-    FAULT("publish:saved")
-    manifest = {"version": version, "parent": read_current(root), "time": time.time(), **manifest}
-    (tmp / "manifest.json").write_text(json.dumps(manifest, indent=1))
-    FAULT("publish:manifest")
+    faults("publish:saved")
+    manifest = dataclasses.replace(
+        manifest, version=version, parent=read_current(root), time=time.time()
+    )
+    manifest.write(tmp)
+    faults("publish:manifest")
     publish_dir(tmp, root / version)
-    FAULT("publish:renamed")
+    faults("publish:renamed")
     atomic_write_text(root / "current", version + "\n")
     prune(root, keep)
     return version
@@ -86,7 +97,7 @@ def prune(root, keep: int) -> list[str]:
     current = read_current(root)
     protected = {current}
     if current and (root / current).is_dir():
-        protected.add(read_manifest(root / current).get("parent"))
+        protected.add(read_manifest(root / current).parent)
     removed = []
     for v in versions(root)[:-keep] if keep > 0 else []:
         if v not in protected:
@@ -104,7 +115,7 @@ def rollback(root, version: str | None = None) -> tuple[str, str]:
     if current is None:
         raise FileNotFoundError(f"{root / 'current'}: no current version to roll back from")
     if version is None:
-        version = read_manifest(root / current).get("parent")
+        version = read_manifest(root / current).parent
         if not version:
             raise ValueError(f"{root / current}: version {current} has no parent to roll back to")
     if not VERSION.match(version):

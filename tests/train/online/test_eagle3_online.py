@@ -64,7 +64,6 @@ def test_online_refreshes_gates_and_publishes_an_eagle3_head(
     from specdistill.drafts.hub import load_model, load_tokenizer
     from specdistill.eval.engine import Engine
     from specdistill.serve.drafts import DraftWatcher
-    from specdistill.train.online.job import FAULT
     from specdistill.train.online.versions import rollback
 
     _, pool = traffic_pool
@@ -112,14 +111,10 @@ def test_online_refreshes_gates_and_publishes_an_eagle3_head(
             if calls["n"] == 2:
                 raise Crash(point)
 
-    FAULT.hook = hook
-    try:
-        with pytest.raises(Crash):
-            job(recipe).run()
-    finally:
-        FAULT.hook = None
+    with pytest.raises(Crash):
+        job(recipe, faults=hook).run()
     again = job(recipe).run()
-    state = json.loads((out / "state" / "state.json").read_text())
+    state = json.loads((out / "state" / "trainer_state.json").read_text())
     assert len(set(state["trained_ids"])) == len(state["trained_ids"]) == 72
     assert again["refreshes"] == summary["refreshes"] + 1
     moved = [m for m in lines(out / "metrics.jsonl") if m["kind"] == "external_change"]

@@ -14,10 +14,10 @@ def quiet(*args, **kwargs):
     pass
 
 
-def job(recipe, print=quiet):
+def job(recipe, print=quiet, faults=None):
     from specdistill.train.online.job import OnlineJob
 
-    return OnlineJob(recipe, print=print)
+    return OnlineJob(recipe, print=print, **({"faults": faults} if faults else {}))
 
 
 def lines(path):
@@ -168,7 +168,7 @@ def test_online_clients_trains_only_on_the_chosen_clients(tiny_pair, traffic_poo
     assert summary["records_accepted"] == 30
     assert summary["skipped_by_reason"] == {"client": 30}
     assert not (tmp_path / "out" / "rejects.jsonl").exists()  # a skip is not a reject
-    state = json.loads((tmp_path / "out" / "state" / "state.json").read_text())
+    state = json.loads((tmp_path / "out" / "state" / "trainer_state.json").read_text())
     kept = state["trained_ids"] + [r["id"] for r in state["store"]["holdout"]]
     assert kept and all(i.startswith(a) for i in kept)
     with pytest.raises(RecipeError, match="online.clients: 'alice'"):
@@ -198,7 +198,7 @@ def test_a_used_output_dir_is_refused_and_its_files_kept(tiny_pair, traffic_pool
     recipe.online.drafts = str(tmp_path / "other-drafts")
     with pytest.raises(OutputDirError, match="drafts root"):
         job(recipe)
-    assert (out / "state" / "state.json").is_file()
+    assert (out / "state" / "trainer_state.json").is_file()
 
 
 def test_a_second_job_or_a_rollback_fails_at_once_while_a_job_runs(
@@ -267,12 +267,15 @@ def test_a_shard_rewritten_under_the_cursor_is_read_again_not_skipped(
 
 def publish_two(tiny_pair, root):
     from specdistill.drafts.hub import load_draft, load_tokenizer
+    from specdistill.serve.drafts import Manifest
     from specdistill.train.online.versions import publish_version
 
     tok = load_tokenizer(str(tiny_pair[0]))
     model = load_draft(str(tiny_pair[1]))
     for _ in range(2):
-        publish_version(root, lambda d: (model.save_pretrained(d), tok.save_pretrained(d)), {})
+        publish_version(
+            root, lambda d: (model.save_pretrained(d), tok.save_pretrained(d)), Manifest()
+        )
     assert (root / "current").read_text().strip() == "v000002"
 
 
@@ -343,3 +346,18 @@ def test_a_drafts_root_inside_a_new_output_dir_is_not_a_used_dir(tiny_pair, traf
     (tmp_path / "out" / "drafts").mkdir(parents=True)
     assert job(recipe).run()["records_accepted"] == 20
     assert (tmp_path / "out" / "drafts" / "current").is_file()
+
+
+def test_one_version_name_rule_and_the_manifest_round_trip(tmp_path):
+    from specdistill.serve.drafts import Manifest, read_manifest, version_name, version_number
+    from specdistill.train.online.versions import next_version
+
+    assert version_name(1) == "v000001" and version_number("v000012") == 12
+    assert [version_number(n) for n in ("v12", "v0000012", "x000001", "current")] == [None] * 4
+    (tmp_path / "v000007").mkdir()
+    (tmp_path / "v12").mkdir()
+    assert next_version(tmp_path) == "v000008"
+    manifest = Manifest(version="v000007", parent=None, reason="promoted", ci=[0.1, 0.2])
+    manifest.write(tmp_path / "v000007")
+    assert read_manifest(tmp_path / "v000007") == manifest
+    assert read_manifest(tmp_path / "v12") == Manifest()  # no manifest.json

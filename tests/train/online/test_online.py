@@ -15,10 +15,10 @@ def quiet(*args, **kwargs):
     pass
 
 
-def job(recipe):
+def job(recipe, faults=None):
     from specdistill.train.online.job import OnlineJob
 
-    return OnlineJob(recipe, print=quiet)
+    return OnlineJob(recipe, print=quiet, **({"faults": faults} if faults else {}))
 
 
 def lines(path):
@@ -62,7 +62,7 @@ def test_one_pass_screens_trains_gates_and_publishes(tiny_pair, traffic_pool, tm
     )
     # every accepted record but the held-out newest 12 is trained, once
     assert summary["records_trained"] == 60 - 12
-    state = json.loads((out / "state" / "state.json").read_text())
+    state = json.loads((out / "state" / "trainer_state.json").read_text())
     assert len(set(state["trained_ids"])) == len(state["trained_ids"]) == 48
     held = {r["id"] for r in state["store"]["holdout"]}
     assert held == {r["id"] for r in pool[48:60]} and not held & set(state["trained_ids"])
@@ -106,41 +106,35 @@ POINTS = [
 
 
 def test_kill_and_restart_loses_no_record_and_trains_none_twice(tiny_pair, traffic_pool, tmp_path):
-    from specdistill.train.online.job import FAULT
-
     _, pool = traffic_pool
     write_shard(tmp_path / "traffic", 1, pool[:40], [b"{bad\n"])
     write_shard(tmp_path / "traffic", 2, pool[40:72])
     recipe = online_recipe(tiny_pair, tmp_path, min_gain=-1.0, refresh_records=16)
     rng = random.Random(0)
     crashes = 0
-    try:
-        for _attempt in range(40):
-            point = rng.choice(POINTS)
-            after = rng.randint(1, 30 if "line" in point else 3)
-            calls = {"n": 0}
+    for _attempt in range(40):
+        point = rng.choice(POINTS)
+        after = rng.randint(1, 30 if "line" in point else 3)
+        calls = {"n": 0}
 
-            def hook(p, point=point, after=after, calls=calls):
-                if p == point:
-                    calls["n"] += 1
-                    if calls["n"] >= after:
-                        raise Crash(p)
+        def hook(p, point=point, after=after, calls=calls):
+            if p == point:
+                calls["n"] += 1
+                if calls["n"] >= after:
+                    raise Crash(p)
 
-            FAULT.hook = hook
-            try:
-                summary = job(recipe).run()
-                break
-            except Crash:
-                crashes += 1
-                root = tmp_path / "drafts"
-                current = (root / "current").read_text().strip()  # always a complete version
-                assert (root / current / "manifest.json").is_file()
-        else:
-            pytest.fail("the job never finished")
-    finally:
-        FAULT.hook = None
+        try:
+            summary = job(recipe, faults=hook).run()
+            break
+        except Crash:
+            crashes += 1
+            root = tmp_path / "drafts"
+            current = (root / "current").read_text().strip()  # always a complete version
+            assert (root / current / "manifest.json").is_file()
+    else:
+        pytest.fail("the job never finished")
     assert crashes >= 3
-    state = json.loads((tmp_path / "out" / "state" / "state.json").read_text())
+    state = json.loads((tmp_path / "out" / "state" / "trainer_state.json").read_text())
     trained = state["trained_ids"]
     assert len(trained) == len(set(trained))  # none twice
     assert set(trained) == {r["id"] for r in pool[: 72 - 12]}  # none lost (12 held out)
@@ -152,7 +146,8 @@ def test_kill_and_restart_loses_no_record_and_trains_none_twice(tiny_pair, traff
 
 
 def test_sigkill_mid_refresh_then_resume(tiny_pair, traffic_pool, tmp_path):
-    """A real kill -9 (SIGKILL from the fault point) of `python -m specdistill.train.online.job`."""
+    """A real kill -9 (SIGKILL from the fault point) of the online job's command line, run by
+    tests/train/online/fault_runner.py (`specdistill.train.online.job.main` with a fault hook)."""
     import os
 
     from specdistill.train.config import dump_recipe
@@ -161,30 +156,31 @@ def test_sigkill_mid_refresh_then_resume(tiny_pair, traffic_pool, tmp_path):
     write_shard(tmp_path / "traffic", 1, pool[:60])
     recipe = online_recipe(tiny_pair, tmp_path, min_gain=-1.0, refresh_records=16)
     dump_recipe(recipe, tmp_path / "r.yaml")
-    cmd = [
-        sys.executable,
-        "-m",
-        "specdistill.train.online.job",
-        "--recipe",
-        str(tmp_path / "r.yaml"),
-        "--once",
-    ]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "SPECDISTILL_ONLINE_FAULT": "refresh:step:5"}
-    killed = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    args = ["--recipe", str(tmp_path / "r.yaml"), "--once"]
+    runner = [sys.executable, "-m", "tests.train.online.fault_runner"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    killed = subprocess.run(
+        [*runner, "refresh:step:5", *args], env=env, capture_output=True, text=True, timeout=300
+    )
     assert killed.returncode == -9, killed.stderr[-2000:]
-    state = json.loads((tmp_path / "out" / "state" / "state.json").read_text())
+    state = json.loads((tmp_path / "out" / "state" / "trainer_state.json").read_text())
     assert len(state["trained_ids"]) == 16  # the first refresh was committed, the second not
-    env.pop("SPECDISTILL_ONLINE_FAULT")
-    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    done = subprocess.run(
+        [sys.executable, "-m", "specdistill.train.online.job", *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert done.returncode == 0, done.stderr[-2000:]
-    state = json.loads((tmp_path / "out" / "state" / "state.json").read_text())
+    state = json.loads((tmp_path / "out" / "state" / "trainer_state.json").read_text())
     assert sorted(state["trained_ids"]) == sorted(r["id"] for r in pool[:48])
 
 
 @pytest.mark.parametrize("point", ["publish:saved", "publish:manifest", "publish:renamed"])
 def test_crashed_publish_never_exposes_a_partial_version(tiny_pair, tmp_path, point):
     from specdistill.drafts.hub import load_draft, load_tokenizer
-    from specdistill.serve.drafts import read_current
+    from specdistill.serve.drafts import Manifest, read_current
     from specdistill.train.online import versions as ov
 
     root = tmp_path / "drafts"
@@ -195,20 +191,14 @@ def test_crashed_publish_never_exposes_a_partial_version(tiny_pair, tmp_path, po
         draft.save_pretrained(d)
         tok.save_pretrained(d)
 
-    assert ov.publish_version(root, save, {}) == "v000001"
+    assert ov.publish_version(root, save, Manifest()) == "v000001"
 
     def crash(p):
         if p == point:
             raise Crash(p)
 
-    from specdistill.train.online.job import FAULT
-
-    FAULT.hook = crash
-    try:
-        with pytest.raises(Crash):
-            ov.publish_version(root, save, {})
-    finally:
-        FAULT.hook = None
+    with pytest.raises(Crash):
+        ov.publish_version(root, save, Manifest(), faults=crash)
     assert read_current(root) == "v000001"
     names = {p.name for p in root.iterdir() if p.name.startswith("v")}
     if point == "publish:renamed":  # complete, not yet current: a later publish goes past it
@@ -216,7 +206,7 @@ def test_crashed_publish_never_exposes_a_partial_version(tiny_pair, tmp_path, po
         assert (root / "v000002" / "manifest.json").is_file()
     else:
         assert names == {"v000001"}  # the partial one is only a .tmp-* directory
-    assert ov.publish_version(root, save, {}) in ("v000002", "v000003")
+    assert ov.publish_version(root, save, Manifest()) in ("v000002", "v000003")
     assert not list(root.glob(".tmp-*"))
 
 
@@ -228,6 +218,7 @@ def test_worse_candidate_is_rejected_and_a_promotion_rolled_back(tiny_pair, traf
     from specdistill.cli import main as cli
     from specdistill.drafts import Standalone
     from specdistill.drafts.hub import load_draft, load_model, load_tokenizer
+    from specdistill.serve.drafts import Manifest
     from specdistill.train.online.gate import decide, sequence_alpha
     from specdistill.train.online.traffic import compact
     from specdistill.train.online.versions import publish_version
@@ -260,7 +251,9 @@ def test_worse_candidate_is_rejected_and_a_promotion_rolled_back(tiny_pair, traf
     # a regressed promotion, rolled back to its parent with the CLI
     root = tmp_path / "drafts"
     for model in (incumbent, scrambled):
-        publish_version(root, lambda d, m=model: (m.save_pretrained(d), tok.save_pretrained(d)), {})
+        publish_version(
+            root, lambda d, m=model: (m.save_pretrained(d), tok.save_pretrained(d)), Manifest()
+        )
     assert (root / "current").read_text().strip() == "v000002"
     assert cli(["online", "rollback", "--drafts", str(root)]) == 0
     assert (root / "current").read_text().strip() == "v000001"
@@ -386,9 +379,9 @@ def test_follow_mode_tails_appended_lines_and_new_shards(tiny_pair, traffic_pool
 
 
 def _draft_state(out):
-    import torch
+    from safetensors.torch import load_file
 
-    return torch.load(out / "state" / "trainer.pt", map_location="cpu", weights_only=False)["draft"]
+    return load_file(out / "state" / "model.safetensors")
 
 
 @pytest.mark.parametrize(
@@ -400,8 +393,6 @@ def test_kill_between_publish_and_commit_completes_the_publish(
     """A kill after the publish-pending commit (before, during or after the publish, before
     the final commit): the restart completes the publish and never retrains the records."""
     import torch
-
-    from specdistill.train.online.job import FAULT
 
     _, pool = traffic_pool
     runs = {}
@@ -419,23 +410,19 @@ def test_kill_between_publish_and_commit_completes_the_publish(
                 crashes["n"] += 1
                 raise Crash(p)
 
-        FAULT.hook = hook
         try:
-            try:
-                summary = job(recipe).run()
-            except Crash:
-                summary = job(recipe).run()
-        finally:
-            FAULT.hook = None
+            summary = job(recipe, faults=hook).run()
+        except Crash:
+            summary = job(recipe, faults=hook).run()
         assert crashes["n"] == (crash_at is not None)
         runs[name] = (d, summary, steps["n"])
     (a, sa, steps_a), (b, sb, steps_b) = runs["clean"], runs["crashed"]
     assert steps_b == steps_a  # no optimiser step was run again
     assert sb["records_trained"] == sa["records_trained"] == 52 - 12
     assert sb["refreshes"] == sa["refreshes"] and sb["promotions"] == sa["promotions"]
-    trained = json.loads((b / "out" / "state" / "state.json").read_text())["trained_ids"]
+    trained = json.loads((b / "out" / "state" / "trainer_state.json").read_text())["trained_ids"]
     assert len(trained) == len(set(trained)) == 40  # none twice
-    assert json.loads((b / "out" / "state" / "state.json").read_text())["pending"] is None
+    assert json.loads((b / "out" / "state" / "trainer_state.json").read_text())["pending"] is None
     da, db = _draft_state(a / "out"), _draft_state(b / "out")
     assert da.keys() == db.keys()
     for k in da:

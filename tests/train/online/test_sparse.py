@@ -29,19 +29,13 @@ def with_top_logprobs(job_, records: list[dict], k: int | None) -> list[dict]:
 
 
 def loss_and_grads(job_, items, sparse: bool):
-    from specdistill.data.dataset import TokenDataset
-    from specdistill.train.online.traffic import RecordTargets, to_tokens
-
-    tr = job_.trainer
-    tr.train_data = TokenDataset([to_tokens(it) for it in items], n_records=len(items), skipped={})
-    tr._perms = {}
-    tr.cache = RecordTargets(items) if sparse else None
-    batch = tr.micro_batches(0)[0]
-    tr.draft.zero_grad()
-    loss, _ = tr.loss(batch)
+    core = job_.core
+    batch = job_.refresh_batches(items, sparse).micro_batches(0)[0]
+    core.draft.zero_grad()
+    loss, _ = core.loss(batch)
     loss.backward()
-    grads = {n: p.grad.clone() for n, p in tr.draft.named_parameters() if p.grad is not None}
-    tr.draft.zero_grad()
+    grads = {n: p.grad.clone() for n, p in core.draft.named_parameters() if p.grad is not None}
+    core.draft.zero_grad()
     return loss.detach(), grads
 
 

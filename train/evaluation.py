@@ -1,0 +1,126 @@
+"""A run's evaluations of the draft on held-out data: acceptance α per temperature, the
+predicted rounds τ_pred on the target's own continuations (τ texts), and real speculative
+decoding (measured τ and speedup per γ)."""
+
+import json
+from pathlib import Path
+
+from specdistill.eval.offline import acceptance_sums, held_out_texts, summarise, tau_rounds_pred
+from specdistill.publish import atomic_write_text
+from specdistill.train.batches import Batches
+from specdistill.train.config import recipe_to_dict
+from specdistill.train.step import DistillStep
+
+TAU_TEXTS = "tau_texts.json"
+
+
+def eval_record(step: int, metrics: dict) -> dict:
+    """An evaluation as a metrics.jsonl line: keys eval/<name>, per γ and per depth spread."""
+    record = {"step": step}
+    for key, value in metrics.items():
+        if key.startswith("tau_pred") and isinstance(value, dict):  # tau_pred, tau_pred_iid
+            record.update({f"eval/{key}_{g}": t for g, t in value.items()})
+        elif isinstance(value, list):  # per depth (eagle3): eval/alpha_depth_0, ...
+            record.update({f"eval/{key}_{k}": v for k, v in enumerate(value)})
+        else:
+            record[f"eval/{key}"] = value
+    return record
+
+
+class Evaluator:
+    """Evaluates `core`'s draft on the held-out set `held` (train/batches.py). τ texts are
+    kept in `out`/tau_texts.json, so that a resumed run measures on the same texts."""
+
+    def __init__(self, recipe, core: DistillStep, held: Batches, out: Path):
+        self.recipe, self.core, self.held, self.out = recipe, core, held, Path(out)
+        self.data = held.dataset
+        self._tau_texts: tuple[list, list] | None = None  # (prompts, target's outputs)
+
+    def batches(self) -> list[dict]:
+        return self.held.held_out(self.recipe.eval.max_sequences)
+
+    def evaluate(self) -> dict:
+        core, e = self.core, self.recipe.eval
+        acc = core.accelerator
+        core.draft.eval()
+        sums = acceptance_sums(
+            core.kind, core.target, core.draft, self.batches(), temperature=e.temperature
+        )
+        tau = None
+        if e.tau_prompts > 0:
+            prompts, outputs = self.tau_texts()
+            tau = tau_rounds_pred(
+                core.target,
+                core.draft_module(),
+                prompts,
+                outputs,
+                temperature=e.temperature,
+                max_gamma=e.max_gamma,
+            )
+        core.draft.train()
+        sums = acc.reduce(sums.to(acc.device), "sum").cpu()
+        return summarise(sums, temperature=e.temperature, max_gamma=e.max_gamma, tau_rounds=tau)
+
+    def tau_texts(self) -> tuple[list[list[int]], list[list[int]]]:
+        """The target's continuations of the first eval.tau_prompts held-out sequences (cut
+        to eval.tau_prompt_tokens), eval.tau_tokens each, at eval.temperature: generated once
+        per run, kept in memory and in OUT/tau_texts.json for a resumed run. Every process
+        computes the same texts (one seed); the main process writes the file."""
+        if self._tau_texts is not None:
+            return self._tau_texts
+        e = self.recipe.eval
+        n = min(e.tau_prompts, len(self.data))
+        prompts = [self.data[i]["input_ids"][: e.tau_prompt_tokens].tolist() for i in range(n)]
+        settings = {
+            "target": recipe_to_dict(self.recipe)["target"],
+            "temperature": e.temperature,
+            "tau_tokens": e.tau_tokens,
+            "seed": self.recipe.train.seed,
+        }
+        settings = json.loads(json.dumps(settings))  # as it reads back from the file
+        path = self.out / TAU_TEXTS
+        stored = json.loads(path.read_text()) if path.is_file() else None
+        if stored and stored.get("settings") == settings and stored.get("prompts") == prompts:
+            outputs = stored["outputs"]
+        else:
+            outputs = held_out_texts(
+                self.core.target,
+                prompts,
+                temperature=e.temperature,
+                max_new_tokens=e.tau_tokens,
+                seed=self.recipe.train.seed,
+            )
+            if self.core.accelerator.is_main_process:
+                record = {"settings": settings, "prompts": prompts, "outputs": outputs}
+                atomic_write_text(path, json.dumps(record))
+        self._tau_texts = (prompts, outputs)
+        return self._tau_texts
+
+    def speculative(self) -> dict | None:
+        """Real speculative decoding (eval/sweep.py) on held-out prompts, main process only:
+        measured τ and speedup per γ next to the offline α, as a metrics.jsonl line (None on
+        the other processes). A sharded draft is first gathered into a whole copy on the main
+        process, with every process taking part, so that the main process decodes alone."""
+        from specdistill.eval.sweep import Settings, sweep
+
+        core, s = self.core, self.recipe.eval.speculative
+        draft = core.full_draft()
+        if not core.accelerator.is_main_process:
+            return None
+        n = min(s.prompts, len(self.data))
+        prompts = [self.data[i]["input_ids"][: s.prompt_tokens].tolist() for i in range(n)]
+        temperature = self.recipe.eval.temperature
+        settings = Settings(
+            gammas=list(s.gammas),
+            temperatures=(temperature,),
+            max_new_tokens=s.max_new_tokens,
+            seed=self.recipe.train.seed,
+        )
+        result, _ = sweep(core.target, draft, prompts, settings)
+        configs = {c["gamma"]: c for c in result["configs"]}
+        best = result["best_gamma"][f"{temperature:g}"]["measured"]
+        record = {"step": core.step, "spec/best_gamma": best}
+        for g in s.gammas:
+            record[f"spec/tau_{g}"] = configs[g]["tau"]
+            record[f"spec/speedup_{g}"] = configs[g]["speedup"]
+        return record

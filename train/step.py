@@ -1,0 +1,231 @@
+"""One distillation step: a frozen target, a trainable draft, an acceptance-optimising loss.
+
+`DistillStep` holds the models, the optimiser and the learning-rate schedule, and turns one
+optimiser step's micro-batches into a parameter update. The loss of a step is
+Σ(per-position loss) / (valid positions in the whole global batch), so gradient accumulation
+and the number of processes do not change it. The target's numbers come from a
+`TargetSource` (train/targets.py): the live target, the top-N cache or the traffic records'
+logprobs. Which sequences a step sees is the data order's business (train/batches.py).
+"""
+
+import math
+from contextlib import nullcontext
+from dataclasses import dataclass, field
+
+import torch
+from accelerate import Accelerator
+
+from specdistill import losses
+from specdistill.drafts.align import shifted_hidden, target_mask
+from specdistill.train.config import RecipeError
+from specdistill.train.distributed import (
+    full_head_weight,
+    is_sharded,
+    load_full,
+    meta_copy,
+    prepare_sharded_draft,
+)
+from specdistill.train.rundir import check_checkpoint_weights, quiet_tied_head_warning
+from specdistill.train.targets import LiveTarget, TargetSource
+
+
+def trainable_parameters(module) -> int:
+    return sum(p.numel() for p in module.parameters() if p.requires_grad)
+
+
+def lr_lambda(step: int, warmup: int, total: int, min_ratio: float) -> float:
+    """Linear warmup to 1, then cosine decay to `min_ratio` at `total`."""
+    if step < warmup:
+        return (step + 1) / warmup
+    progress = min(1.0, (step - warmup) / max(1, total - warmup))
+    return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+@dataclass
+class StepMetrics:
+    """What one optimiser step measured (a line of metrics.jsonl, in this key order)."""
+
+    step: int  # the step counter after this step
+    loss: float  # Σ loss / valid positions of the global batch
+    alpha: float  # mean depth-0 α over the same positions
+    lr: float
+    grad_norm: float
+    tokens: int  # valid positions of the global batch
+    extra: dict = field(default_factory=dict)  # e.g. data.on_policy's generation cost
+
+    def record(self) -> dict:
+        return {
+            "step": self.step,
+            "loss": self.loss,
+            "alpha": self.alpha,
+            "lr": self.lr,
+            "grad_norm": self.grad_norm,
+            "tokens": self.tokens,
+            **self.extra,
+        }
+
+
+class DistillStep:
+    """The trainable state of a distillation (draft, optimiser, schedule, step counter) and
+    the step that updates it. `draft` is a module not yet prepared; `kind` its draft type.
+
+    The frozen target is never trained and never handed to accelerate (so never wrapped or
+    sharded); every process holds a whole copy (train/distributed.py).
+    """
+
+    def __init__(self, recipe, *, accelerator: Accelerator, target, draft, kind, targets=None):
+        r = recipe
+        self.loss_cfg, self.max_grad_norm = r.loss, r.train.max_grad_norm
+        self.accelerator = acc = accelerator
+        self.kind, self.vocab_size = kind, kind.vocab_size
+        self.step = 0
+        self.target = target.eval().requires_grad_(False).to(acc.device)
+        # A sharded draft (FSDP, ZeRO-3) is gathered into this frame on the main process to
+        # be saved or decoded alone (`full_draft`); parameters on the meta device cost nothing.
+        self._frame = meta_copy(draft) if is_sharded(acc) and acc.is_main_process else None
+        draft.train()
+        params = [p for p in draft.parameters() if p.requires_grad]
+        optimizer = torch.optim.AdamW(
+            params, lr=r.train.lr, weight_decay=r.train.weight_decay, betas=(0.9, 0.95)
+        )
+        t = r.train
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            optimizer, lambda s: lr_lambda(s, t.warmup_steps, t.max_steps, t.min_lr_ratio)
+        )
+        self.draft, self.optimizer = acc.prepare(draft, optimizer)
+        prepare_sharded_draft(acc, self.draft)
+        acc.register_for_checkpointing(self.scheduler)
+        self.targets: TargetSource = targets or LiveTarget(kind, self.target)
+
+    def set_targets(self, source: TargetSource | None) -> None:
+        """Where the target's numbers come from (None: the live target)."""
+        self.targets = source or LiveTarget(self.kind, self.target)
+
+    def draft_module(self):
+        """The draft as a plain module (unwrapped from DDP / FSDP)."""
+        return self.accelerator.unwrap_model(self.draft)
+
+    # ----------------------------------------------------------------------------- step
+    def train_step(self, batches: list[dict]) -> StepMetrics:
+        """One optimiser step on this process's micro-batches of the global batch."""
+        acc = self.accelerator
+        n_local = sum(int(self.kind.count_mask(b).sum()) for b in batches)
+        n_global = acc.reduce(torch.tensor(n_local, device=acc.device), "sum").item()
+        # DDP averages gradients over processes; scale by the world size so the step's
+        # gradient is Σ loss / n_global exactly.
+        scale = acc.num_processes / max(n_global, 1)
+        stats = torch.zeros(2, dtype=torch.float64, device=acc.device)  # [Σ loss, Σ α]
+        for i, batch in enumerate(batches):
+            sync = i == len(batches) - 1
+            with acc.no_sync(self.draft) if not sync else nullcontext(), acc.autocast():
+                loss_sum, alpha_sum = self.loss(batch)
+                acc.backward(loss_sum * scale)
+            stats[0] += loss_sum.detach().double()
+            stats[1] += alpha_sum.double()
+        grad_norm = acc.clip_grad_norm_(self.draft.parameters(), self.max_grad_norm)
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        stats = acc.reduce(stats, "sum")
+        denom = max(n_global, 1)
+        self.step += 1
+        return StepMetrics(
+            step=self.step,
+            loss=stats[0].item() / denom,
+            alpha=stats[1].item() / denom,
+            lr=self.scheduler.get_last_lr()[0],
+            grad_norm=float(grad_norm),
+            tokens=n_global,
+        )
+
+    def loss(self, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
+        """(Σ loss over valid positions, detached Σ α at depth 0) for one micro-batch."""
+        lo = self.loss_cfg
+        if lo.chunk_size is None:
+            d_logits, t_logits, masks = self.targets.depths(self.draft, batch)
+            loss_sum, n_valid, alpha = losses.multi_depth_loss(
+                lo.name,
+                d_logits,
+                t_logits,
+                masks,
+                weighting=lo.depth_weighting,
+                decay=lo.depth_decay,
+                temperature=lo.temperature,
+                d2t=self.vocab_map(),
+                **lo.params,
+            )
+            return loss_sum, alpha[0] * n_valid
+        mask = target_mask(batch)
+        # Chunked: logits exist one chunk of positions at a time, for both models.
+        with torch.no_grad():
+            t_hidden = shifted_hidden(self.target, batch)
+        d_hidden = shifted_hidden(self.draft, batch)
+        t_head, d_head = self.heads()
+        loss_sum, _, alpha_sum = losses.chunked_loss(
+            lo.name,
+            d_hidden,
+            d_head,
+            (t_hidden, t_head),
+            mask,
+            chunk_size=lo.chunk_size,
+            temperature=lo.temperature,
+            return_alpha=True,  # from the chunks the loss computes: no second pass
+            **lo.params,
+        )
+        return loss_sum, alpha_sum
+
+    def vocab_map(self):
+        """An EAGLE-3 head's d2t (draft id -> target id offsets), read from the running head,
+        so that a head whose buffers were loaded from elsewhere is mapped by its own; None
+        for a draft over the target's whole vocabulary."""
+        if self.kind.d2t is None:
+            return None
+        return self.draft_module().d2t
+
+    def heads(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Output-head weights [vocab_size, hidden] of target and draft, for chunked losses.
+        The draft's is its whole, trained parameter also when FSDP shards the draft
+        (train/distributed.py `full_head_weight`)."""
+        weights = []
+        for role, model in (("target", self.target), ("draft", self.draft_module())):
+            head = model.get_output_embeddings()
+            if hasattr(head, "base_layer"):  # a peft LoRA layer: .weight misses its delta
+                raise RecipeError(
+                    f"loss.chunk_size cannot use the {role}'s output head: a LoRA adapter "
+                    "wraps it (set loss.chunk_size=null)"
+                )
+            if head.bias is not None:
+                raise RecipeError(
+                    f"loss.chunk_size needs a bias-free output head; the {role}'s has a bias "
+                    "(set loss.chunk_size=null)"
+                )
+            weight = head.weight if role == "target" else full_head_weight(head)
+            weights.append(weight[: self.vocab_size])
+        return weights[0], weights[1]
+
+    def full_draft(self):
+        """The trained draft as one plain module on the main process, None on the others;
+        every process must call it. Replicated (one process, DDP, ZeRO-1/2): the unwrapped
+        draft itself. Sharded (FSDP, ZeRO-3): a copy holding the full weights, gathered with
+        `Accelerator.get_state_dict`, in which every process takes part."""
+        acc = self.accelerator
+        if not is_sharded(acc):
+            return self.draft_module() if acc.is_main_process else None
+        state = acc.get_state_dict(self.draft)
+        if not acc.is_main_process:
+            return None
+        return load_full(self._frame, state, acc.device)
+
+    # ----------------------------------------------------------------------------- state
+    def save_state(self, directory) -> None:
+        """Draft, optimiser, schedule and RNG states into `directory` (accelerate's
+        save_state, safetensors weights); every process calls it."""
+        with quiet_tied_head_warning(self.draft_module()):
+            self.accelerator.save_state(str(directory), safe_serialization=True)
+
+    def load_state(self, directory, *, step: int) -> None:
+        """What `save_state` wrote, all or nothing for the weights (their names and shapes
+        are checked first: `check_checkpoint_weights`), and the step counter."""
+        check_checkpoint_weights(directory, self.draft)
+        self.accelerator.load_state(str(directory))
+        self.step = step
