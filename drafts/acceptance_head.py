@@ -46,6 +46,7 @@ from specdistill.drafts.weights import (
     check_state_file,
     read_safetensors,
 )
+from specdistill.losses import SparseTarget
 from specdistill.losses.acceptance_head import acceptance_head_loss, acceptance_label
 
 WEIGHTS = "acceptance_head.safetensors"
@@ -315,7 +316,7 @@ def chunked_head_loss(
 
 def _target_rows(target, lead: torch.Size, rows: slice):
     """Rows `rows` of a target flattened over the leading dims `lead`."""
-    if isinstance(target, tuple) and not hasattr(target, "_fields"):  # (hidden, head weight)
+    if isinstance(target, tuple) and not isinstance(target, SparseTarget):  # (hidden, weight)
         t_hidden, t_weight = target
         return t_hidden.reshape(-1, t_hidden.shape[-1])[rows] @ t_weight.T
     if isinstance(target, Tensor):

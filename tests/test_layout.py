@@ -322,12 +322,6 @@ def test_private_reads_can_be_found():
     ]
 
 
-# Left to remove: drafts/eagle3.py reads Eagle3Head._logits_to_full (drafts/eagle3_head.py),
-# train/online/demo.py reads the online job's _load_version (train/online/job.py).
-PRIVATE_READS_LEFT = True
-
-
-@pytest.mark.xfail(PRIVATE_READS_LEFT, reason="two modules read private names", strict=True)
 def test_no_module_reads_another_modules_private_names():
     found = [
         line

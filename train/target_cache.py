@@ -27,7 +27,8 @@ target. The loss is therefore at temperature 1, unfiltered: the cache knows the 
 mass only there. The manifest is compared with the run's tokenizer, target and data, and
 every shard the run reads with its manifest entry (size, header, offsets, the split and first
 sequence written into it: train/target_cache_shards.py), before any training (`open_cache`);
-held-out evaluation still runs the live target, so the reported α is the true one. docs/cache.md gives the sizes.
+held-out evaluation still runs the live target, so the reported α is the true one.
+docs/cache.md gives the sizes.
 """
 
 import argparse

@@ -244,7 +244,7 @@ def demo(args) -> dict:
             prose_eval, tok, "prose", args.eval_sequences, args.prompt_tokens, args.eval_tokens
         ),
     }
-    initial = job._load_version("v000001")
+    initial = job.load_version("v000001")
     alpha_initial = offline_alpha(job, initial, evals)
     print(f"online demo: offline α of v000001 {alpha_initial}", flush=True)
 
@@ -297,7 +297,7 @@ def demo(args) -> dict:
     for r in records:
         per_version.setdefault(r["draft_version"], []).append(r)
 
-    final = job._load_version(job.incumbent()[0])
+    final = job.load_version(job.incumbent()[0])
     alpha_final = offline_alpha(job, final, evals)
     specdistill_summary = job_result or job.summary()
 
@@ -306,7 +306,7 @@ def demo(args) -> dict:
     t_osd = time.time()
     osd_result = osd_job.run(follow=False)
     osd_seconds = time.time() - t_osd
-    osd_final = osd_job._load_version(osd_job.incumbent()[0])
+    osd_final = osd_job.load_version(osd_job.incumbent()[0])
     alpha_osd = offline_alpha(job, osd_final, evals)
 
     rollbacks_file = out / "drafts" / "rollbacks.jsonl"

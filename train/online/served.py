@@ -41,7 +41,8 @@ class ServedVersions:
         self.print(f"online: a publish of {version} was pending at the crash; {how}")
 
     # ----------------------------------------------------------------------------- versions
-    def _load_version(self, version: str):
+    def load_version(self, version: str):
+        """The draft model of the published `version` (loaded and checked all or nothing)."""
         from specdistill.serve.drafts import load_checked, read_manifest
 
         path = self.root / version
@@ -54,7 +55,7 @@ class ServedVersions:
         """The model of `version`, or None (an ALERT, once per version, and a metric) when it
         does not load: a broken version never stops the job."""
         try:
-            return self._load_version(version)
+            return self.load_version(version)
         except Exception as e:  # noqa: BLE001 - whatever the reason, the version is unusable
             why = " ".join(str(e).split())[:600] or type(e).__name__
             if version not in self._said:
