@@ -26,6 +26,7 @@ from pathlib import Path
 
 from specdistill import drafts
 from specdistill.drafts.hub import check_tokenizers, load_draft, load_tokenizer
+from specdistill.errors import UserError
 
 log = logging.getLogger("specdistill.serve")
 # A version's name: "v" and six digits, numbered from v000001 (`version_name`).
@@ -93,18 +94,16 @@ def load_checked(path: str, target, tokenizer, *, dtype: str = "float32"):
         check_tokenizers(tokenizer, load_tokenizer(path), "target", path)
     head = kind.vocab_size_of(draft)
     if kind.own_tokenizer and head < len(tokenizer):
-        raise ValueError(
-            f"{path}: the draft's head has {head} rows, the tokenizer {len(tokenizer)}"
-        )
+        raise UserError(f"{path}: the draft's head has {head} rows, the tokenizer {len(tokenizer)}")
     if not kind.own_tokenizer and head > len(tokenizer):
-        raise ValueError(
+        raise UserError(
             f"{path}: the {kind.name} draft covers {head} token ids; the target's tokenizer "
             f"has {len(tokenizer)}: it was trained for another target"
         )
     if not kind.own_tokenizer:
         hidden = getattr(getattr(draft, "config", None), "target_hidden_size", None)
         if hidden is not None and hidden != target.config.hidden_size:
-            raise ValueError(
+            raise UserError(
                 f"{path}: head built for hidden size {hidden}, target has "
                 f"{target.config.hidden_size}"
             )
@@ -146,7 +145,7 @@ class DraftWatcher(threading.Thread):
     def load(self, version: str):
         """The draft of `version`, checked; raises on any problem."""
         if not VERSION.match(version):
-            raise ValueError(f"current names {version!r}, not a version like v000001")
+            raise UserError(f"current names {version!r}, not a version like v000001")
         path = self.root / version
         if not path.is_dir():
             raise FileNotFoundError(f"{path}: no such version directory")

@@ -8,6 +8,8 @@ import sys
 import time
 from pathlib import Path
 
+from specdistill.errors import UserFileError
+
 
 class TrafficInput:
     """Mixed into OnlineJob (train/online/job.py): uses its recipe section `o`, cursor, store,
@@ -105,7 +107,7 @@ class TrafficInput:
         follow run, which waits for the server to create it."""
         d = Path(self.o.traffic)
         if d.exists() and not d.is_dir():
-            raise NotADirectoryError(
+            raise UserFileError(
                 f"online.traffic {d} is a file, not the server's --traffic directory"
             )
         if d.is_dir():

@@ -14,6 +14,7 @@ import shutil
 import time
 from pathlib import Path
 
+from specdistill.errors import UserError
 from specdistill.publish import atomic_write_text, publish_dir, remove_leftovers
 from specdistill.serve.drafts import (
     VERSION,
@@ -48,7 +49,7 @@ def check_loads(root, version: str) -> None:
         load_draft(str(model_dir))
     except Exception as e:  # noqa: BLE001 - any failure to load means a broken version
         why = " ".join(str(e).split())[:600] or type(e).__name__
-        raise ValueError(f"{path}: version {version} does not load ({why})") from None
+        raise UserError(f"{path}: version {version} does not load ({why})") from None
 
 
 def next_version(root) -> str:
@@ -117,15 +118,15 @@ def rollback(root, version: str | None = None) -> tuple[str, str]:
     if version is None:
         version = read_manifest(root / current).parent
         if not version:
-            raise ValueError(f"{root / current}: version {current} has no parent to roll back to")
+            raise UserError(f"{root / current}: version {current} has no parent to roll back to")
     if not VERSION.match(version):
-        raise ValueError(f"{version!r} is not a version like v000001")
+        raise UserError(f"{version!r} is not a version like v000001")
     if not (root / version / "manifest.json").is_file():
         raise FileNotFoundError(f"{root / version}: no such complete version")
     try:
         check_loads(root, version)
     except ValueError as e:
-        raise ValueError(f"{e}; current stays {current}") from None
+        raise UserError(f"{e}; current stays {current}") from None
     atomic_write_text(root / "current", version + "\n")
     with open(root / "rollbacks.jsonl", "a") as f:
         f.write(json.dumps({"time": time.time(), "from": current, "to": version}) + "\n")
