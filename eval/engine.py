@@ -197,7 +197,10 @@ class Engine:
     Every row samples with its own parameters and generator (`Sampling`, `RowSampler`);
     γ is never shortened near the end (`cap_gamma=False`), so a seeded request's output does
     not depend on what else shares the batch. `generate` is the same loop over a list known
-    at its start, with one sampler for all rows.
+    at its start, with one sampler for all rows. gamma="auto" (or a `LengthPolicy`) sets
+    each row's draft length per round (eval/length_policy.py; its costs are measured here,
+    at `capacity` rows): still lossless, but the lengths follow measured timings, so a
+    seeded request's draws may then depend on the batch and the machine.
     """
 
     def __init__(

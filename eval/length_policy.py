@@ -12,14 +12,15 @@ seconds, so it raises the row's tokens per second iff
 
     P_{k+1} · T(k) > E(k) · (c + v(k+1) − v(k)).
 
-P_{k+1} is not known before token k+1 is drafted; the policy predicts it as P_k · a_k (the
-next draft as likely to be accepted as the last one). Before the first draft (k = 0,
-E = 1, T = v(0)) a row's a_1 is predicted by an exponential moving average of its measured
-acceptance; a row for which even one draft cannot pay proposes none, and when no row can,
-the round is a plain target step. A target-only round pulls the row's estimate back towards
-1, so that speculation is tried again. The batch drafts while any row still wants to and
-stops at `max_gamma`; a row that stopped rides along in the draft's forward passes, but its
-later tokens are not proposed (the verification is ragged: eval/verify.py).
+P_{k+1} is not known before token k+1 is drafted; the policy predicts it as P_k · â, with â
+the row's recent acceptance (an exponential moving average of its verified drafts), which
+is also its a_1 before the first draft (k = 0, E = 1, T = v(0)). A row for which even one
+draft cannot pay proposes none, and when no row can, the round is a plain target step; a
+target-only round pulls the row's estimate back towards 1, so that speculation is tried
+again. The a_j are the drafter's predictions mapped through an online calibration
+(eval/calibration.py). The batch drafts while any row still wants to and stops at
+`max_gamma`; a row that stopped rides along in the draft's forward passes, but its later
+tokens are not proposed (the verification is ragged: eval/verify.py).
 """
 
 import time
@@ -131,9 +132,18 @@ class CostRule:
     """One round under `AutoGamma`: each row drafts while `worth_drafting` says so, with
     its drafts' predictions through `calibrate`."""
 
-    def __init__(self, table: CostTable, limits: list[int], on_step, max_gamma: int, calibrate):
+    def __init__(
+        self,
+        table: CostTable,
+        limits: list[int],
+        on_step,
+        max_gamma: int,
+        calibrate,
+        estimates: Sequence[float],
+    ):
         self.draft_s, self.verify_s = table.draft_s or 0.0, table.fitted()
         self.limits, self.on_step, self.calibrate = limits, on_step, calibrate
+        self.estimates = list(estimates)  # per row: the next draft's predicted acceptance
         self.max_gamma, self.max_steps = max_gamma, max(limits)
         self.lengths = [0] * len(limits)
         self.active = [limit > 0 for limit in limits]
@@ -154,7 +164,11 @@ class CostRule:
             self.expected[i] += self.product[i]
             self.lengths[i] = step
             go_on = step < self.max_gamma and worth_drafting(
-                self.expected[i], self.product[i] * a, self.draft_s, self.verify_s, step
+                self.expected[i],
+                self.product[i] * self.estimates[i],
+                self.draft_s,
+                self.verify_s,
+                step,
             )
             if go_on and step >= self.limits[i]:
                 self.limited = True  # cut by the row's own limit, not by the rule
@@ -203,7 +217,12 @@ class AutoGamma:
             return None
         calibrate = self.calibration if self.calibrate else float
         return CostRule(
-            table, limits, lambda s: self.cost.observe_draft(b, s), self.max_gamma, calibrate
+            table,
+            limits,
+            lambda s: self.cost.observe_draft(b, s),
+            self.max_gamma,
+            calibrate,
+            estimates,
         )
 
     def observe(self, batch_size: int, drafted: int, verify_s: float) -> None:

@@ -195,7 +195,8 @@ def test_the_threshold_rule_on_hand_computed_costs():
     # k = 0: E = 1, T = 10, one more draft costs 1 + 0.5: worth it iff P̂_1 · 10 > 1.5.
     assert worth_drafting(1.0, 0.16, c, v, 0) and not worth_drafting(1.0, 0.14, c, v, 0)
     table = CostTable(v, draft_s=c)
-    rule = CostRule(table, [8, 8, 1], lambda s: None, 8, float)
+    rule = CostRule(table, [8, 8, 1], lambda s: None, 8, float, [0.5, 0.2, 0.9])
+    # Next drafts predicted at the rows' estimates (.5, .2, .9), the confidences given raw.
     # Row 0 (a = 0.5): step 1 P = .5, E = 1.5, P̂_2 = .25: .25·11.5 = 2.875 > 1.5·1.5 -> on;
     # step 2 P = .25, E = 1.75, P̂_3 = .125: .125·13 = 1.625 < 1.75·1.5 -> stops at 2.
     # Row 1 (a = 0.2): P̂_2 = .04: .46 < 1.2·1.5 -> stops at 1. Row 2: its limit is 1.
