@@ -292,6 +292,7 @@ def _markdown(result: dict) -> str:
             f"| {t} | {b['measured']} | {_fmt(b['speedup'])} | {_fmt(b['predicted'])} "
             f"| {_fmt(b.get('predicted_rounds'))} |"
         )
+    lines += _length_lines(result["configs"])
     lines += [
         "",
         "## Target-only baselines",
@@ -347,6 +348,33 @@ def _markdown(result: dict) -> str:
         "",
     ]
     return "\n".join(lines)
+
+
+def _length_lines(configs: list[dict]) -> list[str]:
+    """report.md's section on the per-row draft lengths of the "auto" configurations."""
+    auto = [e for e in configs if e["gamma"] == "auto"]
+    if not auto:
+        return []
+    lines = [
+        "",
+        "## Per-row draft lengths (γ = auto)",
+        "",
+        "| config | mean drafted | rounds per drafted length 0, 1, … | predicted acceptance (raw) "
+        "| realised | c ms | v(0..) ms |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for e in auto:
+        costs = e.get("cost_model") or {}
+        first = costs[min(costs, key=int)] if costs else None
+        c = "–" if first is None or first["draft_s"] is None else _fmt(1e3 * first["draft_s"])
+        v = "–" if first is None else ", ".join(_fmt(1e3 * x, 1) for x in first["verify_s"])
+        histogram = ", ".join(str(n) for n in e.get("drafted_length_histogram") or [])
+        lines.append(
+            f"| {e['name']} | {_fmt(e.get('mean_drafted_length'))} | {histogram} "
+            f"| {_fmt(e.get('mean_predicted_acceptance'))} "
+            f"| {_fmt(e.get('mean_realised_acceptance'))} | {c} | {v} |"
+        )
+    return lines
 
 
 def _plots(result: dict, token_latencies: dict[str, list[float]], out: Path) -> None:
