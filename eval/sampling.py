@@ -130,9 +130,10 @@ class RowSampler:
                 continue
             k = drafted.shape[1] if lengths is None else int(lengths[i])
             p = probabilities(logits[i : i + 1, : k + 1], s.temperature, s.top_p, s.top_k)
-            q_i = torch.stack([step[i : i + 1] for step in q[:k]], dim=1)
             if k == 0:
                 q_i = p.new_zeros(1, 0, p.shape[-1])
+            else:
+                q_i = torch.stack([step[i : i + 1] for step in q[:k]], dim=1)
             n, nxt = verify.verify_sampled(p, q_i, drafted[i : i + 1, :k], row.generator)
             n_accepted[i], next_token[i] = n[0], nxt[0]
         return n_accepted, next_token

@@ -145,6 +145,21 @@ def test_sampling_with_ragged_rows_is_lossless(small_pair):  # noqa: F811
     assert chi_square_pvalue(out.sequences, expected) > 1e-3
 
 
+def test_per_request_sampling_with_ragged_rows_is_lossless(small_pair):  # noqa: F811
+    """The server's engine: each row samples with its own generator, verified on its own
+    proposed drafts only."""
+    e = engine.Engine(*small_pair, gamma=FixedLengths([0, 1, 2, 3]), capacity=3000)
+    ids = [
+        e.add(PREFIX, max_new_tokens=4, sampling=engine.Sampling(1.0, seed=i)) for i in range(6000)
+    ]
+    got: dict[int, list[int]] = {}
+    while e.busy:
+        for u in e.step():
+            got.setdefault(u.request, []).extend(u.tokens)
+    expected = joint_first_two(small_pair[0], 1.0, None, None)
+    assert chi_square_pvalue([got[r] for r in ids], expected) > 1e-3
+
+
 def test_chi_square_catches_a_residual_past_a_rows_last_draft(small_pair, monkeypatch):  # noqa: F811
     """A row that proposed all of its k drafts must take its next token from p, not from the
     residual against the draft it did not propose."""
