@@ -193,10 +193,22 @@ class Eagle3Drafter(StandaloneDrafter):
     def _next_inputs(self) -> dict:
         return {"hidden_states": self.stream.output.hidden_states[:, -1:]}
 
+    def _hidden_inputs(self) -> dict:
+        return {}  # the head's output always carries its hidden states
+
+    def _last_hidden(self) -> Tensor:
+        """The head's output hidden state at the last position [B, H]."""
+        return self.stream.output.hidden_states[:, -1]
+
     def commit(self, gamma: int, n_accepted: Tensor, host: list, features) -> None:
         """features [B, γ+1, F]: the target's, for [pending token, d_1..d_γ]."""
-        self.stream.drop_last(torch.full_like(n_accepted, gamma - 1))
         hidden = self._fc(features)
+        if gamma == 0:  # a target-only round: (feature of the pending token, new token)
+            for i, (_, next_i) in enumerate(host):
+                h, t = self.pending[i]
+                self.pending[i] = (torch.cat([h, hidden[i, :1]]), list(t) + [next_i])
+            return
+        self.stream.drop_last(torch.full_like(n_accepted, gamma - 1))
         for i, (n_i, next_i, *drafts_i) in enumerate(host):
             self.pending[i] = (hidden[i, : n_i + 1], drafts_i[:n_i] + [next_i])
 

@@ -13,8 +13,9 @@ import torch
 from torch import Tensor
 
 from specdistill.drafts.align import shifted_logits, target_mask
+from specdistill.drafts.confidence import acceptance_head, predicted_acceptance
 from specdistill.drafts.kv_cache import KVStream, left_pad
-from specdistill.drafts.types import Depths
+from specdistill.drafts.types import Depths, DraftControl, Proposal
 
 
 @dataclass(frozen=True)
@@ -117,21 +118,43 @@ class StandaloneDrafter:
         self.stream.admit([p[:-1] for p in prompts])
         self.pending += [[p[-1]] for p in prompts]
 
-    def propose(self, gamma: int, sample) -> tuple[Tensor, list]:
-        """Draft γ tokens per row -> (drafts [B, γ], per-step q [B, V] (None if greedy)).
+    def propose(self, gamma: int, sample, control: DraftControl | None = None) -> Proposal:
+        """Draft up to γ tokens per row (`drafts.types.Proposal`).
 
         `sample(logits [B, V]) -> (tokens [B], probs [B, V] | None)` is the draft's sampler;
-        verification uses the very q it returns.
+        verification uses the very q it returns. With a `control`, each step's predicted
+        acceptance (drafts/confidence.py) goes to `control.keep_drafting`, which may end
+        the round's drafting early.
         """
         tokens, valid, inputs = self._first_inputs()
+        model = self.stream.model
+        head = control is not None and acceptance_head(model) is not None
+        extra = self._hidden_inputs() if head else {}
         one = torch.ones(len(self.pending), 1, dtype=torch.bool, device=self.device)
-        drafted, q = [], []
-        for _ in range(gamma):
-            token, probs = sample(self.stream.forward(tokens, valid, keep=1, **inputs)[:, -1])
+        drafted, q, confidence = [], [], []
+        for step in range(1, gamma + 1):
+            logits = self.stream.forward(tokens, valid, keep=1, **inputs, **extra)[:, -1]
+            token, probs = sample(logits)
             drafted.append(token)
             q.append(probs)
+            if control is not None:
+                hidden = self._last_hidden() if head else None
+                confidence.append(predicted_acceptance(model, logits, token, probs, hidden))
+                if not control.keep_drafting(step, confidence[-1]):
+                    break
             tokens, valid, inputs = token[:, None], one, self._next_inputs()
-        return torch.stack(drafted, dim=1), q
+        return Proposal(
+            torch.stack(drafted, dim=1), q, torch.stack(confidence, dim=1) if confidence else None
+        )
+
+    def _hidden_inputs(self) -> dict:
+        """Extra model inputs that make a forward keep the hidden states (for a head)."""
+        return {"output_hidden_states": True}
+
+    def _last_hidden(self) -> Tensor:
+        """The last forward's final hidden state at its last position [B, H] (what the LM
+        head reads)."""
+        return self.stream.output.hidden_states[-1][:, -1]
 
     def _first_inputs(self) -> tuple[Tensor, Tensor, dict]:
         """(tokens [B, k], valid [B, k], extra model inputs) of a round's first draft step."""
@@ -143,6 +166,10 @@ class StandaloneDrafter:
 
     def commit(self, gamma: int, n_accepted: Tensor, host: list, features=None) -> None:
         """After verification: host[i] = [n_i, next_i, *drafts_i]."""
+        if gamma == 0:  # a target-only round: the new token joins the pending ones
+            for i, (_, next_i) in enumerate(host):
+                self.pending[i] = list(self.pending[i]) + [next_i]
+            return
         # The draft cached d_1..d_{γ-1} and keeps d_1..d_n, so after a fully accepted round
         # d_γ is still pending next to the new token.
         for i, (n_i, next_i, *drafts_i) in enumerate(host):

@@ -10,6 +10,7 @@ with the draft for training (`build`), answers the training-time ones (`depths`,
 """
 
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar, Protocol, runtime_checkable
 
@@ -21,6 +22,31 @@ Depths = tuple[list[Tensor], list[Tensor], list[Tensor]]
 
 # Teacher-forced logits of the offline α: per depth (draft logits, target logits, mask | None).
 PathLogits = list[tuple[Tensor, Tensor, Tensor | None]]
+
+
+@dataclass
+class Proposal:
+    """One round's drafts, as a drafter proposes them.
+
+    tokens [B, k]: k ≤ γ draft steps (fewer when a `DraftControl` stopped early); q: per step
+    the draft distribution [B, V] each token was drawn from, or None when greedy;
+    confidence [B, k]: per step the predicted probability that the target accepts the
+    token (drafts/confidence.py), or None when no control asked for it.
+    """
+
+    tokens: Tensor
+    q: list
+    confidence: Tensor | None = None
+
+
+@runtime_checkable
+class DraftControl(Protocol):
+    """Decides, after each draft step, whether the batch drafts another token."""
+
+    def keep_drafting(self, step: int, confidence: Tensor) -> bool:
+        """`step` tokens drafted so far; confidence [B]: the predicted acceptance of the
+        token just drafted, per row. False: the round's drafting ends here."""
+        ...
 
 
 @runtime_checkable
@@ -37,12 +63,15 @@ class Drafter(Protocol):
         """New rows join with their prompts (and the target's features, when captured)."""
         ...
 
-    def propose(self, gamma: int, sample: Callable) -> tuple[Tensor, list]:
-        """γ drafts per row -> (drafts [B, γ], per-step q [B, V] or None when greedy)."""
+    def propose(
+        self, gamma: int, sample: Callable, control: DraftControl | None = None
+    ) -> Proposal:
+        """Up to γ drafts per row (γ exactly without `control`; with it, the confidences
+        too, and drafting ends when the control says so)."""
         ...
 
     def commit(self, gamma: int, n_accepted: Tensor, host: list, features=None) -> None:
-        """After verification: host[i] = [n_i, next_i, *drafts_i]."""
+        """After verification of γ ≥ 0 drafts: host[i] = [n_i, next_i, *drafts_i]."""
         ...
 
     def select_rows(self, keep: list[int], index: Tensor) -> None:

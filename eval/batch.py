@@ -7,117 +7,28 @@ through the sampler of eval/sampling.py); each row commits its accepted drafts a
 next token, and both caches are rolled back to the committed tokens, row by row
 (drafts/kv_cache.py). Finished rows leave the batch and waiting requests take their place
 (continuous batching).
+
+γ is a number, an `AdaptiveGamma` (one γ per round for the batch) or a per-row
+`LengthPolicy` such as `AutoGamma` (eval/length_policy.py): then each row proposes its own
+number of drafts k_i ≤ γ (the round's draft steps), the target scores every row's γ slots,
+and row i accepts at most k_i of them (ragged verification); a round may also be a plain
+target step (γ = 0), after which the drafter takes the new token as pending.
 """
 
 import math
 import time
 from collections import deque
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
 
 from specdistill.drafts.kv_cache import KVStream, left_pad, sync
+from specdistill.drafts.types import Proposal
+from specdistill.eval.length_policy import AdaptiveGamma, LengthPolicy
+from specdistill.eval.round_stats import Round, SpecStats, Update
 from specdistill.eval.sampling import Sampling, logprob_entries
 
-# ----------------------------------------------------------------------------- γ policy
-
-
-@dataclass
-class AdaptiveGamma:
-    """Batch-level γ policy: lengthen after high-acceptance rounds, shorten after rejections.
-
-    After each round, with f = mean accepted fraction over the batch's rows: f == 1 (every
-    draft of every row accepted) -> γ + `up`; f < `low` -> γ − 1; bounded to [min_gamma, max_gamma].
-    """
-
-    start: int = 4
-    min_gamma: int = 1
-    max_gamma: int = 12
-    up: int = 2
-    low: float = 0.5
-    gamma: int = field(init=False)
-
-    def __post_init__(self):
-        if not 1 <= self.min_gamma <= self.start <= self.max_gamma:
-            raise ValueError(
-                f"adaptive γ needs 1 ≤ min_gamma ≤ start ≤ max_gamma, got "
-                f"{self.min_gamma}, {self.start}, {self.max_gamma}"
-            )
-        self.gamma = self.start
-
-    def update(self, n_accepted: Sequence[int], gamma: int) -> None:
-        fraction = sum(n_accepted) / (len(n_accepted) * gamma)
-        if fraction == 1.0:
-            self.gamma = min(self.gamma + self.up, self.max_gamma)
-        elif fraction < self.low:
-            self.gamma = max(self.gamma - 1, self.min_gamma)
-
-
-# ----------------------------------------------------------------------------- results
-
-
-@dataclass
-class Round:
-    """One verification round. Lists are per active row, in `requests` order."""
-
-    gamma: int  # drafts proposed this round (0: target-only step)
-    capped: bool  # γ was shortened because the rows needed fewer tokens
-    requests: list[int]
-    starts: list[int]  # tokens each row had generated before this round
-    accepted: list[int]  # drafts accepted per row (n, 0 ≤ n ≤ γ)
-    committed: list[int]  # tokens appended per row (after max_new_tokens / EOS cuts)
-    draft_s: float
-    verify_s: float
-    round_s: float
-
-
-@dataclass
-class Update:
-    """What one `Engine.step` gave a request: new tokens (cut at EOS / max_new_tokens), their
-    target log-probabilities when asked, and whether (and why) the request ended."""
-
-    request: int
-    tokens: list[int]
-    logprobs: list | None = None  # per token: (logprob, [(token, logprob)] top-k)
-    finished: bool = False
-    finish_reason: str | None = None  # "stop" (EOS) or "length"
-
-
-@dataclass
-class SpecStats:
-    """One request's speculative statistics (vLLM's meanings: a draft = one round's
-    proposal, accepted tokens exclude the bonus / correction token)."""
-
-    num_spec_steps: int = 0
-    num_draft_tokens: int = 0
-    num_accepted_draft_tokens: int = 0
-    acceptance_histogram: list[int] = field(default_factory=list)  # accepted per position
-
-    def record(self, gamma: int, n_accepted: int) -> None:
-        """One speculative round of γ drafts, n of them accepted."""
-        self.num_spec_steps += 1
-        self.num_draft_tokens += gamma
-        self.num_accepted_draft_tokens += n_accepted
-        if len(self.acceptance_histogram) < gamma:
-            self.acceptance_histogram += [0] * (gamma - len(self.acceptance_histogram))
-        for j in range(n_accepted):
-            self.acceptance_histogram[j] += 1
-
-    def as_dict(self) -> dict:
-        steps = self.num_spec_steps
-        return {
-            "mean_acceptance_length": 1 + self.num_accepted_draft_tokens / steps if steps else 1.0,
-            "draft_acceptance_rate": (
-                self.num_accepted_draft_tokens / self.num_draft_tokens
-                if self.num_draft_tokens
-                else 0.0
-            ),
-            "acceptance_histogram": list(self.acceptance_histogram),
-            "num_spec_steps": steps,
-            "num_draft_tokens": self.num_draft_tokens,
-            "num_accepted_draft_tokens": self.num_accepted_draft_tokens,
-        }
+__all__ = ["AdaptiveGamma", "Batch", "Round", "RowState", "SpecStats", "Update"]
 
 
 @dataclass
@@ -142,6 +53,7 @@ class RowState:
     stats: SpecStats = field(default_factory=SpecStats)
     pending: list[int] = field(default_factory=list)
     round_logprobs: list | None = None
+    acceptance_estimate: float = 1.0  # per-draft acceptance (EMA; a `LengthPolicy`'s input)
 
     @property
     def remaining(self) -> int:
@@ -169,7 +81,7 @@ class Batch:
         sampler,
         *,
         capacity: int,
-        gamma: int | AdaptiveGamma,
+        gamma: int | AdaptiveGamma | LengthPolicy,
         eos_token_id: int | None,
         vocab_size: int,
         cap_gamma: bool = True,
@@ -181,6 +93,8 @@ class Batch:
         self.t_stream = KVStream(target, vocab_size, self.device, capture)
         self.sampler = sampler
         self.capacity, self.gamma = capacity, gamma
+        # A per-row policy, started (`LengthPolicy.start`) by the caller.
+        self.policy = gamma if drafter is not None and isinstance(gamma, LengthPolicy) else None
         self.eos_token_id = eos_token_id
         self.cap_gamma, self.record = cap_gamma, record
         self.rows: dict[int, RowState] = {}
@@ -237,14 +151,16 @@ class Batch:
         if self.waiting and len(self.requests) < self.capacity:
             self.admit()
         if self.requests:
-            g, capped = self.round_gamma()
             round_start = time.perf_counter()
-            drafted, q, draft_s = self.draft(g)
+            proposal, lengths, capped, draft_s = self.draft()
+            g = proposal.tokens.shape[1]
             verify_start = time.perf_counter()
-            n_accepted, host = self.verify(g, drafted, q)
+            n_accepted, host = self.verify(proposal, lengths)
             now = time.perf_counter()
             timing = (draft_s, now - verify_start, now - round_start)
-            self.commit(g, capped, n_accepted, host, now, timing)
+            if self.policy is not None:
+                self.policy.observe(len(self.requests), g, timing[1])
+            self.commit(proposal, lengths, capped, n_accepted, host, now, timing)
         return self.updates
 
     # ------------------------------------------------------------------ rows in and out
@@ -340,22 +256,37 @@ class Batch:
         capped = g > most - 1
         return (most - 1 if capped else g), capped
 
-    def draft(self, g: int) -> tuple[torch.Tensor, list, float]:
-        """The drafter proposes g tokens per row: (drafts [B, g], q per slot, seconds)."""
-        if g == 0:
-            return torch.zeros(len(self.requests), 0, dtype=torch.long, device=self.device), [], 0.0
-        start = time.perf_counter()
+    def draft(self) -> tuple[Proposal, list[int] | None, bool, float]:
+        """The round's drafts: (proposal [B, g], drafts each row proposes (None: g each),
+        whether γ was shortened, seconds)."""
         rows = self.active_rows()
-        drafted, q = self.drafter.propose(g, lambda logits: self.sampler.draft(logits, rows))
+        none = torch.zeros(len(rows), 0, dtype=torch.long, device=self.device)
+        control = None
+        if self.policy is not None:
+            most = self.policy.max_gamma
+            limits = [min(most, row.remaining - 1) if self.cap_gamma else most for row in rows]
+            control = self.policy.plan(limits, [row.acceptance_estimate for row in rows])
+            g, capped = (0, False) if control is None else (control.max_steps, False)
+        else:
+            g, capped = self.round_gamma()
+        if g == 0:
+            return Proposal(none, []), None if control is None else [0] * len(rows), False, 0.0
+        start = time.perf_counter()
+        proposal = self.drafter.propose(g, lambda logits: self.sampler.draft(logits, rows), control)
         sync(self.device)
-        return drafted, q, time.perf_counter() - start
+        lengths = None
+        if control is not None:
+            lengths, capped = list(control.lengths), control.limited
+        return proposal, lengths, capped, time.perf_counter() - start
 
-    def verify(self, g: int, drafted: torch.Tensor, q: list) -> tuple[torch.Tensor, list]:
-        """The target scores [pending, d_1..d_g] in one pass and verifies the drafts.
+    def verify(self, proposal: Proposal, lengths: list[int] | None) -> tuple[torch.Tensor, list]:
+        """The target scores [pending, d_1..d_g] in one pass and verifies the drafts (row i
+        accepts at most lengths[i] of them).
 
         Returns (n_accepted [B], host rows [n_i, next_i, *drafts_i]) once on the host.
         """
         rows = self.active_rows()
+        drafted, g = proposal.tokens, proposal.tokens.shape[1]
         tokens, valid = left_pad([row.pending for row in rows], self.device)
         if g > 0:
             tokens = torch.cat([tokens, drafted], dim=1)
@@ -365,7 +296,12 @@ class Batch:
             next_token, _ = self.sampler.target(logits[:, -1], rows)
             n_accepted = torch.zeros_like(next_token)
         else:
-            n_accepted, next_token = self.sampler.verify(logits, drafted, q, rows)
+            ragged = None
+            if lengths is not None and min(lengths) < g:
+                ragged = torch.tensor(lengths, device=self.device)
+            n_accepted, next_token = self.sampler.verify(
+                logits, drafted, proposal.q, rows, lengths=ragged
+            )
         host = torch.cat([n_accepted[:, None], next_token[:, None], drafted], dim=1).tolist()
         for i, row in enumerate(rows):
             if row.logprobs_k is not None:
@@ -378,7 +314,8 @@ class Batch:
 
     def commit(
         self,
-        g: int,
+        proposal: Proposal,
+        lengths: list[int] | None,
         capped: bool,
         n_accepted: torch.Tensor,
         host: list,
@@ -388,8 +325,11 @@ class Batch:
         """Append each row's accepted drafts and next token, record the round, roll both
         caches back to the committed tokens, and let finished rows go."""
         rows = self.active_rows()
+        g = proposal.tokens.shape[1]
         starts = [len(row.outputs) for row in rows]
         accepted = [h[0] for h in host]
+        proposed = lengths if lengths is not None else [g] * len(rows)
+        confidence = None if proposal.confidence is None else proposal.confidence.tolist()
         committed, finished = [], []
         round_s = timing[2]
         for i, row in enumerate(rows):
@@ -398,26 +338,31 @@ class Batch:
             finished.append(self.emit(row, drafts_i[:n_i] + [next_i], now))
             n_new = len(row.outputs) - before
             committed.append(n_new)
-            if g > 0:
-                row.stats.record(g, n_i)
+            if g > 0 or self.policy is not None:
+                row.stats.record(proposed[i], n_i, None if confidence is None else confidence[i])
+            if self.policy is not None:
+                row.acceptance_estimate = self.policy.after_row(
+                    row.acceptance_estimate,
+                    proposed[i],
+                    n_i,
+                    None if confidence is None else confidence[i],
+                )
             if self.record:
                 self.token_latency.extend([round_s / n_new] * n_new)
             # The target cached [pending, d_1..d_n]; the new token is pending.
             row.pending = [next_i]
         if self.record:
             self.rounds.append(
-                Round(g, capped, list(self.requests), starts, accepted, committed, *timing)
+                Round(g, capped, list(self.requests), starts, accepted, committed, *timing, lengths)
             )
         if isinstance(self.gamma, AdaptiveGamma) and g > 0 and not capped:
             self.gamma.update(accepted, g)
 
         self.t_stream.drop_last(g - n_accepted)
-        if self.drafter is not None and g > 0:
+        if self.drafter is not None:
             features = self.t_stream.features
             self.drafter.commit(
                 g, n_accepted, host, None if features is None else features[:, -(g + 1) :]
             )
-        elif self.drafter is not None:
-            assert all(finished), "a γ = 0 round only happens when every row ends in it"
         if any(finished):
             self.remove(finished)

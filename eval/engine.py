@@ -19,19 +19,25 @@ type's drafter (drafts/standalone.py, drafts/eagle3.py) keeps the draft's cache;
 head's drafter asks the target to capture its features and to sample each prompt's first
 token (`capture`, `target_first_token`).
 
-Modules: eval/batch.py holds the batch (one `RowState` per request, the rounds), and
-eval/sampling.py the samplers; this module the two entry points, `generate` and `Engine`.
+γ is a number of drafts per round, an `AdaptiveGamma`, or "auto" (`AutoGamma`,
+eval/length_policy.py): each row's draft length from the drafts' predicted acceptance and
+the measured cost of a round, the verification ragged (docs/theory.md §2).
+
+Modules: eval/batch.py holds the batch (one `RowState` per request, the rounds),
+eval/sampling.py the samplers, eval/length_policy.py and eval/cost_model.py the draft-length
+policies; this module the two entry points, `generate` and `Engine`.
 """
 
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from specdistill import drafts
 from specdistill.drafts.kv_cache import eval_mode, sync
 from specdistill.eval.batch import AdaptiveGamma, Batch, Round, RowState, SpecStats, Update
+from specdistill.eval.length_policy import AutoGamma, LengthPolicy, resolve_gamma
 from specdistill.eval.sampling import RowSampler, Sampler, Sampling
 from specdistill.losses.sampling import check_filters
 
@@ -39,6 +45,7 @@ GREEDY = Sampling()  # a request's default sampling: argmax
 
 __all__ = [
     "AdaptiveGamma",
+    "AutoGamma",
     "Engine",
     "Generation",
     "Round",
@@ -64,6 +71,8 @@ class Generation:
     token_latency_s: list[float]  # per generated token: its round's time / tokens the row got
     wall_s: float
     prefill_s: float  # time spent prefilling admitted prompts (inside wall_s)
+    stats: list[SpecStats] = field(default_factory=list)  # per request
+    cost: dict | None = None  # a per-row policy's cost model at the end (`CostModel.summary`)
 
     @property
     def n_tokens(self) -> int:
@@ -83,7 +92,7 @@ def generate(
     draft,
     input_ids,
     *,
-    gamma: int | AdaptiveGamma = 4,
+    gamma: int | str | AdaptiveGamma | LengthPolicy = 4,
     temperature: float = 0.0,
     top_p: float | None = None,
     top_k: int | None = None,
@@ -99,7 +108,9 @@ def generate(
     input_ids: [B, P] tensor (with `attention_mask` for padding) or a list of token lists.
     draft: a causal LM sharing the target's tokenizer, an EAGLE-3 head
     (drafts/eagle3_head.py), or None to decode with the target alone (the baseline).
-    gamma: draft tokens per round, or an `AdaptiveGamma` policy (used for this call).
+    gamma: draft tokens per round, an `AdaptiveGamma` policy (used for this call), or "auto"
+    / an `AutoGamma` (per-row lengths; its start-up cost measurement runs before the clock
+    starts, like a server's start-up).
     temperature 0 is greedy (top_p / top_k then unused); top_p / top_k filter the target's
     distribution (None = off). batch_size: most rows decoded together (default: all); a
     finished row's place goes to the next waiting prompt (continuous batching; all requests
@@ -116,15 +127,17 @@ def generate(
     prompts = _as_lists(input_ids, attention_mask)
     if not prompts or min(len(p) for p in prompts) == 0:
         raise ValueError("every prompt needs at least one token")
-    policy = gamma if isinstance(gamma, AdaptiveGamma) else None
-    if draft is not None and not policy and gamma < 1:
-        raise ValueError(f"gamma must be ≥ 1 with a draft, got {gamma}")
+    gamma = resolve_gamma(gamma, draft is not None)
     vocab_size = vocab_size or drafts.compared_vocab_size(target, draft=draft)
     device = target.device
     generator = torch.Generator(device=device).manual_seed(seed)
     sampler = Sampler(temperature, top_p, top_k, generator)
 
+    capacity = batch_size or len(prompts)
+    per_row = draft is not None and isinstance(gamma, LengthPolicy)
     with eval_mode(target, draft):
+        if per_row:
+            gamma.start(target, vocab_size, capacity)
         sync(device)
         start = time.perf_counter()
         drafter = None if draft is None else drafts.drafter_for(draft, vocab_size, device)
@@ -132,7 +145,7 @@ def generate(
             target,
             drafter,
             sampler,
-            capacity=batch_size or len(prompts),
+            capacity=capacity,
             gamma=gamma,
             eos_token_id=eos_token_id,
             vocab_size=vocab_size,
@@ -153,6 +166,8 @@ def generate(
         batch.token_latency,
         wall,
         batch.prefill_s,
+        [rows[r].stats for r in ids],
+        gamma.cost.summary() if per_row and getattr(gamma, "cost", None) else None,
     )
 
 
@@ -182,7 +197,10 @@ class Engine:
     Every row samples with its own parameters and generator (`Sampling`, `RowSampler`);
     γ is never shortened near the end (`cap_gamma=False`), so a seeded request's output does
     not depend on what else shares the batch. `generate` is the same loop over a list known
-    at its start, with one sampler for all rows.
+    at its start, with one sampler for all rows. gamma="auto" (or a `LengthPolicy`) sets
+    each row's draft length per round (eval/length_policy.py; its costs are measured here,
+    at `capacity` rows): still lossless, but the lengths follow measured timings, so a
+    seeded request's draws may then depend on the batch and the machine.
     """
 
     def __init__(
@@ -190,13 +208,12 @@ class Engine:
         target,
         draft,
         *,
-        gamma: int = 4,
+        gamma: int | str | LengthPolicy = 4,
         capacity: int = 8,
         eos_token_id: int | None = None,
         vocab_size: int | None = None,
     ):
-        if draft is not None and gamma < 1:
-            raise ValueError(f"gamma must be ≥ 1 with a draft, got {gamma}")
+        gamma = resolve_gamma(gamma, draft is not None)
         self.vocab_size = vocab_size or drafts.compared_vocab_size(target, draft=draft)
         self.target, self.draft = target, draft
         target.eval()
@@ -205,6 +222,9 @@ class Engine:
         device = target.device
         self.sampler = RowSampler(device)
         drafter = None if draft is None else drafts.drafter_for(draft, self.vocab_size, device)
+        if draft is not None and isinstance(gamma, LengthPolicy):
+            with torch.inference_mode():
+                gamma.start(target, self.vocab_size, capacity)
         self.batch = Batch(
             target,
             drafter,

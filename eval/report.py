@@ -57,10 +57,17 @@ class Baseline(DecodeStats, _Named):
     """The target-only run at one temperature: `name`, then its `DecodeStats`."""
 
 
+class CostEntry(_Strict):
+    """The cost model at one batch size (eval/cost_model.py): seconds."""
+
+    draft_s: Metric
+    verify_s: list[Metric]
+
+
 class _ConfigFields(_Strict):
     name: str
     temperature: Number
-    gamma: int | Literal["adaptive"]
+    gamma: int | Literal["adaptive", "auto"]
     tau: Metric
     tau_pred: Metric
     tau_pred_pathwise: Metric
@@ -87,6 +94,12 @@ class _ConfigFields(_Strict):
     engine_efficiency: Metric
     best_gamma_predicted: int | None
     target_tokens_per_s: Number
+    # γ = "auto" only (eval/sweep.py `_length_stats`):
+    drafted_length_histogram: list[int] | None = None
+    mean_drafted_length: Metric = None
+    mean_predicted_acceptance: Metric = None
+    mean_realised_acceptance: Metric = None
+    cost_model: dict[str, CostEntry] | None = None
 
 
 class ConfigEntry(DecodeStats, _ConfigFields):
@@ -279,6 +292,7 @@ def _markdown(result: dict) -> str:
             f"| {t} | {b['measured']} | {_fmt(b['speedup'])} | {_fmt(b['predicted'])} "
             f"| {_fmt(b.get('predicted_rounds'))} |"
         )
+    lines += _length_lines(result["configs"])
     lines += [
         "",
         "## Target-only baselines",
@@ -336,6 +350,33 @@ def _markdown(result: dict) -> str:
     return "\n".join(lines)
 
 
+def _length_lines(configs: list[dict]) -> list[str]:
+    """report.md's section on the per-row draft lengths of the "auto" configurations."""
+    auto = [e for e in configs if e["gamma"] == "auto"]
+    if not auto:
+        return []
+    lines = [
+        "",
+        "## Per-row draft lengths (γ = auto)",
+        "",
+        "| config | mean drafted | rounds per drafted length 0, 1, … | predicted acceptance (raw) "
+        "| realised | c ms | v(0..) ms |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for e in auto:
+        costs = e.get("cost_model") or {}
+        first = costs[min(costs, key=int)] if costs else None
+        c = "–" if first is None or first["draft_s"] is None else _fmt(1e3 * first["draft_s"])
+        v = "–" if first is None else ", ".join(_fmt(1e3 * x, 1) for x in first["verify_s"])
+        histogram = ", ".join(str(n) for n in e.get("drafted_length_histogram") or [])
+        lines.append(
+            f"| {e['name']} | {_fmt(e.get('mean_drafted_length'))} | {histogram} "
+            f"| {_fmt(e.get('mean_predicted_acceptance'))} "
+            f"| {_fmt(e.get('mean_realised_acceptance'))} | {c} | {v} |"
+        )
+    return lines
+
+
 def _plots(result: dict, token_latencies: dict[str, list[float]], out: Path) -> None:
     import matplotlib
 
@@ -356,7 +397,7 @@ def _plots(result: dict, token_latencies: dict[str, list[float]], out: Path) -> 
     fig, (ax_tau, ax_speed) = plt.subplots(1, 2, figsize=(10, 4))
     for t in result["baselines"]:
         fixed = sorted(
-            (e for e in configs if f"{e['temperature']:g}" == t and e["gamma"] != "adaptive"),
+            (e for e in configs if f"{e['temperature']:g}" == t and isinstance(e["gamma"], int)),
             key=lambda e: e["gamma"],
         )
         gs = [e["gamma"] for e in fixed]
@@ -379,7 +420,7 @@ def _plots(result: dict, token_latencies: dict[str, list[float]], out: Path) -> 
         ax_speed.plot(
             gs, [e["ideal_speedup"] for e in fixed], ls="--", marker="x", label=f"T={t} ideal"
         )
-    gammas = sorted({e["gamma"] for e in configs if e["gamma"] != "adaptive"})
+    gammas = sorted({e["gamma"] for e in configs if isinstance(e["gamma"], int)})
     ax_tau.set(xlabel="γ", ylabel="τ (tokens per round)", xticks=gammas)
     ax_speed.set(xlabel="γ", ylabel="speedup over target-only", xticks=gammas)
     ax_speed.axhline(1.0, color="grey", lw=0.8)

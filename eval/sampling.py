@@ -59,11 +59,16 @@ class Sampler:
         """logits [B, V] -> (tokens [B], q [B, V] | None when greedy)."""
         return self._sample(logits, self.q)
 
-    def verify(self, logits, drafted, q, rows=None) -> tuple[torch.Tensor, torch.Tensor]:
-        """Verification of γ ≥ 1 drafts: logits [B, γ+1, V] -> (n_accepted [B], next [B])."""
+    def verify(
+        self, logits, drafted, q, rows=None, lengths=None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Verification of γ ≥ 1 drafts: logits [B, γ+1, V] -> (n_accepted [B], next [B]).
+        lengths [B]: drafts each row proposes (None: all γ; eval/verify.py)."""
+        ragged = {} if lengths is None else {"lengths": lengths}
         if self.greedy:
-            return verify.verify_greedy(logits, drafted)
-        return verify.verify_sampled(self.p(logits), torch.stack(q, dim=1), drafted, self.generator)
+            return verify.verify_greedy(logits, drafted, **ragged)
+        q = torch.stack(q, dim=1)
+        return verify.verify_sampled(self.p(logits), q, drafted, self.generator, **ragged)
 
     def _sample(self, logits, distribution):
         if self.greedy:
@@ -114,15 +119,22 @@ class RowSampler:
             tokens[i] = verify.draw(p, row.generator)[0]
         return tokens, probs
 
-    def verify(self, logits, drafted, q, rows) -> tuple[torch.Tensor, torch.Tensor]:
-        n_accepted, next_token = verify.verify_greedy(logits, drafted)
+    def verify(self, logits, drafted, q, rows, lengths=None) -> tuple[torch.Tensor, torch.Tensor]:
+        """lengths [B]: drafts each row proposes (None: all γ); a sampled row is verified on
+        its own proposed drafts only, so its random draws do not depend on other rows."""
+        ragged = {} if lengths is None else {"lengths": lengths}
+        n_accepted, next_token = verify.verify_greedy(logits, drafted, **ragged)
         for i, row in enumerate(rows):
             s = row.sampling
             if s.temperature == 0:
                 continue
-            p = probabilities(logits[i : i + 1], s.temperature, s.top_p, s.top_k)
-            q_i = torch.stack([step[i : i + 1] for step in q], dim=1)
-            n, nxt = verify.verify_sampled(p, q_i, drafted[i : i + 1], row.generator)
+            k = drafted.shape[1] if lengths is None else int(lengths[i])
+            p = probabilities(logits[i : i + 1, : k + 1], s.temperature, s.top_p, s.top_k)
+            if k == 0:
+                q_i = p.new_zeros(1, 0, p.shape[-1])
+            else:
+                q_i = torch.stack([step[i : i + 1] for step in q[:k]], dim=1)
+            n, nxt = verify.verify_sampled(p, q_i, drafted[i : i + 1, :k], row.generator)
             n_accepted[i], next_token[i] = n[0], nxt[0]
         return n_accepted, next_token
 

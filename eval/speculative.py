@@ -1,7 +1,7 @@
 """Real, lossless speculative decoding of a prompt set: the `speculate` command line.
 
     python eval/speculative.py --target embedded:code-deep --draft runs/code/final \\
-        --prompts benchmarks/prompts/spec_bench_questions.jsonl --gamma 1,2,4,8 \\
+        --prompts benchmarks/prompts/spec_bench_questions.jsonl --gamma 1,2,4,8,auto \\
         --temperature 0,1 --batch-size 1 --max-new-tokens 128 --out runs/spec
 
     python eval/speculative.py --target Qwen/Qwen2.5-7B-Instruct --draft runs/draft/final \\
@@ -9,7 +9,8 @@
         --temperature 0.7 --top-p 0.95 --batch-size 8 --device cuda --dtype bfloat16 --out runs/spec
 
 Per temperature, the target alone decodes every prompt (the baseline), then draft + target
-at each γ (and adaptive γ) (eval/sweep.py). The CLI writes DIR/report.json, DIR/report.md,
+at each γ (and adaptive γ; "auto": each row's own draft length per round,
+eval/length_policy.py) (eval/sweep.py). The CLI writes DIR/report.json, DIR/report.md,
 DIR/outputs.jsonl and PNG plots (eval/report.py) and prints the summary table.
 
 Algorithm (docs/theory.md §2; eval/engine.py, eval/verify.py): per round the draft proposes
@@ -33,15 +34,17 @@ from pathlib import Path
 import torch
 
 
-def _ints(text: str) -> list[int]:
-    """argparse type: comma-separated integers >= 1, at least one (γ values)."""
+def _gammas(text: str) -> list[int | str]:
+    """argparse type: comma-separated integers >= 1 or "auto", at least one (γ values)."""
     try:
-        values = [int(x) for x in text.split(",") if x.strip()]
+        values = [
+            x.strip() if x.strip() == "auto" else int(x) for x in text.split(",") if x.strip()
+        ]
     except ValueError:
         values = []
-    if not values or min(values) < 1:
+    if not values or any(v != "auto" and v < 1 for v in values):
         raise argparse.ArgumentTypeError(
-            f"needs at least one integer >= 1, comma-separated; got {text!r}"
+            f'needs at least one integer >= 1 or "auto", comma-separated; got {text!r}'
         )
     return values
 
@@ -124,7 +127,14 @@ def main(argv: Sequence[str] | None = None) -> dict:
         "--overwrite", action="store_true", help="replace the reports in a used --out"
     )
     parser.add_argument(
-        "--gamma", type=_ints, default=[1, 2, 4, 8], help="comma-separated γ values; each >= 1"
+        "--gamma",
+        type=_gammas,
+        default=[1, 2, 4, 8],
+        help='comma-separated γ values; each >= 1, or "auto" (per-row draft lengths from the '
+        "drafts' predicted acceptance and the measured round costs)",
+    )
+    parser.add_argument(
+        "--max-gamma", type=positive, default=8, help='most drafts per row and round for "auto"'
     )
     parser.add_argument(
         "--adaptive", action="store_true", help="add an adaptive-γ run in [min γ, max γ]"
@@ -206,6 +216,7 @@ def _run(args, prompts) -> dict:
         eos_token_id=tokenizer.eos_token_id if args.stop_at_eos else None,
         seed=args.seed,
         repeats=args.repeats,
+        max_gamma=args.max_gamma,
     )
     result, runs = sweep.sweep(target, draft, prompt_ids, settings)
     result["meta"] = {

@@ -47,7 +47,8 @@ def tau_chain(alphas: Sequence[float], gamma: int) -> float:
 
 
 def acceptance_stats(rounds: Sequence[Round]) -> dict:
-    """Acceptance metrics over speculative rounds (γ ≥ 1, not length-capped).
+    """Acceptance metrics over speculative rounds (γ ≥ 1, not length-capped), per row-round
+    that proposed drafts (a per-row policy's rows propose their own numbers, `Round.drafted`).
 
     tau: mean tokens per row-round (accepted drafts + 1), counted per round (docs/theory.md
     §1); slot_acceptance[i-1]: P(slot i accepted | slots < i accepted), over rounds with γ ≥ i;
@@ -55,7 +56,13 @@ def acceptance_stats(rounds: Sequence[Round]) -> dict:
     counts row-rounds that accepted all γ; acceptance_rate: accepted / (accepted + rejections).
     `tau_from_slots` = `tau_chain`(slot_acceptance) equals tau for a fixed γ.
     """
-    pairs = [(r.gamma, n) for r in rounds if r.gamma > 0 and not r.capped for n in r.accepted]
+    pairs = [
+        (k, n)
+        for r in rounds
+        if r.gamma > 0 and not r.capped
+        for k, n in zip(r.row_gammas(), r.accepted, strict=True)
+        if k > 0
+    ]
     if not pairs:
         raise ValueError("no speculative rounds to summarise")
     max_gamma = max(g for g, _ in pairs)
@@ -202,15 +209,17 @@ def pathwise_tau(rounds: Sequence[Round], alphas: Sequence) -> float:
     for r in rounds:
         if r.gamma == 0 or r.capped:
             continue
-        for request, s in zip(r.requests, r.starts, strict=True):
+        for request, s, k in zip(r.requests, r.starts, r.row_gammas(), strict=True):
+            if k == 0:
+                continue
             a = alphas[request]
             if bool(a) and isinstance(a[0], list):  # per depth
-                slots = [a[i][s] if i < len(a) and s < len(a[i]) else 0.0 for i in range(r.gamma)]
+                slots = [a[i][s] if i < len(a) and s < len(a[i]) else 0.0 for i in range(k)]
             else:
-                slots = [a[s + i] if s + i < len(a) else 0.0 for i in range(r.gamma)]
-            total += tau_chain(slots, r.gamma)
+                slots = [a[s + i] if s + i < len(a) else 0.0 for i in range(k)]
+            total += tau_chain(slots, k)
             count += 1
-    return total / count
+    return total / count if count else math.nan
 
 
 # ----------------------------------------------------------------------------- round boundaries

@@ -1,7 +1,10 @@
 """The speculative-decoding evaluation sweep: one function for the CLI and for training.
 
 Per temperature, the target alone decodes every prompt (the baseline), then the draft +
-target decode them at each γ (and with adaptive γ, `Settings.adaptive`). With
+target decode them at each γ (and with adaptive γ, `Settings.adaptive`); a γ of "auto" is
+the per-row draft-length policy (`AutoGamma`, eval/length_policy.py, at most
+`Settings.max_gamma` drafts), whose entry adds its drafted-length histogram, mean drafted
+length, mean predicted against realised acceptance, and cost model. With
 `Settings.repeats` > 1 that whole sequence runs again and each configuration keeps its
 fastest run (runs are seeded, so repeats are the same computation, and a slow spell of a
 shared machine no longer lands on one configuration only). For each
@@ -22,7 +25,7 @@ from dataclasses import asdict, dataclass
 
 from specdistill import drafts
 from specdistill.eval import stats
-from specdistill.eval.engine import AdaptiveGamma, Generation, generate
+from specdistill.eval.engine import AdaptiveGamma, AutoGamma, Generation, generate
 
 # |measured τ − predicted τ| / predicted τ within which the i.i.d. prediction agrees.
 TAU_TOLERANCE = 0.10
@@ -30,7 +33,7 @@ TAU_TOLERANCE = 0.10
 
 @dataclass
 class Settings:
-    gammas: list[int]
+    gammas: list[int | str]  # each ≥ 1, or "auto"
     adaptive: bool = False
     temperatures: tuple[float, ...] = (0.0,)
     top_p: float | None = None  # filters the target's p (None = off)
@@ -40,10 +43,16 @@ class Settings:
     eos_token_id: int | None = None
     seed: int = 0
     repeats: int = 1  # runs of every configuration, round-robin; the fastest counts
+    max_gamma: int = 8  # most drafts per row and round under "auto"
 
     def __post_init__(self):
         if self.repeats < 1:
             raise ValueError(f"repeats must be >= 1, got {self.repeats}")
+        if self.max_gamma < 1:
+            raise ValueError(f"max_gamma must be >= 1, got {self.max_gamma}")
+        bad = [g for g in self.gammas if g != "auto" and not (isinstance(g, int) and g >= 1)]
+        if bad:
+            raise ValueError(f'gammas must be integers >= 1 or "auto", got {bad}')
 
 
 def sweep(
@@ -71,7 +80,7 @@ def sweep(
     for temperature in settings.temperatures:
         gammas: list = list(settings.gammas)
         if settings.adaptive:
-            ordered = sorted(settings.gammas)
+            ordered = sorted(g for g in settings.gammas if isinstance(g, int)) or [1, 4]
             gammas.append(
                 AdaptiveGamma(
                     start=ordered[len(ordered) // 2], min_gamma=ordered[0], max_gamma=ordered[-1]
@@ -82,8 +91,9 @@ def sweep(
             for i, gamma in enumerate([None, *gammas]):
                 if gamma is None:
                     g = _run(target, None, prompt_ids, settings, temperature)
-                else:  # a fresh copy of an adaptive policy, so that every repeat starts alike
-                    g = _run(target, draft, prompt_ids, settings, temperature, gamma=copy(gamma))
+                else:  # a fresh policy, so that every repeat starts alike
+                    policy = AutoGamma(settings.max_gamma) if gamma == "auto" else copy(gamma)
+                    g = _run(target, draft, prompt_ids, settings, temperature, gamma=policy)
                 if fastest[i] is None or g.wall_s < fastest[i].wall_s:
                     fastest[i] = g
         baseline = fastest[0]
@@ -95,7 +105,7 @@ def sweep(
             entry = _config(target, draft, prompt_ids, settings, temperature, gamma, g, baseline)
             result["configs"].append(entry)
             runs[entry["name"]] = g
-            if entry["gamma"] != "adaptive":
+            if isinstance(entry["gamma"], int):
                 fixed.append(entry)
         best = max(fixed, key=lambda e: e["tokens_per_s"])
         # Among the swept γ, the one the round-boundary τ and the measured c predict fastest.
@@ -157,7 +167,7 @@ def _run(target, draft, prompt_ids, settings: Settings, temperature: float, **kw
 
 def _config(target, draft, prompt_ids, settings: Settings, temperature: float, gamma, g, baseline):
     """One configuration's entry from its run `g` and the target-only run `baseline`."""
-    measured = stats.acceptance_stats(g.rounds)
+    measured = _acceptance(g.rounds)
     depth = max([r.gamma for r in g.rounds] + [1])
     alphas = [
         stats.positional_alpha(
@@ -172,7 +182,7 @@ def _config(target, draft, prompt_ids, settings: Settings, temperature: float, g
         )
         for prompt, out in zip(prompt_ids, g.sequences, strict=True)
     ]
-    used = [r.gamma for r in g.rounds if r.gamma > 0 and not r.capped for _ in r.requests]
+    used = [k for r in g.rounds if r.gamma > 0 and not r.capped for k in r.row_gammas() if k > 0]
     if drafts.type_of(draft).per_depth_alpha:
         # Per depth k, over the round starts s >= 1 (the target itself emits token 0).
         alpha_depth = [
@@ -195,16 +205,17 @@ def _config(target, draft, prompt_ids, settings: Settings, temperature: float, g
         alpha_depth = None
         tau_pred = _mean(stats.tau_iid(alpha, gm) for gm in used)
     adaptive = isinstance(gamma, AdaptiveGamma)
-    tau_rounds = math.nan if adaptive else stats.tau_rounds_pooled(alphas, gamma)
+    label = "adaptive" if adaptive else gamma
+    tau_rounds = stats.tau_rounds_pooled(alphas, gamma) if isinstance(gamma, int) else math.nan
     c, v = stats.cost_ratios(g.rounds, baseline.rounds)
     mean_gamma = measured["mean_gamma"]
     ideal = measured["tau"] / (mean_gamma * c + 1.0)
     speedup = g.tokens_per_s / baseline.tokens_per_s
     draft_s = sum(r.draft_s for r in g.rounds)
     entry = {
-        "name": f"T={temperature:g} " + ("adaptive" if adaptive else f"gamma={gamma}"),
+        "name": f"T={temperature:g} " + (label if isinstance(label, str) else f"gamma={gamma}"),
         "temperature": temperature,
-        "gamma": "adaptive" if adaptive else gamma,
+        "gamma": label,
         "tau": measured["tau"],
         "tau_pred": tau_pred,
         "tau_pred_pathwise": stats.pathwise_tau(g.rounds, alphas),
@@ -217,7 +228,9 @@ def _config(target, draft, prompt_ids, settings: Settings, temperature: float, g
         "tau_within_tolerance": abs(measured["tau"] - tau_pred) <= TAU_TOLERANCE * tau_pred,
         "alpha_offline": alpha,
         "alpha_offline_depth": alpha_depth,
-        "alpha_measured": stats.alpha_for_tau(measured["tau"], round(mean_gamma)),
+        "alpha_measured": math.nan
+        if math.isnan(mean_gamma)
+        else stats.alpha_for_tau(measured["tau"], max(1, round(mean_gamma))),
         "acceptance_rate": measured["acceptance_rate"],
         "slot_acceptance": measured["slot_acceptance"],
         "rejection_histogram": measured["rejection_histogram"],
@@ -235,4 +248,45 @@ def _config(target, draft, prompt_ids, settings: Settings, temperature: float, g
         "target_tokens_per_s": baseline.tokens_per_s,
         **_decode_stats(g),
     }
+    if gamma == "auto":
+        entry.update(_length_stats(g))
     return entry
+
+
+def _acceptance(rounds) -> dict:
+    """`stats.acceptance_stats`, or NaN / empty entries when no row proposed a draft."""
+    try:
+        return stats.acceptance_stats(rounds)
+    except ValueError:
+        return {
+            "tau": math.nan,
+            "slot_acceptance": [],
+            "rejection_histogram": [],
+            "no_rejection": 0,
+            "acceptance_rate": math.nan,
+            "mean_gamma": math.nan,
+        }
+
+
+def _length_stats(g: Generation) -> dict:
+    """A per-row policy's drafted lengths (per row-round), predicted against realised
+    acceptance (over the drafts verification reached) and its cost model."""
+    histogram: list[int] = []
+    predicted = reached = accepted = 0.0
+    for s in g.stats:
+        for k, n in enumerate(s.drafted_histogram):
+            histogram += [0] * (k + 1 - len(histogram))
+            histogram[k] += n
+        predicted += s.predicted_sum
+        reached += s.reached
+        accepted += s.reached_accepted
+    rounds = sum(histogram)
+    return {
+        "drafted_length_histogram": histogram,
+        "mean_drafted_length": sum(k * n for k, n in enumerate(histogram)) / rounds
+        if rounds
+        else math.nan,
+        "mean_predicted_acceptance": predicted / reached if reached else math.nan,
+        "mean_realised_acceptance": accepted / reached if reached else math.nan,
+        "cost_model": g.cost,
+    }

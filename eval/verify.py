@@ -6,6 +6,10 @@ accepted a bonus token is drawn from p_{γ+1}. The output is distributed exactly
 from p, for any q, as long as q is the distribution each draft was drawn from.
 Greedy (temperature 0): d_i is accepted while it equals the target's argmax, and the
 target's argmax is emitted.
+
+Ragged rounds (`lengths`): row b proposes only its first lengths[b] drafts (the rest of its
+row is padding); it accepts at most lengths[b], and when it accepts all of them its next
+token is the bonus, drawn from the target's own p at that position.
 """
 
 import torch
@@ -36,31 +40,44 @@ def residual(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
 
 
 def verify_sampled(
-    p: torch.Tensor, q: torch.Tensor, drafts: torch.Tensor, generator: torch.Generator
+    p: torch.Tensor,
+    q: torch.Tensor,
+    drafts: torch.Tensor,
+    generator: torch.Generator,
+    lengths: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Speculative-sampling verification of one round for every row.
 
     p: [B, γ+1, V] target probabilities; q: [B, γ, V] draft probabilities; drafts: [B, γ].
     Returns (n_accepted [B], next_token [B]): the row commits drafts[:n] then next_token,
     drawn from the residual at the first rejection or from p_{γ+1} (bonus) if all accepted.
+    lengths [B]: drafts each row proposes (None: all γ); see the module docstring.
     """
     batch, gamma = drafts.shape
     p_draft = p[:, :gamma].gather(-1, drafts[..., None]).squeeze(-1)
     q_draft = q.gather(-1, drafts[..., None]).squeeze(-1)
     u = torch.rand(batch, gamma, generator=generator, device=p.device)
     accept = u * q_draft < p_draft  # u < p/q, i.e. accepted with probability min(1, p/q)
+    if lengths is not None:
+        accept &= torch.arange(gamma, device=p.device)[None, :] < lengths[:, None]
     n_accepted = accept.long().cumprod(1).sum(1)
     q_padded = torch.cat([q, q.new_zeros(batch, 1, q.shape[-1])], dim=1)
     rows = torch.arange(batch, device=p.device)
-    next_token = draw(residual(p[rows, n_accepted], q_padded[rows, n_accepted]), generator)
+    q_next = q_padded[rows, n_accepted]
+    if lengths is not None:  # past a row's last proposed draft: the bonus, from p itself
+        q_next = q_next * (n_accepted < lengths)[:, None]
+    next_token = draw(residual(p[rows, n_accepted], q_next), generator)
     return n_accepted, next_token
 
 
 def verify_greedy(
-    target_logits: torch.Tensor, drafts: torch.Tensor
+    target_logits: torch.Tensor, drafts: torch.Tensor, lengths: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Greedy verification: target_logits [B, γ+1, V], drafts [B, γ] -> (n_accepted, next) [B]."""
+    """Greedy verification: target_logits [B, γ+1, V], drafts [B, γ] -> (n_accepted, next) [B].
+    lengths [B]: drafts each row proposes (None: all γ)."""
     best = target_logits.argmax(-1)
     gamma = drafts.shape[1]
     n_accepted = (drafts == best[:, :gamma]).long().cumprod(1).sum(1)
+    if lengths is not None:
+        n_accepted = torch.minimum(n_accepted, lengths)
     return n_accepted, best.gather(1, n_accepted[:, None]).squeeze(1)

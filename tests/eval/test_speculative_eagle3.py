@@ -238,9 +238,10 @@ def test_chi_square_catches_a_head_q_that_is_not_what_it_sampled(small_pair, mon
     """Verification must use the very distribution each draft was drawn from."""
     real = Eagle3Drafter.propose
 
-    def skewed(self, gamma, sample):
-        drafts, q = real(self, gamma, sample)
-        return drafts, [(p + 0.3 * p.roll(1, -1)) / 1.3 for p in q]
+    def skewed(self, gamma, sample, control=None):
+        proposal = real(self, gamma, sample, control)
+        proposal.q = [(p + 0.3 * p.roll(1, -1)) / 1.3 for p in proposal.q]
+        return proposal
 
     monkeypatch.setattr(Eagle3Drafter, "propose", skewed)
     out = sample(small_pair, gamma=1)
