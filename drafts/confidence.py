@@ -4,9 +4,10 @@
 One function, `predicted_acceptance`. With an acceptance head on the draft module
 (`model.acceptance_head`, drafts/acceptance_head.py: the hidden state the draft's output head
 reads [B, H] and the draft's logits -> a probability), the prediction is the head's. Without
-one, it is the draft's own probability of the token it proposed (the confidence proxy of EAGLE-2 and SpecDec++'s baseline): q(token)
-under the temperature-scaled distribution it was drawn from, or, for a greedy row (whose q
-is a point mass), the token's probability under softmax(draft logits).
+one, it is the draft's own probability of the token it proposed (the confidence proxy of
+EAGLE-2 and SpecDec++'s baseline): q(token) under the temperature-scaled distribution it was
+drawn from, or, for a greedy row (whose q is a point mass), the token's probability under
+softmax(draft logits).
 """
 
 import torch
