@@ -60,6 +60,23 @@ class RowState:
         """Tokens this request may still generate."""
         return self.max_new - len(self.outputs)
 
+    def take(self, new: list[int], eos_token_id: int | None, now: float) -> Update:
+        """Append this round's new tokens, cut at EOS and at max_new_tokens, and say so."""
+        remaining = self.remaining
+        new = new[:remaining]
+        done, reason = len(new) == remaining, "length"
+        if eos_token_id is not None and eos_token_id in new:
+            new = new[: new.index(eos_token_id) + 1]
+            done, reason = True, "stop"
+        if not self.outputs:
+            self.ttft = now - self.admitted_at
+        self.outputs.extend(new)
+        if done:
+            self.latency = now - self.admitted_at
+        logprobs, self.round_logprobs = self.round_logprobs, None
+        kept = None if logprobs is None else logprobs[: len(new)]
+        return Update(self.request, new, kept, done, reason if done else None)
+
 
 # ----------------------------------------------------------------------------- the batch
 
@@ -214,30 +231,10 @@ class Batch:
             self.drafter.select_rows(keep, index)
 
     def emit(self, row: RowState, new: list[int], now: float) -> bool:
-        """Append a request's new tokens (cut at EOS and at its max_new_tokens); True when
-        the request is done."""
-        remaining = row.remaining
-        new = new[:remaining]
-        done, reason = len(new) == remaining, "length"
-        if self.eos_token_id is not None and self.eos_token_id in new:
-            new = new[: new.index(self.eos_token_id) + 1]
-            done, reason = True, "stop"
-        if not row.outputs:
-            row.ttft = now - row.admitted_at
-        row.outputs.extend(new)
-        if done:
-            row.latency = now - row.admitted_at
-        logprobs, row.round_logprobs = row.round_logprobs, None
-        self.updates.append(
-            Update(
-                row.request,
-                new,
-                None if logprobs is None else logprobs[: len(new)],
-                done,
-                reason if done else None,
-            )
-        )
-        return done
+        """Append a request's new tokens (`RowState.take`); True when the request is done."""
+        update = row.take(new, self.eos_token_id, now)
+        self.updates.append(update)
+        return update.finished
 
     # ------------------------------------------------------------------ one round
     def round_gamma(self) -> tuple[int, bool]:

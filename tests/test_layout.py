@@ -329,3 +329,37 @@ def test_no_module_reads_another_modules_private_names():
         for line in private_reads(path.read_text(), str(path.relative_to(REPO)))
     ]
     assert not found, "private names read across modules:\n" + "\n".join(found)
+
+
+# ----------------------------------------------------------------------------- sizes
+MAX_MODULE_LINES, MAX_CLASS_LINES = 500, 300
+
+
+def oversized(source: str, where: str) -> list[str]:
+    """`where` (and its classes) over the size limits: one responsibility per module."""
+    found = []
+    if (n := len(source.splitlines())) > MAX_MODULE_LINES:
+        found.append(f"{where}: {n} lines (> {MAX_MODULE_LINES})")
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.ClassDef):
+            n = node.end_lineno - node.lineno + 1
+            if n > MAX_CLASS_LINES:
+                found.append(f"{where}: class {node.name} {n} lines (> {MAX_CLASS_LINES})")
+    return found
+
+
+def test_size_check_can_fail():
+    body = "\n".join(f"    x{i} = {i}" for i in range(MAX_CLASS_LINES))
+    assert oversized(f"class Big:\n{body}\n", "big.py") == [
+        f"big.py: class Big {MAX_CLASS_LINES + 1} lines (> {MAX_CLASS_LINES})"
+    ]
+    assert oversized("x = 1\n" * (MAX_MODULE_LINES + 1), "long.py")[0].startswith("long.py: 501")
+
+
+def test_no_module_or_class_over_the_size_limits():
+    found = [
+        problem
+        for module, path in sorted(modules().items())
+        for problem in oversized(path.read_text(), str(path.relative_to(REPO)))
+    ]
+    assert not found, "split these:\n  " + "\n  ".join(found)
