@@ -8,7 +8,7 @@ from pathlib import Path
 
 from specdistill.drafts.embedded import resolve_model
 from specdistill.publish import atomic_write_text, publish_dir
-from specdistill.train.rundir import quiet_library_bars
+from specdistill.train.run_plan import quiet_library_bars
 
 
 class Outputs:

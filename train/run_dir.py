@@ -27,7 +27,7 @@ from pathlib import Path
 
 from specdistill import publish
 from specdistill.train.config import dump_recipe, load_recipe
-from specdistill.train.rundir import (
+from specdistill.train.run_plan import (
     CHECKPOINT_PREFIX,
     STATE_FILE,
     CheckpointError,

@@ -25,7 +25,7 @@ from specdistill.train.distributed import (
     meta_copy,
     prepare_sharded_draft,
 )
-from specdistill.train.rundir import check_checkpoint_weights, quiet_tied_head_warning
+from specdistill.train.run_plan import check_checkpoint_weights, quiet_tied_head_warning
 from specdistill.train.targets import LiveTarget, TargetSource
 
 

@@ -40,7 +40,7 @@ from specdistill.train.evaluation import Evaluator, eval_record
 from specdistill.train.metrics_log import MetricsLog
 from specdistill.train.outputs import Outputs
 from specdistill.train.run_dir import RunDir
-from specdistill.train.rundir import (
+from specdistill.train.run_plan import (
     RunPlan,
     prepare_output_dir,
     progress_line,

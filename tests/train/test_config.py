@@ -174,7 +174,7 @@ def test_a_shipped_recipe_by_name(tmp_path, monkeypatch):
 
 def test_key_sets_come_from_the_schema_marks():
     from specdistill.train.config import EAGLE3_KEYS, harmless_keys
-    from specdistill.train.rundir import HARMLESS_KEYS
+    from specdistill.train.run_plan import HARMLESS_KEYS
 
     assert EAGLE3_KEYS == {
         "draft.vocab_size",

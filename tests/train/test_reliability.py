@@ -17,7 +17,7 @@ from specdistill import publish
 from specdistill.drafts import hub as models
 from specdistill.train.config import RecipeError, load_recipe
 from specdistill.train.distill import main as distill_main
-from specdistill.train.rundir import CheckpointError, TiedHeadWarningFilter
+from specdistill.train.run_plan import CheckpointError, TiedHeadWarningFilter
 from specdistill.train.trainer import Trainer
 from tests.train.test_trainer import Killed, draft_weights, metrics, overrides
 

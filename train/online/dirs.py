@@ -16,7 +16,7 @@ import json
 from pathlib import Path
 
 from specdistill.publish import DirLock, OutputDirError, atomic_write_text, claim_output_dir
-from specdistill.train.rundir import STATE_FILE
+from specdistill.train.run_plan import STATE_FILE
 
 MARKER = ".online-job"  # OUT/.online-job: {"drafts": ROOT}, written when a job takes OUT
 LOGS = ("rejects.jsonl", "decisions.jsonl", "metrics.jsonl")

@@ -1,4 +1,4 @@
-"""A run's output directory made safe to kill and to rerun (docs/reliability.md).
+"""The plan of a run's output directory, made before any model loads (docs/reliability.md).
 
 Before any model loads, `prepare_output_dir` decides what a run does with its output_dir:
 start fresh, resume a checkpoint (whose recipe must not differ in a way that changes the
