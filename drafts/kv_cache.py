@@ -214,22 +214,32 @@ class KVStream:
         self.capture = capture  # a drafts.eagle3_head.FeatureCapture: also return features
         self.output = None  # the last forward's model output
         self.features = None  # the last forward's captured features (with a capture)
+        self.hidden = None  # the last forward's final hidden states (when asked for)
 
-    def forward(self, tokens: torch.Tensor, valid: torch.Tensor, keep: int, **inputs):
+    def forward(
+        self, tokens: torch.Tensor, valid: torch.Tensor, keep: int, hidden: bool = False, **inputs
+    ):
         """Append tokens [B, k] (valid [B, k], left-padded) -> last `keep` logits [B, keep, V].
 
         `inputs` go to the model as they are (an EAGLE-3 head's `hidden_states` [B, k, H]).
         With a capture, `self.features` holds the captured features [B, k, F] afterwards.
+        With `hidden`, `self.hidden` holds the final hidden states [B, keep, H] of the kept
+        positions (after the final norm: what the output head reads), from either forward;
+        else None.
         """
         positions = (self.pos[:, None] + valid.long().cumsum(1) - 1).clamp_min(0)
         filled = self.mask.shape[1] > 0
         self.mask = torch.cat([self.mask, valid], dim=1)
         if self.lean is not None and not inputs and not torch.is_grad_enabled():
             record = self.capture.record if self.capture else None
-            logits = self.lean(tokens, positions, self.cache, self.mask, keep, record)
+            run = self.lean.with_hidden if hidden else self.lean
+            out = run(tokens, positions, self.cache, self.mask, keep, record)
+            logits, self.hidden = out if hidden else (out, None)
             self.output = None
         else:
-            logits = self._model_forward(tokens, positions, keep, filled, inputs)
+            extra = {"output_hidden_states": True} if hidden else {}
+            logits = self._model_forward(tokens, positions, keep, filled, inputs | extra)
+            self.hidden = self.output.hidden_states[-1][:, -keep:] if hidden else None
         self.features = self.capture.features() if self.capture else None
         self.pos += valid.sum(1)
         return logits[..., : self.vocab_size]

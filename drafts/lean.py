@@ -10,7 +10,9 @@ this forward instead, with the model's own parameters and the same cache:
   as fast as `F.linear(x, W)` for 1–5 rows (the output head: 65 µs against 130 µs);
 - RoPE is applied to q and k together, with cos/sin computed once per forward by the model's
   own rotary module (so every RoPE scaling type transformers knows works as it does there);
-- only the kept positions go through the final norm and the output head.
+- only the kept positions go through the final norm and the output head; their normed hidden
+  state (the output head's input, transformers' `hidden_states[-1]`) comes back on request
+  (`LeanDecoder.with_hidden`), for a draft's acceptance head.
 
 Everything else is transformers' math: RMSNorm in float32 as `LlamaRMSNorm`, SDPA with the
 module's scale and the same masks, keys/values appended to the same cache layers (so a cache
@@ -279,6 +281,20 @@ class LeanDecoder:
 
         record(i, hidden): called with the residual stream entering layer i (EAGLE-3 features).
         """
+        return self.with_hidden(tokens, positions, cache, key_mask, keep, record)[0]
+
+    def with_hidden(
+        self,
+        tokens: torch.Tensor,
+        positions: torch.Tensor,
+        cache,
+        key_mask: torch.Tensor,
+        keep: int,
+        record=None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """As `__call__`, -> (logits [B, keep, V], hidden [B, keep, H]): the final norm's output
+        at the kept positions, which is what the output head reads (transformers'
+        `hidden_states[-1]`). The forward computes it anyway: asking for it costs nothing."""
         self._prepare()
         k, length = tokens.shape[1], key_mask.shape[1]
         if bool(key_mask.all()) and (k == 1 or length == k):
@@ -318,4 +334,4 @@ class LeanDecoder:
             x = x + _linear(F.silu(gate) * up, w.down, w.down_bias)
         norm = base.norm
         x = _rms(x[:, -keep:], norm.weight, norm.variance_epsilon)
-        return _linear(x, self.head, self.head_bias)
+        return _linear(x, self.head, self.head_bias), x

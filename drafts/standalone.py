@@ -148,13 +148,15 @@ class StandaloneDrafter:
         )
 
     def _hidden_inputs(self) -> dict:
-        """Extra model inputs that make a forward keep the hidden states (for a head)."""
-        return {"output_hidden_states": True}
+        """Extra arguments of the stream's forward that make it keep the hidden state the
+        acceptance head reads (for a head). `hidden=True` keeps the stream on the lean forward
+        (drafts/lean.py) where it runs the model, and on transformers' forward otherwise."""
+        return {"hidden": True}
 
     def _last_hidden(self) -> Tensor:
         """The last forward's final hidden state at its last position [B, H] (what the LM
         head reads)."""
-        return self.stream.output.hidden_states[-1][:, -1]
+        return self.stream.hidden[:, -1]
 
     def _first_inputs(self) -> tuple[Tensor, Tensor, dict]:
         """(tokens [B, k], valid [B, k], extra model inputs) of a round's first draft step."""
