@@ -14,7 +14,7 @@ from specdistill.drafts.acceptance_head import CONFIG, WEIGHTS, load_acceptance_
 from specdistill.drafts.hub import load_draft
 from specdistill.train.config import RecipeError, load_recipe
 from specdistill.train.trainer import Trainer
-from tests.train.test_trainer import Killed, metrics, overrides
+from tests.train.test_trainer import Killed, metrics, overrides, run_cli
 
 HEAD = {"acceptance_head.enabled": "true"}
 
@@ -183,3 +183,60 @@ def test_an_eagle3_head_trains_its_acceptance_head_at_every_depth(tiny_pair, tmp
     report = json.loads((head / "eval.json").read_text())["acceptance_head"]
     assert report["n"] > 0
     assert all(m["head_loss"] > 0 for m in metrics(head) if "loss" in m)
+
+
+def test_a_saved_head_stays_attached_untrained_when_the_head_is_off(tiny_pair, tmp_path):
+    """The online job's path: a step core on a draft directory that holds a head, with
+    acceptance_head off, publishes (the draft type's save of its draft module) that head."""
+    import shutil
+
+    from accelerate import Accelerator
+
+    from specdistill import drafts
+    from specdistill.drafts import hub
+    from specdistill.drafts.acceptance_head import (
+        AcceptanceHead,
+        AcceptanceHeadConfig,
+        save_acceptance_head,
+    )
+    from specdistill.train.step import DistillStep
+
+    target_dir, draft_dir, _ = tiny_pair
+    with_head = tmp_path / "draft"
+    shutil.copytree(draft_dir, with_head)
+    recipe = load_recipe(
+        None, overrides(tiny_pair, tmp_path / "run", **{"draft.model": str(with_head)})
+    )
+    tokenizer = hub.load_tokenizer(str(target_dir))
+    target = hub.load_target(str(target_dir), None)
+    draft, kind = drafts.build(recipe.draft, target, tokenizer, None, print=lambda *a: None)
+    save_acceptance_head(
+        AcceptanceHead(AcceptanceHeadConfig.for_draft(draft, prior=0.3)), with_head
+    )
+    core = DistillStep(
+        recipe, accelerator=Accelerator(cpu=True), target=target, draft=draft, kind=kind
+    )
+    assert core.head_training is None and core.head is not None
+    kind.save(core.draft_module(), tmp_path / "published", tokenizer, verifier=str(target_dir))
+    assert_same(head_weights(with_head), head_weights(tmp_path / "published"))
+
+
+def test_two_processes_train_the_head_as_one_process(tiny_pair, tmp_path):
+    one, two = tmp_path / "one", tmp_path / "two"
+    extra = {"train.max_steps": 3, "loss.name": "tv", **HEAD}
+    m1 = run_cli(overrides(tiny_pair, one, **extra), one, processes=1)
+    m2 = run_cli(overrides(tiny_pair, two, **extra), two, processes=2)
+    loss1 = [m["head_loss"] for m in m1 if "loss" in m]
+    loss2 = [m["head_loss"] for m in m2 if "loss" in m]
+    assert len(loss1) == 3 and loss2 == pytest.approx(loss1, rel=1e-4, abs=1e-6)
+    a, b = head_weights(one / "final"), head_weights(two / "final")
+    for name in a:
+        torch.testing.assert_close(a[name], b[name], rtol=1e-4, atol=1e-5, msg=name)
+
+
+def test_a_lora_draft_is_saved_merged_with_its_head(tiny_pair, tmp_path):
+    out = tmp_path / "lora"
+    run(tiny_pair, out, **{"train.max_steps": 2, "draft.lora.r": 4, **HEAD})
+    loaded = load_draft(str(out / "final"))
+    assert loaded.acceptance_head is not None
+    assert not any("lora" in name for name in weights(out / "final"))
