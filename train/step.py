@@ -56,6 +56,8 @@ class StepMetrics:
     step: int  # the step counter after this step
     loss: float  # Σ loss / valid positions of the global batch
     alpha: float  # mean depth-0 α over the same positions
+    # the draft's learning rate and gradient norm before clipping (the head's with
+    # train.only=acceptance_head, where the draft does not train)
     lr: float
     grad_norm: float
     tokens: int  # valid positions of the global batch
