@@ -1,10 +1,14 @@
 """A run's evaluations of the draft on held-out data: acceptance α per temperature, the
-predicted rounds τ_pred on the target's own continuations (τ texts), and real speculative
-decoding (measured τ and speedup per γ)."""
+predicted rounds τ_pred on the target's own continuations (τ texts), real speculative
+decoding (measured τ and speedup per γ), and the calibration of the acceptance head the run
+trains (ECE and a reliability diagram)."""
 
 import json
 from pathlib import Path
 
+import torch
+
+from specdistill.eval.calibration import CalibrationReport, calibration, reliability_diagram
 from specdistill.eval.offline import acceptance_sums, held_out_texts, summarise, tau_rounds_pred
 from specdistill.publish import atomic_write_text
 from specdistill.train.batches import Batches
@@ -12,6 +16,7 @@ from specdistill.train.config import recipe_to_dict
 from specdistill.train.step import DistillStep
 
 TAU_TEXTS = "tau_texts.json"
+RELIABILITY_PNG = "acceptance_head_reliability.png"
 
 
 def eval_record(step: int, metrics: dict) -> dict:
@@ -57,9 +62,53 @@ class Evaluator:
                 temperature=e.temperature,
                 max_gamma=e.max_gamma,
             )
-        core.draft.train()
+        core.train_mode()
         sums = acc.reduce(sums.to(acc.device), "sum").cpu()
         return summarise(sums, temperature=e.temperature, max_gamma=e.max_gamma, tau_rounds=tau)
+
+    def head_calibration(self) -> CalibrationReport | None:
+        """The trained acceptance head's predictions against their label (α at
+        eval.temperature, from the live target) at depth 0 of the held-out batches, over
+        every process's positions; None when the run trains no head."""
+        from accelerate.utils import gather_object
+
+        core = self.core
+        head = core.head_training
+        if head is None:
+            return None
+        core.draft.eval()
+        head.head.eval()
+        pairs = []
+        with torch.no_grad():
+            for batch in self.batches():
+                with head.inputs(core.draft_module()) as recorded:
+                    d_logits, t_logits, masks = core.kind.depths(core.draft, core.target, batch)
+                part = head.loss(recorded, d_logits, t_logits, masks, core.vocab_map())
+                keep = masks[0].bool()
+                pairs.append((part.predicted[0][keep].cpu(), part.labels[0][keep].cpu()))
+        head.head.train()
+        core.train_mode()
+        if core.accelerator.num_processes > 1:
+            pairs = gather_object(pairs)
+        predicted = torch.cat([p for p, _ in pairs])
+        labels = torch.cat([label for _, label in pairs]).clamp(0.0, 1.0)
+        return calibration(predicted, labels)
+
+    def head_entry(self) -> dict:
+        """eval.json's `acceptance_head` entry, {"acceptance_head": {ece, n, bins,
+        reliability_png}}, with the reliability diagram written beside it
+        (`acceptance_head_reliability.png`, main process); {} when the run trains no head.
+        Every process calls it."""
+        report = self.head_calibration()
+        if report is None:
+            return {}
+        if self.core.accelerator.is_main_process:
+            reliability_diagram(report, self.out / RELIABILITY_PNG, title="acceptance head")
+        entry = report.to_dict()
+        keys = ("ece", "n", "bins")
+        return {
+            "acceptance_head": {**{k: entry[k] for k in keys}, "reliability_png": RELIABILITY_PNG}
+        }
 
     def tau_texts(self) -> tuple[list[list[int]], list[list[int]]]:
         """The target's continuations of the first eval.tau_prompts held-out sequences (cut

@@ -1,11 +1,13 @@
-"""The offline run's published outputs: final/ and best/ (the draft in its serving format)
-and eval.json, each written atomically (specdistill/publish.py `publish_dir`)."""
+"""The offline run's published outputs: final/ and best/ (the draft in its serving format,
+with the acceptance head it carries) and eval.json, each written atomically
+(specdistill/publish.py `publish_dir`)."""
 
 import copy
 import json
 import shutil
 from pathlib import Path
 
+from specdistill.drafts.acceptance_head import attach_head, attached_head
 from specdistill.drafts.embedded import resolve_model
 from specdistill.publish import atomic_write_text, publish_dir
 from specdistill.train.run_plan import quiet_library_bars
@@ -18,10 +20,14 @@ class Outputs:
         self.recipe, self.out, self.kind, self.tokenizer = recipe, Path(out), kind, tokenizer
 
     def publish_draft(self, draft, dest: Path, *, merged_copy: bool = False) -> None:
-        """Save `draft` in its serving format at `dest`, atomically (publish_dir). A LoRA
-        draft is saved merged; `merged_copy` merges a copy, leaving the trained one as it is."""
+        """Save `draft` in its serving format at `dest`, atomically (publish_dir), with the
+        acceptance head it carries (the draft type's `save` writes the head's files). A LoRA
+        draft is saved merged, its head attached to the merged model; `merged_copy` merges a
+        copy, leaving the trained one as it is."""
         if self.recipe.draft.lora.r > 0:
+            head = attached_head(draft)
             draft = (copy.deepcopy(draft) if merged_copy else draft).merge_and_unload()
+            attach_head(draft, head)
         # The verifier as serving engines can load it (an embedded target: its local directory).
         verifier = resolve_model(self.recipe.target.model)
         tmp = self.out / f".tmp-{dest.name}"

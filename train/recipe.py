@@ -26,6 +26,7 @@ from specdistill.train.recipe_types import (
     Resume,
     Section,
     Strings,
+    TrainOnly,
     WandbMode,
     recipe_key,
 )
@@ -232,6 +233,12 @@ class TrainConfig(Section):
         resume="harmless",
     )
     log_every: int = recipe_key(10, "steps between progress lines", resume="harmless", ge=1)
+    only: TrainOnly | None = recipe_key(
+        None,
+        "null: train the draft (and its acceptance head when acceptance_head.enabled); "
+        "acceptance_head: train the head alone on the frozen draft.model (a draft trained "
+        "before, e.g. runs/code/final), which is saved unchanged with the head",
+    )
 
 
 class SpeculativeEvalConfig(Section):
@@ -275,6 +282,28 @@ class EvalConfig(Section):
     )
 
 
+class AcceptanceHeadConfig(Section):
+    """The acceptance head (drafts/acceptance_head.py), trained with the draft."""
+
+    enabled: bool = recipe_key(
+        False,
+        "train a head that predicts, per draft position, the target's acceptance of the "
+        "draft's token (label: α at eval.temperature, the serving temperature); saved beside "
+        "the draft, read by the engine's gamma=auto. false: no head trains; one saved with "
+        "draft.model is kept as it is",
+    )
+    weight: Float = recipe_key(1.0, "weight of the head's loss term in the step's loss", gt=0)
+    inner_size: int | None = recipe_key(
+        None, "the head's hidden width; null: min(the draft's hidden size, 256)", ge=1
+    )
+    stop_gradient: bool = recipe_key(
+        True,
+        "true: the head reads the draft's hidden states detached, so the draft trains exactly "
+        "as without the head; false: the head's loss also trains the draft",
+    )
+    lr: Float | None = recipe_key(None, "the head's peak learning rate; null: train.lr", gt=0)
+
+
 class WandbConfig(Section):
     project: str | None = recipe_key(None, "wandb project; null: wandb is off")
     mode: WandbMode = recipe_key("offline", "offline unless you say online")
@@ -301,6 +330,11 @@ class Recipe(Section):
     )
     eval: EvalConfig = recipe_key(
         description="Held-out evaluation during training.", factory=EvalConfig, resume="harmless"
+    )
+    acceptance_head: AcceptanceHeadConfig = recipe_key(
+        description="A head predicting the target's acceptance of each draft token "
+        "(drafts/acceptance_head.py), for per-row draft lengths (gamma=auto).",
+        factory=AcceptanceHeadConfig,
     )
     wandb: WandbConfig = recipe_key(
         description="Weights & Biases logging.", factory=WandbConfig, resume="harmless"

@@ -47,6 +47,7 @@ def validate(recipe: Recipe, explicit: set[str] | None = None) -> None:
         ),
         *_draft_checks(recipe, explicit),
         *_on_policy_checks(recipe),
+        *_head_checks(recipe),
     ]
     for ok, message in checks:
         if not ok:
@@ -134,6 +135,46 @@ def _on_policy_checks(recipe: Recipe) -> list[Check]:
             not on or recipe.target.cache is None,
             "data.on_policy generates sequences that target.cache does not hold: unset "
             "target.cache (the live target scores them) or set data.on_policy.fraction=0",
+        ),
+    ]
+
+
+def _head_checks(recipe: Recipe) -> list[Check]:
+    h, t, d = recipe.acceptance_head, recipe.train, recipe.draft
+    only = t.only == "acceptance_head"
+    return [
+        (
+            not only or h.enabled,
+            "train.only=acceptance_head trains the acceptance head alone: set "
+            "acceptance_head.enabled=true",
+        ),
+        (
+            not only or d.lora.r == 0,
+            "train.only=acceptance_head keeps the draft as loaded: unset draft.lora.r (0)",
+        ),
+        (
+            not only or d.model is not None,
+            "train.only=acceptance_head trains a head for a trained draft: draft.model must "
+            "name it (e.g. runs/code-eagle3/final), not null (a fresh, untrained head)",
+        ),
+        (
+            not h.enabled or recipe.target.cache is None or recipe.eval.temperature == 1.0,
+            "acceptance_head.enabled: the head's label is α at eval.temperature "
+            f"({recipe.eval.temperature}), but target.cache holds the target's top-N at "
+            "temperature 1 only: set eval.temperature=1, or unset target.cache (the live "
+            "target)",
+        ),
+        (
+            not h.enabled or h.stop_gradient or recipe.loss.chunk_size is None,
+            "acceptance_head.stop_gradient=false is not supported with loss.chunk_size (the "
+            "chunked head loss reads the draft's hidden states detached): set "
+            "acceptance_head.stop_gradient=true or loss.chunk_size=null",
+        ),
+        (
+            not h.enabled or h.stop_gradient or t.mixed_precision != "fp16",
+            "acceptance_head.stop_gradient=false with train.mixed_precision=fp16 is not "
+            "supported (the head's gradients are not loss-scaled): use bf16 or no, or "
+            "acceptance_head.stop_gradient=true",
         ),
     ]
 

@@ -22,11 +22,12 @@ INTRO = f"""# Recipe keys
 <!-- Generated from train/recipe.py by `{COMMAND}`; do not edit by hand. -->
 
 A recipe is a YAML file of sections (`target`, `draft`, `data`, `loss`, `train`, `eval`,
-`wandb`, `online`); a key left out takes its default. Any key can be set on the command line
-as `key.sub=value`, the value read as YAML (`train.max_steps=50`, `data.train=[a.jsonl,
-b.jsonl]`, `wandb.project=null`). An unknown key or a bad value stops the run with one line
-that names the key, the value and what it may be (`unknown recipe key 'train.max_step'; did
-you mean 'train.max_steps'?`), with the file and line when the recipe file sets it.
+`acceptance_head`, `wandb`, `online`); a key left out takes its default. Any key can be set
+on the command line as `key.sub=value`, the value read as YAML (`train.max_steps=50`,
+`data.train=[a.jsonl, b.jsonl]`, `wandb.project=null`). An unknown key or a bad value stops
+the run with one line that names the key, the value and what it may be (`unknown recipe key
+'train.max_step'; did you mean 'train.max_steps'?`), with the file and line when the recipe
+file sets it.
 
 Columns: **type** (a list key also takes a single value, read as a one-element list; a number
 key takes an integer too), **allowed** (the values or the range), **EAGLE-3** (the key

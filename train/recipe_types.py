@@ -107,6 +107,7 @@ MixedPrecision = Literal["no", "bf16", "fp16"]
 WandbMode = Literal["offline", "online", "disabled"]
 OnPolicySource = Literal["draft", "target"]
 OnlinePolicy = Literal["specdistill", "osd"]
+TrainOnly = Literal["acceptance_head"]  # train.only: the parts a run may train alone
 
 
 class Section(BaseModel):

@@ -6,16 +6,23 @@ optimiser step's micro-batches into a parameter update. The loss of a step is
 and the number of processes do not change it. The target's numbers come from a
 `TargetSource` (train/targets.py): the live target, the top-N cache or the traffic records'
 logprobs. Which sequences a step sees is the data order's business (train/batches.py).
+
+With acceptance_head.enabled the step also trains the draft's acceptance head
+(train/head_training.py) on the same depths, with its own optimiser; the draft carries the
+head, so saving the draft saves it. With train.only=acceptance_head the draft is frozen and
+only the head trains.
 """
 
 import math
 from contextlib import nullcontext
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 from accelerate import Accelerator
 
 from specdistill import losses
+from specdistill.drafts.acceptance_head import HeadLoss, attach_head, attached_head
 from specdistill.drafts.align import shifted_hidden, target_mask
 from specdistill.train.config import RecipeError
 from specdistill.train.distributed import (
@@ -25,6 +32,7 @@ from specdistill.train.distributed import (
     meta_copy,
     prepare_sharded_draft,
 )
+from specdistill.train.head_training import HeadTraining, saved_head
 from specdistill.train.run_plan import check_checkpoint_weights, quiet_tied_head_warning
 from specdistill.train.targets import LiveTarget, TargetSource
 
@@ -48,12 +56,17 @@ class StepMetrics:
     step: int  # the step counter after this step
     loss: float  # Σ loss / valid positions of the global batch
     alpha: float  # mean depth-0 α over the same positions
+    # the draft's learning rate and gradient norm before clipping (the head's with
+    # train.only=acceptance_head, where the draft does not train)
     lr: float
     grad_norm: float
     tokens: int  # valid positions of the global batch
     extra: dict = field(default_factory=dict)  # e.g. data.on_policy's generation cost
+    # Σ acceptance-head loss / valid positions (acceptance_head.enabled only; else no key)
+    head_loss: float | None = None
 
     def record(self) -> dict:
+        head = {} if self.head_loss is None else {"head_loss": self.head_loss}
         return {
             "step": self.step,
             "loss": self.loss,
@@ -61,8 +74,18 @@ class StepMetrics:
             "lr": self.lr,
             "grad_norm": self.grad_norm,
             "tokens": self.tokens,
+            **head,
             **self.extra,
         }
+
+
+class StepLosses(NamedTuple):
+    """One micro-batch's terms: the draft's Σ loss (with its graph), the detached Σ α at
+    depth 0, and the acceptance head's loss (None without a head)."""
+
+    loss_sum: torch.Tensor
+    alpha_sum: torch.Tensor
+    head: HeadLoss | None
 
 
 class DistillStep:
@@ -80,22 +103,54 @@ class DistillStep:
         self.kind, self.vocab_size = kind, kind.vocab_size
         self.step = 0
         self.target = target.eval().requires_grad_(False).to(acc.device)
-        # A sharded draft (FSDP, ZeRO-3) is gathered into this frame on the main process to
-        # be saved or decoded alone (`full_draft`); parameters on the meta device cost nothing.
-        self._frame = meta_copy(draft) if is_sharded(acc) and acc.is_main_process else None
-        draft.train()
-        params = [p for p in draft.parameters() if p.requires_grad]
-        optimizer = torch.optim.AdamW(
-            params, lr=r.train.lr, weight_decay=r.train.weight_decay, betas=(0.9, 0.95)
-        )
+        # train.only=acceptance_head: the draft is frozen like the target (never prepared,
+        # never in an optimiser) and only its acceptance head trains.
+        self.frozen = r.train.only == "acceptance_head"
         t = r.train
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-            optimizer, lambda s: lr_lambda(s, t.warmup_steps, t.max_steps, t.min_lr_ratio)
-        )
-        self.draft, self.optimizer = acc.prepare(draft, optimizer)
-        prepare_sharded_draft(acc, self.draft)
-        acc.register_for_checkpointing(self.scheduler)
+
+        def schedule(s: int) -> float:
+            return lr_lambda(s, t.warmup_steps, t.max_steps, t.min_lr_ratio)
+
+        if self.frozen:
+            self._frame = None
+            self.draft = draft.eval().requires_grad_(False).to(acc.device)
+            self.optimizer = self.scheduler = None
+        else:
+            # A sharded draft (FSDP, ZeRO-3) is gathered into this frame on the main process
+            # to be saved or decoded alone (`full_draft`); parameters on the meta device cost
+            # nothing.
+            self._frame = meta_copy(draft) if is_sharded(acc) and acc.is_main_process else None
+            draft.train()
+            params = [p for p in draft.parameters() if p.requires_grad]
+            optimizer = torch.optim.AdamW(
+                params, lr=r.train.lr, weight_decay=r.train.weight_decay, betas=(0.9, 0.95)
+            )
+            self.scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
+            self.draft, self.optimizer = acc.prepare(draft, optimizer)
+            prepare_sharded_draft(acc, self.draft)
+            acc.register_for_checkpointing(self.scheduler)
+        # The acceptance head (acceptance_head.enabled): its own optimiser, carried by the
+        # draft module. Without it, a head the draft came with stays attached, untrained.
+        self.head_training: HeadTraining | None = None
+        if r.acceptance_head.enabled:
+            self.head_training = HeadTraining(
+                r, accelerator=acc, draft=self.draft_module(), schedule=schedule
+            )
+        else:
+            loaded = saved_head(r, self.draft_module())
+            if loaded is not None:
+                attach_head(self.draft_module(), loaded)
         self.targets: TargetSource = targets or LiveTarget(kind, self.target)
+
+    @property
+    def head(self):
+        """The acceptance head the draft carries (trained here or loaded with it), or None."""
+        return attached_head(self.draft_module())
+
+    def train_mode(self) -> None:
+        """Back to training after an evaluation (a frozen draft stays in eval mode)."""
+        if not self.frozen:
+            self.draft.train()
 
     def set_targets(self, source: TargetSource | None) -> None:
         """Where the target's numbers come from (None: the live target)."""
@@ -108,24 +163,34 @@ class DistillStep:
     # ----------------------------------------------------------------------------- step
     def train_step(self, batches: list[dict]) -> StepMetrics:
         """One optimiser step on this process's micro-batches of the global batch."""
-        acc = self.accelerator
+        acc, head = self.accelerator, self.head_training
         n_local = sum(int(self.kind.count_mask(b).sum()) for b in batches)
         n_global = acc.reduce(torch.tensor(n_local, device=acc.device), "sum").item()
         # DDP averages gradients over processes; scale by the world size so the step's
         # gradient is Σ loss / n_global exactly.
         scale = acc.num_processes / max(n_global, 1)
-        stats = torch.zeros(2, dtype=torch.float64, device=acc.device)  # [Σ loss, Σ α]
+        # [Σ loss, Σ α] (+ Σ head loss with an acceptance head)
+        stats = torch.zeros(2 if head is None else 3, dtype=torch.float64, device=acc.device)
         for i, batch in enumerate(batches):
             sync = i == len(batches) - 1
             with acc.no_sync(self.draft) if not sync else nullcontext(), acc.autocast():
-                loss_sum, alpha_sum = self.loss(batch)
-                acc.backward(loss_sum * scale)
-            stats[0] += loss_sum.detach().double()
-            stats[1] += alpha_sum.double()
-        grad_norm = acc.clip_grad_norm_(self.draft.parameters(), self.max_grad_norm)
-        self.optimizer.step()
-        self.scheduler.step()
-        self.optimizer.zero_grad(set_to_none=True)
+                parts = self.losses(batch)
+                self.backward(parts, scale)
+            stats[0] += parts.loss_sum.detach().double()
+            stats[1] += parts.alpha_sum.double()
+            if parts.head is not None:
+                stats[2] += parts.head.loss_sum.detach().double()
+        if self.frozen:
+            grad_norm = head.update()
+            lr = head.lr()
+        else:
+            grad_norm = acc.clip_grad_norm_(self.draft.parameters(), self.max_grad_norm)
+            self.optimizer.step()
+            self.scheduler.step()
+            self.optimizer.zero_grad(set_to_none=True)
+            lr = self.scheduler.get_last_lr()[0]
+            if head is not None:
+                head.update()
         stats = acc.reduce(stats, "sum")
         denom = max(n_global, 1)
         self.step += 1
@@ -133,28 +198,65 @@ class DistillStep:
             step=self.step,
             loss=stats[0].item() / denom,
             alpha=stats[1].item() / denom,
-            lr=self.scheduler.get_last_lr()[0],
+            lr=lr,
             grad_norm=float(grad_norm),
             tokens=n_global,
+            head_loss=None if head is None else stats[2].item() / denom,
         )
+
+    def backward(self, parts: "StepLosses", scale: float) -> None:
+        """The backward passes of one micro-batch: the draft's loss through accelerate, the
+        head's (weighted) on its own graph, or, with acceptance_head.stop_gradient=false,
+        added to the draft's."""
+        head = self.head_training
+        head_term = None if parts.head is None else head.weight * parts.head.loss_sum
+        if self.frozen:
+            (head_term * scale).backward()
+        elif head_term is None:
+            self.accelerator.backward(parts.loss_sum * scale)
+        elif head.stop_gradient:
+            self.accelerator.backward(parts.loss_sum * scale)
+            (head_term * scale).backward()
+        else:
+            self.accelerator.backward((parts.loss_sum + head_term) * scale)
 
     def loss(self, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
         """(Σ loss over valid positions, detached Σ α at depth 0) for one micro-batch."""
-        lo = self.loss_cfg
-        if lo.chunk_size is None:
+        parts = self.losses(batch)
+        return parts.loss_sum, parts.alpha_sum
+
+    def losses(self, batch: dict) -> "StepLosses":
+        """The draft's loss and α, and the acceptance head's loss, of one micro-batch. A
+        frozen draft (train.only=acceptance_head) runs without gradients."""
+        with torch.no_grad() if self.frozen else nullcontext():
+            if self.loss_cfg.chunk_size is None:
+                return self._direct(batch)
+            return self._chunked(batch)
+
+    def _direct(self, batch: dict) -> "StepLosses":
+        lo, head = self.loss_cfg, self.head_training
+        record = head.inputs(self.draft_module()) if head is not None else nullcontext()
+        with record:
             d_logits, t_logits, masks = self.targets.depths(self.draft, batch)
-            loss_sum, n_valid, alpha = losses.multi_depth_loss(
-                lo.name,
-                d_logits,
-                t_logits,
-                masks,
-                weighting=lo.depth_weighting,
-                decay=lo.depth_decay,
-                temperature=lo.temperature,
-                d2t=self.vocab_map(),
-                **lo.params,
-            )
-            return loss_sum, alpha[0] * n_valid
+        loss_sum, n_valid, alpha = losses.multi_depth_loss(
+            lo.name,
+            d_logits,
+            t_logits,
+            masks,
+            weighting=lo.depth_weighting,
+            decay=lo.depth_decay,
+            temperature=lo.temperature,
+            d2t=self.vocab_map(),
+            **lo.params,
+        )
+        head_part = None
+        if head is not None:
+            with torch.enable_grad():
+                head_part = head.loss(record, d_logits, t_logits, masks, self.vocab_map())
+        return StepLosses(loss_sum, alpha[0] * n_valid, head_part)
+
+    def _chunked(self, batch: dict) -> "StepLosses":
+        lo, head = self.loss_cfg, self.head_training
         mask = target_mask(batch)
         # Chunked: logits exist one chunk of positions at a time, for both models.
         with torch.no_grad():
@@ -172,7 +274,13 @@ class DistillStep:
             return_alpha=True,  # from the chunks the loss computes: no second pass
             **lo.params,
         )
-        return loss_sum, alpha_sum
+        head_part = None
+        if head is not None:
+            with torch.enable_grad():
+                head_part = head.chunked_loss(
+                    d_hidden, d_head, (t_hidden, t_head), mask, lo.chunk_size
+                )
+        return StepLosses(loss_sum, alpha_sum, head_part)
 
     def vocab_map(self):
         """An EAGLE-3 head's d2t (draft id -> target id offsets), read from the running head,
@@ -207,19 +315,24 @@ class DistillStep:
         """The trained draft as one plain module on the main process, None on the others;
         every process must call it. Replicated (one process, DDP, ZeRO-1/2): the unwrapped
         draft itself. Sharded (FSDP, ZeRO-3): a copy holding the full weights, gathered with
-        `Accelerator.get_state_dict`, in which every process takes part."""
+        `Accelerator.get_state_dict`, in which every process takes part. Either carries
+        the draft's acceptance head, when it has one."""
         acc = self.accelerator
-        if not is_sharded(acc):
+        if self.frozen or not is_sharded(acc):
             return self.draft_module() if acc.is_main_process else None
+        head = self.head
         state = acc.get_state_dict(self.draft)
         if not acc.is_main_process:
             return None
-        return load_full(self._frame, state, acc.device)
+        full = load_full(self._frame, state, acc.device)
+        attach_head(full, head)
+        return full
 
     # ----------------------------------------------------------------------------- state
     def save_state(self, directory) -> None:
         """Draft, optimiser, schedule and RNG states into `directory` (accelerate's
-        save_state, safetensors weights); every process calls it."""
+        save_state, safetensors weights), with the acceptance head's state (a registered
+        custom object) when it trains; every process calls it."""
         with quiet_tied_head_warning(self.draft_module()):
             self.accelerator.save_state(str(directory), safe_serialization=True)
 

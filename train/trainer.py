@@ -63,16 +63,25 @@ def before_line(recipe, alpha: float, greedy: float) -> str:
 
 
 def after_line(recipe, out: Path, final: dict, tau_before: dict) -> str:
+    """The console's summary of a finished run: α and τ_pred after training, the best
+    held-out evaluation when it was not the final one, the acceptance head's calibration."""
     nan = float("nan")
-    return (
+    lines = [
         f"alpha after:  {final['alpha']:.4f} (T={recipe.eval.temperature}), greedy "
         f"{final['alpha_greedy']:.4f} | tau_pred(gamma=5) {tau_before.get(5, nan):.3f} -> "
         f"{final['tau_pred'].get(5, nan):.3f} | outputs in {out}"
-    ) + (
-        f"\nbest held-out alpha {best['alpha']:.4f} at step {best['step']}: {out}/best"
-        if (best := final.get("best")) and best["step"] != final.get("steps")
-        else ""
-    )
+    ]
+    if (best := final.get("best")) and best["step"] != final.get("steps"):
+        lines.append(f"best held-out alpha {best['alpha']:.4f} at step {best['step']}: {out}/best")
+    if head := final.get("acceptance_head"):
+        lines.append(head_line(head))
+    return "\n".join(lines)
+
+
+def head_line(report: dict) -> str:
+    """The acceptance head's calibration on the console (eval.json's `acceptance_head`)."""
+    ece = "n/a" if report["ece"] is None else f"{report['ece']:.3f}"
+    return f"acceptance head: ECE {ece} on {report['n']} held-out positions"
 
 
 def report_finished(recipe, out: Path, finished: dict, say=print) -> dict:
@@ -321,6 +330,7 @@ class Trainer:
             "trainable_params": trainable_parameters(self.draft),
             "history": self.history,
             "data_skipped": skipped,
+            **self.evaluator.head_entry(),  # the trained acceptance head's calibration
         }
         final_is_best = self.best is None or final["alpha"] > self.best["alpha"]
         if final_is_best:

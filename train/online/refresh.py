@@ -57,6 +57,11 @@ class Refreshes:
                 ("loss.top_k", lo.params.get("top_k"), lo.params.get("top_k") is None),
                 ("loss.chunk_size", lo.chunk_size, lo.chunk_size is None),
                 ("draft.type", r.draft.type, r.draft.type == "standalone"),
+                (  # the acceptance head's label is α at eval.temperature
+                    "eval.temperature",
+                    r.eval.temperature,
+                    not r.acceptance_head.enabled or r.eval.temperature == 1.0,
+                ),
             )
             if not fine
         ]
@@ -65,7 +70,7 @@ class Refreshes:
             self.print(
                 "online: the records carry top_logprobs, but the refreshes run the target: "
                 f"sparse targets need loss temperature 1, unfiltered, unchunked, a standalone "
-                f"draft ({', '.join(why)})"
+                f"draft, and eval.temperature 1 for an acceptance head ({', '.join(why)})"
             )
         return not why
 
