@@ -15,7 +15,8 @@ Draft length (`gamma`): a fixed number of drafts per round, "auto", or None (the
 draft version). Under "auto" each engine has its own `AutoGamma` (eval/length_policy.py),
 whose cost model is kept per batch size: the busier the server, the dearer a drafted token
 against the verification it saves, so rows draft less, and a round where no row's drafting
-can pay is a plain target step.
+can pay is a plain target step. Its costs are measured at start-up (and for each new
+version) at the server's row count and at the powers of two below it.
 """
 
 import logging
@@ -38,11 +39,14 @@ def has_acceptance_head(draft) -> bool:
     return draft is not None and getattr(draft, "acceptance_head", None) is not None
 
 
-def gamma_for(gamma: int | str | None, draft, max_gamma: int) -> int | AutoGamma:
+def gamma_for(gamma: int | str | None, draft, max_gamma: int, capacity: int = 1) -> int | AutoGamma:
     """The engine's draft-length setting for `draft`: an `AutoGamma` for "auto" (and for the
-    default, None, when the draft has an acceptance head), else a number of drafts."""
+    default, None, when the draft has an acceptance head), else a number of drafts. The
+    policy measures its costs at start-up at `capacity` rows and at every power of two below
+    it, the batch sizes a server goes through as its load changes."""
     if draft is not None and (gamma == "auto" or (gamma is None and has_acceptance_head(draft))):
-        return AutoGamma(max_gamma=max_gamma)
+        sizes = tuple(1 << i for i in range(capacity.bit_length()) if 1 << i < capacity)
+        return AutoGamma(max_gamma=max_gamma, batch_sizes=sizes)
     return DEFAULT_GAMMA if gamma in (None, "auto") else gamma
 
 
@@ -132,7 +136,7 @@ class EngineWorker(threading.Thread):
         engine = Engine(
             self.target,
             draft,
-            gamma=gamma_for(self.gamma, draft, self.max_gamma),
+            gamma=gamma_for(self.gamma, draft, self.max_gamma, self.capacity),
             capacity=self.capacity,
             eos_token_id=self.eos_token_id,
             vocab_size=self.vocab_size,

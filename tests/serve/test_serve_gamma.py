@@ -70,7 +70,10 @@ def test_auto_greedy_equals_target_and_reports_lengths(auto_server, tiny_pair):
     """Concurrent greedy requests under --gamma auto give the target's own greedy output,
     and each response's statistics carry the drafted-length histogram beside vLLM's keys."""
     url, srv, costs = auto_server
-    assert isinstance(srv.worker.current.batch.gamma, AutoGamma)
+    policy = srv.worker.current.batch.gamma
+    assert isinstance(policy, AutoGamma)
+    if costs == "measured":  # every batch size up to the 4 rows has costs of its own
+        assert set(policy.cost.tables) >= {1, 2, 4}
     client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=60)
     tok = srv.tokenizer
     results = {}
@@ -178,6 +181,8 @@ def test_default_gamma_follows_the_acceptance_head(tiny_pair, tmp_path):
     assert getattr(headed, "acceptance_head", None) is not None
     auto = gamma_for(None, headed, 6)
     assert isinstance(auto, AutoGamma) and auto.max_gamma == 6
+    assert gamma_for(None, headed, 6, capacity=16).batch_sizes == (1, 2, 4, 8)
+    assert gamma_for(None, headed, 6, capacity=6).batch_sizes == (1, 2, 4)
     assert gamma_for(None, plain, 6) == DEFAULT_GAMMA
     assert gamma_for(3, headed, 6) == 3
     assert isinstance(gamma_for("auto", plain, 6), AutoGamma)
