@@ -17,8 +17,10 @@ cell's passes.
 
 Printed: one row per concurrency with each server's goodput (tokens/s), auto's mean drafted
 length and share of target-only row-rounds, and the ratios auto / best fixed γ and auto / no
-draft (when those servers are in the run); then the checks: failures (must be 0) and traffic
-records logged (must equal requests served) per server. Exit status 1 when a check fails.
+draft (when those servers are in the run); the auto server's mean predicted vs realised
+acceptance (its /metrics: how well the length policy's predictions are calibrated); then the
+checks: failures (must be 0) and traffic records logged (must equal requests served) per
+server. Exit status 1 when a check fails.
 `--json PATH` also writes every cell.
 """
 
@@ -129,6 +131,17 @@ class Served:
             t.join()
         cell.wall_s += time.perf_counter() - start
 
+    def acceptance(self) -> tuple[float, float]:
+        """The server's /metrics: mean predicted and realised acceptance of the drafts
+        verification reached (NaN without predictions)."""
+        import httpx
+        from prometheus_client.parser import text_string_to_metric_families
+
+        text = httpx.get(self.url + "/metrics").text
+        values = {f.name: f.samples[0].value for f in text_string_to_metric_families(text)}
+        prefix = "specdistill:spec_decode_mean_"
+        return values[prefix + "predicted_acceptance"], values[prefix + "realised_acceptance"]
+
     def logged(self) -> int:
         return len(read_traffic(self.traffic)) - self.logged_before
 
@@ -222,6 +235,7 @@ def main(argv=None) -> int:
                 for g in order:
                     servers[g].load(args, prompts, cells[g, m], offset=p * 1000)
         total = time.perf_counter() - start
+        calibration = servers["auto"].acceptance() if "auto" in servers else None
     finally:
         for s in servers.values():
             s.server.stop()
@@ -232,6 +246,12 @@ def main(argv=None) -> int:
         f"{args.max_batch}, threads {args.threads or 'default'}; {total:.0f} s loaded"
     )
     report(args, cells, gammas)
+    if calibration is not None:
+        predicted, realised = calibration
+        print(
+            f"auto: mean predicted acceptance {predicted:.3f} vs realised {realised:.3f} "
+            "(the drafts verification reached; /metrics)"
+        )
     ok = True
     for g, s in servers.items():
         failures = [f for m in args.concurrency for f in cells[g, m].failures]
