@@ -1,122 +1,181 @@
-"""Load test of `specdistill serve`: M concurrent clients for S seconds, with and without draft.
+"""Goodput of `specdistill serve` under load: draft-length settings side by side, in one run.
 
     python -m benchmarks.serve_load        # embedded:code-deep + embedded:code-deep-draft
-    python -m benchmarks.serve_load --clients 8 --seconds 20 --max-tokens 64 --temperature 0
+    python -m benchmarks.serve_load --draft /tmp/base/runs/code/final --threads 1 \\
+        --gammas 0,2,3,4,auto --concurrency 1,2,4,8,16 --requests-per-client 2 --max-tokens 32
     python -m benchmarks.serve_load --target Qwen/Qwen2.5-1.5B --draft Qwen/Qwen2.5-0.5B \\
         --device cuda --dtype bfloat16
 
-Starts the server on 127.0.0.1 (a free port, loopback only) with a traffic log, runs M client
-threads (the official openai client, streaming, so TTFT is measured on the client side) that
-send HumanEval prompts one after another for S seconds (a request in flight at the end
-completes), stops, then does the same with `--draft none`. Printed per server: requests
-served, failures (must be 0), records logged (must equal requests served), p50 / p95
-latency and TTFT, generated tokens/s, the server's mean acceptance length; and the tokens/s
-ratio speculative ÷ target alone. Exit status 1 when a check fails.
+One server per `--gammas` value (0: the target alone, `--draft none`; N: N drafts per round;
+auto: the per-row policy, `--gamma auto`), all started on 127.0.0.1 (free ports, loopback
+only) with a traffic log and warmed up by one request each. Then, for each concurrency M,
+every server is loaded in turn by M client threads (the official openai client, streaming)
+that each send `--requests-per-client` HumanEval prompts one after another; `--repeats`
+passes go round the servers, in a rotated order each pass, so that a drift of the machine's
+speed is spread over all of them. Goodput is completion tokens / wall seconds, summed over a
+cell's passes.
+
+Printed: one row per concurrency with each server's goodput (tokens/s), auto's mean drafted
+length and share of target-only row-rounds, and the ratios auto / best fixed γ and auto / no
+draft (when those servers are in the run); the auto server's mean predicted vs realised
+acceptance (its /metrics: how well the length policy's predictions are calibrated); then the
+checks: failures (must be 0) and traffic records logged (must equal requests served) per
+server. Exit status 1 when a check fails.
+`--json PATH` also writes every cell.
 """
 
 import argparse
-import statistics
+import json
 import sys
 import tempfile
 import threading
 import time
+from dataclasses import asdict, dataclass, field
 
 from specdistill.eval.prompts import encode_prompts, load_prompts
 from specdistill.serve.server import Server
 from specdistill.serve.traffic import read_traffic
 
 
-def percentile(values, q):
-    if not values:
-        return float("nan")
-    values = sorted(values)
-    return values[min(len(values) - 1, int(q * (len(values) - 1) + 0.5))]
+@dataclass
+class Cell:
+    """One server at one concurrency, summed over the passes."""
+
+    gamma: str
+    clients: int
+    requests: int = 0
+    tokens: int = 0
+    wall_s: float = 0.0
+    failures: list[str] = field(default_factory=list)
+    drafted: list[int] = field(default_factory=list)  # rounds per drafted length, all requests
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.wall_s if self.wall_s else float("nan")
+
+    def add_histogram(self, hist: list[int]) -> None:
+        if len(self.drafted) < len(hist):
+            self.drafted += [0] * (len(hist) - len(self.drafted))
+        for k, n in enumerate(hist):
+            self.drafted[k] += n
 
 
-def run_load(args, draft: str, prompts: list[list[int]]) -> dict:
-    import openai
+class Served:
+    """One server of the run and its client."""
 
-    traffic = tempfile.mkdtemp(prefix="serve-load-traffic-")
-    server = Server(
-        args.target,
-        draft,
-        gamma=args.gamma,
-        max_batch=args.max_batch,
-        traffic=traffic,
-        dtype=args.dtype,
-        device=args.device,
-        model_name="m",
-    )
-    url = server.start("127.0.0.1", 0)
-    client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=300)
-    results, failures, lock = [], [], threading.Lock()
-    # warm-up (not counted): one request
-    client.completions.create(model="m", prompt=prompts[0], max_tokens=4, temperature=0)
-    logged_before = len(read_traffic(traffic))
-    deadline = time.monotonic() + args.seconds
+    def __init__(self, args, gamma: str):
+        import openai
 
-    def worker(i: int):
-        n = i
-        while time.monotonic() < deadline:
-            prompt = prompts[n % len(prompts)]
-            n += args.clients
-            start = time.perf_counter()
-            ttft, tokens, spec = None, 0, None
-            try:
-                stream = client.completions.create(
-                    model="m",
-                    prompt=prompt,
-                    max_tokens=args.max_tokens,
-                    temperature=args.temperature,
-                    seed=n,
-                    stream=True,
-                    stream_options={"include_usage": True},
-                )
-                for chunk in stream:
-                    if chunk.choices and chunk.choices[0].text and ttft is None:
-                        ttft = time.perf_counter() - start
-                    if chunk.usage is not None:
-                        tokens = chunk.usage.completion_tokens
-                        spec = (chunk.model_extra or {}).get("metrics")
-                latency = time.perf_counter() - start
-                with lock:
-                    results.append((latency, ttft if ttft is not None else latency, tokens, spec))
-            except Exception as e:  # noqa: BLE001 - every failure is counted and reported
-                with lock:
-                    failures.append(repr(e))
+        self.gamma = gamma
+        self.traffic = tempfile.mkdtemp(prefix=f"serve-load-{gamma}-")
+        self.server = Server(
+            args.target,
+            "none" if gamma == "0" else args.draft,
+            gamma=None if gamma == "0" else gamma,
+            max_gamma=args.max_gamma,
+            max_batch=args.max_batch,
+            traffic=self.traffic,
+            dtype=args.dtype,
+            device=args.device,
+            model_name="m",
+        )
+        self.url = self.server.start("127.0.0.1", 0)
+        self.client = openai.OpenAI(
+            base_url=self.url + "/v1", api_key="none", max_retries=0, timeout=600
+        )
+        self.served = 0
 
-    start = time.perf_counter()
-    threads = [threading.Thread(target=worker, args=(i,)) for i in range(args.clients)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    wall = time.perf_counter() - start
-    server.stop()
-    logged = len(read_traffic(traffic)) - logged_before
-    lat = [r[0] for r in results]
-    ttft = [r[1] for r in results]
-    tokens = sum(r[2] for r in results)
-    steps = sum(r[3]["speculative_decoding"]["num_spec_steps"] for r in results if r[3])
-    accepted = sum(
-        r[3]["speculative_decoding"]["num_accepted_draft_tokens"] for r in results if r[3]
-    )
-    return {
-        "draft": draft,
-        "served": len(results),
-        "failures": len(failures),
-        "failure_examples": failures[:3],
-        "logged": logged,
-        "p50_latency_s": percentile(lat, 0.5),
-        "p95_latency_s": percentile(lat, 0.95),
-        "p50_ttft_s": percentile(ttft, 0.5),
-        "p95_ttft_s": percentile(ttft, 0.95),
-        "mean_latency_s": statistics.fmean(lat) if lat else float("nan"),
-        "tokens": tokens,
-        "wall_s": wall,
-        "tokens_per_s": tokens / wall,
-        "mean_acceptance_length": 1 + accepted / steps if steps else None,
-    }
+    def warm_up(self, prompt: list[int]) -> None:
+        self.client.completions.create(model="m", prompt=prompt, max_tokens=4, temperature=0)
+        self.logged_before = len(read_traffic(self.traffic))
+
+    def load(self, args, prompts: list[list[int]], cell: Cell, offset: int) -> None:
+        """cell.clients threads, each sending args.requests_per_client requests in turn."""
+        lock = threading.Lock()
+
+        def client(i: int) -> None:
+            for j in range(args.requests_per_client):
+                n = offset + i * args.requests_per_client + j
+                try:
+                    stream = self.client.completions.create(
+                        model="m",
+                        prompt=prompts[n % len(prompts)],
+                        max_tokens=args.max_tokens,
+                        temperature=args.temperature,
+                        seed=n,
+                        stream=True,
+                        stream_options={"include_usage": True},
+                    )
+                    tokens, spec = 0, None
+                    for chunk in stream:
+                        if chunk.usage is not None:
+                            tokens = chunk.usage.completion_tokens
+                            spec = ((chunk.model_extra or {}).get("metrics") or {}).get(
+                                "speculative_decoding"
+                            )
+                    with lock:
+                        cell.requests += 1
+                        cell.tokens += tokens
+                        self.served += 1
+                        if spec:
+                            cell.add_histogram(spec.get("drafted_length_histogram") or [])
+                except Exception as e:  # noqa: BLE001 - every failure is counted and reported
+                    with lock:
+                        cell.failures.append(repr(e))
+
+        threads = [threading.Thread(target=client, args=(i,)) for i in range(cell.clients)]
+        start = time.perf_counter()
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        cell.wall_s += time.perf_counter() - start
+
+    def acceptance(self) -> tuple[float, float]:
+        """The server's /metrics: mean predicted and realised acceptance of the drafts
+        verification reached (NaN without predictions)."""
+        import httpx
+        from prometheus_client.parser import text_string_to_metric_families
+
+        text = httpx.get(self.url + "/metrics").text
+        values = {f.name: f.samples[0].value for f in text_string_to_metric_families(text)}
+        prefix = "specdistill:spec_decode_mean_"
+        return values[prefix + "predicted_acceptance"], values[prefix + "realised_acceptance"]
+
+    def logged(self) -> int:
+        return len(read_traffic(self.traffic)) - self.logged_before
+
+
+def ratio(a: float, b: float | None) -> str:
+    return "-" if b is None or not b or b != b else f"{a / b:.2f}"
+
+
+def report(args, cells: dict[tuple[str, int], Cell], gammas: list[str]) -> None:
+    fixed = [g for g in gammas if g not in ("0", "auto")]
+    names = {g: ("no draft" if g == "0" else f"γ={g}") for g in gammas}
+    header = ["clients", *(names[g] for g in gammas)]
+    if "auto" in gammas:
+        header += ["auto mean γ", "auto target-only", "auto/best fixed", "auto/no draft"]
+    print(" | ".join(header))
+    print(" | ".join("---" for _ in header))
+    for m in args.concurrency:
+        row = [str(m)] + [f"{cells[g, m].tokens_per_s:.1f}" for g in gammas]
+        if "auto" in gammas:
+            auto = cells["auto", m]
+            hist = auto.drafted
+            rounds = sum(hist)
+            mean = sum(k * n for k, n in enumerate(hist)) / rounds if rounds else float("nan")
+            only = hist[0] / rounds if rounds else float("nan")
+            best = max((cells[g, m].tokens_per_s for g in fixed), default=None)
+            plain = cells["0", m].tokens_per_s if "0" in gammas else None
+            best_name = max(fixed, key=lambda g: cells[g, m].tokens_per_s) if fixed else None
+            row += [
+                f"{mean:.2f}",
+                f"{only:.0%}",
+                ratio(auto.tokens_per_s, best) + (f" (γ={best_name})" if best_name else ""),
+                ratio(auto.tokens_per_s, plain),
+            ]
+        print(" | ".join(row))
 
 
 def main(argv=None) -> int:
@@ -128,18 +187,30 @@ def main(argv=None) -> int:
     parser.add_argument("--prompts", default="benchmarks/prompts/HumanEval.jsonl.gz")
     parser.add_argument("--num-prompts", type=int, default=32)
     parser.add_argument("--max-prompt-tokens", type=int, default=256)
-    parser.add_argument("--clients", type=int, default=4, help="concurrent clients (M)")
-    parser.add_argument("--seconds", type=float, default=20.0, help="per server (S, <= 600)")
-    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument(
+        "--gammas", default="0,2,3,4,auto", help="servers: 0 (no draft), N drafts per round, auto"
+    )
+    parser.add_argument("--concurrency", default="1,2,4,8,16", help="concurrent clients (M)")
+    parser.add_argument("--requests-per-client", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=1, help="passes round the servers")
+    parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--temperature", type=float, default=0.0)
-    parser.add_argument("--gamma", type=int, default=4)
-    parser.add_argument("--max-batch", type=int, default=8)
+    parser.add_argument("--max-gamma", type=int, default=8, help="auto's longest draft")
+    parser.add_argument("--max-batch", type=int, default=16, help="each server's rows")
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--device", default=None)
-    parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
+    parser.add_argument("--json", default=None, help="also write the cells here")
     args = parser.parse_args(argv)
-    if not 0 < args.seconds <= 600:
-        parser.error("--seconds must be in (0, 600]")
+    gammas = [g.strip() for g in args.gammas.split(",") if g.strip()]
+    for g in gammas:
+        if g != "auto" and not (g.isdigit() and int(g) >= 0):
+            parser.error(f"--gammas: {g!r} is neither 'auto' nor an integer >= 0")
+    if len(set(gammas)) != len(gammas):
+        parser.error("--gammas names a value twice")
+    args.concurrency = [int(m) for m in args.concurrency.split(",")]
+    if min(args.concurrency) < 1 or args.requests_per_client < 1 or args.repeats < 1:
+        parser.error("--concurrency, --requests-per-client and --repeats must be >= 1")
     if args.threads:
         import torch
 
@@ -152,51 +223,48 @@ def main(argv=None) -> int:
         tokenizer,
         max_tokens=args.max_prompt_tokens,
     )
-    runs = [run_load(args, args.draft, prompts), run_load(args, "none", prompts)]
-    ok = True
+    servers = {g: Served(args, g) for g in gammas}
+    try:
+        for s in servers.values():
+            s.warm_up(prompts[0])
+        cells = {(g, m): Cell(g, m) for g in gammas for m in args.concurrency}
+        start = time.perf_counter()
+        for m in args.concurrency:
+            for p in range(args.repeats):
+                order = gammas[p % len(gammas) :] + gammas[: p % len(gammas)]
+                for g in order:
+                    servers[g].load(args, prompts, cells[g, m], offset=p * 1000)
+        total = time.perf_counter() - start
+        calibration = servers["auto"].acceptance() if "auto" in servers else None
+    finally:
+        for s in servers.values():
+            s.server.stop()
     print(
-        f"{args.clients} clients x {args.seconds:.0f} s, max_tokens {args.max_tokens}, "
-        f"temperature {args.temperature}, gamma {args.gamma}, target {args.target}"
+        f"goodput (completion tokens/s): target {args.target}, draft {args.draft}, "
+        f"{args.requests_per_client} requests per client x {args.repeats} pass(es), "
+        f"max_tokens {args.max_tokens}, temperature {args.temperature}, max batch "
+        f"{args.max_batch}, threads {args.threads or 'default'}; {total:.0f} s loaded"
     )
-    header = (
-        "draft",
-        "served",
-        "failures",
-        "logged",
-        "p50 lat",
-        "p95 lat",
-        "p50 ttft",
-        "p95 ttft",
-        "tok/s",
-        "mean acc len",
-    )
-    print(" | ".join(header))
-    for r in runs:
-        acc = r["mean_acceptance_length"]
+    report(args, cells, gammas)
+    if calibration is not None:
+        predicted, realised = calibration
         print(
-            " | ".join(
-                [
-                    r["draft"],
-                    str(r["served"]),
-                    str(r["failures"]),
-                    str(r["logged"]),
-                    f"{r['p50_latency_s']:.3f}",
-                    f"{r['p95_latency_s']:.3f}",
-                    f"{r['p50_ttft_s']:.3f}",
-                    f"{r['p95_ttft_s']:.3f}",
-                    f"{r['tokens_per_s']:.1f}",
-                    "-" if acc is None else f"{acc:.2f}",
-                ]
-            )
+            f"auto: mean predicted acceptance {predicted:.3f} vs realised {realised:.3f} "
+            "(the drafts verification reached; /metrics)"
         )
-        if r["failures"]:
+    ok = True
+    for g, s in servers.items():
+        failures = [f for m in args.concurrency for f in cells[g, m].failures]
+        if failures:
             ok = False
-            print("  failures, e.g.:", *r["failure_examples"], sep="\n    ")
-        if r["logged"] != r["served"]:
+            print(f"gamma {g}: {len(failures)} failures, e.g.:", *failures[:3], sep="\n    ")
+        if s.logged() != s.served:
             ok = False
-            print(f"  records logged {r['logged']} != requests served {r['served']}")
-    ratio = runs[0]["tokens_per_s"] / runs[1]["tokens_per_s"]
-    print(f"tokens/s ratio, speculative / target alone: {ratio:.2f}")
+            print(f"gamma {g}: records logged {s.logged()} != requests served {s.served}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump([asdict(c) | {"tokens_per_s": c.tokens_per_s} for c in cells.values()], f)
+    print("checks:", "ok" if ok else "FAILED")
     return 0 if ok else 1
 
 

@@ -183,12 +183,16 @@ class AutoGamma:
     (module docstring), at most `max_gamma`. `weight`: EMA weight of the cost model and of
     the rows' acceptance estimates; `repeats`: timed forwards per start-up measurement;
     `calibrate`: map the drafter's predictions through an online `Calibration`
-    (eval/online_calibration.py). Holds the run's cost model (`cost`) once started."""
+    (eval/online_calibration.py); `batch_sizes`: further batch sizes whose costs start-up
+    measures too (a size met later without a table starts from the nearest one's, which can
+    be far off: v(k) grows with k much faster at 16 rows than at 1). Holds the run's cost
+    model (`cost`) once started."""
 
     max_gamma: int = 8
     weight: float = 0.1
     repeats: int = 3
     calibrate: bool = True
+    batch_sizes: tuple[int, ...] = ()
     cost: CostModel | None = field(default=None, init=False)
     calibration: Calibration = field(default_factory=Calibration, init=False)
 
@@ -197,13 +201,16 @@ class AutoGamma:
             raise ValueError(f"max_gamma must be ≥ 1, got {self.max_gamma}")
 
     def start(self, target, vocab_size: int, batch_size: int) -> None:
-        """Measure v(k) at `batch_size` (a few timed target forwards)."""
+        """Measure v(k) at `batch_size` and at each of `batch_sizes` (a few timed target
+        forwards each)."""
 
         def measure(b: int) -> list[float]:
             return measure_verify(target, vocab_size, b, self.max_gamma, repeats=self.repeats)
 
         self.cost = CostModel(self.max_gamma, measure, weight=self.weight)
         self.cost.measured(batch_size)
+        for b in self.batch_sizes:
+            self.cost.measured(b)
 
     def plan(self, limits: Sequence[int], estimates: Sequence[float]) -> CostRule | None:
         b = len(limits)

@@ -44,7 +44,7 @@ from specdistill.serve.traffic import (
     TrafficLog,
     TrafficRecord,
 )
-from specdistill.serve.worker import EngineWorker, Failed, Job
+from specdistill.serve.worker import EngineWorker, Failed, Job, LengthTally
 
 log = logging.getLogger("specdistill.serve")
 
@@ -58,6 +58,7 @@ class ServerConfig:
     log_top_logprobs: int = 0  # top-k target logprobs per token in the traffic log
     max_num_seqs: int = 8  # rows decoded together
     max_queue: int = 64  # admitted requests beyond the rows (parsing or waiting for a row)
+    max_gamma: int = 8  # the top bucket of the drafted-length histogram in /metrics
 
 
 # ----------------------------------------------------------------------------- text
@@ -143,6 +144,7 @@ class Run:
         self.logprobs: list = []
         self.finish_reason: str | None = None
         self.stats: dict | None = None
+        self.tally: LengthTally | None = None
         self.finished = False
 
     def submit(self):
@@ -178,6 +180,7 @@ class Run:
             self.finish_reason = "stop"
         self.logprobs += new_lp
         self.stats = event.stats
+        self.tally = event.tally or self.tally
         if event.finished or self.text.stopped:
             if self.finish_reason is None:
                 self.finish_reason = event.finish_reason
@@ -259,6 +262,7 @@ class Run:
             self.finish_reason,
             latency,
             self.ttft,
+            self.tally,
         )
         if s.traffic is None:
             return
@@ -317,7 +321,7 @@ class AppState:
     ):
         self.tokenizer, self.worker, self.config, self.traffic = tokenizer, worker, config, traffic
         self.keys = keys or ApiKeys([])
-        self.metrics = Metrics()
+        self.metrics = Metrics(config.max_gamma)
         self.in_flight = 0
         self.capacity = config.max_num_seqs + config.max_queue
         # one thread parses and tokenises, off the event loop (/health answers meanwhile)

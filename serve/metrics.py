@@ -1,4 +1,12 @@
-"""Prometheus metrics with vLLM's meanings (`specdistill:` prefix), one registry per app."""
+"""Prometheus metrics with vLLM's meanings (`specdistill:` prefix), one registry per app.
+
+Beyond vLLM's: the draft-length policy's series. `spec_decode_drafted_length` is a histogram
+of the drafts each row proposed per round (buckets 0..max_gamma; 0 is a target-only round
+for that row, also counted by `spec_decode_num_target_only_rounds`), and the acceptance
+head's calibration in service: `spec_decode_mean_predicted_acceptance` against
+`spec_decode_mean_realised_acceptance`, over every draft verification reached (accepted or
+the first rejection) that had a prediction, since start-up.
+"""
 
 from prometheus_client import (
     CollectorRegistry,
@@ -9,6 +17,8 @@ from prometheus_client import (
     generate_latest,
 )
 
+from specdistill.serve.worker import LengthTally
+
 PREFIX = "specdistill:"
 LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 
@@ -16,7 +26,7 @@ LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120
 class Metrics:
     """Prometheus metrics with vLLM's meanings, in a registry of their own (one per app)."""
 
-    def __init__(self):
+    def __init__(self, max_gamma: int = 8):
         disable_created_metrics()  # no `_created` series next to each counter
         r = self.registry = CollectorRegistry()
         self.num_drafts = Counter(
@@ -34,6 +44,30 @@ class Metrics:
             PREFIX + "spec_decode_num_accepted_tokens_per_pos",
             "Draft tokens accepted at each draft position (0-based).",
             ["position"],
+            registry=r,
+        )
+        self.drafted_length = Histogram(
+            PREFIX + "spec_decode_drafted_length",
+            "Drafts a row proposed per round (0: a target-only round for the row).",
+            buckets=tuple(range(max_gamma + 1)),
+            registry=r,
+        )
+        self.target_only_rounds = Counter(
+            PREFIX + "spec_decode_num_target_only_rounds",
+            "Rounds (per row) without drafts: the length policy judged drafting not to pay.",
+            registry=r,
+        )
+        self.predicted_sum = 0.0
+        self.reached = 0
+        self.reached_accepted = 0
+        self.mean_predicted = Gauge(
+            PREFIX + "spec_decode_mean_predicted_acceptance",
+            "Mean predicted acceptance of the drafts verification reached (NaN: none yet).",
+            registry=r,
+        )
+        self.mean_realised = Gauge(
+            PREFIX + "spec_decode_mean_realised_acceptance",
+            "Fraction of the drafts verification reached (with a prediction) that were accepted.",
             registry=r,
         )
         self.generation_tokens = Counter(
@@ -68,12 +102,30 @@ class Metrics:
             registry=r,
         )
 
-    def finished(self, stats: dict, n_prompt: int, n_out: int, reason: str, latency, ttft):
+    def finished(
+        self,
+        stats: dict,
+        n_prompt: int,
+        n_out: int,
+        reason: str,
+        latency,
+        ttft,
+        tally: LengthTally | None = None,
+    ):
         self.num_drafts.inc(stats["num_spec_steps"])
         self.num_draft_tokens.inc(stats["num_draft_tokens"])
         self.num_accepted_tokens.inc(stats["num_accepted_draft_tokens"])
         for pos, n in enumerate(stats["acceptance_histogram"]):
             self.accepted_per_pos.labels(position=str(pos)).inc(n)
+        for k, n in enumerate(stats.get("drafted_length_histogram") or []):
+            for _ in range(n):
+                self.drafted_length.observe(k)
+            if k == 0:
+                self.target_only_rounds.inc(n)
+        if tally is not None:
+            self.predicted_sum += tally.predicted_sum
+            self.reached += tally.reached
+            self.reached_accepted += tally.reached_accepted
         self.generation_tokens.inc(n_out)
         self.prompt_tokens.inc(n_prompt)
         self.request_success.labels(finished_reason=reason).inc()
@@ -85,6 +137,9 @@ class Metrics:
         self.draft_version.set(int(version[1:]) if version and _is_version(version) else 0)
         self.draft_info.clear()
         self.draft_info.labels(version=version or "none").set(1)
+        nan = float("nan")
+        self.mean_predicted.set(self.predicted_sum / self.reached if self.reached else nan)
+        self.mean_realised.set(self.reached_accepted / self.reached if self.reached else nan)
         return generate_latest(self.registry)
 
 

@@ -32,6 +32,16 @@ Limits (vLLM's names where vLLM has the flag; `Server(...)` takes the same as ke
     --drain-s S           SIGTERM/SIGINT: stop accepting, let running requests finish for at
                           most S seconds (default 30), cancel the rest, exit 0
 
+Draft length:
+
+    --gamma N|auto        drafts per round, or "auto": each row's length every round from the
+                          acceptance head's predictions and the cost of a round measured at
+                          the current batch size (eval/length_policy.py `AutoGamma`), so a
+                          loaded server drafts less and runs plain target rounds when drafting
+                          cannot pay. Default: auto for a draft with an acceptance head, 4
+                          otherwise (decided again for each hot-swapped version).
+    --max-gamma N         most drafts per round under auto (default 8)
+
 Fixed per request (serve/schema.py): JSON nesting depth <= 32 (counted before parsing), at
 most 16 stop strings of at most 256 characters, top logprobs <= 20.
 
@@ -74,7 +84,8 @@ class Server:
         draft: str | None = None,
         *,
         drafts_root: str | None = None,
-        gamma: int = 4,
+        gamma: int | str | None = None,
+        max_gamma: int = 8,
         max_num_seqs: int | None = None,
         max_batch: int | None = None,
         traffic: str | None = None,
@@ -108,8 +119,9 @@ class Server:
 
         if draft is not None and drafts_root is not None:
             raise UserError("give --draft or --drafts, not both")
-        if gamma < 1:
-            raise UserError(f"--gamma must be >= 1, got {gamma}")
+        gamma = parse_gamma(gamma)
+        if max_gamma < 1:
+            raise UserError(f"--max-gamma must be >= 1, got {max_gamma}")
         if max_num_seqs is not None and max_batch is not None and max_num_seqs != max_batch:
             raise UserError("give --max-num-seqs or its alias --max-batch, not both")
         max_num_seqs = max_num_seqs or max_batch or 8
@@ -187,6 +199,7 @@ class Server:
             draft_model,
             version,
             gamma=gamma,
+            max_gamma=max_gamma,
             capacity=max_num_seqs,
             eos_token_id=self.tokenizer.eos_token_id,
             vocab_size=len(self.tokenizer),
@@ -200,6 +213,7 @@ class Server:
             log_top_logprobs=log_top_logprobs if traffic else 0,
             max_num_seqs=max_num_seqs,
             max_queue=max_queue,
+            max_gamma=max(max_gamma, gamma if isinstance(gamma, int) else 0),
         )
         self.state = AppState(self.tokenizer, self.worker, config, self.traffic, self.keys)
         self.app = build_app(self.state)
@@ -276,6 +290,19 @@ class Server:
             self.traffic.close()
 
 
+def parse_gamma(value: int | str | None) -> int | str | None:
+    """--gamma: a number of drafts per round (>= 1), "auto", or None (the default)."""
+    if value is None or value == "auto":
+        return value
+    try:
+        gamma = int(value)
+    except (TypeError, ValueError):
+        raise UserError(f"--gamma must be an integer >= 1 or 'auto', got {value!r}") from None
+    if isinstance(value, bool) or gamma < 1 or (isinstance(value, float) and value != gamma):
+        raise UserError(f"--gamma must be an integer >= 1 or 'auto', got {value!r}")
+    return gamma
+
+
 def _uvicorn_server_class():
     import uvicorn
 
@@ -319,7 +346,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--draft", help="draft dir / HF id / embedded:<name>, or 'none'")
     source.add_argument("--drafts", help="a published root: ROOT/vNNNNNN/ + ROOT/current")
-    parser.add_argument("--gamma", type=int, default=4, help="draft tokens per round (>= 1)")
+    parser.add_argument(
+        "--gamma",
+        default=None,
+        help="draft tokens per round (>= 1) or 'auto' (default: auto when the draft has an "
+        "acceptance head, else 4). Under auto the draft lengths follow measured timings and the "
+        "load: a seeded request's output is still distributed exactly as the target's, and "
+        "greedy output is the target's own, but seeded sampled output is not bit-reproducible "
+        "across loads or machines (a fixed --gamma keeps it reproducible)",
+    )
+    parser.add_argument(
+        "--max-gamma", type=int, default=8, help="most draft tokens per round under --gamma auto"
+    )
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--traffic", default=None, help="directory of the traffic log")
@@ -402,6 +440,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.draft,
         drafts_root=args.drafts,
         gamma=args.gamma,
+        max_gamma=args.max_gamma,
         max_num_seqs=args.max_num_seqs,
         traffic=args.traffic,
         log_top_logprobs=args.log_top_logprobs,

@@ -9,6 +9,14 @@ so a slow client only grows its own queue and never holds up the decoding. A can
 Hot swap: a new draft version (serve/drafts.py) gets an engine of its own; new jobs go to
 it while the previous engine finishes the jobs it has (then is dropped). A job is decoded
 by one draft version from start to end, and names it.
+
+Draft length (`gamma`): a fixed number of drafts per round, "auto", or None (the default:
+"auto" for a draft that carries an acceptance head, `DEFAULT_GAMMA` otherwise, decided per
+draft version). Under "auto" each engine has its own `AutoGamma` (eval/length_policy.py),
+whose cost model is kept per batch size: the busier the server, the dearer a drafted token
+against the verification it saves, so rows draft less, and a round where no row's drafting
+can pay is a plain target step. Its costs are measured at start-up (and for each new
+version) at the server's row count and at the powers of two below it.
 """
 
 import logging
@@ -18,9 +26,47 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from specdistill.eval.engine import Engine, Sampling
+from specdistill.eval.engine import Engine, Sampling, SpecStats
+from specdistill.eval.length_policy import AutoGamma
 
 log = logging.getLogger("specdistill.serve")
+
+DEFAULT_GAMMA = 4  # drafts per round for a draft without an acceptance head
+
+
+def has_acceptance_head(draft) -> bool:
+    """Whether a loaded draft carries a trained acceptance head."""
+    return draft is not None and getattr(draft, "acceptance_head", None) is not None
+
+
+def gamma_for(gamma: int | str | None, draft, max_gamma: int, capacity: int = 1) -> int | AutoGamma:
+    """The engine's draft-length setting for `draft`: an `AutoGamma` for "auto" (and for the
+    default, None, when the draft has an acceptance head), else a number of drafts. The
+    policy measures its costs at start-up at `capacity` rows and at every power of two below
+    it, the batch sizes a server goes through as its load changes."""
+    if draft is not None and (gamma == "auto" or (gamma is None and has_acceptance_head(draft))):
+        sizes = tuple(1 << i for i in range(capacity.bit_length()) if 1 << i < capacity)
+        return AutoGamma(max_gamma=max_gamma, batch_sizes=sizes)
+    return DEFAULT_GAMMA if gamma in (None, "auto") else gamma
+
+
+@dataclass(frozen=True)
+class LengthTally:
+    """A finished request's draft-length sums for /metrics: Σ predicted acceptance over the
+    drafts verification reached, how many it reached, and how many of those were accepted."""
+
+    predicted_sum: float
+    reached: int
+    reached_accepted: int
+
+    @classmethod
+    def of(cls, stats: SpecStats) -> "LengthTally":
+        return cls(stats.predicted_sum, stats.reached, stats.reached_accepted)
+
+
+def request_stats(stats: SpecStats) -> dict:
+    """`metrics.speculative_decoding`: vLLM's statistics and the draft-length ones."""
+    return {**stats.as_dict(), **stats.length_dict()}
 
 
 @dataclass(frozen=True)
@@ -32,6 +78,7 @@ class Progress:
     finished: bool
     finish_reason: str | None  # "stop" or "length" once finished
     stats: dict  # the request's speculative statistics so far (`metrics.speculative_decoding`)
+    tally: LengthTally | None = None  # set once finished
 
 
 @dataclass(frozen=True)
@@ -62,10 +109,21 @@ class Job:
 class EngineWorker(threading.Thread):
     """Decodes jobs with the current draft version; `swap` installs a new one between rounds."""
 
-    def __init__(self, target, draft, version, *, gamma, capacity, eos_token_id, vocab_size):
+    def __init__(
+        self,
+        target,
+        draft,
+        version,
+        *,
+        gamma: int | str | None,
+        capacity,
+        eos_token_id,
+        vocab_size,
+        max_gamma: int = 8,
+    ):
         super().__init__(name="specdistill-engine", daemon=True)
         self.target = target
-        self.gamma, self.capacity = gamma, capacity
+        self.gamma, self.max_gamma, self.capacity = gamma, max_gamma, capacity
         self.eos_token_id, self.vocab_size = eos_token_id, vocab_size
         self.inbox: queue.Queue = queue.Queue()
         self.stopping = threading.Event()
@@ -78,7 +136,7 @@ class EngineWorker(threading.Thread):
         engine = Engine(
             self.target,
             draft,
-            gamma=self.gamma,
+            gamma=gamma_for(self.gamma, draft, self.max_gamma, self.capacity),
             capacity=self.capacity,
             eos_token_id=self.eos_token_id,
             vocab_size=self.vocab_size,
@@ -180,8 +238,14 @@ class EngineWorker(threading.Thread):
             job = self.jobs.get((id(engine), u.request))
             if job is None:
                 continue
+            stats = engine.stats(u.request)
             event = Progress(
-                u.tokens, u.logprobs, u.finished, u.finish_reason, engine.stats(u.request).as_dict()
+                u.tokens,
+                u.logprobs,
+                u.finished,
+                u.finish_reason,
+                request_stats(stats),
+                LengthTally.of(stats) if u.finished else None,
             )
             if u.finished:
                 del self.jobs[id(engine), u.request]

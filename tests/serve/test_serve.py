@@ -22,6 +22,10 @@ SPEC_KEYS = {
     "num_spec_steps",
     "num_draft_tokens",
     "num_accepted_draft_tokens",
+    "drafted_length_histogram",
+    "mean_drafted_length",
+    "mean_predicted_acceptance",
+    "mean_realised_acceptance",
 }
 
 
