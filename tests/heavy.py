@@ -20,6 +20,7 @@ HEAVY = {
     "tests/train/test_trainer.py::test_two_processes_match_one_process_at_equal_global_batch",
     "tests/train/test_sharded.py::test_fsdp2_over_gloo_with_two_processes_trains_as_one_process",
     "tests/drafts/test_embedded.py::test_concurrent_processes_build_once",
+    "tests/train/test_acceptance_head_training.py::test_two_processes_train_the_head_as_one_process",
     # kill tests and servers in subprocesses
     "tests/train/online/test_online.py::test_sigkill_mid_refresh_then_resume",
     "tests/train/online/test_demo.py::test_demo_runs_serves_learns_and_reports",
