@@ -75,3 +75,17 @@ def make_lora_adapter(base_dir, out_dir, *, scale: float = 1.0, seed: int = 0):
                 param.normal_(0.0, 0.1)
     model.save_pretrained(out_dir)
     return out_dir
+
+
+def hf_greedy(model, tokenizer, ids: list[int], n: int) -> list[int]:
+    """The target's own greedy continuation of `ids` (n tokens) through transformers'
+    `generate`: what a lossless engine must reproduce."""
+    with torch.no_grad():
+        out = model.generate(
+            torch.tensor([ids]),
+            max_new_tokens=n,
+            do_sample=False,
+            eos_token_id=tokenizer.eos_token_id,
+            pad_token_id=tokenizer.pad_token_id,
+        )
+    return out[0, len(ids) :].tolist()

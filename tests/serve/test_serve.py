@@ -13,6 +13,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from specdistill.serve.traffic import TrafficError, TrafficLog, read_traffic
+from tests.helpers import hf_greedy
 
 PROMPTS = ["def add(a, b):", "class Point:\n    def", "for i in range(10):"]
 SPEC_KEYS = {
@@ -34,19 +35,6 @@ def hf(tiny_pair):
     target, _, _ = tiny_pair
     model = AutoModelForCausalLM.from_pretrained(target).eval()
     return model, AutoTokenizer.from_pretrained(target)
-
-
-def hf_greedy(hf, ids: list[int], n: int) -> list[int]:
-    model, tok = hf
-    with torch.no_grad():
-        out = model.generate(
-            torch.tensor([ids]),
-            max_new_tokens=n,
-            do_sample=False,
-            eos_token_id=tok.eos_token_id,
-            pad_token_id=tok.pad_token_id,
-        )
-    return out[0, len(ids) :].tolist()
 
 
 def records_by_id(server) -> dict:
@@ -81,7 +69,7 @@ def test_completion_stats_and_greedy_equals_hf(client, server, hf):
     for i, prompt, _ in jobs:
         text, last = results[i]
         ids = tok(prompt)["input_ids"]
-        expected = hf_greedy(hf, ids, 24)
+        expected = hf_greedy(*hf, ids, 24)
         assert text == tok.decode(expected, skip_special_tokens=True)
         assert records[last.id]["completion_token_ids"] == expected
         assert records[last.id]["prompt_token_ids"] == ids
@@ -131,7 +119,7 @@ def test_chat_stream_equals_non_stream(client, hf):
     text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
     ids = tok(text, add_special_tokens=False)["input_ids"]
     assert r.usage.prompt_tokens == len(ids)
-    expected = tok.decode(hf_greedy(hf, ids, 16), skip_special_tokens=True)
+    expected = tok.decode(hf_greedy(*hf, ids, 16), skip_special_tokens=True)
     assert r.choices[0].message.content == expected
 
 
@@ -143,7 +131,7 @@ def test_logprobs_are_the_targets(client, hf):
     lp = r.choices[0].logprobs
     assert len(lp.token_logprobs) == 6 and all(len(t) <= 3 for t in lp.top_logprobs)
     ids = tok(PROMPTS[1])["input_ids"]
-    out = hf_greedy(hf, ids, 6)
+    out = hf_greedy(*hf, ids, 6)
     with torch.no_grad():
         logits = model(torch.tensor([ids + out])).logits[0, len(ids) - 1 : -1]
     expected = logits.log_softmax(-1).gather(-1, torch.tensor(out)[:, None])[:, 0]

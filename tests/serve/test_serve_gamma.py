@@ -7,7 +7,6 @@ import threading
 import httpx
 import openai
 import pytest
-import torch
 from prometheus_client.parser import text_string_to_metric_families
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -17,6 +16,7 @@ from specdistill.eval.length_policy import AutoGamma
 from specdistill.serve import worker
 from specdistill.serve.server import Server, parse_gamma
 from specdistill.serve.worker import DEFAULT_GAMMA, gamma_for
+from tests.helpers import hf_greedy
 
 PROMPTS = ["def add(a, b):", "class Point:\n    def", "for i in range(10):", "import os\n"]
 MAX_GAMMA = 4
@@ -52,20 +52,6 @@ def auto_server(request, tiny_pair):
     srv.stop()
 
 
-def hf_greedy(target_dir, ids: list[int], n: int) -> list[int]:
-    model = AutoModelForCausalLM.from_pretrained(target_dir).eval()
-    tok = AutoTokenizer.from_pretrained(target_dir)
-    with torch.no_grad():
-        out = model.generate(
-            torch.tensor([ids]),
-            max_new_tokens=n,
-            do_sample=False,
-            eos_token_id=tok.eos_token_id,
-            pad_token_id=tok.pad_token_id,
-        )
-    return out[0, len(ids) :].tolist()
-
-
 def test_auto_greedy_equals_target_and_reports_lengths(auto_server, tiny_pair):
     """Concurrent greedy requests under --gamma auto give the target's own greedy output,
     and each response's statistics carry the drafted-length histogram beside vLLM's keys."""
@@ -89,10 +75,12 @@ def test_auto_greedy_equals_target_and_reports_lengths(auto_server, tiny_pair):
     for t in threads:
         t.join()
     rounds_total = 0
+    target = AutoModelForCausalLM.from_pretrained(tiny_pair[0]).eval()
+    target_tok = AutoTokenizer.from_pretrained(tiny_pair[0])
     for i, prompt in enumerate(PROMPTS):
         r = results[i]
         ids = tok(prompt)["input_ids"]
-        expected = hf_greedy(tiny_pair[0], ids, 20)
+        expected = hf_greedy(target, target_tok, ids, 20)
         assert r.choices[0].text == tok.decode(expected, skip_special_tokens=True)
         spec = r.metrics["speculative_decoding"]
         hist = spec["drafted_length_histogram"]
