@@ -7,7 +7,7 @@ from transformers import AutoTokenizer
 from specdistill.drafts import hub
 from specdistill.drafts.identity import model_identity
 from specdistill.serve.traffic import read_traffic
-from tests.serve.test_serve import hf_greedy
+from tests.helpers import hf_greedy
 
 PROMPTS = ["def add(a, b):", "class Point:\n    def", "for i in range(10):"]
 
@@ -45,8 +45,8 @@ def test_greedy_equals_the_adapter_models_generate(tiny_pair, tiny_adapter, adap
     ids_by_response = {}
     for prompt in PROMPTS:
         ids = tok(prompt)["input_ids"]
-        expected = hf_greedy((tuned, tok), ids, 16)
-        differs |= expected != hf_greedy((base, tok), ids, 16)
+        expected = hf_greedy(tuned, tok, ids, 16)
+        differs |= expected != hf_greedy(base, tok, ids, 16)
         r = client.completions.create(model="tiny", prompt=prompt, max_tokens=16, temperature=0)
         assert r.choices[0].text == tok.decode(expected, skip_special_tokens=True)
         ids_by_response[r.id] = expected
