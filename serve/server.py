@@ -219,6 +219,7 @@ class Server:
         self.app = build_app(self.state)
         self._uvicorn = None
         self._thread = None
+        self.warm_up_s = warm_up(self.worker.current, self.tokenizer.eos_token_id)
 
     def _install(self, draft, version: str) -> None:
         self.worker.swap(draft, version)
@@ -288,6 +289,30 @@ class Server:
         self.state.parser.shutdown(wait=False, cancel_futures=True)
         if self.traffic is not None:
             self.traffic.close()
+
+
+def warm_up(engine, token_id: int | None) -> float:
+    """One tiny generation through `engine` before the server answers anything (/health
+    included), so that no request pays for lazy initialisation; its seconds."""
+    start = time.perf_counter()
+    engine.add([token_id or 0], max_new_tokens=2)
+    while engine.busy:
+        engine.step()
+    log.info("warmed up with one 2-token generation in %.1fs", time.perf_counter() - start)
+    return time.perf_counter() - start
+
+
+def set_threads(threads: int | None, device: str | None) -> None:
+    """--threads, or on a CPU (no --device, no GPU) `decoding_threads` of the load now."""
+    import torch
+
+    from specdistill.drafts.progress import decoding_threads, machine_load
+
+    if threads is None and (device or ("cuda" if torch.cuda.is_available() else "cpu")) == "cpu":
+        threads = decoding_threads(load := machine_load())
+        log.info("%d torch threads (%s; --threads to choose)", threads, load and load.describe())
+    if threads:
+        torch.set_num_threads(threads)
 
 
 def parse_gamma(value: int | str | None) -> int | str | None:
@@ -424,17 +449,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--served-model-name", default=None)
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     parser.add_argument("--device", default=None)
-    parser.add_argument("--threads", type=int, default=None, help="torch intra-op CPU threads")
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="torch intra-op CPU threads (default on a CPU: half the cores, fewer when other "
+        "processes use them at start-up, so that a busy machine does not multiply latency)",
+    )
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     from specdistill.serve.auth import ApiKeys, check_bind, parse_keys
 
     api_key = args.api_key or os.environ.get("SPECDISTILL_API_KEY")
     check_bind(args.host, ApiKeys(parse_keys(api_key)), args.insecure)  # before loading models
-    if args.threads:
-        import torch
-
-        torch.set_num_threads(args.threads)
+    set_threads(args.threads, args.device)
     server = Server(
         args.target,
         args.draft,
