@@ -18,8 +18,8 @@ On a terminal this is a tqdm bar; anywhere else (a log file, a pipe) one line ev
 `Load.busy` is True when the processes wanting a core outnumber the cores by half a core or
 more, which slows every multi-threaded CPU job on the machine (the ETA then follows the
 measured, slower speed, and the bar says why). The embedded build (drafts/embedded_train.py)
-and `specdistill speculate` (eval/sweep.py) use it; `decoding_threads` is the server's
-default thread count on a CPU (serve/server.py).
+and `specdistill speculate` (eval/sweep.py) use it; the server logs it at start-up
+(serve/server.py).
 """
 
 import math
@@ -61,17 +61,6 @@ class Load:
 
     def describe(self) -> str:
         return f"load average {self.load1:.1f} on {self.cores} cores"
-
-
-def decoding_threads(load: Load | None) -> int:
-    """Intra-op threads for latency-bound decoding on a CPU that other work may share: half
-    the cores (at least one), fewer when other processes already want them. The threads of
-    one operation wait for each other, so a thread that another process preempts holds up
-    every operation it is part of: with a thread on every core, another process's work
-    multiplies the latency of each decoding step; half the cores leaves it room."""
-    cores = load.cores if load is not None else usable_cores()
-    half = max(1, cores // 2)
-    return half if load is None else min(half, load.free_cores())
 
 
 def machine_load() -> Load | None:

@@ -9,7 +9,8 @@
 Endpoints: POST /v1/completions, POST /v1/chat/completions (stream, logprobs, stop, seed),
 GET /v1/models, GET /health, GET /metrics (Prometheus). One engine thread owns the models
 and batches every request in flight (continuous batching, per-request sampling parameters
-and seeds: eval/engine.py `Engine`); requests join the running batch between rounds.
+and seeds: eval/engine.py `Engine`); requests join the running batch between rounds. One
+2-token generation warms the engine before anything answers, /health included.
 
 --drafts ROOT serves the version ROOT/current names (ROOT/v000001/, ...) and watches it:
 a newly published version is loaded beside the old one, checked against the target and
@@ -303,16 +304,18 @@ def warm_up(engine, token_id: int | None) -> float:
 
 
 def set_threads(threads: int | None, device: str | None) -> None:
-    """--threads, or on a CPU (no --device, no GPU) `decoding_threads` of the load now."""
+    """--threads, else torch's default (every core), said on a CPU with the machine's load:
+    on a busy machine fewer threads did not answer faster (benchmarks/RESULTS.md)."""
     import torch
 
-    from specdistill.drafts.progress import decoding_threads, machine_load
+    from specdistill.drafts.progress import machine_load
 
-    if threads is None and (device or ("cuda" if torch.cuda.is_available() else "cpu")) == "cpu":
-        threads = decoding_threads(load := machine_load())
-        log.info("%d torch threads (%s; --threads to choose)", threads, load and load.describe())
     if threads:
         torch.set_num_threads(threads)
+    elif (device or ("cuda" if torch.cuda.is_available() else "cpu")) == "cpu":
+        load = machine_load()
+        state = "" if load is None else f", {load.describe()}" + (" (busy)" if load.busy else "")
+        log.info("%d torch threads (--threads to choose)%s", torch.get_num_threads(), state)
 
 
 def parse_gamma(value: int | str | None) -> int | str | None:
@@ -449,13 +452,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--served-model-name", default=None)
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     parser.add_argument("--device", default=None)
-    parser.add_argument(
-        "--threads",
-        type=int,
-        default=None,
-        help="torch intra-op CPU threads (default on a CPU: half the cores, fewer when other "
-        "processes use them at start-up, so that a busy machine does not multiply latency)",
-    )
+    parser.add_argument("--threads", type=int, help="torch intra-op CPU threads (default: all)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     from specdistill.serve.auth import ApiKeys, check_bind, parse_keys

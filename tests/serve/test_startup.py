@@ -1,5 +1,5 @@
 """The server's start-up: the first request is warmed before anything answers (/health
-included), and the default thread count leaves room for the machine's other work."""
+included); the thread count and the machine's load are said."""
 
 import threading
 
@@ -42,22 +42,18 @@ def test_one_generation_runs_before_the_server_answers(tiny_pair, tmp_path, monk
     assert len(records) == 1
 
 
-def test_decoding_threads_leave_room_for_other_work(monkeypatch):
-    assert progress.decoding_threads(Load(0.1, 2)) == 1
-    assert progress.decoding_threads(Load(0.1, 16)) == 8
-    assert progress.decoding_threads(Load(10.0, 16)) == 6  # 6 cores free of other work
-    assert progress.decoding_threads(Load(7.0, 2)) == 1
-    monkeypatch.setattr(progress, "usable_cores", lambda: 12)
-    assert progress.decoding_threads(None) == 6  # no load average: half the cores
+def test_serve_sets_threads_as_asked_and_says_the_load(monkeypatch, caplog):
+    import logging
 
-
-def test_serve_sets_the_default_threads_on_a_cpu_only(monkeypatch):
     import torch
 
     calls = []
     monkeypatch.setattr(torch, "set_num_threads", calls.append)
-    monkeypatch.setattr(progress, "machine_load", lambda: Load(0.2, 8))
-    server_module.set_threads(None, "cpu")
-    server_module.set_threads(3, "cpu")  # --threads wins
-    server_module.set_threads(None, "cuda")  # a GPU: torch's own default
-    assert calls == [4, 3]
+    monkeypatch.setattr(progress, "machine_load", lambda: Load(3.4, 2))
+    with caplog.at_level(logging.INFO, logger="specdistill.serve"):
+        server_module.set_threads(3, "cpu")  # --threads
+        server_module.set_threads(None, "cpu")  # torch's default, said with the load
+        server_module.set_threads(None, "cuda")
+    assert calls == [3]
+    said = [r.getMessage() for r in caplog.records]
+    assert len(said) == 1 and said[0].endswith("load average 3.4 on 2 cores (busy)")
