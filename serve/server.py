@@ -294,7 +294,9 @@ class Server:
 
 def warm_up(engine, token_id: int | None) -> float:
     """One tiny generation through `engine` before the server answers anything (/health
-    included), so that no request pays for lazy initialisation; its seconds."""
+    included); its seconds. On the calling (main) thread, before the engine thread starts:
+    an engine first run on the engine thread stayed slow on several CPU threads
+    (benchmarks/RESULTS.md), besides the lazy initialisation no request should pay for."""
     start = time.perf_counter()
     engine.add([token_id or 0], max_new_tokens=2)
     while engine.busy:
