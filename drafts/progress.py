@@ -116,11 +116,20 @@ class WorkProgress:
         if use_bar:
             from tqdm.auto import tqdm
 
-            self.bar = tqdm(
+            class Bar(tqdm):
+                """tqdm with the status (`WorkProgress.status`) as a field of its format."""
+
+                status = ""
+
+                @property
+                def format_dict(self):
+                    return {**super().format_dict, "status": self.status}
+
+            self.bar = Bar(
                 total=self.total,
                 desc=desc,
                 file=self.stream,
-                bar_format="{desc} {percentage:3.0f}%|{bar}| {postfix}",
+                bar_format="{desc} {percentage:3.0f}%|{bar}| {status}",
                 dynamic_ncols=True,
             )
 
@@ -159,7 +168,7 @@ class WorkProgress:
         if self.bar is not None:
             if keep:
                 self.note(detail)
-            self.bar.set_postfix_str(status, refresh=False)
+            self.bar.status = status
             self.bar.update(units)
         elif keep or self.last_line is None or now - self.last_line >= self.line_every_s:
             self.last_line = now

@@ -221,7 +221,7 @@ def _run(args, prompts) -> dict:
         repeats=args.repeats,
         max_gamma=args.max_gamma,
     )
-    with WorkProgress("speculate", sweep.work_units(settings), prefix="[speculate] ") as progress:
+    with WorkProgress("runs", sweep.work_units(settings), prefix="[speculate] ") as progress:
         result, runs = sweep.sweep(target, draft, prompt_ids, settings, progress)
     result["meta"] = {
         "target": args.target,
