@@ -4,14 +4,15 @@
     draft.model: embedded:code-deep-draft    # 1-layer Llama, pretrained on the same corpus
 
 The default pair (recipes/code.yaml) is "code-deep" / "code-deep-draft": the draft costs
-about 0.15 of a target decoding step on a CPU, so speculative decoding pays off as it does
-for real pairs. "code" / "code-draft" (4 layers / 1 layer, where the draft costs ~0.4 of a
-step) is the pair that the studies of docs/quality.md, docs/eagle3.md, docs/drift.md,
-docs/online.md and docs/cache.md ran on; "prose" / "prose-draft" is a pair whose target
-never saw code; "tiny" / "tiny-draft" builds in seconds for the tests.
+a small fraction of a target decoding step on a CPU, so speculative decoding pays off as it
+does for real pairs. "code" / "code-draft" (4 layers / 1 layer, where the draft costs a
+larger fraction of a step) is the pair that the studies of docs/quality.md, docs/eagle3.md,
+docs/drift.md, docs/online.md and docs/cache.md ran on; "prose" / "prose-draft" is a pair
+whose target never saw code; "tiny" / "tiny-draft" builds in seconds for the tests.
 
-`resolve_model("embedded:code-deep")` builds the model on first use (a few minutes on 2
-CPU cores), caches it as an ordinary Hugging Face model directory under
+`resolve_model("embedded:code-deep")` builds the model on first use (its build time on a
+machine is in benchmarks/RESULTS.md; the build shows its progress with an ETA measured as it
+goes, drafts/progress.py), caches it as an ordinary Hugging Face model directory under
 `<cache>/embedded/code-deep/` and returns that path, which then goes through the same
 `from_pretrained` calls as a hub model. The cache root is `$SPECDISTILL_CACHE` or
 `~/.cache/specdistill`. Build by hand with
@@ -60,6 +61,7 @@ from specdistill.drafts.embedded_specs import (
     CorpusSpec,
     EmbeddedSpec,
     record_spec,
+    same_spec,
 )
 from specdistill.drafts.embedded_train import log, new_tokenizer, train_model
 from specdistill.errors import UserError
@@ -96,7 +98,7 @@ def resolve_model(name_or_path: str) -> str:
         return name_or_path
     name = name_or_path.removeprefix(PREFIX)
     path = _model_dir(name)  # validates the name
-    if _is_current(path, record_spec(EMBEDDED[name])):
+    if _is_current(path, EMBEDDED[name]):
         return str(path)
     return str(build(name))
 
@@ -109,7 +111,7 @@ def build(name: str, *, force: bool = False) -> Path:
     final = _model_dir(name)
     spec = EMBEDDED[name]
     with _build_lock():
-        if not force and _is_current(final, record_spec(spec)):
+        if not force and _is_current(final, spec):
             return final
         _remove_leftovers()
         tokenizer_dir = _ensure_tokenizer(spec.corpus)
@@ -170,13 +172,13 @@ def _build_lock() -> Iterator[None]:
             fcntl.flock(lock_file, fcntl.LOCK_UN)
 
 
-def _is_current(path: Path, spec: dict) -> bool:
+def _is_current(path: Path, spec: EmbeddedSpec | CorpusSpec) -> bool:
     """True when `path` holds a complete build of `spec` by this BUILD_VERSION."""
     try:
         record = json.loads((path / BUILD_RECORD).read_text())
     except (OSError, ValueError):
         return False
-    return record.get("build_version") == BUILD_VERSION and record.get("spec") == spec
+    return record.get("build_version") == BUILD_VERSION and same_spec(record.get("spec"), spec)
 
 
 def _new_tmp_dir(name: str) -> Path:
@@ -205,7 +207,7 @@ def _write_record(path: Path, spec: EmbeddedSpec | CorpusSpec, **fields) -> None
 def _ensure_tokenizer(corpus: CorpusSpec) -> Path:
     """Path of the family's tokenizer, training it first if needed. Caller holds the lock."""
     final = _embedded_root() / "tokenizers" / corpus.name
-    if _is_current(final, record_spec(corpus)):
+    if _is_current(final, corpus):
         return final
     log(f"training the {corpus.vocab_size}-token byte-level BPE tokenizer '{corpus.name}'")
     start = time.perf_counter()

@@ -47,7 +47,6 @@ class EmbeddedSpec:
     lr: float
     warmup_steps: int
     eval_blocks: int  # held-out blocks of `seq_len` scored for the build record
-    eta: str  # shown while building
     seed: int = 0
     threads: int | None = None  # torch intra-op threads while building; None: torch's default
     # Progressive stacking (Gong et al. 2019, "Efficient Training of BERT by Progressively
@@ -75,9 +74,9 @@ PROSE = CorpusSpec("prose", vocab_size=2048, text="prose")
 TINY = CorpusSpec("tiny", vocab_size=512, train_files=12, heldout_files=3)
 
 EMBEDDED: dict[str, EmbeddedSpec] = {
-    # Sizes and steps measured on 2 CPU cores, where building both takes about 4 minutes.
-    # With so little compute, optimizer steps matter more than width: a 192-wide model on
-    # batches of 4 reaches a lower held-out loss in the same time than a 256-wide one on 8.
+    # Sizes and steps chosen for a build of minutes on a few CPU cores. With so little
+    # compute, optimizer steps matter more than width: a 192-wide model on batches of 4
+    # reached a lower held-out loss in the same time than a 256-wide one on 8.
     "code": EmbeddedSpec(
         CODE,
         hidden_size=192,
@@ -91,7 +90,6 @@ EMBEDDED: dict[str, EmbeddedSpec] = {
         lr=3e-3,
         warmup_steps=20,
         eval_blocks=48,
-        eta="~3.5 min on 2 CPU cores",
     ),
     "code-draft": EmbeddedSpec(
         CODE,
@@ -106,15 +104,13 @@ EMBEDDED: dict[str, EmbeddedSpec] = {
         lr=3e-3,
         warmup_steps=8,
         eval_blocks=48,
-        eta="~30 s on 2 CPU cores",
     ),
     # The default pair (recipes/code.yaml): a target deep enough that the one-layer draft
-    # costs ~0.15 of its decoding step on a CPU, as drafts do next to real targets on GPUs
-    # (per-layer overhead, not width, sets a small model's decoding step on a CPU). Measured
-    # on 2 CPU cores: 20 layers grown from 4 (progressive stacking) reach 5.30 nats held out
-    # in 280 s (16 grown from 4: 5.29 in 257 s); trained from scratch, 16 layers reached 6.36
-    # in 277 s (300 steps of 8 x 256) and 20 layers 6.60 in 332 s (240 steps of 4 x 512);
-    # "code" has 5.80.
+    # costs a small fraction of its decoding step on a CPU, as drafts do next to real
+    # targets on GPUs (per-layer overhead, not width, sets a small model's decoding step on
+    # a CPU). 20 layers grown from 4 (progressive stacking) reached a lower held-out loss
+    # than 16 or 20 layers trained from scratch in the same time, and a lower one than
+    # "code".
     "code-deep": EmbeddedSpec(
         CODE,
         hidden_size=128,
@@ -128,7 +124,6 @@ EMBEDDED: dict[str, EmbeddedSpec] = {
         lr=3e-3,
         warmup_steps=20,
         eval_blocks=96,
-        eta="~4.5 min on 2 CPU cores",
         grow_from_layers=4,
         grow_at_step=450,
     ),
@@ -145,10 +140,9 @@ EMBEDDED: dict[str, EmbeddedSpec] = {
         lr=3e-3,
         warmup_steps=8,
         eval_blocks=96,
-        eta="~1 min on 2 CPU cores",
     ),
     # A second pair whose target never saw code: English documentation (data.stdlib_prose),
-    # for comparisons that must not hold only on code (docs/quality.md). ~1.5 min to build.
+    # for comparisons that must not hold only on code (docs/quality.md).
     "prose": EmbeddedSpec(
         PROSE,
         hidden_size=160,
@@ -162,7 +156,6 @@ EMBEDDED: dict[str, EmbeddedSpec] = {
         lr=3e-3,
         warmup_steps=20,
         eval_blocks=48,
-        eta="~1.5 min on 2 CPU cores",
     ),
     "prose-draft": EmbeddedSpec(
         PROSE,
@@ -177,7 +170,6 @@ EMBEDDED: dict[str, EmbeddedSpec] = {
         lr=3e-3,
         warmup_steps=8,
         eval_blocks=48,
-        eta="~15 s on 2 CPU cores",
     ),
     # A micro pair for tests: builds in seconds.
     "tiny": EmbeddedSpec(
@@ -193,7 +185,6 @@ EMBEDDED: dict[str, EmbeddedSpec] = {
         lr=3e-3,
         warmup_steps=2,
         eval_blocks=8,
-        eta="seconds",
         threads=1,  # ops this small only pay for splitting across threads
     ),
     "tiny-draft": EmbeddedSpec(
@@ -209,7 +200,6 @@ EMBEDDED: dict[str, EmbeddedSpec] = {
         lr=3e-3,
         warmup_steps=1,
         eval_blocks=8,
-        eta="seconds",
         threads=1,  # ops this small only pay for splitting across threads
     ),
 }
@@ -218,6 +208,9 @@ EMBEDDED: dict[str, EmbeddedSpec] = {
 # Fields added after builds were cached, left out of a record at these defaults so that the
 # builds made before them stay current.
 _LATER_FIELDS = {"text": "code", "grow_from_layers": None, "grow_at_step": 0}
+# Fields that older records hold but that never changed what a build produces (a display
+# string): ignored when a record is compared with a spec.
+_DROPPED_FIELDS = ("eta",)
 
 
 def record_spec(spec: EmbeddedSpec | CorpusSpec) -> dict:
@@ -229,3 +222,12 @@ def record_spec(spec: EmbeddedSpec | CorpusSpec) -> dict:
             if key in part and part[key] == default:
                 del part[key]
     return record
+
+
+def same_spec(recorded, spec: EmbeddedSpec | CorpusSpec) -> bool:
+    """Whether a build record's "spec" describes the build of `spec` (`_DROPPED_FIELDS` of an
+    older record aside)."""
+    if not isinstance(recorded, dict):
+        return False
+    recorded = {k: v for k, v in recorded.items() if k not in _DROPPED_FIELDS}
+    return recorded == record_spec(spec)

@@ -32,10 +32,13 @@ from specdistill.drafts.embedded_specs import (
     EmbeddedSpec,
 )
 from specdistill.drafts.model_lock import model_lock
+from specdistill.drafts.progress import WorkProgress
+
+PREFIX = "[specdistill embedded] "
 
 
 def log(message: str) -> None:
-    print(f"[specdistill embedded] {message}", file=sys.stderr, flush=True)
+    print(PREFIX + message, file=sys.stderr, flush=True)
 
 
 def _spread(files: list[Path], n: int | None) -> list[Path]:
@@ -176,6 +179,19 @@ def grown(model, config: LlamaConfig):
     return deep
 
 
+def _threads() -> str:
+    n = torch.get_num_threads()
+    return f"{n} thread" + ("s" if n > 1 else "")
+
+
+def step_cost(spec: EmbeddedSpec, num_layers: int) -> int:
+    """The work of one training step at `num_layers` layers, for the build's ETA: layers x
+    tokens, the output head (with the embedding and the loss) counted as one more layer. A
+    step at 20 layers then counts 21/5 of one at 4, not 20/4: the head costs the same at
+    both depths (a layer count alone would overstate the deep phase)."""
+    return (num_layers + 1) * spec.batch_size * spec.seq_len
+
+
 def train_model(name: str, spec: EmbeddedSpec, tokenizer_dir: Path, out: Path) -> dict:
     """Pretrain `spec` from scratch and save model and tokenizer into `out`; the build
     record's fields about the run (drafts/embedded.py writes the record)."""
@@ -213,30 +229,36 @@ def train_model(name: str, spec: EmbeddedSpec, tokenizer_dir: Path, out: Path) -
     if spec.grow_from_layers:
         stages = f" (the first {spec.grow_at_step} at {spec.grow_from_layers} layers)"
     log(
-        f"building '{name}' (once, {spec.eta}): {spec.num_layers}-layer Llama, "
+        f"building '{name}' (once, then cached): {spec.num_layers}-layer Llama, "
         f"{spec.steps} steps x {spec.batch_size}x{spec.seq_len} tokens{stages} "
-        f"from {len(train):,} training tokens"
+        f"from {len(train):,} training tokens, on {_threads()}"
     )
+
+    def layers_at(step: int) -> int:
+        if spec.grow_from_layers and step < spec.grow_at_step:
+            return spec.grow_from_layers
+        return spec.num_layers
+
+    costs = [step_cost(spec, layers_at(step)) for step in range(spec.steps)]
+    progress = WorkProgress(f"building '{name}'", sum(costs), prefix=PREFIX)
     optimizer, scheduler = _optimizer(model, spec, 0)
     generator = torch.Generator().manual_seed(spec.seed)
     order = torch.randperm(len(train_blocks), generator=generator)
     cursor = 0
-    log_every = max(1, spec.steps // 8)
     model.train()
-    for step in range(spec.steps):
-        if spec.grow_from_layers and step == spec.grow_at_step:
-            model = grown(model, config(spec.num_layers))
-            model.train()
-            optimizer, scheduler = _optimizer(model, spec, step)
-            log(f"'{name}' step {step}: grown to {spec.num_layers} layers")
-        if cursor + spec.batch_size > len(order):
-            order, cursor = torch.randperm(len(train_blocks), generator=generator), 0
-        batch = train_blocks[order[cursor : cursor + spec.batch_size]]
-        cursor += spec.batch_size
-        loss = train_step(model, optimizer, scheduler, batch)
-        if (step + 1) % log_every == 0 or step + 1 == spec.steps:
-            elapsed = time.perf_counter() - start
-            log(f"'{name}' step {step + 1}/{spec.steps}  loss {loss:.3f}  ({elapsed:.0f}s)")
+    with progress:
+        for step in range(spec.steps):
+            if spec.grow_from_layers and step == spec.grow_at_step:
+                model = grown(model, config(spec.num_layers))
+                model.train()
+                optimizer, scheduler = _optimizer(model, spec, step)
+                progress.note(f"'{name}' step {step}: grown to {spec.num_layers} layers")
+            if cursor + spec.batch_size > len(order):
+                order, cursor = torch.randperm(len(train_blocks), generator=generator), 0
+            batch = train_blocks[order[cursor : cursor + spec.batch_size]]
+            cursor += spec.batch_size
+            loss = train_step(model, optimizer, scheduler, batch)
+            progress.advance(costs[step], f"step {step + 1}/{spec.steps}, loss {loss:.3f}")
 
     n_params = sum(p.numel() for p in model.parameters())
     heldout_loss = _eval_loss(model, eval_blocks, spec.batch_size)

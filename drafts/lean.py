@@ -1,13 +1,13 @@
 """A lean decoding forward for Llama-family causal LMs on CPU (`LeanDecoder`).
 
 Small models decoding on a CPU are bound by per-call costs, not FLOPs: one token through a
-128-wide layer is ~20 tensor ops of a few µs each, and transformers' modules add their own
-Python work per layer. `KVStream` (drafts/kv_cache.py) therefore runs a supported model through
+narrow layer is some twenty small tensor ops, and transformers' modules add their own Python
+work per layer. `KVStream` (drafts/kv_cache.py) therefore runs a supported model through
 this forward instead, with the model's own parameters and the same cache:
 
 - projections multiply by transposed, contiguous copies of the weights, q/k/v and gate/up
-  fused into one matrix each. On this CPU, MKL runs `x @ Wᵀ` with a K-major copy about twice
-  as fast as `F.linear(x, W)` for 1–5 rows (the output head: 65 µs against 130 µs);
+  fused into one matrix each: for a few rows, MKL runs `x @ Wᵀ` with a K-major copy faster
+  than `F.linear(x, W)`;
 - RoPE is applied to q and k together, with cos/sin computed once per forward by the model's
   own rotary module (so every RoPE scaling type transformers knows works as it does there);
 - only the kept positions go through the final norm and the output head; their normed hidden

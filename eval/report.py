@@ -2,7 +2,9 @@
 
 Written by `python eval/speculative.py ...` (see its docstring) from the result of one
 evaluation sweep (eval/sweep.py: per temperature a target-only baseline, then each γ and
-adaptive γ). `summary_table` is the markdown table the CLI prints.
+adaptive γ). `summary_table` is report.md's table of every configuration. Plots:
+eval/report_plots.py; the one screen the CLI prints instead of the table:
+eval/report_console.py.
 """
 
 import json
@@ -14,6 +16,7 @@ from pydantic import BaseModel, ConfigDict
 
 from specdistill.eval.engine import Generation
 from specdistill.eval.prompts import Prompt, prompt_text
+from specdistill.eval.report_plots import write_plots
 from specdistill.eval.sweep import Settings
 
 # ----------------------------------------------------------------------------- report.json
@@ -94,6 +97,7 @@ class _ConfigFields(_Strict):
     engine_efficiency: Metric
     best_gamma_predicted: int | None
     target_tokens_per_s: Number
+    greedy_identical: int | None = None  # T=0: prompts whose output is the target-only one's
     # γ = "auto" only (eval/sweep.py `_length_stats`):
     drafted_length_histogram: list[int] | None = None
     mean_drafted_length: Metric = None
@@ -125,6 +129,10 @@ class SpeculateMeta(_Strict):
     device: str
     dtype: str
     threads: int
+    cores: int | None = None  # the cores the run could use
+    # The highest 1-minute load average seen while the machine counted as busy (more
+    # processes wanting a core than cores, drafts/progress.py); None: never busy.
+    busy_load_average: Number | None = None
 
 
 class SpeculateReport(_Strict):
@@ -377,86 +385,6 @@ def _length_lines(configs: list[dict]) -> list[str]:
     return lines
 
 
-def _plots(result: dict, token_latencies: dict[str, list[float]], out: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    configs = result["configs"]
-    fig, ax = plt.subplots(figsize=(6, 4))
-    for e in configs:
-        slots = e["slot_acceptance"]
-        ax.plot(range(1, len(slots) + 1), slots, marker="o", label=e["name"])
-    ax.set(xlabel="draft slot i", ylabel="P(accept slot i | slots < i accepted)", ylim=(0, 1.02))
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(out / "acceptance_per_position.png", dpi=120)
-    plt.close(fig)
-
-    fig, (ax_tau, ax_speed) = plt.subplots(1, 2, figsize=(10, 4))
-    for t in result["baselines"]:
-        fixed = sorted(
-            (e for e in configs if f"{e['temperature']:g}" == t and isinstance(e["gamma"], int)),
-            key=lambda e: e["gamma"],
-        )
-        gs = [e["gamma"] for e in fixed]
-        ax_tau.plot(gs, [e["tau"] for e in fixed], marker="o", label=f"T={t} measured")
-        ax_tau.plot(
-            gs,
-            [e["tau_pred"] for e in fixed],
-            ls="--",
-            marker="x",
-            label=f"T={t} predicted (iid α)",
-        )
-        ax_tau.plot(
-            gs,
-            [e.get("tau_pred_rounds", math.nan) for e in fixed],
-            ls=":",
-            marker="+",
-            label=f"T={t} predicted (rounds)",
-        )
-        ax_speed.plot(gs, [e["speedup"] for e in fixed], marker="o", label=f"T={t} measured")
-        ax_speed.plot(
-            gs, [e["ideal_speedup"] for e in fixed], ls="--", marker="x", label=f"T={t} ideal"
-        )
-    gammas = sorted({e["gamma"] for e in configs if isinstance(e["gamma"], int)})
-    ax_tau.set(xlabel="γ", ylabel="τ (tokens per round)", xticks=gammas)
-    ax_speed.set(xlabel="γ", ylabel="speedup over target-only", xticks=gammas)
-    ax_speed.axhline(1.0, color="grey", lw=0.8)
-    ax_tau.legend(fontsize=7)
-    ax_speed.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(out / "tau_speedup_vs_gamma.png", dpi=120)
-    plt.close(fig)
-
-    fig, ax = plt.subplots(figsize=(7, 4))
-    width = 0.8 / len(configs)
-    longest = max(len(e["rejection_histogram"]) for e in configs)
-    for k, e in enumerate(configs):
-        total = sum(e["rejection_histogram"]) + e["no_rejection"]
-        padded = e["rejection_histogram"] + [0] * (longest - len(e["rejection_histogram"]))
-        hist = [n / total for n in [*padded, e["no_rejection"]]]
-        ax.bar([i + k * width for i in range(len(hist))], hist, width=width, label=e["name"])
-    ax.set_xticks([i + 0.4 - width / 2 for i in range(longest + 1)])
-    ax.set_xticklabels([str(i + 1) for i in range(longest)] + ["none"])
-    ax.set(xlabel="slot of the first rejection", ylabel="fraction of rounds")
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(out / "rejection_positions.png", dpi=120)
-    plt.close(fig)
-
-    fig, ax = plt.subplots(figsize=(6, 4))
-    for name, lat in token_latencies.items():
-        xs = sorted(1e3 * v for v in lat)
-        ax.step(xs, [(i + 1) / len(xs) for i in range(len(xs))], where="post", label=name)
-    ax.set(xlabel="per-token latency (ms)", ylabel="CDF", xscale="log")
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(out / "latency_cdf.png", dpi=120)
-    plt.close(fig)
-
-
 def _json_safe(value):
     """NaN (a metric with no data, e.g. a slot no round reached) becomes null."""
     if isinstance(value, float) and math.isnan(value):
@@ -492,4 +420,5 @@ def write(
                     "text": tokenizer.decode(ids, skip_special_tokens=False),
                 }
                 f.write(json.dumps(record, ensure_ascii=False) + "\n")
-    _plots(result, {name: run.token_latency_s for name, run in runs.items()}, out)
+    latencies = {name: run.token_latency_s for name, run in runs.items()}
+    write_plots(result, latencies, out)

@@ -11,7 +11,8 @@
 Per temperature, the target alone decodes every prompt (the baseline), then draft + target
 at each γ (and adaptive γ; "auto": each row's own draft length per round,
 eval/length_policy.py) (eval/sweep.py). The CLI writes DIR/report.json, DIR/report.md,
-DIR/outputs.jsonl and PNG plots (eval/report.py) and prints the summary table.
+DIR/outputs.jsonl and PNG plots (eval/report.py); it shows a line per decoding run with an
+ETA as it goes, and ends with a one-screen summary (eval/report_console.py).
 
 Algorithm (docs/theory.md §2; eval/engine.py, eval/verify.py): per round the draft proposes
 d_1..d_γ on its own KV cache, the target scores them in one forward pass, and speculative
@@ -188,8 +189,10 @@ def _run(args, prompts) -> dict:
     """Load the models, decode, write the report into the claimed `args.out`."""
     from specdistill import drafts
     from specdistill.drafts.hub import check_tokenizers, load_draft, load_target, load_tokenizer
+    from specdistill.drafts.progress import WorkProgress, usable_cores
     from specdistill.eval import report, sweep
     from specdistill.eval.prompts import encode_prompts
+    from specdistill.eval.report_console import console_summary
 
     tokenizer = load_tokenizer(args.target)
     draft = load_draft(args.draft, dtype=args.dtype)
@@ -218,7 +221,8 @@ def _run(args, prompts) -> dict:
         repeats=args.repeats,
         max_gamma=args.max_gamma,
     )
-    result, runs = sweep.sweep(target, draft, prompt_ids, settings)
+    with WorkProgress("runs", sweep.work_units(settings), prefix="[speculate] ") as progress:
+        result, runs = sweep.sweep(target, draft, prompt_ids, settings, progress)
     result["meta"] = {
         "target": args.target,
         "target_adapter": args.target_adapter,
@@ -228,9 +232,11 @@ def _run(args, prompts) -> dict:
         "device": args.device,
         "dtype": args.dtype,
         "threads": torch.get_num_threads(),
+        "cores": usable_cores(),
+        "busy_load_average": progress.busiest and progress.busiest.load1,
     }
     report.write(result, runs, prompts, tokenizer, args.out)
-    print(report.summary_table(result))
+    print(console_summary(result, args.out))
     return result
 
 

@@ -24,6 +24,7 @@ from copy import copy
 from dataclasses import asdict, dataclass
 
 from specdistill import drafts
+from specdistill.drafts.progress import WorkProgress
 from specdistill.eval import stats
 from specdistill.eval.engine import AdaptiveGamma, AutoGamma, Generation, generate
 
@@ -55,8 +56,17 @@ class Settings:
             raise ValueError(f'gammas must be integers >= 1 or "auto", got {bad}')
 
 
+# The work of scoring one configuration's outputs (offline α: one teacher-forced pass of each
+# model over each text) in decoding runs, for the ETA; the rate itself is measured.
+SCORING_UNITS = 0.25
+
+
 def sweep(
-    target, draft, prompt_ids: list[list[int]], settings: Settings
+    target,
+    draft,
+    prompt_ids: list[list[int]],
+    settings: Settings,
+    progress: WorkProgress | None = None,
 ) -> tuple[dict, dict[str, Generation]]:
     """Run every configuration. Returns (result dict, {config name: its `Generation`}).
 
@@ -64,7 +74,8 @@ def sweep(
     "configs" [one entry per (temperature, γ)], "best_gamma" {temperature: {"measured",
     "speedup", "predicted", "predicted_rounds"}} (temperatures as f"{T:g}"). Models are
     switched to eval mode for the runs and restored; pass the bare models (not DDP /
-    accelerate wrappers).
+    accelerate wrappers). `progress` (of `work_units(settings)` units) is told of every
+    decoding run with its speed, and of every configuration scored.
     """
     # Warm-up, so that the first timed run does not pay for lazy initialisation.
     warm = dict(max_new_tokens=4, temperature=0.0)
@@ -87,7 +98,7 @@ def sweep(
                 )
             )
         fastest: list[Generation | None] = [None] * (1 + len(gammas))  # baseline, then γs
-        for _ in range(settings.repeats):
+        for repeat in range(settings.repeats):
             for i, gamma in enumerate([None, *gammas]):
                 if gamma is None:
                     g = _run(target, None, prompt_ids, settings, temperature)
@@ -96,6 +107,9 @@ def sweep(
                     g = _run(target, draft, prompt_ids, settings, temperature, gamma=policy)
                 if fastest[i] is None or g.wall_s < fastest[i].wall_s:
                     fastest[i] = g
+                if progress is not None:
+                    line = _run_line(temperature, gamma, g, fastest[0], repeat, settings.repeats)
+                    progress.advance(1, line, keep=True)
         baseline = fastest[0]
         base_name = f"T={temperature:g} target-only"
         result["baselines"][f"{temperature:g}"] = {"name": base_name, **_decode_stats(baseline)}
@@ -105,6 +119,8 @@ def sweep(
             entry = _config(target, draft, prompt_ids, settings, temperature, gamma, g, baseline)
             result["configs"].append(entry)
             runs[entry["name"]] = g
+            if progress is not None:
+                progress.advance(SCORING_UNITS, f"scored {entry['name']} (offline α)")
             if isinstance(entry["gamma"], int):
                 fixed.append(entry)
         best = max(fixed, key=lambda e: e["tokens_per_s"])
@@ -126,6 +142,31 @@ def sweep(
             "predicted_rounds": None if rounds_best is None else rounds_best["gamma"],
         }
     return result, runs
+
+
+def work_units(settings: Settings) -> float:
+    """The sweep's work for `WorkProgress`: a decoding run is one unit (each decodes the same
+    prompts to the same length), the scoring of a configuration `SCORING_UNITS`."""
+    configs = len(settings.gammas) + (1 if settings.adaptive else 0)
+    runs = len(settings.temperatures) * settings.repeats * (1 + configs)
+    return runs + len(settings.temperatures) * configs * SCORING_UNITS
+
+
+def _run_line(temperature: float, gamma, g: Generation, baseline, repeat: int, repeats: int):
+    """A decoding run's line: its configuration, speed and speed against the target alone."""
+    label = "target alone" if gamma is None else _label(gamma)
+    line = f"T={temperature:g} {label}: {g.tokens_per_s:.1f} tok/s"
+    if gamma is not None and baseline is not None:
+        line += f", {g.tokens_per_s / baseline.tokens_per_s:.2f}x the target alone"
+    if repeats > 1:
+        line += f" (run {repeat + 1}/{repeats})"
+    return line
+
+
+def _label(gamma) -> str:
+    if isinstance(gamma, AdaptiveGamma):
+        return "adaptive γ"
+    return "γ=auto" if gamma == "auto" else f"γ={gamma}"
 
 
 def _mean(values) -> float:
@@ -246,6 +287,13 @@ def _config(target, draft, prompt_ids, settings: Settings, temperature: float, g
         "engine_efficiency": speedup / ideal,
         "best_gamma_predicted": stats.best_gamma_model(alpha, c) if not math.isnan(c) else None,
         "target_tokens_per_s": baseline.tokens_per_s,
+        # Greedy verification keeps the target's own text: prompts whose output is the
+        # target-only run's, token for token (T=0 only; at T>0 only the distribution is).
+        "greedy_identical": sum(
+            a == b for a, b in zip(g.sequences, baseline.sequences, strict=True)
+        )
+        if temperature == 0
+        else None,
         **_decode_stats(g),
     }
     if gamma == "auto":

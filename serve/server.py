@@ -9,7 +9,8 @@
 Endpoints: POST /v1/completions, POST /v1/chat/completions (stream, logprobs, stop, seed),
 GET /v1/models, GET /health, GET /metrics (Prometheus). One engine thread owns the models
 and batches every request in flight (continuous batching, per-request sampling parameters
-and seeds: eval/engine.py `Engine`); requests join the running batch between rounds.
+and seeds: eval/engine.py `Engine`); requests join the running batch between rounds. One
+2-token generation warms the engine before anything answers, /health included.
 
 --drafts ROOT serves the version ROOT/current names (ROOT/v000001/, ...) and watches it:
 a newly published version is loaded beside the old one, checked against the target and
@@ -219,6 +220,7 @@ class Server:
         self.app = build_app(self.state)
         self._uvicorn = None
         self._thread = None
+        self.warm_up_s = warm_up(self.worker.current, self.tokenizer.eos_token_id)
 
     def _install(self, draft, version: str) -> None:
         self.worker.swap(draft, version)
@@ -288,6 +290,34 @@ class Server:
         self.state.parser.shutdown(wait=False, cancel_futures=True)
         if self.traffic is not None:
             self.traffic.close()
+
+
+def warm_up(engine, token_id: int | None) -> float:
+    """One tiny generation through `engine` before the server answers anything (/health
+    included); its seconds. On the calling (main) thread, before the engine thread starts:
+    an engine first run on the engine thread stayed slow on several CPU threads
+    (benchmarks/RESULTS.md), besides the lazy initialisation no request should pay for."""
+    start = time.perf_counter()
+    engine.add([token_id or 0], max_new_tokens=2)
+    while engine.busy:
+        engine.step()
+    log.info("warmed up with one 2-token generation in %.1fs", time.perf_counter() - start)
+    return time.perf_counter() - start
+
+
+def set_threads(threads: int | None, device: str | None) -> None:
+    """--threads, else torch's default (every core), said on a CPU with the machine's load:
+    on a busy machine fewer threads did not answer faster (benchmarks/RESULTS.md)."""
+    import torch
+
+    from specdistill.drafts.progress import machine_load
+
+    if threads:
+        torch.set_num_threads(threads)
+    elif (device or ("cuda" if torch.cuda.is_available() else "cpu")) == "cpu":
+        load = machine_load()
+        state = "" if load is None else f", {load.describe()}" + (" (busy)" if load.busy else "")
+        log.info("%d torch threads (--threads to choose)%s", torch.get_num_threads(), state)
 
 
 def parse_gamma(value: int | str | None) -> int | str | None:
@@ -424,17 +454,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--served-model-name", default=None)
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     parser.add_argument("--device", default=None)
-    parser.add_argument("--threads", type=int, default=None, help="torch intra-op CPU threads")
+    parser.add_argument("--threads", type=int, help="torch intra-op CPU threads (default: all)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     from specdistill.serve.auth import ApiKeys, check_bind, parse_keys
 
     api_key = args.api_key or os.environ.get("SPECDISTILL_API_KEY")
     check_bind(args.host, ApiKeys(parse_keys(api_key)), args.insecure)  # before loading models
-    if args.threads:
-        import torch
-
-        torch.set_num_threads(args.threads)
+    set_threads(args.threads, args.device)
     server = Server(
         args.target,
         args.draft,

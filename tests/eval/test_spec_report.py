@@ -65,7 +65,7 @@ def test_shipped_prompt_sets():
     assert humaneval[0].text.startswith("from typing import List")
 
 
-def test_cli_writes_report(tmp_path, tokenizer, monkeypatch):
+def test_cli_writes_report(tmp_path, tokenizer, monkeypatch, capsys):
     vocab = len(WORDS)
     target = tiny_llama(0, vocab=vocab, hidden=32, layers=2, init=0.2)
     draft = perturbed(target, 0.02, seed=1)
@@ -134,3 +134,14 @@ def test_cli_writes_report(tmp_path, tokenizer, monkeypatch):
         assert by_config[name] == by_config["T=0 target-only"]
     assert all(len(ids) == 12 for ids in by_config["T=1 gamma=3"])
     assert "Measured vs predicted τ" in (out / "report.md").read_text()
+    # The losslessness check: every greedy configuration reproduced all 4 target outputs.
+    assert [c["greedy_identical"] for c in report["configs"]] == [4, 4, 4, None, None, None]
+    printed = capsys.readouterr()
+    # A line per decoding run as it ends (2 temperatures x (target alone + 3 configurations)),
+    # then one screen, not the wide table (that stays in report.md).
+    runs = [line for line in printed.err.splitlines() if line.startswith("[speculate] T=")]
+    assert len(runs) == 8 and "T=0 target alone:" in runs[0] and "ETA" in runs[0]
+    assert "Lossless: at T=0 every output equals the target alone's" in printed.out
+    assert "best γ = " in printed.out and str(out / "report.md") in printed.out
+    assert "| config |" not in printed.out and "| config |" in (out / "report.md").read_text()
+    assert len(printed.out.splitlines()) <= 24
