@@ -28,7 +28,7 @@ VERBS = {
         "run lossless speculative decoding; measure tau, speedup and the best gamma",
     ),
     "drift": (
-        "specdistill.eval.drift",
+        "specdistill.eval.drift_cli",
         "measure the draft's α drift after a target fine-tune (per category, with intervals)",
     ),
     "export": ("specdistill.train.export", "export a trained draft for vLLM, SGLang or HF"),
