@@ -20,7 +20,7 @@ spec_draft_token_num / spec_accept_histogram become the speculative statistics. 
 read with an unpickler that builds plain attribute bags and refuses every callable, so no
 SGLang install is needed and no code in the file runs.
 
-Input files are read as bytes and split at b"\n" only (JSON strings may hold U+2028 and
+Input files are read as bytes and split at b"\\n" only (JSON strings may hold U+2028 and
 other characters that `str.splitlines` would split at). Every line, dump file and entry is
 converted and checked in full before anything is appended: a line that is not UTF-8, not
 JSON, not an object, or holds a non-finite or out-of-range sampling parameter or
@@ -43,7 +43,6 @@ import json
 import math
 from pathlib import Path
 
-from specdistill.drafts.identity import model_identity
 from specdistill.errors import UserError
 from specdistill.serve.convert_common import (
     NO_SPECULATION,
@@ -59,6 +58,7 @@ from specdistill.serve.convert_common import (
 )
 from specdistill.serve.convert_sglang import from_sglang, sglang_pairs
 from specdistill.serve.traffic import TrafficLog, shards
+from specdistill.verb_parser import verb_parser
 
 SOURCES = ("vllm", "sglang")
 
@@ -282,11 +282,11 @@ def _inputs(path: Path) -> list[Path]:
     return [path]
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+def build_parser() -> argparse.ArgumentParser:
+    parser = verb_parser("convert-traffic", __doc__)
+    parser.add_argument(
+        "--from", dest="source", required=True, choices=SOURCES, help="the engine that served"
     )
-    parser.add_argument("--from", dest="source", required=True, choices=SOURCES)
     parser.add_argument("--input", required=True, help="a file, or a directory of files")
     parser.add_argument("--target", required=True, help="the model the engine served")
     parser.add_argument("--out", required=True, help="traffic directory to append to")
@@ -303,9 +303,14 @@ def main(argv: list[str] | None = None) -> int:
         "`specdistill serve`); default: computed from --target as the server does, which "
         "matches for a local model directory",
     )
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
 
     from specdistill.drafts.hub import load_tokenizer
+    from specdistill.drafts.identity import model_identity
 
     inputs = _inputs(Path(args.input))
     tokenizer = load_tokenizer(args.target)

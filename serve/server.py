@@ -67,6 +67,7 @@ import time
 from collections.abc import Sequence
 
 from specdistill.errors import UserError
+from specdistill.verb_parser import verb_parser
 
 log = logging.getLogger("specdistill.serve")
 
@@ -330,12 +331,8 @@ def _Uvicorn(config):  # noqa: N802 - built lazily: uvicorn is imported on first
     return _uvicorn_server_class()(config)
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="specdistill serve",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
+def build_parser() -> argparse.ArgumentParser:
+    parser = verb_parser("serve", __doc__)
     parser.add_argument("--target", required=True, help="HF id, local dir or embedded:<name>")
     parser.add_argument(
         "--target-adapter",
@@ -358,8 +355,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--max-gamma", type=int, default=8, help="most draft tokens per round under --gamma auto"
     )
-    parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--host", default="127.0.0.1", help="the address to listen on")
+    parser.add_argument("--port", type=int, default=8000, help="the port to listen on")
     parser.add_argument("--traffic", default=None, help="directory of the traffic log")
     parser.add_argument(
         "--traffic-shard-mb", type=float, default=64.0, help="rotate traffic shards past this size"
@@ -421,11 +418,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument("--poll-s", type=float, default=2.0, help="--drafts: seconds between polls")
     parser.add_argument("--max-tokens", type=int, default=16, help="default max_tokens")
-    parser.add_argument("--served-model-name", default=None)
-    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    parser.add_argument("--device", default=None)
+    parser.add_argument(
+        "--served-model-name", default=None, help="the model name clients send (default: --target)"
+    )
+    parser.add_argument(
+        "--dtype",
+        default="float32",
+        choices=["float32", "bfloat16", "float16"],
+        help="the models' dtype",
+    )
+    parser.add_argument("--device", default=None, help="cuda, cpu, ... (default: cuda if present)")
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op CPU threads")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     from specdistill.serve.auth import ApiKeys, check_bind, parse_keys
 

@@ -11,7 +11,7 @@ library. Standard library only.
 import argparse
 import copy
 
-__all__ = ["HelpFormatter", "verb_parser"]
+__all__ = ["HelpFormatter", "module_doc", "verb_parser"]
 
 
 class HelpFormatter(argparse.RawDescriptionHelpFormatter):
@@ -52,3 +52,12 @@ def verb_parser(
         epilog=epilog,
         formatter_class=HelpFormatter,
     )
+
+
+def module_doc(path) -> str:
+    """The docstring of the module at `path`, read without importing it (a parser built in a
+    light module can describe a heavy one)."""
+    import ast
+    from pathlib import Path
+
+    return ast.get_docstring(ast.parse(Path(path).read_text(encoding="utf-8"))) or ""
