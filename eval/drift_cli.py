@@ -60,7 +60,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from specdistill.verb_parser import verb_parser
+from specdistill.verb_parser import quiet_third_party, verb_parser
 
 
 def _temperatures(text: str) -> list[float]:
@@ -204,6 +204,7 @@ def run(argv: Sequence[str] | None = None) -> DriftRun:
             parser.error(f"--{name.replace('_', '-')} must be a finite number; got {value}")
     if args.temperature_mix is not None:
         args.temperature = sorted(args.temperature_mix)
+    quiet_third_party()
 
     from specdistill.eval.outdir import claimed_output_dir
     from specdistill.eval.prompts import load_prompts

@@ -31,7 +31,7 @@ import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
-from specdistill.verb_parser import verb_parser
+from specdistill.verb_parser import quiet_third_party, verb_parser
 
 
 def _gammas(text: str) -> list[int | str]:
@@ -180,6 +180,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> dict:
     parser = build_parser()
     args = parser.parse_args(argv)
+    quiet_third_party()
     import torch
 
     if args.device == "auto":

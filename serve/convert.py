@@ -58,7 +58,7 @@ from specdistill.serve.convert_common import (
 )
 from specdistill.serve.convert_sglang import from_sglang, sglang_pairs
 from specdistill.serve.traffic import TrafficLog, shards
-from specdistill.verb_parser import verb_parser
+from specdistill.verb_parser import quiet_third_party, verb_parser
 
 SOURCES = ("vllm", "sglang")
 
@@ -308,6 +308,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    quiet_third_party()
 
     from specdistill.drafts.hub import load_tokenizer
     from specdistill.drafts.identity import model_identity

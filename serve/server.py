@@ -67,7 +67,7 @@ import time
 from collections.abc import Sequence
 
 from specdistill.errors import UserError
-from specdistill.verb_parser import verb_parser
+from specdistill.verb_parser import quiet_third_party, verb_parser
 
 log = logging.getLogger("specdistill.serve")
 
@@ -434,6 +434,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    quiet_third_party()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     from specdistill.serve.auth import ApiKeys, check_bind, parse_keys
 

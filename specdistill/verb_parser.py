@@ -5,13 +5,14 @@ verb (`usage: specdistill drift ...`, also when the module runs as a script), wh
 description and epilog keep their line breaks (the examples), and whose options show their
 defaults. A verb module builds its parser in a `build_parser()` that imports nothing heavy,
 so `specdistill <verb> --help` and the generated reference (docs/cli.md) never load a model
-library. Standard library only.
+library. Once the arguments are parsed, `quiet_third_party()` hides the model libraries'
+per-run progress bars. Standard library only at import time.
 """
 
 import argparse
 import copy
 
-__all__ = ["HelpFormatter", "module_doc", "verb_parser"]
+__all__ = ["HelpFormatter", "module_doc", "quiet_third_party", "verb_parser"]
 
 
 class HelpFormatter(argparse.RawDescriptionHelpFormatter):
@@ -61,3 +62,20 @@ def module_doc(path) -> str:
     from pathlib import Path
 
     return ast.get_docstring(ast.parse(Path(path).read_text(encoding="utf-8"))) or ""
+
+
+def quiet_third_party() -> None:
+    """Hide what the model libraries print on every run that a user cannot act on:
+    transformers' "Loading weights" and "Writing model shards" bars (a local load or save
+    takes seconds; the bar is one more line per model). Downloads keep their bars (a
+    first run of a hub model can take minutes), unless HF_HUB_DISABLE_PROGRESS_BARS hides
+    them as well. A verb calls this after parsing its arguments, so --help stays light."""
+    try:
+        from huggingface_hub.utils import are_progress_bars_disabled, enable_progress_bars
+        from transformers.utils import logging as hf_logging
+    except ImportError:  # the verb does not need them
+        return
+    downloads_hidden = are_progress_bars_disabled()
+    hf_logging.disable_progress_bar()  # transformers' bars, and the hub's with them
+    if not downloads_hidden:
+        enable_progress_bars()  # the hub's download bars only

@@ -124,3 +124,50 @@ def test_the_reference_is_independent_of_the_terminal(monkeypatch):
     narrow = cli_docs.render()
     monkeypatch.delenv("COLUMNS")
     assert narrow == cli_docs.render()
+
+
+def test_model_loading_bars_are_hidden_and_downloads_keep_theirs(tiny_pair, capsys, monkeypatch):  # noqa: F811
+    from huggingface_hub.utils import are_progress_bars_disabled
+    from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    from specdistill.verb_parser import quiet_third_party
+
+    target = tiny_pair[0]
+    monkeypatch.delenv("HF_HUB_DISABLE_PROGRESS_BARS", raising=False)
+    hf_logging.enable_progress_bar()
+    try:
+        AutoModelForCausalLM.from_pretrained(target)
+        assert "Loading weights" in capsys.readouterr().err  # what every verb printed
+        quiet_third_party()
+        AutoModelForCausalLM.from_pretrained(target)
+        assert "Loading weights" not in capsys.readouterr().err
+        assert not hf_logging.is_progress_bar_enabled()
+        assert not are_progress_bars_disabled()  # hub downloads still show progress
+    finally:
+        hf_logging.enable_progress_bar()
+
+
+def test_the_cpu_accelerate_config_leaves_nothing_to_warn_about(tmp_path):
+    """`accelerate launch --cpu --num_processes 1` warns that values were not passed;
+    recipes/accelerate/cpu.yaml passes them all (the thread count is given on the command
+    line, as its header says)."""
+    script = tmp_path / "script.py"
+    script.write_text("print('ran')\n")
+
+    def launch(*flags):
+        return subprocess.run(
+            [sys.executable, "-m", "accelerate.commands.launch", *flags, str(script)],
+            capture_output=True,
+            text=True,
+            cwd=REPO,
+            timeout=120,
+        )
+
+    bare = launch("--cpu", "--num_processes", "1")
+    assert "were not passed to `accelerate launch`" in bare.stderr + bare.stdout
+    config = REPO / "recipes" / "accelerate" / "cpu.yaml"
+    assert "--num_cpu_threads_per_process" in config.read_text()
+    quiet = launch("--config_file", str(config), "--num_cpu_threads_per_process", "1")
+    assert quiet.returncode == 0 and "ran" in quiet.stdout, quiet.stderr
+    assert "were not passed" not in quiet.stderr + quiet.stdout

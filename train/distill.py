@@ -26,7 +26,7 @@ import sys
 
 from specdistill.errors import debugging, one_line, run_guarded
 from specdistill.train.config import RecipeError, load_recipe
-from specdistill.verb_parser import verb_parser
+from specdistill.verb_parser import quiet_third_party, verb_parser
 
 
 def single_process_despite_request() -> bool:
@@ -60,6 +60,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    quiet_third_party()
     if args.debug:
         os.environ["SPECDISTILL_DEBUG"] = "1"
     os.environ.setdefault("WANDB_SILENT", "true")

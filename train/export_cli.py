@@ -16,7 +16,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from specdistill.verb_parser import verb_parser
+from specdistill.verb_parser import quiet_third_party, verb_parser
 
 # train/export's formats (tests/test_cli.py checks that they agree): the parser is built
 # without importing the exporters, which load torch
@@ -57,6 +57,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    quiet_third_party()
     from specdistill.train.export import Options, export_with_plan, serve_hint
 
     tokenizer = Path(args.tokenizer) if args.tokenizer else None

@@ -48,7 +48,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from specdistill.errors import UserError
-from specdistill.verb_parser import verb_parser
+from specdistill.verb_parser import quiet_third_party, verb_parser
 
 SHARD = re.compile(r"^regen-(\d{6})\.jsonl$")
 MANIFEST = "manifest.json"
@@ -429,7 +429,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--batch-size", type=int, default=16, help="answers generated together")
     parser.add_argument("--shard-records", type=int, default=1000, help="records per shard")
     parser.add_argument(
-        "--retries", type=int, default=2, help="attempts after a failed prompt's first"
+        "--retries", type=int, default=2, help="extra attempts of a prompt whose batch failed"
     )
     parser.add_argument(
         "--text-prompt-tokens", type=int, default=64, help="a text record's prompt: its first N"
@@ -441,6 +441,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    quiet_third_party()
     from specdistill.train.config import load_recipe
 
     recipe = load_recipe(args.recipe, args.overrides)

@@ -14,7 +14,7 @@ gives the sizes.
 import argparse
 import sys
 
-from specdistill.verb_parser import verb_parser
+from specdistill.verb_parser import quiet_third_party, verb_parser
 
 # train/target_cache.py's values (tests/test_cli.py checks that they agree): the parser is
 # built without importing it, which loads torch
@@ -51,6 +51,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    quiet_third_party()
     from specdistill.train.config import load_recipe
     from specdistill.train.target_cache import CacheError, build_cache
 

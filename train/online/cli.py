@@ -12,6 +12,7 @@ import argparse
 import sys
 
 from specdistill.train.online.args import demo_parser, job_parser, rollback_parser
+from specdistill.verb_parser import quiet_third_party
 
 SUBVERBS = {"rollback": rollback_parser, "demo": demo_parser}
 
@@ -25,6 +26,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] == "demo":
         demo_parser().parse_args(argv[1:])
+        quiet_third_party()
         from specdistill.train.online.demo import main as demo_main
 
         return demo_main(argv[1:])
@@ -32,6 +34,7 @@ def main(argv: list[str] | None = None) -> int:
         rollback_parser().parse_args(argv[1:])
     else:
         job_parser().parse_args(argv)
+    quiet_third_party()
     from specdistill.train.online.job import main as online_main
 
     return online_main(argv)
