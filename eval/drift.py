@@ -1,5 +1,5 @@
 """α drift after a target fine-tune: measure it (`measure`) and summarise it (`summarise`,
-with the paired bootstrap). The command line is eval/drift_cli.py (`specdistill drift`), whose
+with the paired bootstrap). The command line is serve/drift_cli.py (`specdistill drift`), whose
 module docstring says what each number means; eval/drift_score.py scores the prompts,
 eval/drift_report.py writes the report (`DriftReport` is report.json's schema) and
 eval/drift_gate.py judges the drop for a deploy.

@@ -34,7 +34,7 @@ VERBS = {
         "run lossless speculative decoding; measure tau, speedup and the best gamma",
     ),
     "drift": (
-        "specdistill.eval.drift_cli",
+        "specdistill.serve.drift_cli",
         "measure the draft's α drift after a target fine-tune; exit 1 when it fails a deploy",
     ),
     "export": ("specdistill.train.export_cli", "export a trained draft for vLLM, SGLang or HF"),

@@ -6,8 +6,9 @@ import json
 import numpy as np
 import pytest
 
-from specdistill.eval import drift, drift_cli
+from specdistill.eval import drift
 from specdistill.eval.drift_gate import judge, parse_mix
+from specdistill.serve import drift_cli
 from tests.helpers import make_lora_adapter
 
 
@@ -147,3 +148,39 @@ def test_temperature_and_mixture_are_exclusive(tiny_pair, prompts, tmp_path, cap
         drift_cli.main([*argv, "--temperature-mix", "0:1"])
     assert exit_.value.code == 2 and "not allowed with" in capsys.readouterr().err
     assert not (tmp_path / "x").exists()
+
+
+def _traffic(directory, temperatures_and_tokens):
+    from specdistill.serve.traffic import TrafficLog
+    from tests.serve.test_traffic_schema import record
+
+    log = TrafficLog(directory)
+    for i, (t, n) in enumerate(temperatures_and_tokens):
+        sampling = {"temperature": t, "top_p": 1.0, "max_tokens": n, "seed": None, "stop": []}
+        log.append(
+            record(id=f"r{i}", sampling=sampling, completion_token_ids=list(range(3, 3 + n)),
+                   top_logprobs=None)
+        )  # fmt: skip
+    log.close()
+    return directory
+
+
+def test_the_traffic_logs_mixture_is_its_share_of_completion_tokens(tmp_path):
+    from specdistill.serve.traffic import TrafficError
+
+    traffic = _traffic(tmp_path / "t", [(0.0, 2), (1.0, 6), (1.0, 2), (0.0, 0)])
+    assert drift_cli.temperature_mix(traffic) == {0.0: 0.2, 1.0: 0.8}
+    with pytest.raises(TrafficError, match="no such directory"):
+        drift_cli.temperature_mix(tmp_path / "nope")
+    empty = _traffic(tmp_path / "e", [(0.7, 0)])
+    with pytest.raises(TrafficError, match="no completion tokens"):
+        drift_cli.temperature_mix(empty)
+
+
+def test_the_gate_judges_the_traffic_logs_mixture(tiny_pair, prompts, tmp_path):  # noqa: F811
+    target, draft, _ = tiny_pair
+    traffic = _traffic(tmp_path / "traffic", [(0.0, 1), (1.0, 3)])
+    argv = _argv(draft, target, prompts, tmp_path / "out", "--traffic", str(traffic))
+    run = drift_cli.run([*argv, "--fail-if-drop-above", "0"])
+    assert sorted(run.reports) == [0.0, 1.0] and run.gate.judged == "mixture"
+    assert run.gate.weights == {"0": 0.25, "1": 0.75} and not run.gate.failed

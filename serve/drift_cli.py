@@ -8,8 +8,10 @@
     specdistill drift --draft D --target-before A --target-after A --adapter-after B \\
         --prompts p.jsonl --out runs/gate --temperature 0,1 --fail-if-drop-above 0.02
 
-    # the same, judged at the traffic's mixture (20% greedy requests, 80% at T = 1)
+    # the same, judged at the traffic's mixture (20% greedy tokens, 80% at T = 1) ...
     specdistill drift ... --temperature-mix 0:0.2,1:0.8 --fail-if-drop-above 0.02
+    # ... or at the mixture `specdistill serve --traffic` logged
+    specdistill drift ... --traffic logs/traffic --fail-if-drop-above 0.02
 
 A target is a model directory, a hub id, `embedded:<name>`, or a base plus a peft LoRA
 adapter (`--adapter-before` / `--adapter-after`), loaded unmerged (`drafts.hub.load_target`).
@@ -41,12 +43,15 @@ EAGLE-3 head, chained into τ by `eval.stats.tau_chain`).
 - verdict: refit recommended when the whole interval of the drop of α (serving temperature)
   lies above --threshold (advice in the report; the exit status is the gate's, below).
 
-The gate (eval/drift_gate.py). Each temperature of --temperature (or of --temperature-mix) is
+The gate (eval/drift_gate.py). Each temperature of --temperature (or of the mixture) is
 measured on the same prompts. With --fail-if-drop-above X the command exits with status 1
-when the lower bound of the drop's interval lies above X at any served temperature, or, with
---temperature-mix, for the mixture's drop Σ w_T · drop_T (one paired bootstrap over prompts for
-all temperatures); else 0. Errors in the input exit 2. DIR/gate.json (`GateReport`) holds
-every check.
+when the lower bound of the drop's interval lies above X at any served temperature, or, with a
+mixture, for the mixture's drop Σ w_T · drop_T (one paired bootstrap over prompts for all
+temperatures); else 0. Errors in the input exit 2. DIR/gate.json (`GateReport`) holds every
+check. The mixture is --temperature-mix, or --traffic DIR: the share of completion tokens at
+each temperature in the traffic log (serve/traffic.py; `convert-traffic` writes one from vLLM
+or SGLang), each distinct temperature measured once. This command line sits in serve/ for
+that reader; the measurement is eval/drift.py.
 
 Writes DIR/report.json, DIR/report.md, DIR/drift.png and DIR/responses_after.jsonl (the
 after-target's responses as training records: `data.train` of a repair run, recipes/repair.yaml)
@@ -135,6 +140,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="the traffic's share per temperature (e.g. 0:0.2,1:0.8, normalised): each "
         "temperature is measured and the gate judges the mixture",
     )
+    served.add_argument(
+        "--traffic",
+        default=None,
+        metavar="DIR",
+        help="a traffic log (specdistill serve --traffic): its completion tokens' share per "
+        "temperature is the mixture the gate judges",
+    )
     parser.add_argument(
         "--fail-if-drop-above",
         type=float,
@@ -202,6 +214,8 @@ def run(argv: Sequence[str] | None = None) -> DriftRun:
         value = getattr(args, name)
         if value is not None and not math.isfinite(value):
             parser.error(f"--{name.replace('_', '-')} must be a finite number; got {value}")
+    if args.traffic is not None:
+        args.temperature_mix = temperature_mix(args.traffic)
     if args.temperature_mix is not None:
         args.temperature = sorted(args.temperature_mix)
     quiet_third_party()
@@ -212,6 +226,25 @@ def run(argv: Sequence[str] | None = None) -> DriftRun:
     prompts = load_prompts(args.prompts, limit=args.num_prompts)
     with claimed_output_dir(args.out, overwrite=args.overwrite):
         return _run(args, prompts)
+
+
+def temperature_mix(directory) -> dict[float, float]:
+    """Each temperature's share of the completion tokens in a traffic log (the positions a
+    draft drafts at), from `serve.traffic.read_traffic`'s validated records."""
+    from pathlib import Path
+
+    from specdistill.serve.traffic import TrafficError, read_traffic
+
+    if not Path(directory).is_dir():
+        raise TrafficError(f"--traffic {directory}: no such directory")
+    tokens: dict[float, int] = {}
+    for record in read_traffic(directory):
+        t = float(record["sampling"]["temperature"])
+        tokens[t] = tokens.get(t, 0) + len(record["completion_token_ids"])
+    total = sum(tokens.values())
+    if not total:
+        raise TrafficError(f"--traffic {directory}: no completion tokens in its records")
+    return {t: n / total for t, n in sorted(tokens.items()) if n}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
