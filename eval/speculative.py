@@ -180,14 +180,6 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> dict:
     parser = build_parser()
     args = parser.parse_args(argv)
-    quiet_third_party()
-    import torch
-
-    if args.device == "auto":
-        args.device = "cuda" if torch.cuda.is_available() else "cpu"
-    if args.threads:
-        torch.set_num_threads(args.threads)
-
     from specdistill.eval.outdir import claimed_output_dir
     from specdistill.eval.prompts import load_prompts
 
@@ -201,8 +193,13 @@ def main(argv: Sequence[str] | None = None) -> dict:
 
 def _run(args, prompts) -> dict:
     """Load the models, decode, write the report into the claimed `args.out`."""
+    quiet_third_party()
     import torch
 
+    if args.device == "auto":
+        args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    if args.threads:
+        torch.set_num_threads(args.threads)
     from specdistill import drafts
     from specdistill.drafts.hub import check_tokenizers, load_draft, load_target, load_tokenizer
     from specdistill.eval import report, sweep

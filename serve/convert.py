@@ -37,7 +37,6 @@ from its content (`<source>-<sha256 prefix>`). A reject already in OUT/rejects.j
 source and reason) is counted again but not written twice.
 """
 
-import argparse
 import hashlib
 import json
 import math
@@ -58,7 +57,6 @@ from specdistill.serve.convert_common import (
 )
 from specdistill.serve.convert_sglang import from_sglang, sglang_pairs
 from specdistill.serve.traffic import TrafficLog, shards
-from specdistill.verb_parser import quiet_third_party, verb_parser
 
 SOURCES = ("vllm", "sglang")
 
@@ -274,62 +272,9 @@ def _entries(source: str, path: Path) -> list[tuple[str, object]]:
     return out
 
 
-def _inputs(path: Path) -> list[Path]:
+def input_files(path: Path) -> list[Path]:
     if path.is_dir():
         return sorted(p for p in path.iterdir() if p.is_file() and not p.name.startswith("."))
     if not path.exists():
         raise FileNotFoundError(f"{path}: no such file or directory")
     return [path]
-
-
-def build_parser() -> argparse.ArgumentParser:
-    parser = verb_parser("convert-traffic", __doc__)
-    parser.add_argument(
-        "--from", dest="source", required=True, choices=SOURCES, help="the engine that served"
-    )
-    parser.add_argument("--input", required=True, help="a file, or a directory of files")
-    parser.add_argument("--target", required=True, help="the model the engine served")
-    parser.add_argument("--out", required=True, help="traffic directory to append to")
-    parser.add_argument(
-        "--target-adapter",
-        default=None,
-        help="the peft LoRA adapter the engine served on --target (its files enter the "
-        "identity, as with `specdistill serve --target-adapter`)",
-    )
-    parser.add_argument(
-        "--target-identity",
-        default=None,
-        help="the identity the online job expects (a record's target.identity from "
-        "`specdistill serve`); default: computed from --target as the server does, which "
-        "matches for a local model directory",
-    )
-    return parser
-
-
-def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    quiet_third_party()
-
-    from specdistill.drafts.hub import load_tokenizer
-    from specdistill.drafts.identity import model_identity
-
-    inputs = _inputs(Path(args.input))
-    tokenizer = load_tokenizer(args.target)
-    identity = args.target_identity or model_identity(args.target, adapter=args.target_adapter)
-    name = f"{args.target}+{args.target_adapter}" if args.target_adapter else args.target
-    target = {"name": name, "identity": identity}
-    result = convert(args.source, inputs, tokenizer, target, Path(args.out))
-    reasons = ", ".join(f"{k}: {v}" for k, v in result["rejected"].items()) or "none"
-    print(
-        f"converted {result['converted']} records into {args.out} "
-        f"({result['already_logged']} already there); rejected: {reasons}"
-    )
-    return 0
-
-
-if __name__ == "__main__":
-    import sys
-
-    from specdistill.errors import run_guarded
-
-    sys.exit(run_guarded(main, sys.argv[1:]))

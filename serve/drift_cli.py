@@ -64,8 +64,12 @@ import argparse
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from specdistill.verb_parser import quiet_third_party, verb_parser
+
+if TYPE_CHECKING:  # imported when run: it loads numpy and torch
+    from specdistill.eval.drift_gate import GateReport
 
 
 def _temperatures(text: str) -> list[float]:
@@ -201,7 +205,7 @@ class DriftRun:
     """What one `specdistill drift` measured: a report per temperature and the gate."""
 
     reports: dict[float, dict] = field(default_factory=dict)
-    gate: object = None  # eval.drift_gate.GateReport
+    gate: "GateReport | None" = None
 
 
 def run(argv: Sequence[str] | None = None) -> DriftRun:
@@ -218,7 +222,6 @@ def run(argv: Sequence[str] | None = None) -> DriftRun:
         args.temperature_mix = temperature_mix(args.traffic)
     if args.temperature_mix is not None:
         args.temperature = sorted(args.temperature_mix)
-    quiet_third_party()
 
     from specdistill.eval.outdir import claimed_output_dir
     from specdistill.eval.prompts import load_prompts
@@ -266,6 +269,7 @@ def _run(args, prompts) -> DriftRun:
     from specdistill.eval.drift_report import markdown as report_markdown
     from specdistill.eval.drift_report import write
 
+    quiet_third_party()
     if args.device == "auto":
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
     tokenizer = load_tokenizer(args.target_after)

@@ -55,7 +55,7 @@ VERBS = {
         "serve an OpenAI-compatible API with speculative decoding (hot-swapped drafts)",
     ),
     "convert-traffic": (
-        "specdistill.serve.convert",
+        "specdistill.serve.convert_cli",
         "turn vLLM responses or SGLang request dumps into the traffic log",
     ),
 }
@@ -67,7 +67,8 @@ def usage() -> str:
     return (
         "usage: specdistill [--debug] <verb> [args...]\n\nverbs:\n"
         + "\n".join(lines)
-        + "\n\n`specdistill <verb> --help` describes a verb's arguments."
+        + "\n\n`specdistill <verb> --help` describes a verb's arguments; docs/cli.md lists them"
+        + " all."
     )
 
 

@@ -94,9 +94,12 @@ def test_defaults_appear_in_help():
 
 
 def test_light_parsers_agree_with_the_modules_they_front():
-    """export_cli and target_cache_cli hold copies of their modules' constants, so that
-    --help need not import them."""
+    """export_cli, target_cache_cli and convert_cli hold copies of their modules' constants,
+    so that --help need not import them."""
+    from specdistill.serve import convert, convert_cli
     from specdistill.train import export, export_cli, target_cache, target_cache_cli
+
+    assert convert_cli.SOURCES == convert.SOURCES
 
     assert export_cli.FORMATS == export.FORMATS
     assert target_cache_cli.SPLITS == target_cache.SPLITS

@@ -8,7 +8,7 @@ Layers, lowest first (an arrow may only point down):
     drafts              what differs between draft types; may use losses, publish
     eval                may use drafts, data, losses, publish; never train
     train               may use everything below
-    cli                 dispatches to the verbs (imports anything, lazily)
+    cli, cli_docs       dispatch to the verbs, document them (import anything, lazily)
 
 Imports are read from the source with `ast`, deferred (function-level) imports included:
 a cycle through a deferred import is still a cycle for the reader.
@@ -82,7 +82,7 @@ def layer(module: str) -> str:
     parts = module.split(".")
     if len(parts) == 1:
         return "root"
-    if parts[1] in ("cli", "__main__"):
+    if parts[1] in ("cli", "cli_docs", "__main__"):
         return "cli"
     return parts[1]
 
