@@ -57,10 +57,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--python", default=sys.executable, help="the measured interpreter")
     parser.add_argument("--baseline-python", required=True, help="the baseline's interpreter")
     parser.add_argument("--repeats", type=int, default=5, help="runs of each, alternating")
+    parser.add_argument(
+        "--commands", default=",".join(COMMANDS), help="comma-separated (default: every verb)"
+    )
     args = parser.parse_args(argv)
     print("| command | baseline s | this s | ratio | baseline imports | this imports |")
     print("|---|---|---|---|---|---|")
-    for command in COMMANDS:
+    for command in args.commands.split(","):
         times: dict[str, list[float]] = {"base": [], "this": []}
         loaded: dict[str, set[str]] = {"base": set(), "this": set()}
         for _ in range(args.repeats):
