@@ -37,6 +37,7 @@ from pathlib import Path
 
 import torch
 
+from benchmarks import results as results_md
 from specdistill.drafts import lean
 from specdistill.drafts.hub import check_tokenizers, load_model, load_tokenizer
 from specdistill.drafts.kv_cache import sync
@@ -207,6 +208,7 @@ def main() -> None:
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op CPU threads")
     parser.add_argument("--json", default=None, help="also write the results here")
+    results_md.add_argument(parser)
     parser.add_argument(
         "--no-lean",
         action="store_true",
@@ -218,16 +220,28 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     results = run(args)
-    print(
+    setting = (
         f"target {args.target}, draft {args.draft}, γ={args.gamma}, {args.num_prompts} prompts × "
         f"{args.max_new_tokens} tokens, batch 1, fastest of {args.repeats} runs per prompt, "
         f"{args.device} {args.dtype}, "
         f"{torch.get_num_threads()} threads, engine forward: "
         f"{'transformers' if args.no_lean else 'lean where supported (drafts/lean.py)'}"
     )
-    print(" | ".join(["T", *(name for name, _, _ in COLUMNS)]))
-    for t, r in results.items():
-        print(" | ".join([t, *(f"{r[key]:.{digits}f}" for _, key, digits in COLUMNS)]))
+    rows = [
+        [t, *(f"{r[key]:.{digits}f}" for _, key, digits in COLUMNS)] for t, r in results.items()
+    ]
+    header = ["T", *(name for name, _, _ in COLUMNS)]
+    print(setting)
+    print(" | ".join(header))
+    for row in rows:
+        print(" | ".join(row))
+    if args.results:
+        section = results_md.Section(
+            key="vs_hf_assisted",
+            title="Against the target alone and transformers' assisted generation",
+            body=f"{setting}.\n\n{results_md.markdown_table(header, rows)}\n",
+        )
+        print(f"wrote {results_md.write(section, args.results)}")
     if args.json:
         Path(args.json).write_text(json.dumps({"args": vars(args), "results": results}, indent=2))
 
