@@ -1,13 +1,14 @@
 """How long `specdistill <verb> --help` takes, against a baseline checkout, in the same run.
 
-    python -m benchmarks.help_latency --baseline-python /usr/bin/python3 --repeats 5
+    python -m benchmarks.help_latency --baseline-python /usr/bin/python3 --repeats 5 --results
 
 Each command runs in a fresh interpreter (`python -m specdistill <verb> --help`), the two
 interpreters alternating, `--repeats` times each; the table gives the median wall time of
 each, their ratio, and which model libraries each one's --help imported (`python -X
 importtime`, so nothing is guessed). `--python` is the interpreter whose `specdistill` is
 measured (default: this one), `--baseline-python` one whose `specdistill` is the baseline
-(e.g. another checkout's virtual environment).
+(e.g. another checkout's virtual environment). `--results` writes the table into its
+section of benchmarks/RESULTS.md (benchmarks/results.py).
 """
 
 import argparse
@@ -16,6 +17,8 @@ import subprocess
 import sys
 import tempfile
 import time
+
+from benchmarks import results as results_md
 
 COMMANDS = [
     "distill",
@@ -31,6 +34,11 @@ COMMANDS = [
     "convert-traffic",
 ]
 HEAVY = ("torch", "transformers", "numpy")
+NOTE = """Each `--help` in a fresh interpreter, the baseline (`--baseline-python`'s
+`specdistill`) and this checkout alternating, median of the repeats; "imports": the model
+libraries each one's `--help` loaded (`python -X importtime`). On a shared machine the seconds
+move with the load; the ratios (both sides measured in the same run, interleaved) and the
+imports are the result."""
 
 
 def run(python: str, command: str) -> tuple[float, set[str]]:
@@ -60,9 +68,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--commands", default=",".join(COMMANDS), help="comma-separated (default: every verb)"
     )
+    results_md.add_argument(parser)
     args = parser.parse_args(argv)
-    print("| command | baseline s | this s | ratio | baseline imports | this imports |")
-    print("|---|---|---|---|---|---|")
+    header = ["command", "baseline s", "this s", "ratio", "baseline imports", "this imports"]
+    rows = []
+    print("| " + " | ".join(header) + " |\n|" + "---|" * len(header))
     for command in args.commands.split(","):
         times: dict[str, list[float]] = {"base": [], "this": []}
         loaded: dict[str, set[str]] = {"base": set(), "this": set()}
@@ -72,11 +82,21 @@ def main(argv: list[str] | None = None) -> int:
                 times[side].append(seconds)
                 loaded[side] |= heavy
         base, this = statistics.median(times["base"]), statistics.median(times["this"])
-        print(
-            f"| `{command} --help` | {base:.2f} | {this:.2f} | {base / this:.1f}× | "
-            f"{', '.join(sorted(loaded['base'])) or '–'} | "
-            f"{', '.join(sorted(loaded['this'])) or '–'} |"
+        rows.append(
+            [
+                f"`{command} --help`",
+                f"{base:.2f}",
+                f"{this:.2f}",
+                f"{base / this:.1f}×",
+                ", ".join(sorted(loaded["base"])) or "–",
+                ", ".join(sorted(loaded["this"])) or "–",
+            ]
         )
+        print("| " + " | ".join(rows[-1]) + " |", flush=True)
+    if args.results:
+        body = f"{NOTE}\n\n{results_md.markdown_table(header, rows)}\n"
+        section = results_md.Section("help_latency", "`specdistill <verb> --help` latency", body)
+        print(f"wrote {results_md.write(section, args.results)}")
     return 0
 
 
