@@ -1,56 +1,15 @@
-"""α drift after a target fine-tune: measure it, explain it (the `drift` command line).
-
-    specdistill drift --draft runs/code-4layer/final --target-before embedded:code \\
-        --target-after embedded:code --adapter-after runs/ft/adapter \\
-        --prompts benchmarks/prompts/spec_bench_questions.jsonl --out runs/drift
-
-A target is a model directory, a hub id, `embedded:<name>`, or a base plus a peft LoRA
-adapter (`--adapter-before` / `--adapter-after`), loaded unmerged (`drafts.hub.load_target`).
-
-What is measured (docs/theory.md §1). Each target generates a response to every prompt (the
-project's engine, greedy at --temperature 0, else sampled). On its own responses each
-target is compared with the draft, teacher-forced: α = Σ min(p, q) at the serving
-temperature and α at T = 0 (argmax agreement), per position (per drafting depth for an
-EAGLE-3 head, chained into τ by `eval.stats.tau_chain`).
-
-- alpha_before: draft vs the before-target on the before-target's responses (what the draft
-  was measured on when it was fit); alpha_after: draft vs the after-target on the
-  after-target's responses (what the draft sees in serving after the fine-tune).
-- The drop splits in two, both on the after-target's text: alpha_before_on_after_text is the
-  draft vs the *before*-target there. alpha_before − alpha_before_on_after_text is the part
-  due to the text moving (new prompts' answers look different), alpha_before_on_after_text −
-  alpha_after the part due to the target's conditional distribution moving under the draft.
-- target_tv: mean ½Σ|p_before − p_after| between the two targets on the after-target's
-  responses, at the serving temperature (T = 1 when serving is greedy); and
-  target_argmax_disagreement. α_after ≥ α_before_on_after_text − TV (triangle inequality),
-  so the TV bounds how much acceptance the fine-tune alone can remove.
-- Intervals: a paired bootstrap over prompts (each prompt's before and after responses are a
-  pair), resampling prompts and taking ratios of sums (α over positions). Per category
-  (a prompt record's `category`) the same, for categories with at least --min-samples prompts;
-  smaller cells are reported as insufficient.
-- top_tokens: on the after-target's responses, Σ over positions of (α_before − α_after)
-  grouped by the after-target's argmax token (divided by the number of positions, so the
-  entries sum to the conditional part of the drop): which tokens lose the acceptance mass.
-- verdict: refit recommended when the whole interval of the drop of α (serving temperature)
-  lies above --threshold.
-
-Writes DIR/report.json, DIR/report.md, DIR/drift.png and DIR/responses_after.jsonl (the
-after-target's responses as training records: `data.train` of a repair run, recipes/repair.yaml).
-DIR must be new or empty unless --overwrite; the prompt file is read and checked first, and a
-run that fails before writing removes the DIR it created.
-
-Modules: eval/drift_score.py scores the prompts, this module summarises them (`summarise`,
-with the bootstrap) and runs the command line, eval/drift_report.py writes the report
-(`DriftReport` is report.json's schema).
+"""α drift after a target fine-tune: measure it (`measure`) and summarise it (`summarise`,
+with the paired bootstrap). The command line is serve/drift_cli.py (`specdistill drift`), whose
+module docstring says what each number means; eval/drift_score.py scores the prompts,
+eval/drift_report.py writes the report (`DriftReport` is report.json's schema) and
+eval/drift_gate.py judges the drop for a deploy.
 """
 
-import argparse
 import math
 from collections import defaultdict
 from collections.abc import Sequence
 
 import numpy as np
-import torch
 
 from specdistill.errors import UserError
 from specdistill.eval.drift_report import (
@@ -68,9 +27,9 @@ __all__ = [
     "DriftReport",
     "PromptScore",
     "generate_responses",
-    "main",
     "markdown",
     "measure",
+    "measure_scores",
     "paired_bootstrap",
     "per_category",
     "plot",
@@ -299,6 +258,54 @@ def measure(
     max_gamma: int = 8,
 ) -> tuple[dict, dict]:
     """(report, responses {"before": [...], "after": [...]}) for `prompts` (eval.prompts)."""
+    report, responses, _ = measure_scores(
+        target_before,
+        target_after,
+        draft,
+        tokenizer,
+        prompts,
+        temperature=temperature,
+        top_p=top_p,
+        top_k=top_k,
+        max_new_tokens=max_new_tokens,
+        max_prompt_tokens=max_prompt_tokens,
+        stop_at_eos=stop_at_eos,
+        batch_size=batch_size,
+        depth=depth,
+        seed=seed,
+        threshold=threshold,
+        min_samples=min_samples,
+        bootstrap=bootstrap,
+        confidence=confidence,
+        max_gamma=max_gamma,
+    )
+    return report, responses
+
+
+def measure_scores(
+    target_before,
+    target_after,
+    draft,
+    tokenizer,
+    prompts,
+    *,
+    temperature: float = 1.0,
+    top_p: float | None = None,
+    top_k: int | None = None,
+    max_new_tokens: int = 64,
+    max_prompt_tokens: int = 512,
+    stop_at_eos: bool = True,
+    batch_size: int = 8,
+    depth: int | None = None,
+    seed: int = 0,
+    threshold: float = 0.02,
+    min_samples: int = 10,
+    bootstrap: int = 1000,
+    confidence: float = 0.95,
+    max_gamma: int = 8,
+) -> tuple[dict, dict, list[PromptScore]]:
+    """`measure`'s (report, responses) and the per-prompt scores the report summarises (the
+    drift gate bootstraps them jointly over temperatures, eval/drift_gate.py)."""
     from specdistill import drafts
     from specdistill.eval.prompts import encode_prompts
 
@@ -350,133 +357,4 @@ def measure(
     )
     report["temperature"] = temperature
     report["draft_type"] = kind.name
-    return report, {"before": out_before, "after": out_after}
-
-
-# ----------------------------------------------------------------------------- CLI
-
-
-def main(argv: Sequence[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("--draft", required=True, help="the draft (standalone or EAGLE-3 dir)")
-    parser.add_argument(
-        "--target-before", required=True, help="HF id, local dir or embedded:<name>"
-    )
-    parser.add_argument("--target-after", required=True, help="HF id, local dir or embedded:<name>")
-    parser.add_argument(
-        "--adapter-before", default=None, help="peft adapter dir on --target-before"
-    )
-    parser.add_argument("--adapter-after", default=None, help="peft adapter dir on --target-after")
-    parser.add_argument(
-        "--prompts", required=True, help=".txt, .jsonl/.json(.gz) (eval/prompts.py)"
-    )
-    parser.add_argument(
-        "--out",
-        required=True,
-        help="output directory (created; refused if it holds files, unless --overwrite)",
-    )
-    parser.add_argument(
-        "--overwrite", action="store_true", help="replace the reports in a used --out"
-    )
-    parser.add_argument(
-        "--temperature",
-        type=float,
-        default=1.0,
-        help="serving temperature: responses are sampled at it (0 = greedy)",
-    )
-    parser.add_argument("--top-p", type=float, default=None)
-    parser.add_argument("--top-k", type=int, default=None)
-    parser.add_argument("--max-new-tokens", type=int, default=64)
-    parser.add_argument("--max-prompt-tokens", type=int, default=512)
-    parser.add_argument("--num-prompts", type=int, default=64, help="use the first N prompts")
-    parser.add_argument("--no-stop-at-eos", action="store_true")
-    parser.add_argument("--batch-size", type=int, default=8)
-    parser.add_argument(
-        "--depth", type=int, default=None, help="EAGLE-3 positions (default: ttt_steps)"
-    )
-    parser.add_argument(
-        "--threshold",
-        type=float,
-        default=0.02,
-        help="refit when the drop's interval lies entirely above this",
-    )
-    parser.add_argument("--min-samples", type=int, default=10, help="prompts per category cell")
-    parser.add_argument("--bootstrap", type=int, default=1000)
-    parser.add_argument("--confidence", type=float, default=0.95)
-    parser.add_argument("--max-gamma", type=int, default=8)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    args = parser.parse_args(argv)
-    if args.temperature < 0 or args.max_new_tokens < 1 or args.num_prompts < 1:
-        parser.error("--temperature must be >= 0, --max-new-tokens and --num-prompts >= 1")
-
-    from specdistill.eval.outdir import claimed_output_dir
-    from specdistill.eval.prompts import load_prompts
-
-    prompts = load_prompts(args.prompts, limit=args.num_prompts)
-    with claimed_output_dir(args.out, overwrite=args.overwrite):
-        return _run(args, prompts)
-
-
-def _run(args, prompts) -> dict:
-    """Load the models, measure, write the report into the claimed `args.out`."""
-    from specdistill import drafts
-    from specdistill.drafts.hub import check_tokenizers, load_draft, load_target, load_tokenizer
-
-    tokenizer = load_tokenizer(args.target_after)
-    check_tokenizers(
-        load_tokenizer(args.target_before), tokenizer, args.target_before, args.target_after
-    )
-    draft = load_draft(args.draft, dtype=args.dtype)
-    if drafts.type_of(draft).own_tokenizer:
-        check_tokenizers(tokenizer, load_tokenizer(args.draft), args.target_after, args.draft)
-    before = load_target(args.target_before, args.adapter_before, dtype=args.dtype)
-    after = load_target(args.target_after, args.adapter_after, dtype=args.dtype)
-    for model in (before, after, draft):
-        model.to(args.device)
-    report, responses = measure(
-        before,
-        after,
-        draft,
-        tokenizer,
-        prompts,
-        temperature=args.temperature,
-        top_p=args.top_p,
-        top_k=args.top_k,
-        max_new_tokens=args.max_new_tokens,
-        max_prompt_tokens=args.max_prompt_tokens,
-        stop_at_eos=not args.no_stop_at_eos,
-        batch_size=args.batch_size,
-        depth=args.depth,
-        seed=args.seed,
-        threshold=args.threshold,
-        min_samples=args.min_samples,
-        bootstrap=args.bootstrap,
-        confidence=args.confidence,
-        max_gamma=args.max_gamma,
-    )
-    report["meta"] = {
-        "draft": args.draft,
-        "target_before": args.target_before
-        + (f" + {args.adapter_before}" if args.adapter_before else ""),
-        "target_after": args.target_after
-        + (f" + {args.adapter_after}" if args.adapter_after else ""),
-        "prompts": args.prompts,
-        "max_new_tokens": args.max_new_tokens,
-        "device": args.device,
-        "dtype": args.dtype,
-    }
-    write(report, args.out, prompts, responses, tokenizer)
-    print(markdown(report))
-    return report
-
-
-if __name__ == "__main__":
-    import sys
-
-    from specdistill.errors import run_guarded
-
-    sys.exit(run_guarded(main, sys.argv[1:]))
+    return report, {"before": out_before, "after": out_after}, scores

@@ -1,10 +1,10 @@
 """Real, lossless speculative decoding of a prompt set: the `speculate` command line.
 
-    python eval/speculative.py --target embedded:code-deep --draft runs/code/final \\
+    specdistill speculate --target embedded:code-deep --draft runs/code/final \\
         --prompts benchmarks/prompts/spec_bench_questions.jsonl --gamma 1,2,4,8,auto \\
         --temperature 0,1 --batch-size 1 --max-new-tokens 128 --out runs/spec
 
-    python eval/speculative.py --target Qwen/Qwen2.5-7B-Instruct --draft runs/draft/final \\
+    specdistill speculate --target Qwen/Qwen2.5-7B-Instruct --draft runs/draft/final \\
         --prompts benchmarks/prompts/HumanEval.jsonl.gz --gamma 2,4,6 --adaptive \\
         --temperature 0.7 --top-p 0.95 --batch-size 8 --device cuda --dtype bfloat16 --out runs/spec
 
@@ -32,7 +32,7 @@ import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
-import torch
+from specdistill.verb_parser import quiet_third_party, verb_parser
 
 
 def _gammas(text: str) -> list[int | str]:
@@ -107,10 +107,8 @@ def _check_out_dir(out: str) -> str | None:
     return None
 
 
-def main(argv: Sequence[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+def build_parser() -> argparse.ArgumentParser:
+    parser = verb_parser("speculate", __doc__)
     positive = _at_least(1)
     parser.add_argument("--target", required=True, help="HF id, local dir or embedded:<name>")
     parser.add_argument(
@@ -130,7 +128,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
     parser.add_argument(
         "--gamma",
         type=_gammas,
-        default=[1, 2, 4, 8],
+        default="1,2,4,8",
         help='comma-separated γ values; each >= 1, or "auto" (per-row draft lengths from the '
         "drafts' predicted acceptance and the measured round costs)",
     )
@@ -141,7 +139,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
         "--adaptive", action="store_true", help="add an adaptive-γ run in [min γ, max γ]"
     )
     parser.add_argument(
-        "--temperature", type=_floats, default=[0.0], help="comma-separated, >= 0; 0 = greedy"
+        "--temperature", type=_floats, default="0", help="comma-separated, >= 0; 0 = greedy"
     )
     parser.add_argument(
         "--top-p", type=_top_p, default=None, help="in (0, 1], filters the target; 1 = off"
@@ -160,20 +158,29 @@ def main(argv: Sequence[str] | None = None) -> dict:
         "--num-prompts", type=positive, default=None, help="use the first N prompts"
     )
     parser.add_argument("--stop-at-eos", action="store_true", help="end requests at EOS")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0, help="sampling seed")
     parser.add_argument(
         "--repeats",
         type=positive,
         default=1,
         help="runs of every configuration, round-robin; the fastest counts (stable timings)",
     )
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    parser.add_argument("--threads", type=int, default=None, help="torch intra-op CPU threads")
-    args = parser.parse_args(argv)
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    parser.add_argument("--device", default="auto", help="cuda, cpu, ...; auto: cuda if present")
+    parser.add_argument(
+        "--dtype",
+        default="float32",
+        choices=["float32", "bfloat16", "float16"],
+        help="the models' dtype",
+    )
+    parser.add_argument(
+        "--threads", type=int, default=None, help="torch intra-op CPU threads (default: torch's)"
+    )
+    return parser
 
+
+def main(argv: Sequence[str] | None = None) -> dict:
+    parser = build_parser()
+    args = parser.parse_args(argv)
     from specdistill.eval.outdir import claimed_output_dir
     from specdistill.eval.prompts import load_prompts
 
@@ -187,6 +194,13 @@ def main(argv: Sequence[str] | None = None) -> dict:
 
 def _run(args, prompts) -> dict:
     """Load the models, decode, write the report into the claimed `args.out`."""
+    quiet_third_party()
+    import torch
+
+    if args.device == "auto":
+        args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    if args.threads:
+        torch.set_num_threads(args.threads)
     from specdistill import drafts
     from specdistill.drafts.hub import check_tokenizers, load_draft, load_target, load_tokenizer
     from specdistill.drafts.progress import WorkProgress, usable_cores

@@ -20,7 +20,7 @@ spec_draft_token_num / spec_accept_histogram become the speculative statistics. 
 read with an unpickler that builds plain attribute bags and refuses every callable, so no
 SGLang install is needed and no code in the file runs.
 
-Input files are read as bytes and split at b"\n" only (JSON strings may hold U+2028 and
+Input files are read as bytes and split at b"\\n" only (JSON strings may hold U+2028 and
 other characters that `str.splitlines` would split at). Every line, dump file and entry is
 converted and checked in full before anything is appended: a line that is not UTF-8, not
 JSON, not an object, or holds a non-finite or out-of-range sampling parameter or
@@ -37,13 +37,11 @@ from its content (`<source>-<sha256 prefix>`). A reject already in OUT/rejects.j
 source and reason) is counted again but not written twice.
 """
 
-import argparse
 import hashlib
 import json
 import math
 from pathlib import Path
 
-from specdistill.drafts.identity import model_identity
 from specdistill.errors import UserError
 from specdistill.serve.convert_common import (
     NO_SPECULATION,
@@ -274,56 +272,9 @@ def _entries(source: str, path: Path) -> list[tuple[str, object]]:
     return out
 
 
-def _inputs(path: Path) -> list[Path]:
+def input_files(path: Path) -> list[Path]:
     if path.is_dir():
         return sorted(p for p in path.iterdir() if p.is_file() and not p.name.startswith("."))
     if not path.exists():
         raise FileNotFoundError(f"{path}: no such file or directory")
     return [path]
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("--from", dest="source", required=True, choices=SOURCES)
-    parser.add_argument("--input", required=True, help="a file, or a directory of files")
-    parser.add_argument("--target", required=True, help="the model the engine served")
-    parser.add_argument("--out", required=True, help="traffic directory to append to")
-    parser.add_argument(
-        "--target-adapter",
-        default=None,
-        help="the peft LoRA adapter the engine served on --target (its files enter the "
-        "identity, as with `specdistill serve --target-adapter`)",
-    )
-    parser.add_argument(
-        "--target-identity",
-        default=None,
-        help="the identity the online job expects (a record's target.identity from "
-        "`specdistill serve`); default: computed from --target as the server does, which "
-        "matches for a local model directory",
-    )
-    args = parser.parse_args(argv)
-
-    from specdistill.drafts.hub import load_tokenizer
-
-    inputs = _inputs(Path(args.input))
-    tokenizer = load_tokenizer(args.target)
-    identity = args.target_identity or model_identity(args.target, adapter=args.target_adapter)
-    name = f"{args.target}+{args.target_adapter}" if args.target_adapter else args.target
-    target = {"name": name, "identity": identity}
-    result = convert(args.source, inputs, tokenizer, target, Path(args.out))
-    reasons = ", ".join(f"{k}: {v}" for k, v in result["rejected"].items()) or "none"
-    print(
-        f"converted {result['converted']} records into {args.out} "
-        f"({result['already_logged']} already there); rejected: {reasons}"
-    )
-    return 0
-
-
-if __name__ == "__main__":
-    import sys
-
-    from specdistill.errors import run_guarded
-
-    sys.exit(run_guarded(main, sys.argv[1:]))

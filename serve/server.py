@@ -19,29 +19,17 @@ serves new requests from the next round on; one that fails is logged and skipped
 (docs/traffic.md, serve/traffic.py).
 
 Limits (vLLM's names where vLLM has the flag; `Server(...)` takes the same as keywords):
+--max-model-len (prompt + completion tokens; more is a 400 naming both numbers),
+--max-num-seqs (rows decoded together), --max-queue (requests waiting beyond them; past
+that a 503 with Retry-After at once, never a stall), --max-body-bytes (413 past it),
+--max-prompt-chars (checked before tokenising), --max-messages, --drain-s (on SIGTERM, how
+long running requests may take). Every option with its default: docs/cli.md.
 
-    --max-model-len N     prompt + completion tokens per request (default: the target's
-                          max_position_embeddings). More is a 400 naming both numbers; a
-                          request without max_tokens gets min(--max-tokens, the room left).
-    --max-num-seqs N      rows decoded together (default 8; --max-batch is the same flag)
-    --max-queue N         requests admitted beyond the running rows (default 64); past that a
-                          request is answered 503 with Retry-After at once, never stalled
-    --max-body-bytes N    request body cap, 413 past it, Content-Length or not (default 1 MiB)
-    --max-prompt-chars N  prompt characters, checked before tokenising (default 16 x
-                          --max-model-len, at least 4096)
-    --max-messages N      messages per chat request (default 1024)
-    --drain-s S           SIGTERM/SIGINT: stop accepting, let running requests finish for at
-                          most S seconds (default 30), cancel the rest, exit 0
-
-Draft length:
-
-    --gamma N|auto        drafts per round, or "auto": each row's length every round from the
-                          acceptance head's predictions and the cost of a round measured at
-                          the current batch size (eval/length_policy.py `AutoGamma`), so a
-                          loaded server drafts less and runs plain target rounds when drafting
-                          cannot pay. Default: auto for a draft with an acceptance head, 4
-                          otherwise (decided again for each hot-swapped version).
-    --max-gamma N         most drafts per round under auto (default 8)
+Draft length: --gamma N|auto. "auto" sets each row's length every round from the acceptance
+head's predictions and the cost of a round measured at the current batch size
+(eval/length_policy.py `AutoGamma`), so a loaded server drafts less and runs plain target
+rounds when drafting cannot pay; the default for a draft with an acceptance head (4
+otherwise), decided again for each hot-swapped version. --max-gamma caps it.
 
 Fixed per request (serve/schema.py): JSON nesting depth <= 32 (counted before parsing), at
 most 16 stop strings of at most 256 characters, top logprobs <= 20.
@@ -68,6 +56,7 @@ import time
 from collections.abc import Sequence
 
 from specdistill.errors import UserError
+from specdistill.verb_parser import quiet_third_party, verb_parser
 
 log = logging.getLogger("specdistill.serve")
 
@@ -360,12 +349,8 @@ def _Uvicorn(config):  # noqa: N802 - built lazily: uvicorn is imported on first
     return _uvicorn_server_class()(config)
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="specdistill serve",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
+def build_parser() -> argparse.ArgumentParser:
+    parser = verb_parser("serve", __doc__)
     parser.add_argument("--target", required=True, help="HF id, local dir or embedded:<name>")
     parser.add_argument(
         "--target-adapter",
@@ -388,8 +373,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--max-gamma", type=int, default=8, help="most draft tokens per round under --gamma auto"
     )
-    parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--host", default="127.0.0.1", help="the address to listen on")
+    parser.add_argument("--port", type=int, default=8000, help="the port to listen on")
     parser.add_argument("--traffic", default=None, help="directory of the traffic log")
     parser.add_argument(
         "--traffic-shard-mb", type=float, default=64.0, help="rotate traffic shards past this size"
@@ -451,11 +436,25 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument("--poll-s", type=float, default=2.0, help="--drafts: seconds between polls")
     parser.add_argument("--max-tokens", type=int, default=16, help="default max_tokens")
-    parser.add_argument("--served-model-name", default=None)
-    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    parser.add_argument("--device", default=None)
-    parser.add_argument("--threads", type=int, help="torch intra-op CPU threads (default: all)")
-    args = parser.parse_args(argv)
+    parser.add_argument(
+        "--served-model-name", default=None, help="the model name clients send (default: --target)"
+    )
+    parser.add_argument(
+        "--dtype",
+        default="float32",
+        choices=["float32", "bfloat16", "float16"],
+        help="the models' dtype",
+    )
+    parser.add_argument("--device", default=None, help="cuda, cpu, ... (default: cuda if present)")
+    parser.add_argument(
+        "--threads", type=int, default=None, help="torch intra-op CPU threads (default: all)"
+    )
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    quiet_third_party()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     from specdistill.serve.auth import ApiKeys, check_bind, parse_keys
 

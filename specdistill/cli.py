@@ -2,13 +2,18 @@
 
     specdistill distill --recipe recipes/code.yaml train.max_steps=50
     specdistill speculate --target embedded:code-deep --draft runs/code/final --prompts p --out o
-    specdistill drift --draft D --target-before A --target-after B --prompts p.jsonl --out o
+    specdistill drift --draft D --target-before A --target-after B --prompts p.jsonl --out o \\
+        --temperature 0,1 --fail-if-drop-above 0.02       # exit 1: the drop fails a deploy
     specdistill export --draft runs/code-eagle3/final --format vllm --out exported
     specdistill cache --recipe recipes/code.yaml --out runs/code-cache --top-n 64
     specdistill serve --target embedded:code-deep --draft runs/code/final --port 8000
     specdistill online --recipe recipes/online.yaml      # and: online rollback --drafts ROOT
 
-Each verb is a module with a `main(argv)`; the script paths (`train/distill.py`,
+Each verb is a module with a `main(argv)` and a `build_parser()` (`specdistill online`'s
+subcommands: its `SUBVERBS`) that imports no model library, so `specdistill <verb> --help`
+answers at once and docs/cli.md is generated from the parsers (specdistill/cli_docs.py).
+The parsers come from specdistill/verb_parser.py: the usage line names the verb, examples
+keep their line breaks, defaults are shown. The script paths (`train/distill.py`,
 `eval/speculative.py`, `python -m specdistill.train.export`) call the same functions.
 Anticipated errors (a bad recipe, malformed data, a missing file) print one line and exit 2;
 `--debug` before the verb, or SPECDISTILL_DEBUG=1, shows the traceback instead.
@@ -20,7 +25,8 @@ import sys
 
 from specdistill.errors import run_guarded
 
-# verb -> (module with main(argv), one line for --help)
+# verb -> (module with main(argv) and build_parser(), one line for --help); the module must
+# import nothing heavy at import time (tests/test_cli.py checks that torch stays unloaded)
 VERBS = {
     "distill": ("specdistill.train.distill", "distil a draft to a frozen target from a recipe"),
     "speculate": (
@@ -28,12 +34,12 @@ VERBS = {
         "run lossless speculative decoding; measure tau, speedup and the best gamma",
     ),
     "drift": (
-        "specdistill.eval.drift",
-        "measure the draft's α drift after a target fine-tune (per category, with intervals)",
+        "specdistill.serve.drift_cli",
+        "measure the draft's α drift after a target fine-tune; exit 1 when it fails a deploy",
     ),
-    "export": ("specdistill.train.export", "export a trained draft for vLLM, SGLang or HF"),
+    "export": ("specdistill.train.export_cli", "export a trained draft for vLLM, SGLang or HF"),
     "cache": (
-        "specdistill.train.target_cache",
+        "specdistill.train.target_cache_cli",
         "cache the target's top-N log-probabilities over a recipe's data (target.cache)",
     ),
     "regenerate": (
@@ -49,7 +55,7 @@ VERBS = {
         "serve an OpenAI-compatible API with speculative decoding (hot-swapped drafts)",
     ),
     "convert-traffic": (
-        "specdistill.serve.convert",
+        "specdistill.serve.convert_cli",
         "turn vLLM responses or SGLang request dumps into the traffic log",
     ),
 }
@@ -61,7 +67,8 @@ def usage() -> str:
     return (
         "usage: specdistill [--debug] <verb> [args...]\n\nverbs:\n"
         + "\n".join(lines)
-        + "\n\n`specdistill <verb> --help` describes a verb's arguments."
+        + "\n\n`specdistill <verb> --help` describes a verb's arguments; docs/cli.md lists them"
+        + " all."
     )
 
 

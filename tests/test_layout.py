@@ -3,12 +3,12 @@
 Layers, lowest first (an arrow may only point down):
 
     data, losses        depend on nothing else in the project but the errors utility
-    publish, errors     utilities: atomic writes, one-line errors (stdlib only; errors may
-                        use publish)
+    publish, errors,    utilities: atomic writes, one-line errors, the verbs' argument parser
+    verb_parser         (stdlib only; errors may use publish)
     drafts              what differs between draft types; may use losses, publish
     eval                may use drafts, data, losses, publish; never train
     train               may use everything below
-    cli                 dispatches to the verbs (imports anything, lazily)
+    cli, cli_docs       dispatch to the verbs, document them (import anything, lazily)
 
 Imports are read from the source with `ast`, deferred (function-level) imports included:
 a cycle through a deferred import is still a cycle for the reader.
@@ -40,13 +40,14 @@ FOLDERS = {
     "specdistill.train": "train",
     "specdistill.recipes": "recipes",
 }
-UTILITIES = {"publish", "errors"}
+UTILITIES = {"publish", "errors", "verb_parser"}
 ALLOWED = {
     # specdistill/errors.py defines the project's error base classes (stdlib only)
     "data": {"errors"},
     "losses": {"errors"},
     "publish": set(),
     "errors": {"publish"},  # OutputDirError: publish imports only the standard library
+    "verb_parser": set(),
     # the embedded default target is built from the data layer's corpus (drafts/embedded.py)
     "drafts": {"losses", "data"} | UTILITIES,
     "eval": {"data", "losses", "drafts"} | UTILITIES,
@@ -81,7 +82,7 @@ def layer(module: str) -> str:
     parts = module.split(".")
     if len(parts) == 1:
         return "root"
-    if parts[1] in ("cli", "__main__"):
+    if parts[1] in ("cli", "cli_docs", "__main__"):
         return "cli"
     return parts[1]
 

@@ -1,11 +1,14 @@
 """Distil a draft model to a frozen target with an acceptance-optimising loss.
 
-    accelerate launch train/distill.py --recipe recipes/code.yaml
-    accelerate launch --multi_gpu --num_processes 2 train/distill.py --recipe recipes/code.yaml \
-        train.max_steps=50 loss.name=tv      # 2 processes; on a machine without GPUs: gloo
-    accelerate launch --config_file recipes/accelerate/fsdp.yaml train/distill.py \
+    specdistill distill --recipe recipes/code.yaml                 # one process
+    specdistill distill --recipe recipes/code.yaml train.max_steps=50 loss.name=tv
+
+Several processes run the same module under a launcher (the script path, train/distill.py):
+
+    accelerate launch --multi_gpu --num_processes 2 train/distill.py --recipe recipes/code.yaml
+                                         # 2 processes; on a machine without GPUs: gloo
+    accelerate launch --config_file recipes/accelerate/fsdp.yaml train/distill.py \\
         --recipe recipes/code.yaml           # FSDP2; recipes/accelerate/: DDP, DeepSpeed too
-    python train/distill.py --recipe recipes/code.yaml train.resume=auto   # single process
 
 Overrides are `key.sub=value` (values parsed as YAML). Outputs in `train.output_dir`:
 recipe.yaml, metrics.jsonl, eval.json, checkpoints/, final/ (the trained draft), best/ (the
@@ -23,6 +26,7 @@ import sys
 
 from specdistill.errors import debugging, one_line, run_guarded
 from specdistill.train.config import RecipeError, load_recipe
+from specdistill.verb_parser import quiet_third_party, verb_parser
 
 
 def single_process_despite_request() -> bool:
@@ -38,10 +42,8 @@ def single_process_despite_request() -> bool:
     )
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+def build_parser() -> argparse.ArgumentParser:
+    parser = verb_parser("distill", __doc__)
     parser.add_argument(
         "--recipe", help="YAML recipe (e.g. recipes/code.yaml); defaults if omitted"
     )
@@ -50,8 +52,15 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="show the traceback of an error (also SPECDISTILL_DEBUG=1)",
     )
-    parser.add_argument("overrides", nargs="*", help="key.sub=value overrides")
-    args = parser.parse_args(argv)
+    parser.add_argument(
+        "overrides", nargs="*", help="key.sub=value overrides (docs/recipe-keys.md)"
+    )
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    quiet_third_party()
     if args.debug:
         os.environ["SPECDISTILL_DEBUG"] = "1"
     os.environ.setdefault("WANDB_SILENT", "true")

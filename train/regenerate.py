@@ -48,6 +48,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from specdistill.errors import UserError
+from specdistill.verb_parser import quiet_third_party, verb_parser
 
 SHARD = re.compile(r"^regen-(\d{6})\.jsonl$")
 MANIFEST = "manifest.json"
@@ -416,26 +417,31 @@ def _write_failures(path: Path, failed: dict[str, dict]) -> None:
     atomic_write_text(path, "".join(json.dumps(f) + "\n" for f in failed.values()))
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="specdistill regenerate",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
+def build_parser() -> argparse.ArgumentParser:
+    parser = verb_parser("regenerate", __doc__)
     parser.add_argument("--recipe", help="YAML recipe (its target and data.train)")
-    parser.add_argument("--out", required=True)
-    parser.add_argument("--temperature", type=float, default=0.7)
-    parser.add_argument("--top-p", type=float)
-    parser.add_argument("--top-k", type=int)
-    parser.add_argument("--max-new-tokens", type=int, default=256)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--batch-size", type=int, default=16)
-    parser.add_argument("--shard-records", type=int, default=1000)
-    parser.add_argument("--retries", type=int, default=2)
-    parser.add_argument("--text-prompt-tokens", type=int, default=64)
+    parser.add_argument("--out", required=True, help="output directory (a rerun resumes it)")
+    parser.add_argument("--temperature", type=float, default=0.7, help="sampling temperature")
+    parser.add_argument("--top-p", type=float, help="in (0, 1]; off when unset")
+    parser.add_argument("--top-k", type=int, help=">= 1; off when unset")
+    parser.add_argument("--max-new-tokens", type=int, default=256, help="tokens per answer")
+    parser.add_argument("--seed", type=int, default=0, help="sampling seed")
+    parser.add_argument("--batch-size", type=int, default=16, help="answers generated together")
+    parser.add_argument("--shard-records", type=int, default=1000, help="records per shard")
+    parser.add_argument(
+        "--retries", type=int, default=2, help="extra attempts of a prompt whose batch failed"
+    )
+    parser.add_argument(
+        "--text-prompt-tokens", type=int, default=64, help="a text record's prompt: its first N"
+    )
     parser.add_argument("--limit", type=int, help="answer the first N distinct prompts only")
     parser.add_argument("overrides", nargs="*", help="key.sub=value recipe overrides")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    quiet_third_party()
     from specdistill.train.config import load_recipe
 
     recipe = load_recipe(args.recipe, args.overrides)

@@ -31,13 +31,11 @@ held-out evaluation still runs the live target, so the reported α is the true o
 docs/cache.md gives the sizes.
 """
 
-import argparse
 import bisect
 import hashlib
 import json
 import os
 import shutil
-import sys
 import time
 from pathlib import Path
 
@@ -403,66 +401,3 @@ def open_cache(recipe, *, tokenizer, target, train_data, vocab_size: int) -> Tar
         vocab_size=vocab_size,
     )
     return cache
-
-
-# ----------------------------------------------------------------------------- command
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="specdistill cache",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    parser.add_argument("--recipe", help="YAML recipe (its target and data); defaults if omitted")
-    parser.add_argument("--out", required=True, help="the cache directory to create")
-    parser.add_argument(
-        "--top-n",
-        type=int,
-        default=DEFAULT_TOP_N,
-        help=f"tokens kept per position ({DEFAULT_TOP_N})",
-    )
-    parser.add_argument(
-        "--values-dtype",
-        choices=sorted(VALUE_DTYPES),
-        default="float16",
-        help="dtype of the stored log-probabilities and remaining mass (float16)",
-    )
-    parser.add_argument(
-        "--splits", default="train,eval", help="comma-separated splits to cache (train,eval)"
-    )
-    parser.add_argument(
-        "--batch-size", type=int, help="sequences per forward (train.micro_batch_size)"
-    )
-    parser.add_argument(
-        "--shard-mb", type=float, default=DEFAULT_SHARD_BYTES / 2**20, help="MiB per shard (256)"
-    )
-    parser.add_argument("--overwrite", action="store_true", help="replace an existing --out")
-    parser.add_argument("overrides", nargs="*", help="key.sub=value recipe overrides")
-    args = parser.parse_args(argv)
-    from specdistill.train.config import load_recipe
-
-    recipe = load_recipe(args.recipe, args.overrides)
-    splits = tuple(s.strip() for s in args.splits.split(",") if s.strip())
-    unknown = [s for s in splits if s not in SPLITS]
-    if unknown or not splits:
-        raise CacheError(f"--splits takes {', '.join(SPLITS)}, got {args.splits!r}")
-    manifest = build_cache(
-        recipe,
-        args.out,
-        top_n=args.top_n,
-        values_dtype=args.values_dtype,
-        splits=splits,
-        batch_size=args.batch_size,
-        shard_bytes=int(args.shard_mb * 2**20),
-        overwrite=args.overwrite,
-        print=lambda *a: print(*a, file=sys.stderr),
-    )
-    print(
-        f"cache: {manifest['positions']} positions, top-{manifest['top_n']}, "
-        f"{manifest['total_bytes'] / 2**20:.2f} MiB, {manifest['bytes_per_token']:.1f} bytes/token "
-        f"in {args.out}"
-    )
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -9,6 +9,7 @@ import torch
 from specdistill.drafts import hub
 from specdistill.eval import drift
 from specdistill.eval.prompts import load_prompts
+from specdistill.serve import drift_cli
 from tests.helpers import make_lora_adapter
 
 
@@ -26,7 +27,7 @@ def prompt_file(tmp_path_factory):
 def test_self_drift_is_exactly_zero(tiny_pair, prompt_file, tmp_path):  # noqa: F811
     target, draft, _ = tiny_pair
     out = tmp_path / "out"
-    report = drift.main(
+    run = drift_cli.run(
         [
             "--draft", str(draft),
             "--target-before", str(target),
@@ -39,6 +40,8 @@ def test_self_drift_is_exactly_zero(tiny_pair, prompt_file, tmp_path):  # noqa: 
             "--device", "cpu",
         ]
     )  # fmt: skip
+    assert list(run.reports) == [1.0]  # the default serving temperature
+    report = run.reports[1.0]
     assert report["alpha_before"] == report["alpha_after"]
     assert report["alpha_greedy_before"] == report["alpha_greedy_after"]
     assert report["target_tv"] == 0.0 and report["target_argmax_disagreement"] == 0.0

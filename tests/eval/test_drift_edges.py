@@ -7,9 +7,9 @@ import re
 
 import pytest
 
-from specdistill.eval import drift
 from specdistill.eval.prompts import PromptError
 from specdistill.publish import OutputDirError
+from specdistill.serve import drift_cli
 
 
 def _argv(tiny_pair, prompts, out, *extra) -> list[str]:  # noqa: F811
@@ -32,7 +32,7 @@ def test_a_prompt_that_is_not_text_names_file_and_line(tiny_pair, tmp_path):  # 
     out = tmp_path / "out"
     match = rf"^{re.escape(str(prompts))}:2: 'prompt' must be a string, got int"
     with pytest.raises(PromptError, match=match):
-        drift.main(_argv(tiny_pair, prompts, out))
+        drift_cli.main(_argv(tiny_pair, prompts, out))
     assert not out.exists()
 
 
@@ -41,7 +41,7 @@ def test_a_utf16_prompt_file_is_named(tiny_pair, tmp_path):  # noqa: F811
     prompts.write_text(json.dumps({"prompt": "def f():\n"}) + "\n", encoding="utf-16")
     out = tmp_path / "out"
     with pytest.raises(PromptError, match=rf"^{re.escape(str(prompts))}: UTF-16 text"):
-        drift.main(_argv(tiny_pair, prompts, out))
+        drift_cli.main(_argv(tiny_pair, prompts, out))
     assert not out.exists()
 
 
@@ -51,7 +51,7 @@ def test_a_failed_run_leaves_no_out(tiny_pair, tmp_path):  # noqa: F811
     argv = _argv(tiny_pair, prompts, out)
     argv[argv.index("--draft") + 1] = str(tmp_path / "no-such-draft")
     with pytest.raises(OSError):
-        drift.main(argv)
+        drift_cli.main(argv)
     assert not (tmp_path / "runs").exists()
 
 
@@ -61,8 +61,8 @@ def test_a_used_out_is_refused_unless_overwrite(tiny_pair, tmp_path):  # noqa: F
     out.mkdir()
     (out / "report.md").write_text("an earlier report")
     with pytest.raises(OutputDirError, match=r"already holds report\.md.*--overwrite"):
-        drift.main(_argv(tiny_pair, prompts, out))
+        drift_cli.main(_argv(tiny_pair, prompts, out))
     assert (out / "report.md").read_text() == "an earlier report"
-    report = drift.main(_argv(tiny_pair, prompts, out, "--overwrite"))
-    assert report["n_prompts"] == 2
+    assert drift_cli.main(_argv(tiny_pair, prompts, out, "--overwrite")) == 0
+    assert json.loads((out / "report.json").read_text())["n_prompts"] == 2
     assert (out / "report.md").read_text().startswith("# α drift report")

@@ -8,7 +8,8 @@ import pytest
 
 from specdistill.drafts.hub import load_tokenizer
 from specdistill.drafts.identity import model_identity
-from specdistill.serve.convert import convert, main
+from specdistill.serve.convert import convert
+from specdistill.serve.convert_cli import main
 from specdistill.serve.traffic import read_traffic
 
 SPEC = {

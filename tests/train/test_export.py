@@ -18,7 +18,8 @@ from transformers import (
 )
 
 from specdistill.drafts.eagle3_head import Eagle3Head, VocabMapError, build_vocab_map
-from specdistill.train.export import FORMATS, ExportError, export, load_export, main
+from specdistill.train.export import FORMATS, ExportError, export, load_export
+from specdistill.train.export_cli import main
 from tests.helpers import make_tokenizer
 
 ROOT = Path(__file__).resolve().parents[2]

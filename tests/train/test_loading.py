@@ -19,7 +19,7 @@ from specdistill.drafts.hub import (
     load_target,
 )
 from specdistill.train.config import RecipeError, load_recipe
-from specdistill.train.export import main as export_main
+from specdistill.train.export_cli import main as export_main
 from tests.train.test_reliability import kill_at, train
 from tests.train.test_trainer import Killed
 

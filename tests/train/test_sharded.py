@@ -32,6 +32,7 @@ CONFIGS = REPO / "recipes" / "accelerate"
     "name, distributed_type, machines",
     [
         ("ddp.yaml", DistributedType.MULTI_GPU, 1),
+        ("cpu.yaml", DistributedType.NO, 1),
         ("fsdp.yaml", DistributedType.FSDP, 1),
         ("fsdp_multinode.yaml", DistributedType.FSDP, 2),
         ("deepspeed_zero2.yaml", DistributedType.DEEPSPEED, 1),

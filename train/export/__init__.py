@@ -1,14 +1,15 @@
 """Export a trained draft for an inference engine: vLLM, SGLang or a Hugging Face directory.
 
     specdistill export --draft runs/code/final --format vllm --out exports/code-vllm
-    specdistill export --draft runs/eagle/final --format sglang --out exports/eagle-sgl \
+    specdistill export --draft runs/eagle/final --format sglang --out exports/eagle-sgl \\
         --verifier Qwen/Qwen2.5-Coder-7B-Instruct [--speculative-tokens N] [--overwrite]
     specdistill export --draft my-draft --format vllm --out exports/d --tokenizer TARGET_DIR
 
-(`python -m specdistill.train.export ...` is the same command.) The draft's type is detected
-by the drafts layer (`drafts.detect`: an EAGLE-3 head in the speculators or SGLang layout, else
-a Hugging Face causal LM). Each format is one module, which maps a type's `name` to its writer,
-reader and serve hint (train/export/common.py describes the interface; docs/theory.md §5):
+(`python -m specdistill.train.export ...` is the same command; train/export_cli.py parses
+it.) The draft's type is detected by the drafts layer (`drafts.detect`: an EAGLE-3 head in
+the speculators or SGLang layout, else a Hugging Face causal LM). Each format is one module,
+which maps a type's `name` to its writer, reader and serve hint (train/export/common.py
+describes the interface; docs/theory.md §5):
 
   vllm.py    an EAGLE-3 head in the `speculators` layout; a standalone draft as a plain causal
              LM directory (config.json, model.safetensors, generation config), for every format
@@ -42,7 +43,6 @@ directory layout its saved drafts have) and `detect`; each format module it supp
 `WRITERS[name]`, `HINTS[name]`, and its layout module `READERS[name]`.
 """
 
-import argparse
 import shutil
 import sys
 import tempfile
@@ -75,7 +75,16 @@ TOKENIZER_FILES = (
 # A directory has a tokenizer when it has its config and one of these vocabulary files.
 VOCABULARY_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt", "spiece.model")
 
-__all__ = ["ExportError", "FORMATS", "export", "load_export", "main", "VocabMapError"]
+__all__ = [
+    "ExportError",
+    "FORMATS",
+    "Options",
+    "VocabMapError",
+    "export",
+    "export_with_plan",
+    "load_export",
+    "serve_hint",
+]
 
 
 def _format(fmt: str):
@@ -185,7 +194,11 @@ def _check_written(directory: Path, kind: type, fmt: str) -> None:
         )
 
 
-def _export(draft, fmt: str, out, options: Options, overwrite: bool) -> tuple[Path, type, Plan]:
+def export_with_plan(
+    draft, fmt: str, out, options: Options, overwrite: bool = False
+) -> tuple[Path, type, Plan]:
+    """`export` with its `Options` given whole; returns (out, the draft's type, the plan
+    written), which `serve_hint` turns into the engine's command line."""
     module = _format(fmt)
     if options.speculative_tokens is not None and options.speculative_tokens < 1:
         raise ExportError(f"--speculative-tokens must be >= 1, got {options.speculative_tokens}")
@@ -232,55 +245,14 @@ def export(
     source = None if isinstance(draft, nn.Module) else Path(draft)
     tokenizer = Path(tokenizer) if tokenizer is not None else None
     options = Options(source, verifier, speculative_tokens, tokenizer)
-    return _export(draft, fmt, out, options, overwrite)[0]
+    return export_with_plan(draft, fmt, out, options, overwrite)[0]
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="specdistill export",
-        description="Export a trained draft (EAGLE-3 head or standalone causal LM) for "
-        "vLLM, SGLang or the Hugging Face Hub layout.",
-    )
-    parser.add_argument("--draft", required=True, help="trained draft directory")
-    parser.add_argument("--format", required=True, choices=FORMATS, dest="fmt")
-    parser.add_argument("--out", required=True, help="output directory (must be empty)")
-    parser.add_argument(
-        "--verifier",
-        default=None,
-        help="target model id or path written into a speculators config "
-        "(default: the training recipe's target, else the draft config's verifier)",
-    )
-    parser.add_argument(
-        "--speculative-tokens",
-        type=int,
-        default=None,
-        metavar="N",
-        help="speculative tokens per step written into the export (default: the head's "
-        "training depth, else the training recipe's draft.ttt_steps, else 3)",
-    )
-    parser.add_argument(
-        "--tokenizer",
-        default=None,
-        metavar="PATH",
-        help="directory whose tokenizer files the export carries, e.g. the target's "
-        "(default: --draft's; a standalone draft without them is refused)",
-    )
-    parser.add_argument("--overwrite", action="store_true", help="replace a non-empty --out")
-    args = parser.parse_args(argv)
-    tokenizer = Path(args.tokenizer) if args.tokenizer else None
-    options = Options(Path(args.draft), args.verifier, args.speculative_tokens, tokenizer)
-    try:
-        out, kind, plan = _export(args.draft, args.fmt, args.out, options, args.overwrite)
-    # ExportError, VocabMapError, IncompleteDraftError, BrokenWeightsError, unreadable drafts
-    except (ValueError, OSError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    print(f"wrote {args.fmt} export of the {kind.name} draft to {out}")
+def serve_hint(fmt: str, kind, out, plan: Plan) -> str:
+    """How the inference engine of `fmt` serves an export (`export_with_plan`'s result)."""
     tokens = plan.speculative_tokens
-    hint = (
-        MODULES[args.fmt]
+    return (
+        MODULES[fmt]
         .HINTS[kind.name]
         .format(out=out, target=plan.verifier or "TARGET", tokens=tokens, draft_tokens=tokens + 1)
     )
-    print("serve with: " + hint)
-    return 0

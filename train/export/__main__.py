@@ -3,7 +3,7 @@
 import sys
 
 from specdistill.errors import run_guarded
-from specdistill.train.export import main
+from specdistill.train.export_cli import main
 
 if __name__ == "__main__":
     sys.exit(run_guarded(main, sys.argv[1:]))

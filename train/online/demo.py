@@ -29,7 +29,6 @@ Writes DIR/summary.json and DIR/served_alpha.png (served α over time, the shift
 promotion marked). Served α = accepted / drafted tokens of the traffic records.
 """
 
-import argparse
 import codecs
 import json
 import threading
@@ -38,6 +37,7 @@ from pathlib import Path
 
 import numpy as np
 
+from specdistill.train.online.args import demo_parser
 from specdistill.train.online.demo_report import phase_of, plot, served_alpha
 from specdistill.train.online.loadgen import (
     FRACTIONS,
@@ -375,56 +375,7 @@ def demo(args) -> dict:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(
-        prog="specdistill online demo",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    p.add_argument("--out", required=True, help="a new directory (DIR)")
-    p.add_argument(
-        "--minutes", type=float, default=25.0, help="budget; the load takes --load-share of it"
-    )
-    p.add_argument("--load-share", type=float, default=0.4)
-    p.add_argument(
-        "--phase-seconds", default=None, help="code,prose,code seconds (overrides --minutes)"
-    )
-    p.add_argument("--target", default="embedded:code")
-    p.add_argument(
-        "--shift",
-        choices=("target", "traffic"),
-        default="target",
-        help="target (default): serve --target with a LoRA adapter fine-tuned on the prose "
-        "domain and old code, so the target knows the new domain and the draft does not; "
-        "traffic: serve --target as it is (only the prompts change)",
-    )
-    p.add_argument("--ft-steps", type=int, default=150, help="--shift target: adapter steps")
-    p.add_argument("--ft-lr", type=float, default=3e-3)
-    p.add_argument("--ft-rank", type=int, default=16)
-    p.add_argument("--ft-code-files", type=int, default=60, help="stdlib files mixed in")
-    p.add_argument(
-        "--fit-steps",
-        type=int,
-        default=50,
-        help="first distil --draft to the served target on the code traffic pool for N steps",
-    )
-    p.add_argument("--draft", default="embedded:code-draft")
-    p.add_argument("--clients", type=int, default=3)
-    p.add_argument("--max-tokens", type=int, default=32)
-    p.add_argument("--prompt-tokens", type=int, default=48)
-    p.add_argument("--gamma", type=int, default=4)
-    p.add_argument("--loss", default="lk_lambda")
-    p.add_argument("--lr", type=float, default=1e-3)
-    p.add_argument("--batch", type=int, default=16)
-    p.add_argument("--refresh-records", type=int, default=64)
-    p.add_argument("--refresh-steps", type=int, default=16)
-    p.add_argument("--holdout", type=int, default=48)
-    p.add_argument("--osd-batch", type=int, default=8)
-    p.add_argument("--eval-sequences", type=int, default=64)
-    p.add_argument("--eval-tokens", type=int, default=128)
-    p.add_argument("--max-code-files", type=int, default=None)
-    p.add_argument("--plot-window", type=int, default=40)
-    p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--seed", type=int, default=0)
+    p = demo_parser()
     args = p.parse_args(argv)
     args.target_adapter = None
     if args.minutes <= 0 or args.minutes > 30:

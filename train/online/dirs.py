@@ -100,18 +100,10 @@ def forget(out: Path) -> None:
 
 def rollback_main(argv: list[str]) -> int:
     """`specdistill online rollback [VERSION] --drafts ROOT`."""
-    import argparse
-
+    from specdistill.train.online.args import rollback_parser
     from specdistill.train.online.versions import rollback
 
-    p = argparse.ArgumentParser(
-        prog="specdistill online rollback",
-        description="repoint ROOT/current (default: to its parent) after checking that the "
-        "version loads; refused while an online job holds ROOT",
-    )
-    p.add_argument("version", nargs="?", help="vNNNNNN (default: the current one's parent)")
-    p.add_argument("--drafts", required=True, help="the published root (ROOT)")
-    args = p.parse_args(argv)
+    args = rollback_parser().parse_args(argv)
     root = Path(args.drafts)
     if not root.is_dir():
         raise FileNotFoundError(f"{root}: no such drafts root")

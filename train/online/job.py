@@ -3,7 +3,6 @@
     specdistill online --recipe recipes/online.yaml [key.sub=value ...] [--follow | --once]
     specdistill online rollback [VERSION] --drafts ROOT      # default: the parent of current
     specdistill online demo --out DIR [--minutes M]           # serve + shift + learn + OSD
-    python train/online/job.py --recipe recipes/online.yaml
 
 The job reads `online.traffic` (the shards `specdistill serve --traffic` writes) after its
 committed cursor, screens each record (schema, the target identity as serve/traffic.py
@@ -47,7 +46,6 @@ recipes/code-eagle3.yaml), or a fresh head takes V_d = V or builds V_d from the 
 Not done: multi-process training.
 """
 
-import argparse
 import copy
 import json
 import signal
@@ -59,6 +57,7 @@ from pathlib import Path
 
 from specdistill.errors import run_guarded
 from specdistill.train.config import RecipeError, load_recipe
+from specdistill.train.online.args import job_parser
 from specdistill.train.online.dirs import LOGS, STATE
 from specdistill.train.online.intake import TrafficInput
 from specdistill.train.online.refresh import Refreshes
@@ -354,17 +353,7 @@ def main(argv: list[str] | None = None, *, faults: Faults = no_faults) -> int:
         from specdistill.train.online.dirs import rollback_main
 
         return rollback_main(argv[1:])
-    p = argparse.ArgumentParser(
-        prog="specdistill online",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    p.add_argument("--recipe", help="YAML recipe with an online: section")
-    mode = p.add_mutually_exclusive_group()
-    mode.add_argument("--follow", action="store_true", help="tail new shards and lines")
-    mode.add_argument("--once", action="store_true", help="one pass over the traffic, then exit")
-    p.add_argument("overrides", nargs="*", help="key.sub=value overrides")
-    args = p.parse_args(argv)
+    args = job_parser().parse_args(argv)
     recipe = load_recipe(args.recipe, args.overrides)
     follow = True if args.follow else False if args.once else None
     OnlineJob(recipe, faults=faults).run(follow=follow)

@@ -1,0 +1,352 @@
+"""`specdistill drift`: the draft's α drift after a target fine-tune, and a deploy gate.
+
+    specdistill drift --draft runs/code-4layer/final --target-before embedded:code \\
+        --target-after embedded:code --adapter-after runs/ft/adapter \\
+        --prompts benchmarks/prompts/spec_bench_questions.jsonl --out runs/drift
+
+    # CI: exit status 1 when the drop's lower bound passes 0.02 at T = 0 or T = 1
+    specdistill drift --draft D --target-before A --target-after A --adapter-after B \\
+        --prompts p.jsonl --out runs/gate --temperature 0,1 --fail-if-drop-above 0.02
+
+    # the same, judged at the traffic's mixture (20% greedy tokens, 80% at T = 1) ...
+    specdistill drift ... --temperature-mix 0:0.2,1:0.8 --fail-if-drop-above 0.02
+    # ... or at the mixture `specdistill serve --traffic` logged
+    specdistill drift ... --traffic logs/traffic --fail-if-drop-above 0.02
+
+A target is a model directory, a hub id, `embedded:<name>`, or a base plus a peft LoRA
+adapter (`--adapter-before` / `--adapter-after`), loaded unmerged (`drafts.hub.load_target`).
+
+What is measured (docs/theory.md §1). Each target generates a response to every prompt (the
+project's engine, greedy at --temperature 0, else sampled). On its own responses each
+target is compared with the draft, teacher-forced: α = Σ min(p, q) at the serving
+temperature and α at T = 0 (argmax agreement), per position (per drafting depth for an
+EAGLE-3 head, chained into τ by `eval.stats.tau_chain`).
+
+- alpha_before: draft vs the before-target on the before-target's responses (what the draft
+  was measured on when it was fit); alpha_after: draft vs the after-target on the
+  after-target's responses (what the draft sees in serving after the fine-tune).
+- The drop splits in two, both on the after-target's text: alpha_before_on_after_text is the
+  draft vs the *before*-target there. alpha_before − alpha_before_on_after_text is the part
+  due to the text moving (new prompts' answers look different), alpha_before_on_after_text −
+  alpha_after the part due to the target's conditional distribution moving under the draft.
+- target_tv: mean ½Σ|p_before − p_after| between the two targets on the after-target's
+  responses, at the serving temperature (T = 1 when serving is greedy); and
+  target_argmax_disagreement. α_after ≥ α_before_on_after_text − TV (triangle inequality),
+  so the TV bounds how much acceptance the fine-tune alone can remove.
+- Intervals: a paired bootstrap over prompts (each prompt's before and after responses are a
+  pair), resampling prompts and taking ratios of sums (α over positions). Per category
+  (a prompt record's `category`) the same, for categories with at least --min-samples prompts;
+  smaller cells are reported as insufficient.
+- top_tokens: on the after-target's responses, Σ over positions of (α_before − α_after)
+  grouped by the after-target's argmax token (divided by the number of positions, so the
+  entries sum to the conditional part of the drop): which tokens lose the acceptance mass.
+- verdict: refit recommended when the whole interval of the drop of α (serving temperature)
+  lies above --threshold (advice in the report; the exit status is the gate's, below).
+
+The gate (eval/drift_gate.py). Each temperature of --temperature (or of the mixture) is
+measured on the same prompts. With --fail-if-drop-above X the command exits with status 1
+when the lower bound of the drop's interval lies above X at any served temperature, or, with a
+mixture, for the mixture's drop Σ w_T · drop_T (one paired bootstrap over prompts for all
+temperatures); else 0. Errors in the input exit 2. DIR/gate.json (`GateReport`) holds every
+check. The mixture is --temperature-mix, or --traffic DIR: the share of completion tokens at
+each temperature in the traffic log (serve/traffic.py; `convert-traffic` writes one from vLLM
+or SGLang), each distinct temperature measured once. This command line sits in serve/ for
+that reader; the measurement is eval/drift.py.
+
+Writes DIR/report.json, DIR/report.md, DIR/drift.png and DIR/responses_after.jsonl (the
+after-target's responses as training records: `data.train` of a repair run, recipes/repair.yaml)
+and DIR/gate.json; with several temperatures the four reports go to DIR/T<t>/ (DIR/T0/,
+DIR/T1/). DIR must be new or empty unless --overwrite; the prompt file is read and checked
+first, and a run that fails before writing removes the DIR it created.
+"""
+
+import argparse
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from specdistill.verb_parser import quiet_third_party, verb_parser
+
+if TYPE_CHECKING:  # imported when run: it loads numpy and torch
+    from specdistill.eval.drift_gate import GateReport
+
+
+def _temperatures(text: str) -> list[float]:
+    """argparse type: comma-separated distinct numbers >= 0, at least one."""
+    try:
+        values = [float(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        values = []
+    if not values or not all(math.isfinite(v) and v >= 0 for v in values):
+        raise argparse.ArgumentTypeError(
+            f"needs at least one number >= 0, comma-separated; got {text!r}"
+        )
+    if len(set(values)) != len(values):
+        raise argparse.ArgumentTypeError(f"a temperature is given twice in {text!r}")
+    return values
+
+
+def _mix(text: str) -> dict[float, float]:
+    from specdistill.eval.drift_gate import parse_mix
+
+    try:
+        return parse_mix(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"needs an integer >= 1; got {text!r}")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = verb_parser("drift", __doc__)
+    parser.add_argument("--draft", required=True, help="the draft (standalone or EAGLE-3 dir)")
+    parser.add_argument(
+        "--target-before", required=True, help="HF id, local dir or embedded:<name>"
+    )
+    parser.add_argument("--target-after", required=True, help="HF id, local dir or embedded:<name>")
+    parser.add_argument(
+        "--adapter-before", default=None, help="peft adapter dir on --target-before"
+    )
+    parser.add_argument("--adapter-after", default=None, help="peft adapter dir on --target-after")
+    parser.add_argument(
+        "--prompts", required=True, help=".txt, .jsonl/.json(.gz) (eval/prompts.py)"
+    )
+    parser.add_argument(
+        "--out",
+        required=True,
+        help="output directory (created; refused if it holds files, unless --overwrite)",
+    )
+    parser.add_argument(
+        "--overwrite", action="store_true", help="replace the reports in a used --out"
+    )
+    served = parser.add_mutually_exclusive_group()
+    served.add_argument(
+        "--temperature",
+        type=_temperatures,
+        default="1",
+        help="serving temperatures, comma-separated (0 = greedy): responses are sampled at "
+        "each and the gate judges each",
+    )
+    served.add_argument(
+        "--temperature-mix",
+        type=_mix,
+        default=None,
+        metavar="T:W,...",
+        help="the traffic's share per temperature (e.g. 0:0.2,1:0.8, normalised): each "
+        "temperature is measured and the gate judges the mixture",
+    )
+    served.add_argument(
+        "--traffic",
+        default=None,
+        metavar="DIR",
+        help="a traffic log (specdistill serve --traffic): its completion tokens' share per "
+        "temperature is the mixture the gate judges",
+    )
+    parser.add_argument(
+        "--fail-if-drop-above",
+        type=float,
+        default=None,
+        metavar="X",
+        help="exit 1 when the lower bound of the drop of α lies above X (the gate); without "
+        "it the command reports and exits 0",
+    )
+    parser.add_argument("--top-p", type=float, default=None, help="filters both targets")
+    parser.add_argument("--top-k", type=int, default=None, help="filters both targets")
+    parser.add_argument("--max-new-tokens", type=_positive, default=64, help="tokens per response")
+    parser.add_argument(
+        "--max-prompt-tokens", type=_positive, default=512, help="keep the last N prompt tokens"
+    )
+    parser.add_argument("--num-prompts", type=_positive, default=64, help="use the first N prompts")
+    parser.add_argument(
+        "--no-stop-at-eos", action="store_true", help="generate --max-new-tokens past EOS"
+    )
+    parser.add_argument(
+        "--batch-size", type=_positive, default=8, help="responses generated together"
+    )
+    parser.add_argument(
+        "--depth", type=int, default=None, help="EAGLE-3 positions (default: ttt_steps)"
+    )
+    parser.add_argument(
+        "--threshold",
+        type=float,
+        default=0.02,
+        help="the report's verdict: refit when the drop's interval lies entirely above this",
+    )
+    parser.add_argument("--min-samples", type=int, default=10, help="prompts per category cell")
+    parser.add_argument(
+        "--bootstrap", type=_positive, default=1000, help="bootstrap resamples of the prompts"
+    )
+    parser.add_argument(
+        "--confidence", type=float, default=0.95, help="the intervals' confidence, in (0, 1)"
+    )
+    parser.add_argument("--max-gamma", type=_positive, default=8, help="predicted τ up to this γ")
+    parser.add_argument("--seed", type=int, default=0, help="sampling and bootstrap seed")
+    parser.add_argument("--device", default="auto", help="cuda, cpu, ...; auto: cuda if present")
+    parser.add_argument(
+        "--dtype",
+        default="float32",
+        choices=["float32", "bfloat16", "float16"],
+        help="the models' dtype",
+    )
+    return parser
+
+
+@dataclass
+class DriftRun:
+    """What one `specdistill drift` measured: a report per temperature and the gate."""
+
+    reports: dict[float, dict] = field(default_factory=dict)
+    gate: "GateReport | None" = None
+
+
+def run(argv: Sequence[str] | None = None) -> DriftRun:
+    """Parse, measure every temperature, write DIR, print the reports and the gate."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not 0 < args.confidence < 1:
+        parser.error(f"--confidence must be in (0, 1); got {args.confidence}")
+    for name in ("threshold", "fail_if_drop_above"):
+        value = getattr(args, name)
+        if value is not None and not math.isfinite(value):
+            parser.error(f"--{name.replace('_', '-')} must be a finite number; got {value}")
+    if args.traffic is not None:
+        args.temperature_mix = temperature_mix(args.traffic)
+    if args.temperature_mix is not None:
+        args.temperature = sorted(args.temperature_mix)
+
+    from specdistill.eval.outdir import claimed_output_dir
+    from specdistill.eval.prompts import load_prompts
+
+    prompts = load_prompts(args.prompts, limit=args.num_prompts)
+    with claimed_output_dir(args.out, overwrite=args.overwrite):
+        return _run(args, prompts)
+
+
+def temperature_mix(directory) -> dict[float, float]:
+    """Each temperature's share of the completion tokens in a traffic log (the positions a
+    draft drafts at), from `serve.traffic.read_traffic`'s validated records."""
+    from pathlib import Path
+
+    from specdistill.serve.traffic import TrafficError, read_traffic
+
+    if not Path(directory).is_dir():
+        raise TrafficError(f"--traffic {directory}: no such directory")
+    tokens: dict[float, int] = {}
+    for record in read_traffic(directory):
+        t = float(record["sampling"]["temperature"])
+        tokens[t] = tokens.get(t, 0) + len(record["completion_token_ids"])
+    total = sum(tokens.values())
+    if not total:
+        raise TrafficError(f"--traffic {directory}: no completion tokens in its records")
+    return {t: n / total for t, n in sorted(tokens.items()) if n}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """`specdistill drift`: 1 when the gate fails, else 0 (input errors: 2, run_guarded)."""
+    return 1 if run(argv).gate.failed else 0
+
+
+def _run(args, prompts) -> DriftRun:
+    """Load the models once, measure each temperature, write the reports and the gate."""
+    from pathlib import Path
+
+    import numpy as np
+    import torch
+
+    from specdistill import drafts
+    from specdistill.drafts.hub import check_tokenizers, load_draft, load_target, load_tokenizer
+    from specdistill.eval.drift import measure_scores
+    from specdistill.eval.drift_gate import judge, markdown
+    from specdistill.eval.drift_report import markdown as report_markdown
+    from specdistill.eval.drift_report import write
+
+    quiet_third_party()
+    if args.device == "auto":
+        args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    tokenizer = load_tokenizer(args.target_after)
+    check_tokenizers(
+        load_tokenizer(args.target_before), tokenizer, args.target_before, args.target_after
+    )
+    draft = load_draft(args.draft, dtype=args.dtype)
+    if drafts.type_of(draft).own_tokenizer:
+        check_tokenizers(tokenizer, load_tokenizer(args.draft), args.target_after, args.draft)
+    before = load_target(args.target_before, args.adapter_before, dtype=args.dtype)
+    after = load_target(args.target_after, args.adapter_after, dtype=args.dtype)
+    for model in (before, after, draft):
+        model.to(args.device)
+    result, pairs = DriftRun(), {}
+    several = len(args.temperature) > 1
+    for temperature in args.temperature:
+        report, responses, scores = measure_scores(
+            before,
+            after,
+            draft,
+            tokenizer,
+            prompts,
+            temperature=temperature,
+            top_p=args.top_p,
+            top_k=args.top_k,
+            max_new_tokens=args.max_new_tokens,
+            max_prompt_tokens=args.max_prompt_tokens,
+            stop_at_eos=not args.no_stop_at_eos,
+            batch_size=args.batch_size,
+            depth=args.depth,
+            seed=args.seed,
+            threshold=args.threshold,
+            min_samples=args.min_samples,
+            bootstrap=args.bootstrap,
+            confidence=args.confidence,
+            max_gamma=args.max_gamma,
+        )
+        report["meta"] = _meta(args)
+        out = Path(args.out) / f"T{temperature:g}" if several else Path(args.out)
+        write(report, out, prompts, responses, tokenizer)
+        print(report_markdown(report))
+        result.reports[temperature] = report
+        # α at the serving temperature (column 0) and the positions (column 2), depth 0
+        pairs[temperature] = tuple(
+            np.stack([getattr(s, side) for s in scores])[:, 0][:, [0, 2]]
+            for side in ("before", "after")
+        )
+    result.gate = judge(
+        pairs,
+        threshold=args.fail_if_drop_above,
+        weights=args.temperature_mix,
+        samples=args.bootstrap,
+        confidence=args.confidence,
+        seed=args.seed,
+    )
+    (Path(args.out) / "gate.json").write_text(result.gate.model_dump_json(indent=2) + "\n")
+    print(markdown(result.gate))
+    return result
+
+
+def _meta(args) -> dict:
+    return {
+        "draft": args.draft,
+        "target_before": args.target_before
+        + (f" + {args.adapter_before}" if args.adapter_before else ""),
+        "target_after": args.target_after
+        + (f" + {args.adapter_after}" if args.adapter_after else ""),
+        "prompts": args.prompts,
+        "max_new_tokens": args.max_new_tokens,
+        "device": args.device,
+        "dtype": args.dtype,
+    }
+
+
+if __name__ == "__main__":
+    import sys
+
+    from specdistill.errors import run_guarded
+
+    sys.exit(run_guarded(main, sys.argv[1:]))
