@@ -258,6 +258,18 @@ def test_estimates_and_calibration():
     assert 0 <= cal(1e-9) <= 1
 
 
+def test_a_heads_calibration_keeps_its_predictions_apart():
+    cal = Calibration(bins=4, prior=2.0, head=True)
+    assert cal(0.62) == 0.62 and cal(0.9) == 0.9  # a head's probability passes at first
+    for _ in range(50):  # predicted 0.7, accepted half the time: a bias of −0.2 in its bin
+        cal.observe([0.7], 1, 1)
+        cal.observe([0.7, 0.9], 2, 0)
+    assert cal(0.55) == pytest.approx(0.35, abs=0.01)
+    assert cal(0.74) - cal(0.55) == pytest.approx(0.19)  # the spread within a bin is kept
+    assert cal(0.95) < 0.95  # an empty bin moves by the pooled bias
+    assert 0 <= cal(0.0) <= cal(1.0) <= 1
+
+
 # ----------------------------------------------------------------------------- the confidences
 
 

@@ -1,0 +1,348 @@
+"""Why `--gamma auto` is or is not faster than the best fixed γ: four measurements in one run.
+
+    python -m benchmarks.auto_gamma_why --draft runs/code/final --threads 1 \\
+        --prompts benchmarks/prompts/HumanEval.jsonl.gz --num-prompts 10 --max-new-tokens 64
+
+(a) The cost model's error. The target alone, each fixed `--gammas` value and `auto` decode
+    the prompts (batch 1, like `specdistill speculate`); for every round the cost model's
+    prediction k·c + v(k) (c and the fitted v as they stood when the round was planned; for a
+    fixed γ, auto's final model) is set against the realised draft and verification times,
+    and the time outside the rounds (commit, statistics) is counted. c is also given per
+    policy as the realised draft time per draft step over the target alone's step.
+(b) The ragged verification's overhead: at each `--batch-sizes` B, one target pass over rows
+    that propose 1..7 drafts (mean 4, padded to 7) and verify ragged, against the same
+    total drafts at a uniform 4 per row, and against the padded pass verified uniform.
+(c) A draft step split: the draft's forward, with its hidden state, the sampling, the
+    acceptance head (`drafts.confidence.predicted_acceptance`) and the per-row decision
+    (`CostRule.keep_drafting`), each timed alone over `--steps` steps on a real context.
+(d) The head's calibration at each temperature (eval/calibration.py): its prediction
+    against the label α at that temperature (greedy agreement at T = 0), teacher-forced
+    along the target alone's text; plus the spread of its predictions, the realised
+    acceptance in their lowest and highest fifth, and what the engine's online map
+    (eval/online_calibration.py) made of them during the `auto` run.
+
+Timings are the fastest of `--repeats` (b, c) on whatever machine runs it; ratios within
+one run are what to read. `--json PATH` writes everything.
+"""
+
+import argparse
+import json
+import math
+import time
+from statistics import fmean
+
+import torch
+
+from specdistill import drafts
+from specdistill.drafts.confidence import acceptance_head, predicted_acceptance
+from specdistill.drafts.kv_cache import KVStream
+from specdistill.eval.calibration import calibration
+from specdistill.eval.engine import AutoGamma, generate
+from specdistill.eval.length_policy import CostRule
+from specdistill.eval.sampling import Sampler
+from specdistill.eval.verify import verify_greedy, verify_sampled
+from specdistill.losses.acceptance_head import acceptance_label
+from specdistill.losses.sampling import probabilities
+
+RAGGED = [1, 7, 2, 6, 3, 5, 4, 4]  # any even-length prefix has mean 4
+
+
+class RecordingAuto:
+    """An `AutoGamma` that notes the cost model's c and fitted v(k) as each round is planned."""
+
+    def __init__(self, inner: AutoGamma):
+        self.inner, self.max_gamma, self.plans = inner, inner.max_gamma, []
+
+    @property
+    def cost(self):
+        return self.inner.cost
+
+    def start(self, target, vocab_size, batch_size):
+        self.inner.start(target, vocab_size, batch_size)
+
+    def plan(self, limits, estimates):
+        table = self.inner.cost.table(len(limits))
+        self.plans.append((table.draft_s or 0.0, table.fitted()))
+        return self.inner.plan(limits, estimates)
+
+    def observe(self, batch_size, drafted, verify_s):
+        self.inner.observe(batch_size, drafted, verify_s)
+
+    def after_row(self, estimate, drafted, accepted, confidence):
+        return self.inner.after_row(estimate, drafted, accepted, confidence)
+
+
+def _rel(pred: float, real: float) -> float:
+    return (pred - real) / real if real else math.nan
+
+
+def cost_error(g, plans, step_s: float) -> dict:
+    """Predicted against realised round costs of one run (`plans`: (c, v) per round)."""
+    rounds = g.rounds
+    drafted = [r for r in rounds if r.gamma > 0]
+    steps = sum(r.gamma for r in drafted)
+    pred_draft = [c * r.gamma for r, (c, _) in zip(rounds, plans, strict=True)]
+    pred_verify = [v[r.gamma] for r, (_, v) in zip(rounds, plans, strict=True)]
+    real_draft = [r.draft_s for r in rounds]
+    real_verify = [r.verify_s for r in rounds]
+    pred = [a + b for a, b in zip(pred_draft, pred_verify, strict=True)]
+    real = [a + b for a, b in zip(real_draft, real_verify, strict=True)]
+    outside = g.wall_s - g.prefill_s - sum(r.round_s for r in rounds)
+    by_k: dict[int, list] = {}
+    for r, pv in zip(rounds, pred_verify, strict=True):
+        by_k.setdefault(r.gamma, []).append((pv, r.verify_s))
+    return {
+        "rounds": len(rounds),
+        "draft_steps": steps,
+        "c_over_target_step": (sum(real_draft) / steps / step_s) if steps else math.nan,
+        "round_s_pred_over_real": sum(pred) / sum(real) - 1.0,
+        "round_s_mean_abs_rel_error": fmean(abs(_rel(p, r)) for p, r in zip(pred, real)),
+        "draft_s_pred_over_real": _rel(sum(pred_draft), sum(real_draft)),
+        "verify_s_pred_over_real": _rel(sum(pred_verify), sum(real_verify)),
+        "verify_by_k": {
+            str(k): {"n": len(v), "pred_s": fmean(p for p, _ in v), "real_s": fmean(x for _, x in v)}
+            for k, v in sorted(by_k.items())
+        },
+        "outside_rounds_share": outside / (g.wall_s - g.prefill_s),
+        "tokens_per_s": g.tokens_per_s,
+    }
+
+
+def part_a(target, draft, prompt_ids, args, temperature: float) -> tuple[dict, dict]:
+    """(per-policy results, extras for (d)) at one temperature."""
+    kw = dict(temperature=temperature, max_new_tokens=args.max_new_tokens, batch_size=1)
+    generate(target, draft, prompt_ids[:1], gamma=2, max_new_tokens=4)  # warm-up
+    base = generate(target, None, prompt_ids, **kw)
+    step_s = fmean(r.verify_s for r in base.rounds)
+    auto = RecordingAuto(AutoGamma(args.max_gamma))
+    g_auto = generate(target, draft, prompt_ids, gamma=auto, **kw)
+    out = {"target_alone": {"tokens_per_s": base.tokens_per_s, "step_s": step_s}}
+    out["auto"] = cost_error(g_auto, auto.plans, step_s)
+    hist: list[int] = []
+    pred_sum = reached = acc = 0
+    for s in g_auto.stats:
+        hist += [0] * (len(s.drafted_histogram) - len(hist))
+        for k, n in enumerate(s.drafted_histogram):
+            hist[k] += n
+        pred_sum, reached, acc = pred_sum + s.predicted_sum, reached + s.reached, acc + s.reached_accepted
+    out["auto"]["drafted_length_histogram"] = hist
+    out["auto"]["engine_mean_predicted"] = pred_sum / reached if reached else math.nan
+    out["auto"]["engine_mean_realised"] = acc / reached if reached else math.nan
+    final = g_auto.cost["1"]
+    c_end = final["draft_s"] or 0.0
+    from specdistill.eval.cost_model import CostTable
+
+    v_end = CostTable(final["verify_s"]).fitted()
+    for gamma in args.gammas:
+        g = generate(target, draft, prompt_ids, gamma=gamma, **kw)
+        out[f"gamma={gamma}"] = cost_error(g, [(c_end, v_end)] * len(g.rounds), step_s)
+    calib = auto.inner.calibration
+    mapping = {f"{x:g}": calib(x) for x in (0.3, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95)}
+    return out, {"baseline": base, "online_map": mapping}
+
+
+def _timed(fn, repeats: int, inner: int) -> float:
+    best = math.inf
+    for _ in range(repeats):
+        start = time.perf_counter()
+        for _ in range(inner):
+            fn()
+        best = min(best, (time.perf_counter() - start) / inner)
+    return best
+
+
+@torch.inference_mode()
+def part_b(target, vocab_size: int, prompt_ids, batch_sizes, repeats: int) -> dict:
+    """Ragged verification against uniform verification of the same drafts in total."""
+    device, out = target.device, {}
+    gen = torch.Generator(device=device).manual_seed(0)
+    for b in batch_sizes:
+        lengths = torch.tensor([RAGGED[i % len(RAGGED)] for i in range(b)], device=device)
+        if b % 2:
+            lengths[-1] = 4  # keep the mean at 4
+        stream = KVStream(target, vocab_size, device)
+        stream.admit([prompt_ids[i % len(prompt_ids)][-48:] for i in range(b)])
+
+        def one(g: int, ragged: bool, sampled: bool):
+            tokens = torch.randint(0, vocab_size, (b, g + 1), generator=gen, device=device)
+            valid = torch.ones_like(tokens, dtype=torch.bool)
+
+            def run():
+                logits = stream.forward(tokens, valid, keep=g + 1)
+                kw = {"lengths": lengths} if ragged else {}
+                if sampled:
+                    p = probabilities(logits, 1.0)
+                    q = p[:, :g]
+                    verify_sampled(p, q, tokens[:, 1:], gen, **kw)
+                else:
+                    verify_greedy(logits, tokens[:, 1:], **kw)
+                stream.drop_last(torch.full((b,), g + 1, device=device))
+
+            return _timed(run, repeats, 3)
+
+        entry = {"lengths": lengths.tolist()}
+        for sampled in (False, True):
+            name = "T1" if sampled else "T0"
+            ragged = one(int(lengths.max()), True, sampled)
+            uniform = one(4, False, sampled)
+            padded = one(int(lengths.max()), False, sampled)
+            entry[name] = {
+                "ragged_s": ragged,
+                "uniform_s": uniform,
+                "padded_uniform_s": padded,
+                "ragged_over_uniform": ragged / uniform,
+                "mask_cost_over_padded": ragged / padded,
+            }
+        out[str(b)] = entry
+    return out
+
+
+@torch.inference_mode()
+def part_c(target, draft, vocab_size, prompt, policy: AutoGamma, args) -> dict:
+    """One draft step's parts at batch 1, each timed alone on a real context."""
+    device = draft.device
+    out: dict = {}
+    stream = KVStream(draft, vocab_size, device)
+    stream.admit([prompt[:-1]])
+    tok = torch.tensor([[prompt[-1]]], device=device)
+    valid = torch.ones_like(tok, dtype=torch.bool)
+    one = torch.ones(1, dtype=torch.long, device=device)
+    n, reps = args.steps, args.repeats
+
+    def fwd(hidden: bool):
+        def run():
+            stream.forward(tok, valid, keep=1, hidden=hidden)
+            stream.drop_last(one)
+
+        return run
+
+    out["forward_s"] = _timed(fwd(False), reps, n)
+    out["forward_hidden_s"] = _timed(fwd(True), reps, n)
+    logits = stream.forward(tok, valid, keep=1, hidden=True)[:, -1]
+    hidden = stream.hidden[:, -1]
+    table = policy.cost.table(1)
+    for temperature in args.temperatures:
+        gen = torch.Generator(device=device).manual_seed(0)
+        sampler = Sampler(temperature, None, None, gen)
+        token, probs = sampler.draft(logits)
+        has_head = acceptance_head(draft) is not None
+        conf = predicted_acceptance(draft, logits, token, probs, hidden if has_head else None)
+        calib = policy.calibration
+
+        def decide():
+            rule = CostRule(table, [args.max_gamma], lambda s: None, args.max_gamma, calib, [0.7])
+            rule.keep_drafting(1, conf)
+
+        def rule_only():
+            CostRule(table, [args.max_gamma], lambda s: None, args.max_gamma, calib, [0.7])
+
+        t = f"T{temperature:g}"
+        out[t] = {
+            "sample_s": _timed(lambda: sampler.draft(logits), reps, n),
+            "head_s": _timed(
+                lambda: predicted_acceptance(
+                    draft, logits, token, probs, hidden if has_head else None
+                ),
+                reps,
+                n,
+            ),
+            "decision_s": _timed(decide, reps, n) - _timed(rule_only, reps, n),
+        }
+    step = out["forward_s"]
+    out["over_forward"] = {
+        t: {k: v / step for k, v in out[t].items()} for t in (f"T{x:g}" for x in args.temperatures)
+    }
+    out["hidden_over_forward"] = out["forward_hidden_s"] / step
+    return out
+
+
+@torch.inference_mode()
+def part_d(target, draft, vocab_size, prompt_ids, outputs, temperature: float) -> dict:
+    """The head's calibration against α at `temperature` along the given texts."""
+    head = acceptance_head(draft)
+    if head is None:
+        return {"head": None}
+    preds, labels = [], []
+    for prompt, out in zip(prompt_ids, outputs, strict=True):
+        ids = torch.tensor([prompt + out[:-1]], device=target.device)
+        keep = len(out)
+        t_logits = target(input_ids=ids, logits_to_keep=keep).logits[0, :, :vocab_size]
+        o = draft(input_ids=ids.to(draft.device), output_hidden_states=True)
+        d_logits = o.logits[0, -keep:, :vocab_size]
+        hidden = o.hidden_states[-1][0, -keep:]
+        preds.append(head.predict(hidden, d_logits).float())
+        labels.append(acceptance_label(d_logits, t_logits, temperature=temperature).float())
+    pred, label = torch.cat(preds), torch.cat(labels)
+    report = calibration(pred, label)
+    order = pred.argsort()
+    fifth = max(1, len(order) // 5)
+    q = torch.quantile(pred, torch.tensor([0.05, 0.5, 0.95]))
+    return {
+        "n": report.n,
+        "ece": report.ece,
+        "mean_predicted": float(pred.mean()),
+        "mean_label": float(label.mean()),
+        "pred_p05_p50_p95": [round(float(x), 3) for x in q],
+        "label_lowest_fifth": float(label[order[:fifth]].mean()),
+        "label_highest_fifth": float(label[order[-fifth:]].mean()),
+        "corr": float(torch.corrcoef(torch.stack([pred, label]))[0, 1]),
+    }
+
+
+def main(argv=None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--target", default="embedded:code-deep")
+    p.add_argument("--draft", required=True)
+    p.add_argument("--prompts", default="benchmarks/prompts/HumanEval.jsonl.gz")
+    p.add_argument("--num-prompts", type=int, default=10)
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--max-prompt-tokens", type=int, default=1024)
+    p.add_argument("--gammas", default="3,6", help="fixed γ values compared in (a)")
+    p.add_argument("--max-gamma", type=int, default=8)
+    p.add_argument("--temperatures", default="0,1")
+    p.add_argument("--batch-sizes", default="1,4,8", help="batch sizes of (b)")
+    p.add_argument("--steps", type=int, default=200, help="timed draft steps per part of (c)")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--json", default=None)
+    args = p.parse_args(argv)
+    args.gammas = [int(x) for x in args.gammas.split(",") if x]
+    args.temperatures = [float(x) for x in args.temperatures.split(",")]
+    if args.threads:
+        torch.set_num_threads(args.threads)
+
+    from specdistill.drafts.hub import load_draft, load_target, load_tokenizer
+    from specdistill.eval.prompts import encode_prompts, load_prompts
+
+    tokenizer = load_tokenizer(args.target)
+    target = load_target(args.target, None).eval()
+    draft = load_draft(args.draft).eval()
+    vocab_size = drafts.compared_vocab_size(target, draft=draft)
+    prompts = load_prompts(args.prompts, limit=args.num_prompts)
+    prompt_ids = encode_prompts(prompts, tokenizer, max_tokens=args.max_prompt_tokens)
+
+    result: dict = {"a": {}, "d": {}, "online_map": {}}
+    policy = None
+    for t in args.temperatures:
+        a, extra = part_a(target, draft, prompt_ids, args, t)
+        result["a"][f"{t:g}"] = a
+        result["online_map"][f"{t:g}"] = extra["online_map"]
+        result["d"][f"{t:g}"] = part_d(
+            target, draft, vocab_size, prompt_ids, extra["baseline"].sequences, t
+        )
+    policy = AutoGamma(args.max_gamma)
+    with torch.inference_mode():
+        policy.start(target, vocab_size, 1)
+    policy.cost.observe_draft(1, 1e-4)
+    sizes = [int(x) for x in args.batch_sizes.split(",") if x]
+    result["b"] = part_b(target, vocab_size, prompt_ids, sizes, args.repeats)
+    result["c"] = part_c(target, draft, vocab_size, prompt_ids[0], policy, args)
+    print(json.dumps(result, indent=1))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=1)
+    return result
+
+
+if __name__ == "__main__":
+    main()
