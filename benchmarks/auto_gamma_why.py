@@ -96,11 +96,17 @@ def cost_error(g, plans, step_s: float) -> dict:
         "draft_steps": steps,
         "c_over_target_step": (sum(real_draft) / steps / step_s) if steps else math.nan,
         "round_s_pred_over_real": sum(pred) / sum(real) - 1.0,
-        "round_s_mean_abs_rel_error": fmean(abs(_rel(p, r)) for p, r in zip(pred, real)),
+        "round_s_mean_abs_rel_error": fmean(
+            abs(_rel(p, r)) for p, r in zip(pred, real, strict=True)
+        ),
         "draft_s_pred_over_real": _rel(sum(pred_draft), sum(real_draft)),
         "verify_s_pred_over_real": _rel(sum(pred_verify), sum(real_verify)),
         "verify_by_k": {
-            str(k): {"n": len(v), "pred_s": fmean(p for p, _ in v), "real_s": fmean(x for _, x in v)}
+            str(k): {
+                "n": len(v),
+                "pred_s": fmean(p for p, _ in v),
+                "real_s": fmean(x for _, x in v),
+            }
             for k, v in sorted(by_k.items())
         },
         "outside_rounds_share": outside / (g.wall_s - g.prefill_s),
@@ -115,6 +121,8 @@ def part_a(target, draft, prompt_ids, args, temperature: float) -> tuple[dict, d
     base = generate(target, None, prompt_ids, **kw)
     step_s = fmean(r.verify_s for r in base.rounds)
     auto = RecordingAuto(AutoGamma(args.max_gamma))
+    if hasattr(auto.inner, "for_draft"):  # the engine does this for an AutoGamma itself
+        auto.inner.for_draft(draft)
     g_auto = generate(target, draft, prompt_ids, gamma=auto, **kw)
     out = {"target_alone": {"tokens_per_s": base.tokens_per_s, "step_s": step_s}}
     out["auto"] = cost_error(g_auto, auto.plans, step_s)
@@ -124,7 +132,11 @@ def part_a(target, draft, prompt_ids, args, temperature: float) -> tuple[dict, d
         hist += [0] * (len(s.drafted_histogram) - len(hist))
         for k, n in enumerate(s.drafted_histogram):
             hist[k] += n
-        pred_sum, reached, acc = pred_sum + s.predicted_sum, reached + s.reached, acc + s.reached_accepted
+        pred_sum, reached, acc = (
+            pred_sum + s.predicted_sum,
+            reached + s.reached,
+            acc + s.reached_accepted,
+        )
     out["auto"]["drafted_length_histogram"] = hist
     out["auto"]["engine_mean_predicted"] = pred_sum / reached if reached else math.nan
     out["auto"]["engine_mean_realised"] = acc / reached if reached else math.nan
@@ -151,6 +163,25 @@ def _timed(fn, repeats: int, inner: int) -> float:
     return best
 
 
+def _verify_s(stream, lengths, g: int, ragged: bool, sampled: bool, gen, repeats: int) -> float:
+    """One timed target pass over g + 1 tokens per row and its verification."""
+    b, device = len(lengths), lengths.device
+    tokens = torch.randint(0, stream.vocab_size, (b, g + 1), generator=gen, device=device)
+    valid = torch.ones_like(tokens, dtype=torch.bool)
+    kw = {"lengths": lengths} if ragged else {}
+
+    def run():
+        logits = stream.forward(tokens, valid, keep=g + 1)
+        if sampled:
+            p = probabilities(logits, 1.0)
+            verify_sampled(p, p[:, :g], tokens[:, 1:], gen, **kw)
+        else:
+            verify_greedy(logits, tokens[:, 1:], **kw)
+        stream.drop_last(torch.full((b,), g + 1, device=device))
+
+    return _timed(run, repeats, 3)
+
+
 @torch.inference_mode()
 def part_b(target, vocab_size: int, prompt_ids, batch_sizes, repeats: int) -> dict:
     """Ragged verification against uniform verification of the same drafts in total."""
@@ -162,31 +193,13 @@ def part_b(target, vocab_size: int, prompt_ids, batch_sizes, repeats: int) -> di
             lengths[-1] = 4  # keep the mean at 4
         stream = KVStream(target, vocab_size, device)
         stream.admit([prompt_ids[i % len(prompt_ids)][-48:] for i in range(b)])
-
-        def one(g: int, ragged: bool, sampled: bool):
-            tokens = torch.randint(0, vocab_size, (b, g + 1), generator=gen, device=device)
-            valid = torch.ones_like(tokens, dtype=torch.bool)
-
-            def run():
-                logits = stream.forward(tokens, valid, keep=g + 1)
-                kw = {"lengths": lengths} if ragged else {}
-                if sampled:
-                    p = probabilities(logits, 1.0)
-                    q = p[:, :g]
-                    verify_sampled(p, q, tokens[:, 1:], gen, **kw)
-                else:
-                    verify_greedy(logits, tokens[:, 1:], **kw)
-                stream.drop_last(torch.full((b,), g + 1, device=device))
-
-            return _timed(run, repeats, 3)
-
+        most = int(lengths.max())
         entry = {"lengths": lengths.tolist()}
         for sampled in (False, True):
-            name = "T1" if sampled else "T0"
-            ragged = one(int(lengths.max()), True, sampled)
-            uniform = one(4, False, sampled)
-            padded = one(int(lengths.max()), False, sampled)
-            entry[name] = {
+            ragged = _verify_s(stream, lengths, most, True, sampled, gen, repeats)
+            uniform = _verify_s(stream, lengths, 4, False, sampled, gen, repeats)
+            padded = _verify_s(stream, lengths, most, False, sampled, gen, repeats)
+            entry["T1" if sampled else "T0"] = {
                 "ragged_s": ragged,
                 "uniform_s": uniform,
                 "padded_uniform_s": padded,
@@ -195,6 +208,29 @@ def part_b(target, vocab_size: int, prompt_ids, batch_sizes, repeats: int) -> di
             }
         out[str(b)] = entry
     return out
+
+
+def _step_parts(draft, logits, hidden, temperature, table, calib, args) -> dict:
+    """Sampling, head and decision of one draft step at `temperature`, timed alone."""
+    gen = torch.Generator(device=logits.device).manual_seed(0)
+    sampler = Sampler(temperature, None, None, gen)
+    token, probs = sampler.draft(logits)
+    hidden = hidden if acceptance_head(draft) is not None else None
+    conf = predicted_acceptance(draft, logits, token, probs, hidden)
+    most = args.max_gamma
+
+    def rule():
+        return CostRule(table, [most], lambda s: None, most, calib, [0.7])
+
+    n, reps = args.steps, args.repeats
+    return {
+        "sample_s": _timed(lambda: sampler.draft(logits), reps, n),
+        "head_s": _timed(
+            lambda: predicted_acceptance(draft, logits, token, probs, hidden), reps, n
+        ),
+        "decision_s": _timed(lambda: rule().keep_drafting(1, conf), reps, n)
+        - _timed(rule, reps, n),
+    }
 
 
 @torch.inference_mode()
@@ -207,7 +243,6 @@ def part_c(target, draft, vocab_size, prompt, policy: AutoGamma, args) -> dict:
     tok = torch.tensor([[prompt[-1]]], device=device)
     valid = torch.ones_like(tok, dtype=torch.bool)
     one = torch.ones(1, dtype=torch.long, device=device)
-    n, reps = args.steps, args.repeats
 
     def fwd(hidden: bool):
         def run():
@@ -216,38 +251,13 @@ def part_c(target, draft, vocab_size, prompt, policy: AutoGamma, args) -> dict:
 
         return run
 
-    out["forward_s"] = _timed(fwd(False), reps, n)
-    out["forward_hidden_s"] = _timed(fwd(True), reps, n)
+    out["forward_s"] = _timed(fwd(False), args.repeats, args.steps)
+    out["forward_hidden_s"] = _timed(fwd(True), args.repeats, args.steps)
     logits = stream.forward(tok, valid, keep=1, hidden=True)[:, -1]
     hidden = stream.hidden[:, -1]
     table = policy.cost.table(1)
-    for temperature in args.temperatures:
-        gen = torch.Generator(device=device).manual_seed(0)
-        sampler = Sampler(temperature, None, None, gen)
-        token, probs = sampler.draft(logits)
-        has_head = acceptance_head(draft) is not None
-        conf = predicted_acceptance(draft, logits, token, probs, hidden if has_head else None)
-        calib = policy.calibration
-
-        def decide():
-            rule = CostRule(table, [args.max_gamma], lambda s: None, args.max_gamma, calib, [0.7])
-            rule.keep_drafting(1, conf)
-
-        def rule_only():
-            CostRule(table, [args.max_gamma], lambda s: None, args.max_gamma, calib, [0.7])
-
-        t = f"T{temperature:g}"
-        out[t] = {
-            "sample_s": _timed(lambda: sampler.draft(logits), reps, n),
-            "head_s": _timed(
-                lambda: predicted_acceptance(
-                    draft, logits, token, probs, hidden if has_head else None
-                ),
-                reps,
-                n,
-            ),
-            "decision_s": _timed(decide, reps, n) - _timed(rule_only, reps, n),
-        }
+    for t in args.temperatures:
+        out[f"T{t:g}"] = _step_parts(draft, logits, hidden, t, table, policy.calibration, args)
     step = out["forward_s"]
     out["over_forward"] = {
         t: {k: v / step for k, v in out[t].items()} for t in (f"T{x:g}" for x in args.temperatures)
@@ -287,6 +297,49 @@ def part_d(target, draft, vocab_size, prompt_ids, outputs, temperature: float) -
         "label_highest_fifth": float(label[order[-fifth:]].mean()),
         "corr": float(torch.corrcoef(torch.stack([pred, label]))[0, 1]),
     }
+
+
+def summary(result: dict) -> str:
+    """The measurements as short lines (everything is in --json)."""
+    lines = ["(a) cost model: predicted / realised − 1 (round, draft, verify), c / target step"]
+    for t, a in result["a"].items():
+        for name, e in a.items():
+            if name == "target_alone":
+                continue
+            lines.append(
+                f"  T={t} {name:8s} {e['tokens_per_s']:6.1f} tok/s"
+                f"  round {e['round_s_pred_over_real']:+.2f}"
+                f"  draft {e['draft_s_pred_over_real']:+.2f}"
+                f"  verify {e['verify_s_pred_over_real']:+.2f}"
+                f"  c {e['c_over_target_step']:.3f}"
+                f"  outside rounds {e['outside_rounds_share']:.3f}"
+            )
+            vk = e["verify_by_k"]
+            lines.append(
+                "      v(k) pred/real: "
+                + " ".join(f"{k}:{x['pred_s'] / x['real_s']:.2f}(n{x['n']})" for k, x in vk.items())
+            )
+    lines.append("(b) ragged verification / uniform with the same drafts (padded uniform)")
+    for b, e in result["b"].items():
+        lines.append(
+            f"  B={b} lengths {e['lengths']}: "
+            + "  ".join(
+                f"{t} {e[t]['ragged_over_uniform']:.2f} ({e[t]['mask_cost_over_padded']:.2f})"
+                for t in ("T0", "T1")
+            )
+        )
+    c = result["c"]
+    lines.append(
+        f"(c) draft step, over the draft forward ({c['forward_s'] * 1e6:.0f} us): "
+        f"with hidden {c['hidden_over_forward']:.2f}"
+    )
+    for t, parts in c["over_forward"].items():
+        lines.append(f"  {t}: " + "  ".join(f"{k} {v:.2f}" for k, v in parts.items()))
+    lines.append("(d) head calibration along the target's text; online map raw -> used")
+    for t, d in result["d"].items():
+        lines.append(f"  T={t}: {d}")
+        lines.append(f"      map {result['online_map'][t]}")
+    return "\n".join(lines)
 
 
 def main(argv=None) -> dict:
@@ -337,7 +390,7 @@ def main(argv=None) -> dict:
     sizes = [int(x) for x in args.batch_sizes.split(",") if x]
     result["b"] = part_b(target, vocab_size, prompt_ids, sizes, args.repeats)
     result["c"] = part_c(target, draft, vocab_size, prompt_ids[0], policy, args)
-    print(json.dumps(result, indent=1))
+    print(summary(result))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)

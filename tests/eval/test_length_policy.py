@@ -239,7 +239,7 @@ def test_cost_model_tables_and_smoothing():
     assert calls == [4] and t.fitted() == pytest.approx([2.0, 3.0, 4.0])
     assert CostTable([3.0, 2.0, 1.0]).fitted() == pytest.approx([2.0, 2.0, 2.0])  # slope ≥ 0
     model.observe_verify(4, 1, 3.0)
-    assert t.verify_s == [3.0, 2.0, 5.0]
+    assert t.verify_s == [6.0, 2.0, 10.0]  # v(1)'s EMA step scales the whole table
     model.observe_draft(4, 0.4)
     model.observe_draft(4, 0.2)
     assert t.draft_s == pytest.approx(0.3)
