@@ -163,8 +163,8 @@ def _timed(fn, repeats: int, inner: int) -> float:
     return best
 
 
-def _verify_s(stream, lengths, g: int, ragged: bool, sampled: bool, gen, repeats: int) -> float:
-    """One timed target pass over g + 1 tokens per row and its verification."""
+def _verify_run(stream, lengths, g: int, ragged: bool, sampled: bool, gen):
+    """One target pass over g + 1 tokens per row and its verification, as a function."""
     b, device = len(lengths), lengths.device
     tokens = torch.randint(0, stream.vocab_size, (b, g + 1), generator=gen, device=device)
     valid = torch.ones_like(tokens, dtype=torch.bool)
@@ -179,7 +179,17 @@ def _verify_s(stream, lengths, g: int, ragged: bool, sampled: bool, gen, repeats
             verify_greedy(logits, tokens[:, 1:], **kw)
         stream.drop_last(torch.full((b,), g + 1, device=device))
 
-    return _timed(run, repeats, 3)
+    return run
+
+
+def _fastest(runs: dict, repeats: int, inner: int = 3) -> dict:
+    """The fastest time per call of each of `runs`, timed round-robin (a drift of a shared
+    machine's speed then falls on all of them)."""
+    best = dict.fromkeys(runs, math.inf)
+    for _ in range(repeats):
+        for name, run in runs.items():
+            best[name] = min(best[name], _timed(run, 1, inner))
+    return best
 
 
 @torch.inference_mode()
@@ -196,16 +206,17 @@ def part_b(target, vocab_size: int, prompt_ids, batch_sizes, repeats: int) -> di
         most = int(lengths.max())
         entry = {"lengths": lengths.tolist()}
         for sampled in (False, True):
-            ragged = _verify_s(stream, lengths, most, True, sampled, gen, repeats)
-            uniform = _verify_s(stream, lengths, 4, False, sampled, gen, repeats)
-            padded = _verify_s(stream, lengths, most, False, sampled, gen, repeats)
-            entry["T1" if sampled else "T0"] = {
-                "ragged_s": ragged,
-                "uniform_s": uniform,
-                "padded_uniform_s": padded,
-                "ragged_over_uniform": ragged / uniform,
-                "mask_cost_over_padded": ragged / padded,
-            }
+            t = _fastest(
+                {
+                    "ragged_s": _verify_run(stream, lengths, most, True, sampled, gen),
+                    "uniform_s": _verify_run(stream, lengths, 4, False, sampled, gen),
+                    "padded_uniform_s": _verify_run(stream, lengths, most, False, sampled, gen),
+                },
+                repeats,
+            )
+            t["ragged_over_uniform"] = t["ragged_s"] / t["uniform_s"]
+            t["mask_cost_over_padded"] = t["ragged_s"] / t["padded_uniform_s"]
+            entry["T1" if sampled else "T0"] = t
         out[str(b)] = entry
     return out
 
@@ -222,15 +233,17 @@ def _step_parts(draft, logits, hidden, temperature, table, calib, args) -> dict:
     def rule():
         return CostRule(table, [most], lambda s: None, most, calib, [0.7])
 
-    n, reps = args.steps, args.repeats
-    return {
-        "sample_s": _timed(lambda: sampler.draft(logits), reps, n),
-        "head_s": _timed(
-            lambda: predicted_acceptance(draft, logits, token, probs, hidden), reps, n
-        ),
-        "decision_s": _timed(lambda: rule().keep_drafting(1, conf), reps, n)
-        - _timed(rule, reps, n),
-    }
+    t = _fastest(
+        {
+            "sample_s": lambda: sampler.draft(logits),
+            "head_s": lambda: predicted_acceptance(draft, logits, token, probs, hidden),
+            "decide": lambda: rule().keep_drafting(1, conf),
+            "rule": rule,
+        },
+        args.repeats,
+        args.steps,
+    )
+    return {"sample_s": t["sample_s"], "head_s": t["head_s"], "decision_s": t["decide"] - t["rule"]}
 
 
 @torch.inference_mode()
@@ -251,8 +264,8 @@ def part_c(target, draft, vocab_size, prompt, policy: AutoGamma, args) -> dict:
 
         return run
 
-    out["forward_s"] = _timed(fwd(False), args.repeats, args.steps)
-    out["forward_hidden_s"] = _timed(fwd(True), args.repeats, args.steps)
+    runs = {"forward_s": fwd(False), "forward_hidden_s": fwd(True)}
+    out.update(_fastest(runs, args.repeats, args.steps))
     logits = stream.forward(tok, valid, keep=1, hidden=True)[:, -1]
     hidden = stream.hidden[:, -1]
     table = policy.cost.table(1)
@@ -328,7 +341,7 @@ def summary(result: dict) -> str:
                 for t in ("T0", "T1")
             )
         )
-    c = result["c"]
+    c = result["c"] or {"forward_s": math.nan, "hidden_over_forward": math.nan, "over_forward": {}}
     lines.append(
         f"(c) draft step, over the draft forward ({c['forward_s'] * 1e6:.0f} us): "
         f"with hidden {c['hidden_over_forward']:.2f}"
@@ -355,8 +368,9 @@ def main(argv=None) -> dict:
     p.add_argument("--temperatures", default="0,1")
     p.add_argument("--batch-sizes", default="1,4,8", help="batch sizes of (b)")
     p.add_argument("--steps", type=int, default=200, help="timed draft steps per part of (c)")
-    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--repeats", type=int, default=7, help="round-robin timings in (b), (c)")
     p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--parts", default="a,b,c,d", help="which measurements (a, b need no draft)")
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
     args.gammas = [int(x) for x in args.gammas.split(",") if x]
@@ -367,29 +381,33 @@ def main(argv=None) -> dict:
     from specdistill.drafts.hub import load_draft, load_target, load_tokenizer
     from specdistill.eval.prompts import encode_prompts, load_prompts
 
+    parts = set(args.parts.split(","))
     tokenizer = load_tokenizer(args.target)
     target = load_target(args.target, None).eval()
-    draft = load_draft(args.draft).eval()
+    draft = load_draft(args.draft).eval() if parts & {"a", "c", "d"} else None
     vocab_size = drafts.compared_vocab_size(target, draft=draft)
     prompts = load_prompts(args.prompts, limit=args.num_prompts)
     prompt_ids = encode_prompts(prompts, tokenizer, max_tokens=args.max_prompt_tokens)
 
-    result: dict = {"a": {}, "d": {}, "online_map": {}}
-    policy = None
-    for t in args.temperatures:
+    result: dict = {"a": {}, "d": {}, "online_map": {}, "b": {}, "c": None}
+    for t in args.temperatures if parts & {"a", "d"} else []:
         a, extra = part_a(target, draft, prompt_ids, args, t)
         result["a"][f"{t:g}"] = a
         result["online_map"][f"{t:g}"] = extra["online_map"]
-        result["d"][f"{t:g}"] = part_d(
-            target, draft, vocab_size, prompt_ids, extra["baseline"].sequences, t
-        )
-    policy = AutoGamma(args.max_gamma)
-    with torch.inference_mode():
-        policy.start(target, vocab_size, 1)
-    policy.cost.observe_draft(1, 1e-4)
-    sizes = [int(x) for x in args.batch_sizes.split(",") if x]
-    result["b"] = part_b(target, vocab_size, prompt_ids, sizes, args.repeats)
-    result["c"] = part_c(target, draft, vocab_size, prompt_ids[0], policy, args)
+        if "d" in parts:
+            sequences = extra["baseline"].sequences
+            result["d"][f"{t:g}"] = part_d(target, draft, vocab_size, prompt_ids, sequences, t)
+    if "b" in parts:
+        sizes = [int(x) for x in args.batch_sizes.split(",") if x]
+        result["b"] = part_b(target, vocab_size, prompt_ids, sizes, args.repeats)
+    if "c" in parts:
+        policy = AutoGamma(args.max_gamma)
+        with torch.inference_mode():
+            policy.start(target, vocab_size, 1)
+        policy.cost.observe_draft(1, 1e-4)
+        if hasattr(policy, "for_draft"):
+            policy.for_draft(draft)
+        result["c"] = part_c(target, draft, vocab_size, prompt_ids[0], policy, args)
     print(summary(result))
     if args.json:
         with open(args.json, "w") as f:
