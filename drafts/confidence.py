@@ -30,7 +30,7 @@ def predicted_acceptance(
     """
     head = acceptance_head(model)
     if head is not None and hidden is not None:  # drafts/acceptance_head.py AcceptanceHead
-        return head.predict(hidden, logits).float().reshape(len(tokens))
+        return head.predict_rows(hidden, logits)
     own = logits.float().softmax(-1).gather(-1, tokens[:, None])[:, 0]
     if probs is None:
         return own

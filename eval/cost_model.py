@@ -8,7 +8,8 @@ target step. v is measured at start-up (`measure_verify`: a few timed forwards o
 cache, the fastest of `repeats`) at the engine's batch size; a batch size met later starts
 from a copy of the nearest measured one's table. c is measured by the first draft step.
 Both then follow the rounds' own timings with an exponential moving average (weight
-`weight` on the newest), so that a growing context or a busy machine moves them. The
+`weight` on the newest), so that a growing context or a busy machine moves them; an
+observed v(k) scales the whole table (`CostModel.observe_verify`). The
 policy reads v smoothed (`CostTable.fitted`: a line in k).
 """
 
@@ -81,9 +82,16 @@ class CostModel:
         t.draft_s = seconds if t.draft_s is None else self._ema(t.draft_s, seconds)
 
     def observe_verify(self, batch_size: int, k: int, seconds: float) -> None:
-        """A verification pass over k drafts took `seconds`."""
+        """A verification pass over k drafts took `seconds`: v(k) takes its EMA step and
+        every other v(j) moves by the same factor. The start-up measurement is the fastest
+        of a few bare forwards, while a round's verification also pays for its inputs, its
+        sampling and a busy machine; moving only the k that rounds happen to use would leave
+        the rest of the table low and make the lengths nobody tries look cheap."""
         t = self.table(batch_size)
-        t.verify_s[k] = self._ema(t.verify_s[k], seconds)
+        factor = self._ema(t.verify_s[k], seconds) / t.verify_s[k] if t.verify_s[k] > 0 else 1.0
+        t.verify_s = [v * factor for v in t.verify_s]
+        if t.verify_s[k] <= 0:
+            t.verify_s[k] = seconds
 
     def _ema(self, old: float, new: float) -> float:
         return (1 - self.weight) * old + self.weight * new

@@ -137,6 +137,8 @@ def generate(
     per_row = draft is not None and isinstance(gamma, LengthPolicy)
     with eval_mode(target, draft):
         if per_row:
+            if isinstance(gamma, AutoGamma):
+                gamma.for_draft(draft)
             gamma.start(target, vocab_size, capacity)
         sync(device)
         start = time.perf_counter()
@@ -223,6 +225,8 @@ class Engine:
         self.sampler = RowSampler(device)
         drafter = None if draft is None else drafts.drafter_for(draft, self.vocab_size, device)
         if draft is not None and isinstance(gamma, LengthPolicy):
+            if isinstance(gamma, AutoGamma):
+                gamma.for_draft(draft)
             with torch.inference_mode():
                 gamma.start(target, self.vocab_size, capacity)
         self.batch = Batch(

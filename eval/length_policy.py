@@ -30,6 +30,7 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
+from specdistill.drafts.confidence import acceptance_head
 from specdistill.eval.cost_model import CostModel, CostTable, measure_verify
 from specdistill.eval.online_calibration import Calibration
 
@@ -199,6 +200,12 @@ class AutoGamma:
     def __post_init__(self):
         if self.max_gamma < 1:
             raise ValueError(f"max_gamma must be ≥ 1, got {self.max_gamma}")
+
+    def for_draft(self, draft) -> None:
+        """Calibrate as `draft`'s predictions need (eval/online_calibration.py): an
+        acceptance head's are probabilities, kept with their per-bin bias corrected; the
+        proxy's are mapped to measured acceptance. Before `start`."""
+        self.calibration = Calibration(head=acceptance_head(draft) is not None)
 
     def start(self, target, vocab_size: int, batch_size: int) -> None:
         """Measure v(k) at `batch_size` and at each of `batch_sizes` (a few timed target

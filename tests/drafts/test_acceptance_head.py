@@ -385,3 +385,19 @@ def test_the_chunked_head_loss_equals_the_head_loss_on_whole_logits(tiny_pair, t
         assert part.n_valid == whole.n_valid == int(mask.sum())
         assert torch.allclose(part.labels[0], whole.labels[0], atol=1e-5)
         assert torch.allclose(part.predicted[0], whole.predicted[0], atol=1e-6)
+
+
+@pytest.mark.parametrize("stats", [True, False])
+def test_the_engines_per_step_prediction_is_predict(stats):
+    head = AcceptanceHead(AcceptanceHeadConfig(hidden_size=16, inner_size=8, draft_stats=stats))
+    g = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for p in head.parameters():
+            p.copy_(torch.randn(p.shape, generator=g))
+    hidden, logits = torch.randn(5, 16, generator=g), torch.randn(5, 40, generator=g) * 4
+    logits[1, :7] = float("-inf")  # an EAGLE-3 head's columns outside its vocabulary
+    fast = head.predict_rows(hidden, logits)
+    assert fast.shape == (5,) and fast.dtype == torch.float32
+    assert torch.allclose(fast, head.predict(hidden, logits), atol=1e-6)
+    low = hidden.bfloat16()
+    assert torch.allclose(head.predict_rows(low, logits), head.predict(low, logits), atol=1e-6)

@@ -239,7 +239,7 @@ def test_cost_model_tables_and_smoothing():
     assert calls == [4] and t.fitted() == pytest.approx([2.0, 3.0, 4.0])
     assert CostTable([3.0, 2.0, 1.0]).fitted() == pytest.approx([2.0, 2.0, 2.0])  # slope ≥ 0
     model.observe_verify(4, 1, 3.0)
-    assert t.verify_s == [3.0, 2.0, 5.0]
+    assert t.verify_s == [6.0, 2.0, 10.0]  # v(1)'s EMA step scales the whole table
     model.observe_draft(4, 0.4)
     model.observe_draft(4, 0.2)
     assert t.draft_s == pytest.approx(0.3)
@@ -256,6 +256,18 @@ def test_estimates_and_calibration():
         cal.observe([0.02, 0.9], 2, 1)  # 0.02 accepted, 0.9 rejected
     assert cal(0.02) > 0.9 and cal(0.9) < 0.1
     assert 0 <= cal(1e-9) <= 1
+
+
+def test_a_heads_calibration_keeps_its_predictions_apart():
+    cal = Calibration(bins=4, prior=2.0, head=True)
+    assert cal(0.62) == 0.62 and cal(0.9) == 0.9  # a head's probability passes at first
+    for _ in range(50):  # predicted 0.7, accepted half the time: a bias of −0.2 in its bin
+        cal.observe([0.7], 1, 1)
+        cal.observe([0.7, 0.9], 2, 0)
+    assert cal(0.55) == pytest.approx(0.35, abs=0.01)
+    assert cal(0.74) - cal(0.55) == pytest.approx(0.19)  # the spread within a bin is kept
+    assert cal(0.95) < 0.95  # an empty bin moves by the pooled bias
+    assert 0 <= cal(0.0) <= cal(1.0) <= 1
 
 
 # ----------------------------------------------------------------------------- the confidences
