@@ -171,6 +171,7 @@ class Parallel:
     def save(self, draft, out: Path, tokenizer, verifier: str) -> None:
         from specdistill.drafts.acceptance_head import save_attached_head
 
+        setattr(draft.config, DEPTHS_FIELD, self.steps)  # the export's default block length
         draft.save_pretrained(out, safe_serialization=True)
         tokenizer.save_pretrained(out)
         save_attached_head(draft, out)
