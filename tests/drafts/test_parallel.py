@@ -191,3 +191,26 @@ def test_save_detect_load_round_trip(pair, tmp_path):
         a = block_logits(draft, ids, torch.ones_like(ids), VOCAB, 3, VOCAB)
         b = block_logits(loaded, ids, torch.ones_like(ids), VOCAB, 3, VOCAB)
     assert all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
+
+
+def test_the_trainer_adapts_a_standalone_draft(tiny_pair, tmp_path):
+    """A recipe with draft.type=parallel turns a standalone draft into a parallel one: the
+    saved draft has a mask token, is detected as parallel, and its held-out α is per depth."""
+    from specdistill.train.config import load_recipe
+    from specdistill.train.trainer import Trainer
+    from tests.train.test_trainer import overrides
+
+    out = tmp_path / "run"
+    extra = {
+        "draft.type": "parallel",
+        "draft.parallel_depths": 3,
+        "loss.depth_weighting": "expected_length",
+        "train.max_steps": 4,
+    }
+    result = Trainer.from_recipe(load_recipe(None, overrides(tiny_pair, out, **extra))).run()
+    assert drafts.detect(out / "final") is Parallel
+    from specdistill.drafts import hub
+
+    loaded = hub.load_draft(str(out / "final"))
+    assert mask_token(loaded) is not None and loaded.config.parallel_depths == 3
+    assert 0.0 <= result["alpha"] <= 1.0
