@@ -214,3 +214,30 @@ def test_the_trainer_adapts_a_standalone_draft(tiny_pair, tmp_path):
     loaded = hub.load_draft(str(out / "final"))
     assert mask_token(loaded) is not None and loaded.config.parallel_depths == 3
     assert 0.0 <= result["alpha"] <= 1.0
+
+
+@torch.no_grad()
+def test_each_proposal_is_the_drafts_own_prediction_through_its_masks(pair):
+    """Round after round (with partial acceptance and rollback), the drafter's greedy block
+    equals the draft run from scratch on the committed tokens plus k mask tokens."""
+    _, draft = pair
+    drafter = ParallelDrafter(draft, VOCAB, torch.device("cpu"))
+    contexts = [[1, 2, 3, 4, 5], [7, 8]]
+    drafter.admit([list(c) for c in contexts])
+    for _ in range(3):
+        proposal = drafter.propose(4, lambda logits: (logits.argmax(-1), None))
+        host = []
+        for i, (context, n) in enumerate(zip(contexts, (2, 0), strict=True)):
+            expected = [
+                int(
+                    draft(input_ids=torch.tensor([context + [VOCAB] * k]))
+                    .logits[0, -1, :VOCAB]
+                    .argmax()
+                )
+                for k in range(4)
+            ]
+            assert proposal.tokens[i].tolist() == expected
+            drafted = proposal.tokens[i].tolist()
+            host.append([n, 9, *drafted])
+            context += drafted[:n] + [9]
+        drafter.commit(4, torch.tensor([2, 0]), host)
