@@ -6,8 +6,18 @@ through real speculative decoding on the same prompts.
         --temperatures 0,1 --prompts benchmarks/prompts/HumanEval.jsonl.gz --num-prompts 40
 
 Standalone runs use recipes/code-4layer.yaml (the pretrained 1-layer embedded draft), head runs
-recipes/code-eagle3.yaml (a fresh head on the same target); both get the same data, batch,
-steps and loss. Each trained draft then decodes the prompts in the engine's evaluation sweep
+recipes/code-eagle3.yaml (a fresh head on the same target), parallel runs
+recipes/code-parallel.yaml; all get the same data, batch, steps and loss. `--recipe KIND=FILE`
+picks another recipe for a kind; every kind's recipe must name the same target. The parallel
+draft against the standalone one on the embedded default, both continuing the first command's
+draft for the same steps (docs/parallel.md):
+
+    python -m benchmarks.draft_types --kinds standalone,parallel --recipe standalone=code.yaml \
+        --losses lk_lambda --steps 60 --gammas 2,3,4,5,6 --temperatures 0,1 --num-prompts 16 \
+        --threads 1 --out runs/parallel_bench draft.model=runs/code/final \
+        acceptance_head.enabled=false
+
+Each trained draft then decodes the prompts in the engine's evaluation sweep
 (eval/sweep.py: greedy and sampled, per γ) against target-only decoding measured in the same
 run.
 Prints measured τ, speedup, engine efficiency and offline α per configuration, and writes
@@ -28,10 +38,15 @@ from specdistill.train.config import load_recipe
 from specdistill.train.trainer import Trainer
 
 REPO = Path(__file__).resolve().parents[1]
-RECIPES = {"standalone": "code-4layer.yaml", "eagle3": "code-eagle3.yaml"}  # one target
+RECIPES = {  # one target (the parallel draft's recipe is on embedded:code-deep: --recipe)
+    "standalone": "code-4layer.yaml",
+    "eagle3": "code-eagle3.yaml",
+    "parallel": "code-parallel.yaml",
+}
 
 
 def train(kind: str, loss: str, steps: int, out: Path, overrides: list[str], retrain: bool):
+    """Train one (kind, loss) run in OUT, or reuse a finished one."""
     run_dir = out / f"{kind}-{loss}"
     if (run_dir / "eval.json").is_file() and not retrain:
         return run_dir, json.loads((run_dir / "eval.json").read_text())
@@ -56,6 +71,9 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--kinds", default="standalone,eagle3")
+    parser.add_argument(
+        "--recipe", action="append", default=[], help="KIND=FILE in recipes/, per kind"
+    )
     parser.add_argument("--losses", default="lk_lambda,fkl")
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--gammas", default="3,5")
@@ -70,6 +88,9 @@ def main() -> None:
     args = parser.parse_args()
     out = Path(args.out)
     kinds, names = args.kinds.split(","), args.losses.split(",")
+    for pick in args.recipe:
+        kind, _, name = pick.partition("=")
+        RECIPES[kind] = name
 
     trained = {}
     for kind in kinds:
@@ -106,15 +127,17 @@ def main() -> None:
         "measured in the same run"
     )
     print(
-        "| draft | loss | trainable params | held-out α (T=1) | config | τ | τ pred | "
-        "speedup | efficiency |"
+        "| draft | loss | trainable params | held-out α (T=1) | config | α per depth | τ | "
+        "τ pred | c | draft share | speedup | efficiency |"
     )
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for kind, loss, params, alpha, c in rows:
+        depth = c.get("alpha_offline_depth")
+        per_depth = " ".join(f"{a:.2f}" for a in depth) if depth else f"{c['alpha_offline']:.2f}"
         print(
             f"| {kind} | {loss} | {params / 1e6:.2f}M | {alpha:.3f} | {c['name']} | "
-            f"{c['tau']:.2f} | {c['tau_pred']:.2f} | {c['speedup']:.2f} | "
-            f"{c['engine_efficiency']:.2f} |"
+            f"{per_depth} | {c['tau']:.2f} | {c['tau_pred']:.2f} | {c['cost_ratio_c']:.3f} | "
+            f"{c['draft_time_share']:.2f} | {c['speedup']:.2f} | {c['engine_efficiency']:.2f} |"
         )
     out.mkdir(parents=True, exist_ok=True)
     (out / "summary.json").write_text(json.dumps(summary, indent=1, default=str))

@@ -24,13 +24,18 @@ from pathlib import Path
 from torch import nn
 
 from specdistill.drafts.eagle3 import Eagle3, SGLangEagle3
+from specdistill.drafts.parallel import Parallel, mask_token
 from specdistill.drafts.standalone import Standalone
 from specdistill.drafts.types import Drafter, DraftType
 from specdistill.errors import UserError
 
-TYPES: dict[str, type[DraftType]] = {"standalone": Standalone, "eagle3": Eagle3}
+TYPES: dict[str, type[DraftType]] = {
+    "standalone": Standalone,
+    "eagle3": Eagle3,
+    "parallel": Parallel,
+}
 # Asked in this order by `detect`; Standalone (any HF model directory) is the fallback, last.
-DETECTED: tuple[type[DraftType], ...] = (Eagle3, SGLangEagle3, Standalone)
+DETECTED: tuple[type[DraftType], ...] = (Eagle3, SGLangEagle3, Parallel, Standalone)
 
 
 def build(cfg, target, tokenizer, train_data, *, print=print):
@@ -59,8 +64,11 @@ def detect(draft) -> type[DraftType]:
 
 def type_of(model) -> type[DraftType]:
     """The draft type class of a loaded draft module: `Eagle3` for an EAGLE-3 head (it says
-    `is_eagle3`), else `Standalone` (a causal LM). The one place that tells them apart."""
-    return Eagle3 if getattr(model, "is_eagle3", False) else Standalone
+    `is_eagle3`), `Parallel` for a causal LM with a mask token, else `Standalone` (a causal
+    LM). The one place that tells them apart."""
+    if getattr(model, "is_eagle3", False):
+        return Eagle3
+    return Parallel if mask_token(model) is not None else Standalone
 
 
 def drafter_for(model, vocab_size: int, device) -> Drafter:
@@ -89,6 +97,7 @@ __all__ = [
     "DraftType",
     "Drafter",
     "Eagle3",
+    "Parallel",
     "SGLangEagle3",
     "Standalone",
     "compared_vocab_size",

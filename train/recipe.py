@@ -65,7 +65,9 @@ class TargetConfig(Section):
 
 class DraftConfig(Section):
     type: DraftType = recipe_key(
-        "standalone", "standalone: a small causal LM; eagle3: a head on the target's features"
+        "standalone",
+        "standalone: a small causal LM; eagle3: a head on the target's features; parallel: a "
+        "causal LM with a mask token that drafts a block in one forward (docs/parallel.md)",
     )
     model: str | None = recipe_key(
         "embedded:code-deep-draft",
@@ -100,6 +102,12 @@ class DraftConfig(Section):
     )
     freeze_lm_head: bool = recipe_key(
         False, "keep lm_head at the target's rows of V_d (not trained)", eagle3_only=True
+    )
+    parallel_depths: int = recipe_key(
+        4,
+        "draft.type=parallel: the depths K trained per position (the block: the last "
+        "committed token and K - 1 mask tokens)",
+        ge=1,
     )
 
 

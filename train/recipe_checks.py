@@ -96,6 +96,11 @@ def _draft_checks(recipe: Recipe, explicit: set[str]) -> list[Check]:
             "or the live target",
         ),
         (
+            d.type != "parallel" or cache is None,
+            "target.cache holds the target's top-N at each position for a standalone draft; a "
+            "parallel draft's depths compare the target at shifted positions: unset target.cache",
+        ),
+        (
             eagle or not (explicit & EAGLE3_KEYS),
             f"{', '.join(sorted(explicit & EAGLE3_KEYS))} apply to draft.type=eagle3 only",
         ),
@@ -143,6 +148,11 @@ def _head_checks(recipe: Recipe) -> list[Check]:
     h, t, d = recipe.acceptance_head, recipe.train, recipe.draft
     only = t.only == "acceptance_head"
     return [
+        (
+            not h.enabled or d.type != "parallel",
+            "acceptance_head.enabled with draft.type=parallel is not supported (the head is "
+            "trained on one hidden state per depth and forward): set acceptance_head.enabled=false",
+        ),
         (
             not only or h.enabled,
             "train.only=acceptance_head trains the acceptance head alone: set "

@@ -101,7 +101,8 @@ ClientIds = Annotated[
 Resume = Annotated[str, BeforeValidator(_resume_value)]
 
 Dtype = Literal["float32", "bfloat16", "float16"]
-DraftType = Literal["standalone", "eagle3"]  # the types of the drafts layer (drafts.TYPES)
+# the types of the drafts layer (drafts.TYPES)
+DraftType = Literal["standalone", "eagle3", "parallel"]
 DepthWeighting = Literal["geometric", "expected_length", "end_to_end"]
 MixedPrecision = Literal["no", "bf16", "fp16"]
 WandbMode = Literal["offline", "online", "disabled"]

@@ -11,7 +11,7 @@ import torch
 from pydantic import ValidationError
 
 from specdistill import drafts
-from specdistill.drafts import Eagle3, Standalone
+from specdistill.drafts import Eagle3, Parallel, Standalone
 from specdistill.drafts.eagle3_head import Eagle3Head
 from specdistill.drafts.types import Drafter, DraftType
 from specdistill.eval.drift_report import DriftReport
@@ -59,14 +59,14 @@ def test_the_protocols_list_what_callers_use():
     assert _protocol_members(Drafter) == DRAFTER_MEMBERS
 
 
-def test_both_draft_types_satisfy_the_protocol(models):
+def test_every_draft_type_satisfies_the_protocol(models):
     target, draft, head = models
-    kinds = [Standalone(96), Eagle3(head, steps=2, vocab_size=96)]
+    kinds = [Standalone(96), Eagle3(head, steps=2, vocab_size=96), Parallel(96, 3, 96)]
     for kind in kinds:
         assert isinstance(kind, DraftType), type(kind).__name__
         assert all(hasattr(kind, name) for name in DRAFT_TYPE_MEMBERS)
     assert kinds[1].d2t is not None and kinds[0].d2t is None  # V_d 64 < V 96
-    assert set(drafts.TYPES.values()) == {Standalone, Eagle3}
+    assert set(drafts.TYPES.values()) == {Standalone, Eagle3, Parallel}
     for model in (draft, head):
         kind = drafts.type_of(model)
         assert isinstance(kind.drafter(model, 96, torch.device("cpu")), Drafter)

@@ -153,7 +153,7 @@ def test_loss_parameters_checked_by_declaration_not_a_dummy_vocabulary():
 def test_enumerations_name_their_allowed_values():
     with pytest.raises(
         RecipeError,
-        match=r"draft.type must be one of standalone, eagle3, got "
+        match=r"draft.type must be one of standalone, eagle3, parallel, got "
         r"'eagle'; did you mean 'eagle3'\?",
     ):
         load_recipe(None, ["draft.type=eagle"])

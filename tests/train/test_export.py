@@ -1,6 +1,7 @@
 """train/export/: every format re-loads to the exact same logits; bad maps never get written."""
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -665,3 +666,61 @@ def test_nothing_left_beside_out(head_dir, tmp_path):
     with pytest.raises(ExportError):
         export(src, "vllm", parent / "out")
     assert [p.name for p in parent.iterdir()] == ["out"]
+
+
+# ----------------------------------------------------------------------------- parallel drafts
+
+
+@pytest.mark.parametrize("fmt", ["vllm", "hf"])
+def test_parallel_round_trip_keeps_its_mask_token(standalone_dir, tmp_path, fmt):
+    from specdistill import drafts
+    from specdistill.drafts.parallel import DEPTHS_FIELD, Parallel, add_mask_token, mask_token
+
+    model, tokenizer, _ = standalone_dir
+    draft = copy_of(model)
+    mask_id = add_mask_token(draft)
+    setattr(draft.config, DEPTHS_FIELD, 3)
+    src = tmp_path / "src"
+    Parallel(len(tokenizer), 3, mask_id).save(draft, src, tokenizer, "target")
+    assert drafts.detect(src) is Parallel
+    out = export(src, fmt, tmp_path / "out")
+    config = json.loads((out / "config.json").read_text())
+    assert config["pard_token"] == mask_id == len(tokenizer)  # what vLLM's parallel drafting reads
+    loaded = load_export(out, fmt)
+    assert mask_token(loaded) == mask_id and drafts.detect(out) is Parallel
+    ids = torch.tensor([[1, 2, 3, mask_id]])
+    with torch.no_grad():
+        assert torch.equal(loaded(input_ids=ids).logits, draft(input_ids=ids).logits)
+    with pytest.raises(ExportError, match="cannot be exported as sglang"):
+        export(src, "sglang", tmp_path / "sgl")
+
+
+def copy_of(model):
+    import copy
+
+    return copy.deepcopy(model)
+
+
+def test_the_parallel_type_lives_in_drafts_and_the_export_writers():
+    """Adding the parallel draft type touched only the drafts layer and the export writers
+    (and the recipe's type name and its one key): no other module names it, imports it or
+    branches on it; the trainer, the engine, the server and the sweep reach it through
+    `drafts.TYPES`, `drafts.detect` and `drafts.type_of`."""
+    allowed = {"drafts", "train/export"}
+    recipe = {"train/recipe.py", "train/recipe_types.py", "train/recipe_checks.py"}
+    found = []
+    for path in sorted(ROOT.glob("*/**/*.py")):
+        rel = path.relative_to(ROOT).as_posix()
+        if rel.split("/")[0] in {"tests", "benchmarks", ".venv"} or rel.startswith("docs/"):
+            continue
+        text = path.read_text()
+        if re.search(r'drafts\.parallel|\bParallel(Drafter)?\b|pard_token|"parallel"', text):
+            found.append(rel)
+    outside = [
+        rel
+        for rel in found
+        if not any(rel.startswith(a + "/") for a in allowed) and rel not in recipe
+    ]
+    assert outside == [], outside
+    assert any(rel.startswith("drafts/") for rel in found)
+    assert "train/export/vllm.py" in found

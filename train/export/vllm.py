@@ -10,6 +10,10 @@ the verifier named in the config and proposes that many tokens.
 
 Standalone draft: config.json, model.safetensors and the generation config of the causal LM,
 which vLLM loads as a draft model path. SGLang and the hf format write the same directory.
+
+Parallel draft (drafts/parallel.py): the same causal-LM directory; its config.json keeps
+`pard_token`, the mask token id that vLLM's parallel drafting (`"parallel_drafting": true`
+with `"method": "draft_model"`) reads from the draft's config. Not an SGLang format.
 """
 
 from pathlib import Path
@@ -79,11 +83,27 @@ def read_causal_lm(directory: Path) -> nn.Module:
         ) from e
 
 
-WRITERS = {"eagle3": write_head, "standalone": write_causal_lm}
-READERS = {"eagle3": read_head, "standalone": read_causal_lm}
+def write_parallel_lm(model: nn.Module, options: Options) -> Plan:
+    """A parallel draft: the plain causal-LM directory, whose config.json keeps `pard_token`
+    (the mask token id vLLM's parallel drafting reads); the block length is
+    --speculative-tokens, else the depths it was trained with."""
+    from specdistill.drafts.parallel import DEPTHS_FIELD, mask_token
+
+    if mask_token(model) is None:
+        raise ExportError("a parallel draft's config.json must name its mask token (pard_token)")
+    plan = write_causal_lm(model, options)
+    trained = getattr(model.config, DEPTHS_FIELD, None) or STANDALONE_TOKENS
+    return Plan(plan.write, plan.verifier, options.speculative_tokens or trained)
+
+
+WRITERS = {"eagle3": write_head, "standalone": write_causal_lm, "parallel": write_parallel_lm}
+READERS = {"eagle3": read_head, "standalone": read_causal_lm, "parallel": read_causal_lm}
 HINTS = {
     "eagle3": "vllm serve {target} --speculative-config "
     '\'{{"model": "{out}", "num_speculative_tokens": {tokens}, "method": "eagle3"}}\'',
     "standalone": "vllm serve {target} --speculative-config "
     '\'{{"model": "{out}", "num_speculative_tokens": {tokens}}}\'',
+    "parallel": "vllm serve {target} --speculative-config "
+    '\'{{"model": "{out}", "num_speculative_tokens": {tokens}, "method": "draft_model", '
+    '"parallel_drafting": true}}\'',
 }

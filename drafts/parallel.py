@@ -1,0 +1,275 @@
+"""The parallel draft type: a standalone causal LM that proposes a whole block in one forward.
+
+PARD's scheme (docs/parallel.md). The draft is a standalone causal LM with one extra token, the
+mask token, whose embedding is learned (config.json's `pard_token` holds its id: the field
+vLLM's parallel drafting reads). A round feeds the tokens committed since the last round
+followed by γ − 1 mask tokens; the output at the last committed token is d_1 and the output at
+the j-th mask is d_{j+1}, so the γ drafts come from one forward instead of γ.
+
+Training (`depths`): K aligned depths from one forward of the draft on K copies of the
+sequence. Copy 0 is the sequence itself (plain causal attention: depth 0 is the standalone
+draft's next-token prediction); copy k ≥ 1 holds mask tokens, and its slot t (at position
+t + k) sees the real tokens up to t and the masks of copies 1..k at slot t, which is exactly
+what the draft sees at inference when t is the last committed token of a round and the
+block has k masks so far. Depth k at anchor t predicts token t + k + 1 and is compared with
+the target's prediction at t + k, so every loss of the library applies per depth and
+`losses.multi_depth_loss` weights the depths (`loss.depth_weighting`). Every anchor trains
+every depth (PARD's conditional drop-token sampling of anchors is not implemented).
+
+The drafter proposes the block with one forward on its own KV cache; the γ − 1 mask entries
+are dropped after verification and the accepted drafts become the next round's pending tokens
+(as an EAGLE-3 head's do). Each position's token is drawn from that position's distribution,
+which is what verification receives, so speculative sampling stays lossless.
+"""
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from specdistill.drafts.align import target_mask
+from specdistill.drafts.confidence import acceptance_head, predicted_acceptance
+from specdistill.drafts.kv_cache import left_pad
+from specdistill.drafts.standalone import StandaloneDrafter
+from specdistill.drafts.types import Depths, DraftControl, Proposal
+from specdistill.errors import UserError
+
+MASK_FIELD = "pard_token"  # config.json's mask token id; vLLM's parallel drafting reads it
+DEPTHS_FIELD = "parallel_depths"  # config.json: the block length K the draft was trained for
+
+
+def mask_token(model) -> int | None:
+    """The mask token id of a loaded draft (None: not a parallel draft)."""
+    return getattr(getattr(model, "config", None), MASK_FIELD, None)
+
+
+def add_mask_token(model) -> int:
+    """Give a causal LM a mask token (one more embedding row, initialised to the mean of the
+    others) unless it has one; -> its id."""
+    existing = mask_token(model)
+    if existing is not None:
+        return existing
+    rows = model.get_input_embeddings().weight.shape[0]
+    model.resize_token_embeddings(rows + 1, mean_resizing=True)
+    setattr(model.config, MASK_FIELD, rows)
+    return rows
+
+
+def block_inputs(
+    ids: Tensor, attention_mask: Tensor, mask_id: int, depths: int, dtype: torch.dtype
+) -> tuple[Tensor, Tensor, Tensor]:
+    """K copies of a right-padded batch for one forward: (input ids [B, K·T], position ids
+    [B, K·T], additive attention mask [B, 1, K·T, K·T]).
+
+    Copy 0 is the batch with causal attention. Copy k ≥ 1 is T mask tokens; its slot t has
+    position pos(t) + k and sees the valid tokens of copy 0 up to slot t and slot t of copies
+    1..k. Every query sees itself, so no row of the mask is empty.
+    """
+    b, length = ids.shape
+    device = ids.device
+    valid = attention_mask.bool()
+    pos = (valid.long().cumsum(1) - 1).clamp_min(0)
+    copy = torch.arange(depths, device=device).repeat_interleave(length)
+    slot = torch.arange(length, device=device).repeat(depths)
+    qc, kc, qs, ks = copy[:, None], copy[None, :], slot[:, None], slot[None, :]
+    allowed = ((kc == 0) & (ks <= qs)) | ((kc >= 1) & (kc <= qc) & (ks == qs))
+    seen = (allowed[None] & valid.repeat(1, depths)[:, None, :]) | torch.eye(
+        depths * length, dtype=torch.bool, device=device
+    )
+    additive = torch.zeros(b, 1, *seen.shape[1:], dtype=dtype, device=device)
+    additive.masked_fill_(~seen[:, None], torch.finfo(dtype).min)
+    masks = torch.full((b, (depths - 1) * length), mask_id, dtype=ids.dtype, device=device)
+    positions = torch.cat([pos + k for k in range(depths)], dim=1)
+    return torch.cat([ids, masks], dim=1), positions, additive
+
+
+def block_logits(
+    model, ids: Tensor, attention_mask: Tensor, mask_id: int, depths: int, vocab_size: int
+) -> list[Tensor]:
+    """The draft's logits of every depth at every anchor, from one forward: K tensors
+    [B, T, vocab_size]; depth k at slot t predicts token t + k + 1 from tokens ≤ t."""
+    length = ids.shape[1]
+    inputs, positions, mask = block_inputs(ids, attention_mask, mask_id, depths, model.dtype)
+    out = model(input_ids=inputs, attention_mask=mask, position_ids=positions)
+    return list(out.logits[..., :vocab_size].split(length, dim=1))
+
+
+def shifted_depths(blocks: list[Tensor], t_logits: Tensor, base_mask: Tensor) -> Depths:
+    """Align K depths with the target: draft depth k at anchor t (t < T − 1) against the
+    target's logits at t + k, valid where token t + k + 1 is a training target (`base_mask`
+    [B, T − 1] is depth 0's mask, from drafts/align.py)."""
+    length = t_logits.shape[1]
+    anchors = torch.arange(length - 1, device=t_logits.device)
+    d_out, t_out, m_out = [], [], []
+    for k, logits in enumerate(blocks):
+        index = (anchors + k).clamp_max(length - 2)
+        inside = (anchors + k <= length - 2).to(base_mask.device)
+        d_out.append(logits[:, :-1])
+        t_out.append(t_logits[:, index])
+        m_out.append(base_mask[:, index.to(base_mask.device)] & inside)
+    return d_out, t_out, m_out
+
+
+@dataclass(frozen=True)
+class Parallel:
+    """The parallel draft type (a `drafts.types.DraftType`): `vocab_size` logit columns
+    compared with the target, `steps` depths trained (K: the block's length), `mask_id` the
+    draft's mask token."""
+
+    vocab_size: int
+    steps: int
+    mask_id: int
+
+    name = "parallel"
+    d2t = None
+    formats = ("vllm", "hf")  # vLLM's parallel drafting loads a causal LM with `pard_token`
+    layout = "hf"  # a saved parallel draft is a plain HF directory (with `pard_token`)
+
+    @staticmethod
+    def detect(path) -> bool:
+        """A Hugging Face model directory whose config.json names a mask token (`pard_token`)."""
+        import json
+
+        config = Path(path) / "config.json"
+        return config.is_file() and json.loads(config.read_text()).get(MASK_FIELD) is not None
+
+    @classmethod
+    def build(cls, cfg, target, tokenizer, train_data, *, print=print):
+        """(draft LM with a mask token, its type) for a recipe's `draft` section: the causal
+        LM `cfg.model` (a standalone draft, or a parallel one to continue) loaded as the
+        standalone type loads it, given a mask token when it has none; trained in full."""
+        from specdistill.drafts import hub
+
+        if cfg.lora.r > 0:
+            raise UserError(
+                "draft.lora with draft.type=parallel: the mask token's embedding must train; "
+                "set draft.lora.r=0 (full fine-tuning)"
+            )
+        draft_tok = hub.load_tokenizer(cfg.model, cfg.revision)
+        hub.check_tokenizers(tokenizer, draft_tok, target.name_or_path, cfg.model)
+        draft = hub.load_model(cfg.model, dtype=cfg.dtype, revision=cfg.revision)
+        vocab_size = min(hub.shared_vocab_size(target, draft, tokenizer), rows_before_mask(draft))
+        mask_id = add_mask_token(draft)
+        setattr(draft.config, DEPTHS_FIELD, cfg.parallel_depths)
+        print(f"parallel draft: mask token {mask_id}, {cfg.parallel_depths} depths per anchor")
+        return draft, cls(vocab_size, cfg.parallel_depths, mask_id)
+
+    def count_mask(self, batch: dict) -> Tensor:
+        """The positions a step's loss is normalised by (depth 0's mask: the anchors)."""
+        return target_mask(batch)
+
+    def depths(self, draft, target, batch: dict) -> Depths:
+        ids, attention = batch["input_ids"], batch["attention_mask"]
+        with torch.no_grad():
+            t_logits = target(input_ids=ids, attention_mask=attention).logits[
+                ..., : self.vocab_size
+            ]
+        blocks = block_logits(draft, ids, attention, self.mask_id, self.steps, self.vocab_size)
+        return shifted_depths(blocks, t_logits, target_mask(batch))
+
+    def save(self, draft, out: Path, tokenizer, verifier: str) -> None:
+        from specdistill.drafts.acceptance_head import save_attached_head
+
+        setattr(draft.config, DEPTHS_FIELD, self.steps)  # the export's default block length
+        draft.save_pretrained(out, safe_serialization=True)
+        tokenizer.save_pretrained(out)
+        save_attached_head(draft, out)
+
+    # ------------------------------------------------------------------ a loaded draft
+    per_depth_alpha = True  # depth k of a block is predicted through k mask tokens
+    own_tokenizer = True  # ships its own tokenizer, which must match the target's
+
+    @staticmethod
+    def vocab_size_of(model) -> int:
+        """Logit columns the draft produces that are tokens (the mask token's row excluded)."""
+        return rows_before_mask(model)
+
+    @staticmethod
+    def drafter(model, vocab_size: int, device: torch.device) -> "ParallelDrafter":
+        """The engine's drafter (eval/engine.py) for a loaded parallel draft."""
+        return ParallelDrafter(model, vocab_size, device)
+
+    @staticmethod
+    def path_logits(target, model, ids: Tensor, n_prompt: int, depth: int, vocab_size: int):
+        """Teacher-forced logits along ids [1, T] = prompt + output, for the offline α.
+
+        `depth` triples (draft logits [S, V], target logits [S, V], mask [S]), S = T −
+        n_prompt + 1: row s of depth k is the k-th draft of a round that starts at generated
+        position s (its anchor is token n_prompt + s − 1); masked where the text runs out.
+        """
+        length = ids.shape[1]
+        t_logits = target(input_ids=ids).logits[0, :, :vocab_size]
+        ones = torch.ones_like(ids, device=model.device)
+        blocks = block_logits(
+            model, ids.to(model.device), ones, mask_token(model), depth, vocab_size
+        )
+        anchors = torch.arange(n_prompt - 1, length, device=t_logits.device)
+        out = []
+        for k, logits in enumerate(blocks):
+            rows = logits[0].to(t_logits.device)[anchors]
+            out.append((rows, t_logits[(anchors + k).clamp_max(length - 1)], anchors + k < length))
+        return out
+
+
+def rows_before_mask(model) -> int:
+    """The output head's rows that are tokens: all of them, or those before the mask token."""
+    rows = model.get_output_embeddings().weight.shape[0]
+    mask_id = mask_token(model)
+    return rows if mask_id is None else min(rows, mask_id)
+
+
+class ParallelDrafter(StandaloneDrafter):
+    """A parallel draft on its own KV cache: one forward per round proposes the whole block.
+
+    Its cache holds every committed token but the `pending` ones of each row (the tokens
+    committed in the last round). A round appends the pending tokens and γ − 1 mask tokens;
+    `commit` drops the masks, so the accepted drafts and the new token are pending next.
+    """
+
+    def __init__(self, model, vocab_size: int, device: torch.device):
+        super().__init__(model, vocab_size, device)
+        self.mask_id = mask_token(model)
+        if self.mask_id is None:
+            raise ValueError("a parallel drafter needs a draft with a mask token (pard_token)")
+        self.masks = 0  # mask entries the last proposal appended to the cache
+
+    def propose(self, gamma: int, sample, control: DraftControl | None = None) -> Proposal:
+        """Up to γ drafts per row from one forward (`drafts.types.Proposal`). `sample` draws
+        each position's token from its logits; with a `control`, each position's predicted
+        acceptance may end the block early (the forward has been paid for anyway)."""
+        tokens, valid = left_pad(self.pending, self.device)
+        rows = tokens.shape[0]
+        masks = torch.full((rows, gamma - 1), self.mask_id, dtype=tokens.dtype, device=self.device)
+        tokens = torch.cat([tokens, masks], dim=1)
+        valid = torch.cat([valid, torch.ones_like(masks, dtype=torch.bool)], dim=1)
+        model = self.stream.model
+        head = control is not None and acceptance_head(model) is not None
+        logits = self.stream.forward(tokens, valid, keep=gamma, hidden=head)
+        self.masks = gamma - 1
+        drafted, q, confidence = [], [], []
+        for step in range(gamma):
+            token, probs = sample(logits[:, step])
+            drafted.append(token)
+            q.append(probs)
+            if control is not None:
+                hidden = self.stream.hidden[:, step] if head else None
+                confidence.append(
+                    predicted_acceptance(model, logits[:, step], token, probs, hidden)
+                )
+                if not control.keep_drafting(step + 1, confidence[-1]):
+                    break
+        return Proposal(
+            torch.stack(drafted, dim=1), q, torch.stack(confidence, dim=1) if confidence else None
+        )
+
+    def commit(self, gamma: int, n_accepted: Tensor, host: list, features=None) -> None:
+        """After verification: host[i] = [n_i, next_i, *drafts_i]."""
+        if gamma == 0:  # a target-only round: the new token joins the pending ones
+            for i, (_, next_i) in enumerate(host):
+                self.pending[i] = list(self.pending[i]) + [next_i]
+            return
+        self.stream.drop_last(torch.full_like(n_accepted, self.masks))
+        self.masks = 0
+        for i, (n_i, next_i, *drafts_i) in enumerate(host):
+            self.pending[i] = drafts_i[:n_i] + [next_i]
