@@ -183,18 +183,17 @@ def validate_loss(lo: LossConfig) -> None:
     """Check the loss name and the type of each parameter against the loss library's
     declaration (coercing e.g. `eta: 3` to 3.0), then ask the library for the value checks:
     it knows each loss's ranges."""
-    from specdistill import losses
     from specdistill.losses.api import loss_params
-    from specdistill.losses.divergences import check_param_values
+    from specdistill.losses.divergences import NAMES, check_param_values
 
-    if lo.name not in losses.LOSSES:
-        hint = _hint(lo.name, list(losses.LOSSES))
+    if lo.name not in NAMES:
+        hint = _hint(lo.name, list(NAMES))
         raise RecipeError(f"loss: unknown loss {lo.name!r}; {hint}", key="loss.name")
     params = dict(lo.params)
     parts: dict = {}
     if lo.name == "mix" and "parts" in params:  # the parts decide which parameters exist
         params["parts"] = parts = _coerce(params["parts"], dict[str, float], "loss.parts")
-        names = sorted(set(losses.LOSSES) - {"mix"})
+        names = sorted(set(NAMES) - {"mix"})
         for part in parts:
             if part not in names:
                 raise RecipeError(
