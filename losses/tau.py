@@ -5,9 +5,11 @@ chain math of `losses.chain` (docs/theory.md, "The accepted-length objective").
 Inputs are N chains of γ positions: ``draft_logits: [N, γ, V]`` (or hidden states and the
 LM head), the target's ``[N, γ, V]`` logits (or hidden states and head), ``tokens: [N, γ−1]``
 the draft's samples at ``temperature`` and ``mask: [N]``. Both functions return
-``(loss_sum, n_chains, length_sum)``: Σ over valid chains of 1 − L/γ (its gradient the
-estimator's), their number, and Σ L (detached, for logs).
+`TauSums`: Σ over valid chains of 1 − L/γ (its gradient the estimator's), their number,
+Σ L and Σ α at the chains' first positions (detached, for logs).
 """
+
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
@@ -24,6 +26,17 @@ from specdistill.losses.chain import (
 from specdistill.losses.chunked import chunked_rows_loss
 
 
+class TauSums(NamedTuple):
+    """Sums over the valid chains: ``loss_sum`` (Σ 1 − L/γ, with the estimator's gradient),
+    ``n_chains`` (int64), ``length_sum`` (Σ L) and ``alpha_sum`` (Σ α at each chain's first
+    position, the teacher-forced α at its prefix), the last two detached."""
+
+    loss_sum: Tensor
+    n_chains: Tensor
+    length_sum: Tensor
+    alpha_sum: Tensor
+
+
 def tau_loss(
     draft_logits: Tensor,
     target_logits: Tensor,
@@ -34,7 +47,7 @@ def tau_loss(
     top_p: float | None = None,
     top_k: int | None = None,
     estimator: str = "score",
-) -> tuple[Tensor, Tensor, Tensor]:
+) -> TauSums:
     """Accepted-length loss of N chains from their logits (module docstring)."""
     _check_sampling(temperature, top_p, top_k)
     rows = _row_mask(mask, draft_logits.shape[:2], draft_logits.device)
@@ -64,7 +77,7 @@ def chunked_tau_loss(
     top_p: float | None = None,
     top_k: int | None = None,
     estimator: str = "score",
-) -> tuple[Tensor, Tensor, Tensor]:
+) -> TauSums:
     """`tau_loss` from hidden states ``[N, γ, H]`` and the LM head ``[V, H]``, with the same
     values and gradients and O(chunk_size × V) extra memory: a no-grad pass over chunks of
     rows computes the per-position terms' values, hence the estimator's weights; a second
@@ -101,7 +114,7 @@ def chunked_tau_loss(
             mask_out_of_vocab=False,
         )
 
-    def flat_terms(rows: slice, logits: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    def flat_terms(rows: slice, logits: Tensor) -> TauSums:
         p = prepared(rows, logits)
         index = flat_tokens[rows, None]
         log_q = p.draft_logp.gather(-1, index).squeeze(-1)
@@ -128,7 +141,12 @@ def chunked_tau_loss(
     surrogate = chunked_rows_loss(hidden, draft_head_weight, chunk_size, chunk_loss)
     valid = _valid(mask, n, hidden.device)
     value = (1.0 - weights.length / gamma)[valid].sum()
-    return with_surrogate_grad(value, surrogate), valid.sum(), weights.length.sum()
+    return TauSums(
+        with_surrogate_grad(value, surrogate),
+        valid.sum(),
+        weights.length.sum(),
+        weights.alpha[:, 0].sum(),
+    )
 
 
 def _sums(terms: RowTerms, mask: Tensor | None, estimator: str, gamma: int):
@@ -136,7 +154,12 @@ def _sums(terms: RowTerms, mask: Tensor | None, estimator: str, gamma: int):
     surrogate = -weighted_terms(terms, weights).sum() / gamma
     valid = _valid(mask, weights.length.shape[0], weights.length.device)
     value = (1.0 - weights.length / gamma)[valid].sum()
-    return with_surrogate_grad(value, surrogate), valid.sum(), weights.length.sum()
+    return TauSums(
+        with_surrogate_grad(value, surrogate),
+        valid.sum(),
+        weights.length.sum(),
+        weights.alpha[:, 0].sum(),
+    )
 
 
 def _valid(mask: Tensor | None, n: int, device) -> Tensor:
@@ -146,5 +169,3 @@ def _valid(mask: Tensor | None, n: int, device) -> Tensor:
 def _row_mask(mask: Tensor | None, shape, device) -> Tensor:
     """A chain's mask on each of its γ positions: [N] -> [N, γ]."""
     return _valid(mask, shape[0], device)[:, None].expand(*shape)
-
-

@@ -100,6 +100,16 @@ def _draft_checks(recipe: Recipe, explicit: set[str]) -> list[Check]:
             f"{', '.join(sorted(explicit & EAGLE3_KEYS))} apply to draft.type=eagle3 only",
         ),
         (
+            not _uses_tau(lo) or not eagle,
+            "loss tau (the draft's own chains) is implemented for standalone drafts only; "
+            "for draft.type=eagle3 use a per-token loss (e.g. lk_lambda)",
+        ),
+        (
+            not _uses_tau(lo) or cache is None,
+            "loss tau scores the draft's own chains with the live target; target.cache only "
+            "holds the target on the training text: unset target.cache",
+        ),
+        (
             lo.depth_weighting != "end_to_end" or lo.name == "tv",
             "loss.depth_weighting=end_to_end is the multi-depth TV loss; set loss.name=tv",
         ),
@@ -110,10 +120,22 @@ def _draft_checks(recipe: Recipe, explicit: set[str]) -> list[Check]:
     ]
 
 
+def _uses_tau(lo) -> bool:
+    """Whether the loss has an accepted-length part (loss.name tau, or a tau part of mix)."""
+    parts = lo.params.get("parts")
+    return lo.name == "tau" or (lo.name == "mix" and isinstance(parts, dict) and "tau" in parts)
+
+
 def _on_policy_checks(recipe: Recipe) -> list[Check]:
     o, d, t = recipe.data.on_policy, recipe.data, recipe.train
     on = o.fraction > 0
     return [
+        (
+            not on or recipe.loss.temperature != "traffic",
+            "loss.temperature=traffic trains each traffic record at its own sampling; "
+            "data.on_policy rows have no record: set data.on_policy.fraction=0 or give a "
+            "temperature",
+        ),
         (
             not on or int(o.fraction * t.global_batch_size + 0.5) >= 1,
             f"data.on_policy.fraction ({o.fraction}) × train.global_batch_size "

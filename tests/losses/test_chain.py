@@ -143,11 +143,12 @@ def test_gamma_one_is_the_per_token_alpha():
     draft = torch.randn(6, 1, 11, generator=g, dtype=torch.float64, requires_grad=True)
     target = torch.randn(6, 1, 11, generator=g, dtype=torch.float64)
     tokens = torch.zeros(6, 0, dtype=torch.long)
-    loss_sum, n, length_sum = tau_loss(draft, target, tokens, temperature=0.7)
+    loss_sum, n, length_sum, alpha_sum = tau_loss(draft, target, tokens, temperature=0.7)
     tv_sum, n_tv = compute_loss("tv", draft, target, temperature=0.7)
     assert int(n) == int(n_tv) == 6
     torch.testing.assert_close(loss_sum, tv_sum)
     torch.testing.assert_close(length_sum, 6 - tv_sum.detach())
+    torch.testing.assert_close(alpha_sum, length_sum)
     grad_tau, grad_tv = torch.autograd.grad(loss_sum, draft), torch.autograd.grad(tv_sum, draft)
     torch.testing.assert_close(grad_tau, grad_tv)
 
@@ -182,7 +183,7 @@ def test_masked_chains_add_nothing():
     target = torch.randn(4, 3, 7, generator=g, dtype=torch.float64)
     tokens = torch.randint(7, (4, 2), generator=g)
     mask = torch.tensor([True, False, True, False])
-    loss, n, _ = tau_loss(draft, target, tokens, mask)
+    loss, n, _, _ = tau_loss(draft, target, tokens, mask)
     kept = tau_loss(draft[mask], target[mask], tokens[mask])
     assert int(n) == 2
     torch.testing.assert_close(loss, kept[0])
@@ -196,7 +197,7 @@ def test_filtered_token_gives_a_finite_gradient():
     draft = torch.zeros(2, 2, 4, dtype=torch.float64, requires_grad=True)
     target = torch.tensor([4.0, 3.0, -5.0, -5.0], dtype=torch.float64).expand(2, 2, 4)
     tokens = torch.tensor([[3], [0]])
-    loss, _, _ = tau_loss(draft, target, tokens, top_p=0.5)
+    loss, _, _, _ = tau_loss(draft, target, tokens, top_p=0.5)
     (grad,) = torch.autograd.grad(loss, draft)
     assert torch.isfinite(loss) and torch.isfinite(grad).all()
 
