@@ -6,7 +6,9 @@ each summed over the served-sampling shares (train/temperatures.py).
 `loss.name: tau` is the chain part alone; `loss.name: mix` with a `tau` part mixes it with
 the other parts' per-token loss. Every part is a sum over valid positions, divided by the
 step once: the chain part's Σ over chains is scaled by (valid positions / chains) of its
-share, an unbiased estimate of its sum had every valid position started a chain.
+share, an unbiased estimate of its sum had every valid position started a chain. With no
+per-token part, the step's logged α is the teacher-forced α at the chains' starts (their
+first position), scaled the same way.
 """
 
 from typing import NamedTuple
