@@ -6,6 +6,9 @@
     python benchmarks/loss_compare.py --target Qwen/Qwen2.5-7B-Instruct \\
         --draft Qwen/Qwen2.5-0.5B-Instruct --data chats.jsonl --steps 500   # your own pair
 
+`tau` is the accepted-length objective on the draft's own chains (docs/theory.md), trained at
+the γ of the τ columns (`--gamma`) when measured τ is on.
+
 Each run starts from the same pretrained draft; only the loss (and, across seeds, the order
 of training sequences) changes. With `--on-policy F`, every loss also runs with
 `data.on_policy.fraction=F` (rows named `loss+op`), so the divergence and the data are
@@ -105,7 +108,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--recipe", default=str(REPO / "recipes" / "code.yaml"))
     parser.add_argument(
         "--losses",
-        default="fkl,tv,lk_alpha,lk_lambda",
+        default="fkl,tv,lk_alpha,lk_lambda,tau",
         help="comma-separated loss names, or LABEL:OVERRIDE[;OVERRIDE...] for a variant, e.g. "
         "'tv+fkl:loss.name=mix;loss.params={parts: {tv: 0.9, fkl: 0.1}}'",
     )

@@ -22,6 +22,7 @@ from specdistill.drafts.eagle3_head import (
 from specdistill.drafts.kv_cache import left_pad, left_pad_rows
 from specdistill.drafts.standalone import StandaloneDrafter
 from specdistill.drafts.types import Depths
+from specdistill.errors import UserError
 
 
 class Eagle3:
@@ -98,6 +99,14 @@ class Eagle3:
             ttt_steps=self.steps,
         )
         return align_depths(logits, t_logits, batch["loss_mask"], batch["attention_mask"])
+
+    def chains(self, draft, target, batch: dict, starts: list[int], **sampling):
+        """Not yet: an EAGLE-3 head's chains need the target's features along the draft's own
+        tokens (loss.name=tau trains standalone drafts)."""
+        raise UserError(
+            "loss tau (the draft's own chains) is implemented for standalone drafts only; "
+            "for draft.type=eagle3 use a per-token loss (e.g. lk_lambda)"
+        )
 
     def save(self, draft, out: Path, tokenizer, verifier: str) -> None:
         from specdistill.drafts.acceptance_head import save_attached_head

@@ -13,6 +13,7 @@ import torch
 from torch import Tensor
 
 from specdistill.drafts.align import shifted_logits, target_mask
+from specdistill.drafts.chains import Chains, sample_chains
 from specdistill.drafts.confidence import acceptance_head, predicted_acceptance
 from specdistill.drafts.kv_cache import KVStream, left_pad
 from specdistill.drafts.types import Depths, DraftControl, Proposal
@@ -58,6 +59,10 @@ class Standalone:
         with torch.no_grad():
             t_logits = shifted_logits(target, batch, self.vocab_size)
         return [shifted_logits(draft, batch, self.vocab_size)], [t_logits], [target_mask(batch)]
+
+    def chains(self, draft, target, batch: dict, starts: list[int], **sampling) -> Chains:
+        """The draft's own chains from `starts` (drafts/chains.py), for loss.name=tau."""
+        return sample_chains(draft, target, batch, starts, vocab_size=self.vocab_size, **sampling)
 
     def save(self, draft, out: Path, tokenizer, verifier: str) -> None:
         from specdistill.drafts.acceptance_head import save_attached_head

@@ -110,6 +110,12 @@ class DraftType(Protocol):
         """K aligned (draft logits, target logits, mask) depths of a batch."""
         ...
 
+    def chains(self, draft, target, batch: dict, starts: list[int], **sampling) -> Any:
+        """The draft's own γ-token chains from positions `starts` of the batch, scored by the
+        target (`drafts.chains.Chains`; sampling: gamma, temperature, generator, hidden),
+        for the accepted-length loss; a type that cannot sample them raises a UserError."""
+        ...
+
     def save(self, draft, out: Path, tokenizer, verifier: str) -> None:
         """Write a trained draft to the directory `out`."""
         ...

@@ -17,7 +17,7 @@ from torch import Tensor
 
 from specdistill.losses.divergences import (
     LOG_P_FLOOR,
-    LOSSES,
+    NAMES,
     LossParam,
     check_params,
     keyword_params,
@@ -135,7 +135,7 @@ def loss_params(name: str, parts: Iterable[str] = ()) -> dict[str, LossParam]:
     sampling keywords of :func:`compute_loss` (top_p, top_k, mask_out_of_vocab), then the
     loss function's own, then for ``mix`` those of each of ``parts``. Annotations are the
     functions' own (``alpha_bar: Tensor | float | None``)."""
-    functions = [compute_loss, LOSSES[name], *(LOSSES[part] for part in parts)]
+    functions = [compute_loss, NAMES[name], *(NAMES[part] for part in parts)]
     params = {}
     for function in functions:
         for key, param in keyword_params(function).items():
@@ -214,8 +214,8 @@ def _divergence(name: str, prepared: Prepared, params: dict) -> Tensor:
         if name in RANKING_LOSSES:
             target = prepared.target_logp.clone()
             target[..., -1] = float("-inf")
-            return LOSSES[name](prepared.draft_logp, target, **params)
-    return LOSSES[name](prepared.draft_logp, prepared.target_logp, **params)
+            return NAMES[name](prepared.draft_logp, target, **params)
+    return NAMES[name](prepared.draft_logp, prepared.target_logp, **params)
 
 
 def needs_alpha_bar(name: str, params: dict) -> bool:

@@ -123,6 +123,25 @@ def chunked_loss(
     return loss_sum, n_valid, alpha_sum
 
 
+def chunked_rows_loss(
+    hidden: Tensor, weight: Tensor, chunk_size: int, chunk_loss
+) -> Tensor:
+    """Σ_chunks chunk_loss(rows, hidden[rows] @ weight.T) with the memory bound of
+    `chunked_loss`: hidden [N, H], weight [V, H]; ``chunk_loss(rows: slice, logits) -> 0-dim``
+    (any per-row loss whose weights are fixed beforehand, e.g. losses/tau.py's second pass).
+    Returns the 0-dim sum, differentiable to hidden and weight (single-order)."""
+    if chunk_size < 1:
+        raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+    chunks = [slice(s, s + chunk_size) for s in range(0, hidden.shape[0], chunk_size)]
+    needs_grad = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
+
+    def with_count(rows: slice, logits: Tensor) -> tuple[Tensor, Tensor]:
+        return chunk_loss(rows, logits), torch.zeros((), dtype=torch.int64, device=logits.device)
+
+    loss_sum, _ = _ChunkedHeadLoss.apply(hidden, weight, chunks, with_count, needs_grad)
+    return loss_sum
+
+
 class _ChunkedHeadLoss(torch.autograd.Function):
     """loss_sum = Σ_chunks chunk_loss(rows, hidden[rows] @ weight.T); grads computed in
     forward. hidden: [N, H], weight: [V, H] -> (loss_sum 0-dim, n_valid 0-dim int64)."""

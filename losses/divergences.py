@@ -154,8 +154,28 @@ def mix(draft_logp: Tensor, target_logp: Tensor, *, parts: dict[str, float], **p
     """
     check_params("mix", {"parts": parts, **params})
     return sum(
-        weight * LOSSES[name](draft_logp, target_logp, **params_of(name, params))
+        weight * NAMES[name](draft_logp, target_logp, **params_of(name, params))
         for name, weight in parts.items()
+    )
+
+
+def tau(
+    draft_logp: Tensor,
+    target_logp: Tensor,
+    *,
+    gamma: int | None = None,
+    prefixes: int = 4,
+    estimator: str = "score",
+) -> Tensor:
+    """The accepted-length objective: not a per-position loss, but the one of the draft's
+    own γ-token chains (losses/chain.py, losses/tau.py; the training step samples the chains).
+    Declared here for its parameters: ``gamma`` (draft length; None: the recipe's largest
+    eval.speculative.gammas), ``prefixes`` (chain starts per micro-batch row), ``estimator``
+    (``score``: unbiased, pathwise plus score function with a leave-one-out baseline;
+    ``pathwise``: the pathwise terms alone, biased, lower variance)."""
+    raise ValueError(
+        "tau scores the draft's own chains, not teacher-forced positions: use losses.tau "
+        "(tau_loss / chunked_tau_loss) on sampled chains"
     )
 
 
@@ -170,6 +190,13 @@ LOSSES: dict[str, Callable[..., Tensor]] = {
     "topk_ce": topk_ce,
     "mix": mix,
 }
+
+
+# Objectives over sampled chains rather than positions: a recipe's loss.name (and a part of
+# mix) may name them; the training step computes them (train/chains.py), never
+# `losses.api.compute_loss`.
+CHAIN_LOSSES: dict[str, Callable[..., Tensor]] = {"tau": tau}
+NAMES: dict[str, Callable[..., Tensor]] = {**LOSSES, **CHAIN_LOSSES}
 
 
 class LossParam(NamedTuple):
@@ -203,7 +230,7 @@ def _keyword_params(function: Callable) -> tuple[tuple[str, LossParam], ...]:
 
 def param_names(name: str) -> set[str]:
     """Keyword params that loss ``name``'s own function takes (for ``mix``: ``parts``)."""
-    return set(keyword_params(LOSSES[name]))
+    return set(keyword_params(NAMES[name]))
 
 
 def params_of(name: str, params: dict) -> dict:
@@ -213,8 +240,8 @@ def params_of(name: str, params: dict) -> dict:
 
 def check_params(name: str, params: dict) -> None:
     """Raise ValueError for an unknown loss name, a bad mixture or a param nobody takes."""
-    if name not in LOSSES:
-        raise ValueError(f"unknown loss {name!r}; valid names: {sorted(LOSSES)}")
+    if name not in NAMES:
+        raise ValueError(f"unknown loss {name!r}; valid names: {sorted(NAMES)}")
     valid = param_names(name)
     if name == "mix":
         parts = params.get("parts")
@@ -222,9 +249,9 @@ def check_params(name: str, params: dict) -> None:
             raise ValueError(
                 "mix needs parts={loss name: weight, ...}, e.g. {'tv': 0.9, 'fkl': 0.1}"
             )
-        bad = [part for part in parts if part not in LOSSES or part == "mix"]
+        bad = [part for part in parts if part not in NAMES or part == "mix"]
         if bad:
-            names = sorted(set(LOSSES) - {"mix"})
+            names = sorted(set(NAMES) - {"mix"})
             raise ValueError(f"mix: unknown parts {bad}; valid parts: {names}")
         valid = {"parts"}.union(*(param_names(part) for part in parts))
     unknown = sorted(set(params) - valid)
@@ -244,6 +271,9 @@ PARAM_CHECKS: dict[str, tuple[Callable[[Any], bool], str]] = {
     "lambda_mode": (lambda v: v in ("batch", "token"), "'batch' or 'token'"),
     "top_p": (lambda v: v is None or 0.0 < v <= 1.0, "in (0, 1]"),
     "top_k": (lambda v: v is None or v >= 1, ">= 1"),
+    "gamma": (lambda v: v is None or v >= 1, ">= 1"),
+    "prefixes": (lambda v: v >= 1, ">= 1"),
+    "estimator": (lambda v: v in ("score", "pathwise"), "'score' or 'pathwise'"),
 }
 
 

@@ -14,6 +14,7 @@ from specdistill.publish import atomic_write_text
 from specdistill.train.batches import Batches
 from specdistill.train.config import recipe_to_dict
 from specdistill.train.step import DistillStep
+from specdistill.train.temperatures import is_mixture, mixture
 
 TAU_TEXTS = "tau_texts.json"
 RELIABILITY_PNG = "acceptance_head_reliability.png"
@@ -23,7 +24,10 @@ def eval_record(step: int, metrics: dict) -> dict:
     """An evaluation as a metrics.jsonl line: keys eval/<name>, per γ and per depth spread."""
     record = {"step": step}
     for key, value in metrics.items():
-        if key.startswith("tau_pred") and isinstance(value, dict):  # tau_pred, tau_pred_iid
+        if key == "mixture":  # loss.temperature's distribution: eval/mixture_alpha, ...
+            record["eval/mixture_alpha"] = value["alpha"]
+            record.update({f"eval/mixture_tau_pred_{g}": t for g, t in value["tau_pred"].items()})
+        elif key.startswith("tau_pred") and isinstance(value, dict):  # tau_pred, tau_pred_iid
             record.update({f"eval/{key}_{g}": t for g, t in value.items()})
         elif isinstance(value, list):  # per depth (eagle3): eval/alpha_depth_0, ...
             record.update({f"eval/{key}_{k}": v for k, v in enumerate(value)})
@@ -40,6 +44,7 @@ class Evaluator:
         self.recipe, self.core, self.held, self.out = recipe, core, held, Path(out)
         self.data = held.dataset
         self._tau_texts: tuple[list, list] | None = None  # (prompts, target's outputs)
+        self._mixture_texts: dict[float, list] = {}  # other temperatures' outputs
 
     def batches(self) -> list[dict]:
         return self.held.held_out(self.recipe.eval.max_sequences)
@@ -62,9 +67,60 @@ class Evaluator:
                 temperature=e.temperature,
                 max_gamma=e.max_gamma,
             )
-        core.train_mode()
         sums = acc.reduce(sums.to(acc.device), "sum").cpu()
-        return summarise(sums, temperature=e.temperature, max_gamma=e.max_gamma, tau_rounds=tau)
+        result = summarise(sums, temperature=e.temperature, max_gamma=e.max_gamma, tau_rounds=tau)
+        if is_mixture(self.recipe.loss.temperature):
+            result["mixture"] = self.mixture(result)
+        core.train_mode()
+        return result
+
+    def at_temperature(self, temperature: float) -> dict:
+        """α and tau_pred at another temperature than eval.temperature (draft in eval mode)."""
+        core, e = self.core, self.recipe.eval
+        sums = acceptance_sums(
+            core.kind, core.target, core.draft, self.batches(), temperature=temperature
+        )
+        tau = None
+        if e.tau_prompts > 0:
+            prompts, _ = self.tau_texts()
+            if temperature not in self._mixture_texts:
+                self._mixture_texts[temperature] = held_out_texts(
+                    core.target,
+                    prompts,
+                    temperature=temperature,
+                    max_new_tokens=e.tau_tokens,
+                    seed=self.recipe.train.seed,
+                )
+            tau = tau_rounds_pred(
+                core.target,
+                core.draft_module(),
+                prompts,
+                self._mixture_texts[temperature],
+                temperature=temperature,
+                max_gamma=e.max_gamma,
+            )
+        sums = core.accelerator.reduce(sums.to(core.accelerator.device), "sum").cpu()
+        return summarise(sums, temperature=temperature, max_gamma=e.max_gamma, tau_rounds=tau)
+
+    def mixture(self, at_eval: dict) -> dict:
+        """α and tau_pred at loss.temperature's distribution of served temperatures: each
+        temperature's (the τ texts generated at that temperature, as eval.temperature's are),
+        weighted. eval.json's `mixture`: {temperatures, alpha, alpha_by_temperature, tau_pred}."""
+        weights = mixture(self.recipe.loss.temperature)
+        each = {
+            t: at_eval if t == self.recipe.eval.temperature else self.at_temperature(t)
+            for t in weights
+        }
+        gammas = set.intersection(*(set(r["tau_pred"]) for r in each.values()))
+        return {
+            "temperatures": {f"{t:g}": w for t, w in weights.items()},
+            "alpha": sum(w * each[t]["alpha"] for t, w in weights.items()),
+            "alpha_by_temperature": {f"{t:g}": each[t]["alpha"] for t in weights},
+            "tau_pred": {
+                g: sum(w * each[t]["tau_pred"][g] for t, w in weights.items())
+                for g in sorted(gammas)
+            },
+        }
 
     def head_calibration(self) -> CalibrationReport | None:
         """The trained acceptance head's predictions against their label (α at

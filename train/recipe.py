@@ -20,6 +20,7 @@ from specdistill.train.recipe_types import (
     Dtype,
     Float,
     Ints,
+    LossTemperature,
     MixedPrecision,
     OnPolicySource,
     PositiveInts,
@@ -167,10 +168,16 @@ class LossConfig(Section):
     name: str = recipe_key(
         "lk_lambda",
         "the objective: a loss of the loss library (fkl, rkl, jsd, tv, lk_alpha, "
-        "lk_lambda, ce, topk_ce, mix)",
+        "lk_lambda, ce, topk_ce, mix) or tau, the accepted length of the draft's own "
+        "loss.gamma-token chains (docs/theory.md, the accepted-length objective)",
     )
-    temperature: Float = recipe_key(
-        1.0, "both distributions are compared at this temperature", gt=0
+    temperature: LossTemperature = recipe_key(
+        1.0,
+        "both distributions are compared at this temperature (> 0); or the served "
+        "temperatures {temperature: weight} (weights sum to 1; 0: greedy, trained at "
+        "temperature 1), each weighted in the loss and in the held-out α / tau_pred "
+        "(eval.json's mixture); or traffic (the online job: each record at its own "
+        "temperature and top-p)",
     )
     chunk_size: int | None = recipe_key(
         None,

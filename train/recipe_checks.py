@@ -105,6 +105,16 @@ def _draft_checks(recipe: Recipe, explicit: set[str]) -> list[Check]:
             f"{', '.join(sorted(explicit & EAGLE3_KEYS))} apply to draft.type=eagle3 only",
         ),
         (
+            not _uses_tau(lo) or not eagle,
+            "loss tau (the draft's own chains) is implemented for standalone drafts only; "
+            "for draft.type=eagle3 use a per-token loss (e.g. lk_lambda)",
+        ),
+        (
+            not _uses_tau(lo) or cache is None,
+            "loss tau scores the draft's own chains with the live target; target.cache only "
+            "holds the target on the training text: unset target.cache",
+        ),
+        (
             lo.depth_weighting != "end_to_end" or lo.name == "tv",
             "loss.depth_weighting=end_to_end is the multi-depth TV loss; set loss.name=tv",
         ),
@@ -115,10 +125,22 @@ def _draft_checks(recipe: Recipe, explicit: set[str]) -> list[Check]:
     ]
 
 
+def _uses_tau(lo) -> bool:
+    """Whether the loss has an accepted-length part (loss.name tau, or a tau part of mix)."""
+    parts = lo.params.get("parts")
+    return lo.name == "tau" or (lo.name == "mix" and isinstance(parts, dict) and "tau" in parts)
+
+
 def _on_policy_checks(recipe: Recipe) -> list[Check]:
     o, d, t = recipe.data.on_policy, recipe.data, recipe.train
     on = o.fraction > 0
     return [
+        (
+            not on or recipe.loss.temperature != "traffic",
+            "loss.temperature=traffic trains each traffic record at its own sampling; "
+            "data.on_policy rows have no record: set data.on_policy.fraction=0 or give a "
+            "temperature",
+        ),
         (
             not on or int(o.fraction * t.global_batch_size + 0.5) >= 1,
             f"data.on_policy.fraction ({o.fraction}) × train.global_batch_size "
@@ -193,18 +215,17 @@ def validate_loss(lo: LossConfig) -> None:
     """Check the loss name and the type of each parameter against the loss library's
     declaration (coercing e.g. `eta: 3` to 3.0), then ask the library for the value checks:
     it knows each loss's ranges."""
-    from specdistill import losses
     from specdistill.losses.api import loss_params
-    from specdistill.losses.divergences import check_param_values
+    from specdistill.losses.divergences import NAMES, check_param_values
 
-    if lo.name not in losses.LOSSES:
-        hint = _hint(lo.name, list(losses.LOSSES))
+    if lo.name not in NAMES:
+        hint = _hint(lo.name, list(NAMES))
         raise RecipeError(f"loss: unknown loss {lo.name!r}; {hint}", key="loss.name")
     params = dict(lo.params)
     parts: dict = {}
     if lo.name == "mix" and "parts" in params:  # the parts decide which parameters exist
         params["parts"] = parts = _coerce(params["parts"], dict[str, float], "loss.parts")
-        names = sorted(set(losses.LOSSES) - {"mix"})
+        names = sorted(set(NAMES) - {"mix"})
         for part in parts:
             if part not in names:
                 raise RecipeError(

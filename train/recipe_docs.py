@@ -133,8 +133,8 @@ def _value(value: Any) -> str:
 
 def _loss_params() -> str:
     """The loss parameters, as the loss library declares them (names, types, defaults)."""
-    from specdistill.losses import LOSSES
     from specdistill.losses.api import loss_params
+    from specdistill.losses.divergences import NAMES as LOSSES
     from specdistill.losses.divergences import PARAM_CHECKS, REQUIRED
     from specdistill.train.recipe_checks import recipe_type
 

@@ -91,7 +91,45 @@ def _resume_value(value: Any) -> Any:
     return value
 
 
+TEMPERATURE_VALUES = (
+    "a temperature > 0, a distribution of served temperatures {temperature >= 0: weight > 0, "
+    "...} whose weights sum to 1 (e.g. {0: 0.3, 0.7: 0.5, 1.0: 0.2}), or traffic"
+)
+
+
+def _loss_temperature(value: Any) -> Any:
+    """loss.temperature as written: a number (> 0), a {temperature: weight} distribution of
+    served temperatures (0: greedy), or `traffic` (each traffic record's own sampling)."""
+    value = _number(value)
+    if value == "traffic":
+        return value
+    if isinstance(value, int | float) and not isinstance(value, bool):
+        if not value > 0:
+            raise RecipeError(
+                f"loss.temperature must be {TEMPERATURE_VALUES}; got {value}",
+                key="loss.temperature",
+            )
+        return float(value)
+    if isinstance(value, dict) and value:
+        try:
+            mix = {float(_number(t)): float(_number(w)) for t, w in value.items()}
+        except (TypeError, ValueError):
+            mix = None
+        if (
+            mix is not None
+            and all(t >= 0 and w > 0 for t, w in mix.items())
+            and abs(sum(mix.values()) - 1.0) <= 1e-6
+        ):
+            return mix
+    raise RecipeError(
+        f"loss.temperature must be {TEMPERATURE_VALUES}; got {value!r}", key="loss.temperature"
+    )
+
+
 Float = Annotated[float, BeforeValidator(_number)]
+LossTemperature = Annotated[
+    float | dict[float, float] | Literal["traffic"], BeforeValidator(_loss_temperature)
+]
 Strings = Annotated[list[str], BeforeValidator(_one_or_more)]
 Ints = Annotated[list[int], BeforeValidator(_one_or_more)]
 PositiveInts = Annotated[list[Annotated[int, Field(ge=1)]], BeforeValidator(_one_or_more)]

@@ -21,7 +21,6 @@ from typing import NamedTuple
 import torch
 from accelerate import Accelerator
 
-from specdistill import losses
 from specdistill.drafts.acceptance_head import HeadLoss, attach_head, attached_head
 from specdistill.drafts.align import shifted_hidden, target_mask
 from specdistill.train.config import RecipeError
@@ -33,8 +32,10 @@ from specdistill.train.distributed import (
     prepare_sharded_draft,
 )
 from specdistill.train.head_training import HeadTraining, saved_head
+from specdistill.train.objective import Objective
 from specdistill.train.run_plan import check_checkpoint_weights, quiet_tied_head_warning
 from specdistill.train.targets import LiveTarget, TargetSource
+from specdistill.train.temperatures import SamplingSource, sampling_source
 
 
 def trainable_parameters(module) -> int:
@@ -141,6 +142,12 @@ class DistillStep:
             if loaded is not None:
                 attach_head(self.draft_module(), loaded)
         self.targets: TargetSource = targets or LiveTarget(kind, self.target)
+        # The loss's parts (per-token, the draft's own chains) and the served sampling it
+        # is taken at (loss.temperature; `traffic`: set per refresh by the online job).
+        self.objective = Objective(r, seed=r.train.seed)
+        self.default_sampling: SamplingSource | None = sampling_source(r)
+        self.sampling = self.default_sampling
+        self._calls = 0  # micro-batches of this step so far (seeds the chains' sampling)
 
     @property
     def head(self):
@@ -156,6 +163,10 @@ class DistillStep:
         """Where the target's numbers come from (None: the live target)."""
         self.targets = source or LiveTarget(self.kind, self.target)
 
+    def set_sampling(self, source: SamplingSource | None) -> None:
+        """The served sampling of the loss (None: the recipe's loss.temperature)."""
+        self.sampling = source or self.default_sampling
+
     def draft_module(self):
         """The draft as a plain module (unwrapped from DDP / FSDP)."""
         return self.accelerator.unwrap_model(self.draft)
@@ -164,6 +175,7 @@ class DistillStep:
     def train_step(self, batches: list[dict]) -> StepMetrics:
         """One optimiser step on this process's micro-batches of the global batch."""
         acc, head = self.accelerator, self.head_training
+        self._calls = 0
         n_local = sum(int(self.kind.count_mask(b).sum()) for b in batches)
         n_global = acc.reduce(torch.tensor(n_local, device=acc.device), "sum").item()
         # DDP averages gradients over processes; scale by the world size so the step's
@@ -233,47 +245,47 @@ class DistillStep:
                 return self._direct(batch)
             return self._chunked(batch)
 
+    def _shares(self, batch: dict):
+        if self.sampling is None:
+            raise RecipeError(
+                "loss.temperature=traffic needs the traffic records' sampling (the online job)"
+            )
+        self._calls += 1
+        return self.sampling.shares(batch)
+
     def _direct(self, batch: dict) -> "StepLosses":
-        lo, head = self.loss_cfg, self.head_training
-        record = head.inputs(self.draft_module()) if head is not None else nullcontext()
-        with record:
-            d_logits, t_logits, masks = self.targets.depths(self.draft, batch)
-        loss_sum, n_valid, alpha = losses.multi_depth_loss(
-            lo.name,
-            d_logits,
-            t_logits,
-            masks,
-            weighting=lo.depth_weighting,
-            decay=lo.depth_decay,
-            temperature=lo.temperature,
-            d2t=self.vocab_map(),
-            **lo.params,
-        )
-        head_part = None
-        if head is not None:
-            with torch.enable_grad():
-                head_part = head.loss(record, d_logits, t_logits, masks, self.vocab_map())
-        return StepLosses(loss_sum, alpha[0] * n_valid, head_part)
+        lo, head, objective = self.loss_cfg, self.head_training, self.objective
+        shares = self._shares(batch)
+        token = head_part = None
+        if objective.token is not None or head is not None:
+            record = head.inputs(self.draft_module()) if head is not None else nullcontext()
+            with record:
+                depths = self.targets.depths(self.draft, batch)
+            if objective.token is not None:
+                token = objective.token_sums(lo, depths, shares, self.vocab_map())
+            if head is not None:
+                with torch.enable_grad():
+                    head_part = head.loss(record, *depths, self.vocab_map())
+        sums = objective.sums(self, batch, shares, token, self._calls)
+        return StepLosses(sums.loss_sum, sums.alpha_sum, head_part)
 
     def _chunked(self, batch: dict) -> "StepLosses":
-        lo, head = self.loss_cfg, self.head_training
+        lo, head, objective = self.loss_cfg, self.head_training, self.objective
+        shares = self._shares(batch)
+        if objective.token is None and head is None:
+            return StepLosses(*objective.sums(self, batch, shares, None, self._calls), None)
         mask = target_mask(batch)
         # Chunked: logits exist one chunk of positions at a time, for both models.
         with torch.no_grad():
             t_hidden = shifted_hidden(self.target, batch)
         d_hidden = shifted_hidden(self.draft, batch)
         t_head, d_head = self.heads()
-        loss_sum, _, alpha_sum = losses.chunked_loss(
-            lo.name,
-            d_hidden,
-            d_head,
-            (t_hidden, t_head),
-            mask,
-            chunk_size=lo.chunk_size,
-            temperature=lo.temperature,
-            return_alpha=True,  # from the chunks the loss computes: no second pass
-            **lo.params,
-        )
+        token = None
+        if objective.token is not None:  # α from the chunks the loss computes: no second pass
+            token = objective.chunked_token_sums(
+                d_hidden, d_head, (t_hidden, t_head), mask, shares, lo.chunk_size
+            )
+        loss_sum, alpha_sum = objective.sums(self, batch, shares, token, self._calls)
         head_part = None
         if head is not None:
             with torch.enable_grad():

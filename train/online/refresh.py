@@ -19,16 +19,20 @@ class Refreshes:
         from specdistill.train.batches import Batches
         from specdistill.train.online.traffic import RecordTargets, to_tokens
         from specdistill.train.targets import IndexedTargets
+        from specdistill.train.temperatures import TrafficShares
 
         data = TokenDataset([to_tokens(it) for it in items], n_records=len(items), skipped={})
         core = self.core
         core.set_targets(IndexedTargets(RecordTargets(items), core.vocab_size) if sparse else None)
+        # loss.temperature=traffic: each record at the temperature and top-p it was served with
+        traffic = self.recipe.loss.temperature == "traffic"
+        core.set_sampling(TrafficShares(items) if traffic else None)
         batches = Batches(
             data,
             recipe=self.recipe,
             accelerator=core.accelerator,
             pad_token_id=self.tokenizer.pad_token_id,
-            indexed=sparse,
+            indexed=sparse or traffic,
         )
         if self.on_policy is not None:
             batches.use_on_policy(self.on_policy)
@@ -56,6 +60,7 @@ class Refreshes:
                 ("loss.top_p", lo.params.get("top_p"), lo.params.get("top_p") is None),
                 ("loss.top_k", lo.params.get("top_k"), lo.params.get("top_k") is None),
                 ("loss.chunk_size", lo.chunk_size, lo.chunk_size is None),
+                ("loss.name", lo.name, "tau" not in (lo.name, *lo.params.get("parts", {}))),
                 ("draft.type", r.draft.type, r.draft.type == "standalone"),
                 (  # the acceptance head's label is α at eval.temperature
                     "eval.temperature",

@@ -270,6 +270,7 @@ def compact(record: dict, top_logprobs: bool = False) -> dict:
         "prompt_token_ids": record["prompt_token_ids"],
         "completion_token_ids": record["completion_token_ids"],
         "temperature": float(record["sampling"]["temperature"]),
+        "top_p": record["sampling"].get("top_p"),
         "category": record["category"],
     }
     if top_logprobs and record.get("top_logprobs"):
