@@ -59,8 +59,21 @@ def split_pools(texts: list[str], seed: int) -> tuple[list[str], list[str]]:
     return [t for i, t in enumerate(texts) if i % 3], texts[::3]
 
 
-def prompt_of(text: str, tokenizer, prompt_tokens: int) -> list[int]:
-    return tokenizer(text)["input_ids"][:prompt_tokens]
+def prompts_of(texts: list[str], tokenizer, prompt_tokens: int, per_text: int) -> list[list[int]]:
+    """Up to `per_text` prompts of `prompt_tokens` ids from each text, cut at offsets
+    `prompt_tokens` // 2 apart (each leaves at least a quarter prompt of the text after it
+    for the target to continue), interleaved: every text's first prompt, then every text's
+    second, so a client cycling through the pool meets each text once before any again."""
+    stride = max(1, prompt_tokens // 2)
+    rounds: list[list[list[int]]] = [[] for _ in range(max(1, per_text))]
+    for text in texts:
+        ids = tokenizer(text)["input_ids"]
+        for k in range(len(rounds)):
+            start = k * stride
+            if k and start + prompt_tokens + prompt_tokens // 4 > len(ids):
+                break
+            rounds[k].append(ids[start : start + prompt_tokens])
+    return [p for r in rounds for p in r if p]
 
 
 # ------------------------------------------------------------------------------ load
