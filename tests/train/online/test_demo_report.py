@@ -112,3 +112,18 @@ def test_the_plot_marks_the_windows(tmp_path):
     f = figures(records, [0.0, 80.0, 1e9], [], [], size=40)
     plot(tmp_path / "a.png", records, [0.0, 80.0, 1e9], [(100.0, "v000002")], 20, f)
     assert (tmp_path / "a.png").stat().st_size > 1000
+
+
+def test_the_prompt_pool_cuts_several_prompts_per_text_interleaved():
+    from specdistill.train.online.loadgen import prompts_of
+
+    def tokenizer(text):
+        return {"input_ids": [int(w) for w in text.split()]}
+
+    long = " ".join(str(i) for i in range(100, 140))  # 40 ids
+    short = " ".join(str(i) for i in range(10))  # 10 ids: one prompt
+    pool = prompts_of([long, short], tokenizer, prompt_tokens=8, per_text=4)
+    first = list(range(100, 108))
+    assert pool[:2] == [first, list(range(8))]  # every text's first prompt, then the next
+    assert pool[2:] == [list(range(104 + 4 * k, 112 + 4 * k)) for k in range(3)]
+    assert prompts_of([long], tokenizer, 8, 1) == [first]
