@@ -393,7 +393,7 @@ def main(argv=None) -> int:
     p.add_argument(
         "--minutes", type=float, default=25.0, help="budget; the load takes --load-share of it"
     )
-    p.add_argument("--load-share", type=float, default=0.4)
+    p.add_argument("--load-share", type=float, default=0.7)
     p.add_argument(
         "--phase-seconds", default=None, help="code,prose,code seconds (overrides --minutes)"
     )
