@@ -281,7 +281,7 @@ def demo(args) -> dict:
     job_thread.start()
     events: list = []
     try:
-        load = run_load(url, pools, phase_seconds, args, events)
+        load = run_load(url, pools, phase_seconds, args, events, out / "phases.jsonl")
     finally:
         server.stop()
         job.stop_event.set()

@@ -90,9 +90,17 @@ def complete(url: str, body: dict, timeout: float = 120) -> dict:
         return json.loads(response.read())
 
 
-def run_load(url: str, pools: dict, phase_seconds, args, events: list) -> dict:
+def run_load(url: str, pools: dict, phase_seconds, args, events: list, log=None) -> dict:
     """The clients: phase by phase, each client sends prompts one after another (one request
-    at a time per client thread, no retries)."""
+    at a time per client thread, no retries). Each phase's start and the end go to `events`
+    and, as they happen, to the file `log` (one JSON line each), if given."""
+
+    def event(e: dict) -> None:
+        events.append(e)
+        if log is not None:
+            with open(log, "a") as f:
+                f.write(json.dumps(e) + "\n")
+
     served, failures, lock = [], [], threading.Lock()
     counter = {"n": 0}
 
@@ -118,9 +126,7 @@ def run_load(url: str, pools: dict, phase_seconds, args, events: list) -> dict:
                     failures.append(repr(e)[:300])
 
     for phase, (category, seconds) in enumerate(zip(PHASES, phase_seconds, strict=True)):
-        events.append(
-            {"event": "phase", "phase": phase + 1, "domain": category, "time": time.time()}
-        )
+        event({"event": "phase", "phase": phase + 1, "domain": category, "time": time.time()})
         print(f"online demo: phase {phase + 1}: {category} traffic for {seconds:.0f} s", flush=True)
         deadline = time.monotonic() + seconds
         threads = [
@@ -131,5 +137,5 @@ def run_load(url: str, pools: dict, phase_seconds, args, events: list) -> dict:
             t.start()
         for t in threads:
             t.join()
-    events.append({"event": "end", "time": time.time()})
+    event({"event": "end", "time": time.time()})
     return {"served": served, "failures": failures}
