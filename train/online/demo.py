@@ -1,6 +1,6 @@
 """`specdistill online demo`: serve, shift the traffic's domain, learn from it, compare with OSD.
 
-    specdistill online demo --out runs/demo                 # bounded: about 25 minutes, 2 cores
+    specdistill online demo --out runs/demo                 # --minutes 25: the load takes 0.7 of it
     specdistill online demo --out runs/demo --minutes 9     # a quick run
 
 Before the load, with `--shift target` (the default): the served target is `--target` with a
