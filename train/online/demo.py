@@ -25,8 +25,10 @@ always, forward KL) runs one pass over the same DIR/traffic (OUT = DIR/osd), and
 (teacher-forced, temperature 1, the gate's `sequence_alpha`) of the initial draft, of the
 final `current` of each policy is measured on held-out code and prose that no request used.
 
-Writes DIR/summary.json and DIR/served_alpha.png (served α over time, the shifts and each
-promotion marked). Served α = accepted / drafted tokens of the traffic records.
+Writes DIR/summary.json (with the windows around the shift: train/online/demo_report.py),
+DIR/served_alpha.png (served α over time, the shifts, each promotion and the windows marked)
+and DIR/phases.jsonl (each phase's start, as it begins). Served α: eval.stats.alpha_from_counts
+over the traffic records' speculative counters.
 """
 
 import argparse
