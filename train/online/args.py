@@ -41,7 +41,7 @@ def demo_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--minutes", type=float, default=25.0, help="budget; the load takes --load-share of it"
     )
-    p.add_argument("--load-share", type=float, default=0.4, help="the load's share of --minutes")
+    p.add_argument("--load-share", type=float, default=0.7, help="the load's share of --minutes")
     p.add_argument(
         "--phase-seconds", default=None, help="code,prose,code seconds (overrides --minutes)"
     )
@@ -80,6 +80,19 @@ def demo_parser() -> argparse.ArgumentParser:
     p.add_argument("--eval-tokens", type=int, default=128, help="offline α: tokens each")
     p.add_argument("--max-code-files", type=int, default=None, help="cap the code prompt pool")
     p.add_argument("--plot-window", type=int, default=40, help="records per served-α point")
+    p.add_argument(
+        "--prompts-per-text",
+        type=int,
+        default=4,
+        help="prompts cut from each traffic text (at offsets half a prompt apart)",
+    )
+    p.add_argument(
+        "--window",
+        type=int,
+        default=64,
+        help="records per summary window (before / after the shift, recovery, return)",
+    )
+    p.add_argument("--bootstrap", type=int, default=1000, help="resamples per interval")
     p.add_argument("--threads", type=int, default=2, help="torch intra-op CPU threads")
     p.add_argument("--seed", type=int, default=0, help="the demo's seed")
     return p

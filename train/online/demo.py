@@ -1,6 +1,6 @@
 """`specdistill online demo`: serve, shift the traffic's domain, learn from it, compare with OSD.
 
-    specdistill online demo --out runs/demo                 # bounded: about 25 minutes, 2 cores
+    specdistill online demo --out runs/demo                 # --minutes 25: the load takes 0.7 of it
     specdistill online demo --out runs/demo --minutes 9     # a quick run
 
 Before the load, with `--shift target` (the default): the served target is `--target` with a
@@ -25,8 +25,10 @@ always, forward KL) runs one pass over the same DIR/traffic (OUT = DIR/osd), and
 (teacher-forced, temperature 1, the gate's `sequence_alpha`) of the initial draft, of the
 final `current` of each policy is measured on held-out code and prose that no request used.
 
-Writes DIR/summary.json and DIR/served_alpha.png (served α over time, the shifts and each
-promotion marked). Served α = accepted / drafted tokens of the traffic records.
+Writes DIR/summary.json (with the windows around the shift: train/online/demo_report.py),
+DIR/served_alpha.png (served α over time, the shifts, each promotion and the windows marked)
+and DIR/phases.jsonl (each phase's start, as it begins). Served α: eval.stats.alpha_from_counts
+over the traffic records' speculative counters.
 """
 
 import codecs
@@ -38,12 +40,17 @@ from pathlib import Path
 import numpy as np
 
 from specdistill.train.online.args import demo_parser
-from specdistill.train.online.demo_report import phase_of, plot, served_alpha
+from specdistill.train.online.demo_report import (
+    Bootstrap,
+    phase_means,
+    plot,
+    shift_figures,
+)
 from specdistill.train.online.loadgen import (
     FRACTIONS,
     PHASES,
     code_texts,
-    prompt_of,
+    prompts_of,
     prose_texts,
     run_load,
     split_pools,
@@ -233,9 +240,13 @@ def demo(args) -> dict:
     tok = job.tokenizer
     prose_traffic, prose_eval = split_pools(prose_texts(args.shift == "target"), args.seed)
     pools = {
-        "code": [prompt_of(t, tok, args.prompt_tokens) for t in code_traffic],
-        "prose": [prompt_of(t, tok, args.prompt_tokens) for t in prose_traffic],
+        "code": prompts_of(code_traffic, tok, args.prompt_tokens, args.prompts_per_text),
+        "prose": prompts_of(prose_traffic, tok, args.prompt_tokens, args.prompts_per_text),
     }
+    print(
+        f"online demo: prompt pools: {len(pools['code'])} code, {len(pools['prose'])} prose",
+        flush=True,
+    )
     evals = {
         "code": eval_items(
             code_eval, tok, "code", args.eval_sequences, args.prompt_tokens, args.eval_tokens
@@ -272,7 +283,7 @@ def demo(args) -> dict:
     job_thread.start()
     events: list = []
     try:
-        load = run_load(url, pools, phase_seconds, args, events)
+        load = run_load(url, pools, phase_seconds, args, events, out / "phases.jsonl")
     finally:
         server.stop()
         job.stop_event.set()
@@ -289,13 +300,10 @@ def demo(args) -> dict:
         else []
     )
     promoted = [(d["time"], d["version"]) for d in decisions if d["decision"] == "promoted"]
-    by_phase = {p: [r for r in records if phase_of(r, starts) == p] for p in (1, 2, 3)}
-    shift_versions = {v for t, v in promoted if t >= starts[1]}
-    phase2_old = [r for r in by_phase[2] if r["draft_version"] not in shift_versions]
-    phase2_new = [r for r in by_phase[2] if r["draft_version"] in shift_versions]
-    per_version = {}
-    for r in records:
-        per_version.setdefault(r["draft_version"], []).append(r)
+    boot = Bootstrap(args.bootstrap, 0.95, args.seed)
+    figures = shift_figures(
+        records, starts, promoted, [d["time"] for d in decisions], args.window, boot
+    )
 
     final = job.load_version(job.incumbent()[0])
     alpha_final = offline_alpha(job, final, evals)
@@ -310,25 +318,28 @@ def demo(args) -> dict:
     alpha_osd = offline_alpha(job, osd_final, evals)
 
     rollbacks_file = out / "drafts" / "rollbacks.jsonl"
-    plot(out / "served_alpha.png", records, starts, promoted, args.plot_window)
+    plot(out / "served_alpha.png", records, starts, promoted, args.plot_window, figures)
     served = load["served"]
     summary = {
-        "alpha_before_shift": served_alpha(by_phase[1]),
-        "alpha_after_shift": served_alpha(phase2_old),
-        "alpha_after_refresh": served_alpha(phase2_new),
-        "alpha_original_domain_after": served_alpha(by_phase[3]),
-        "served_alpha_by_phase": {
-            f"{p}_{PHASES[p - 1]}": {"alpha": served_alpha(rs), "records": len(rs)}
-            for p, rs in by_phase.items()
-        },
-        "served_alpha_by_version": {
-            v: {"alpha": served_alpha(rs), "records": len(rs)}
-            for v, rs in sorted(per_version.items())
-        },
+        "alpha_before_shift": figures.before_shift.alpha,
+        "alpha_after_shift": figures.after_shift.alpha,
+        "drop_at_shift": figures.drop.delta,
+        "drop_interval": figures.drop.interval,
+        "recovery_records": figures.recovery.records,
+        "recovery_seconds": figures.recovery.seconds,
+        "recovery_refreshes": figures.recovery.refreshes_after_first_promotion,
+        "alpha_original_domain_after": figures.after_return.alpha,
+        "original_domain_change": figures.original_domain_change.delta,
+        "windows": figures.as_dict(),
+        **phase_means(records, starts, promoted),
         "offline_alpha": {"initial": alpha_initial, "final": alpha_final},
         "records_seen": specdistill_summary["records_seen"],
         "records_trained": specdistill_summary["records_trained"],
         "records_rejected": specdistill_summary["records_rejected"],
+        "records_accepted": specdistill_summary["records_accepted"],
+        "duplicates": specdistill_summary["duplicates"],
+        "over_prompt_cap": specdistill_summary["over_prompt_cap"],
+        "prompt_pool": {k: len(v) for k, v in pools.items()},
         "refreshes": specdistill_summary["refreshes"],
         "promotions": specdistill_summary["promotions"],
         "rollbacks": len(rollbacks_file.read_text().splitlines()) if rollbacks_file.exists() else 0,
@@ -384,9 +395,18 @@ def main(argv=None) -> int:
     keys = (
         "alpha_before_shift",
         "alpha_after_shift",
-        "alpha_after_refresh",
+        "drop_at_shift",
+        "drop_interval",
+        "recovery_records",
+        "recovery_seconds",
+        "recovery_refreshes",
         "alpha_original_domain_after",
+        "original_domain_change",
+        "alpha_after_refresh",
         "records_seen",
+        "records_accepted",
+        "duplicates",
+        "over_prompt_cap",
         "records_trained",
         "records_rejected",
         "promotions",

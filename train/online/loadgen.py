@@ -59,8 +59,21 @@ def split_pools(texts: list[str], seed: int) -> tuple[list[str], list[str]]:
     return [t for i, t in enumerate(texts) if i % 3], texts[::3]
 
 
-def prompt_of(text: str, tokenizer, prompt_tokens: int) -> list[int]:
-    return tokenizer(text)["input_ids"][:prompt_tokens]
+def prompts_of(texts: list[str], tokenizer, prompt_tokens: int, per_text: int) -> list[list[int]]:
+    """Up to `per_text` prompts of `prompt_tokens` ids from each text, cut at offsets
+    `prompt_tokens` // 2 apart (each leaves at least a quarter prompt of the text after it
+    for the target to continue), interleaved: every text's first prompt, then every text's
+    second, so a client cycling through the pool meets each text once before any again."""
+    stride = max(1, prompt_tokens // 2)
+    rounds: list[list[list[int]]] = [[] for _ in range(max(1, per_text))]
+    for text in texts:
+        ids = tokenizer(text)["input_ids"]
+        for k in range(len(rounds)):
+            start = k * stride
+            if k and start + prompt_tokens + prompt_tokens // 4 > len(ids):
+                break
+            rounds[k].append(ids[start : start + prompt_tokens])
+    return [p for r in rounds for p in r if p]
 
 
 # ------------------------------------------------------------------------------ load
@@ -77,9 +90,17 @@ def complete(url: str, body: dict, timeout: float = 120) -> dict:
         return json.loads(response.read())
 
 
-def run_load(url: str, pools: dict, phase_seconds, args, events: list) -> dict:
+def run_load(url: str, pools: dict, phase_seconds, args, events: list, log=None) -> dict:
     """The clients: phase by phase, each client sends prompts one after another (one request
-    at a time per client thread, no retries)."""
+    at a time per client thread, no retries). Each phase's start and the end go to `events`
+    and, as they happen, to the file `log` (one JSON line each), if given."""
+
+    def event(e: dict) -> None:
+        events.append(e)
+        if log is not None:
+            with open(log, "a") as f:
+                f.write(json.dumps(e) + "\n")
+
     served, failures, lock = [], [], threading.Lock()
     counter = {"n": 0}
 
@@ -105,9 +126,7 @@ def run_load(url: str, pools: dict, phase_seconds, args, events: list) -> dict:
                     failures.append(repr(e)[:300])
 
     for phase, (category, seconds) in enumerate(zip(PHASES, phase_seconds, strict=True)):
-        events.append(
-            {"event": "phase", "phase": phase + 1, "domain": category, "time": time.time()}
-        )
+        event({"event": "phase", "phase": phase + 1, "domain": category, "time": time.time()})
         print(f"online demo: phase {phase + 1}: {category} traffic for {seconds:.0f} s", flush=True)
         deadline = time.monotonic() + seconds
         threads = [
@@ -118,5 +137,5 @@ def run_load(url: str, pools: dict, phase_seconds, args, events: list) -> dict:
             t.start()
         for t in threads:
             t.join()
-    events.append({"event": "end", "time": time.time()})
+    event({"event": "end", "time": time.time()})
     return {"served": served, "failures": failures}

@@ -66,9 +66,18 @@ def test_the_job_trains_repeats_of_a_prompt_up_to_online_max_per_prompt(
     repeats = [  # one popular prompt, sampled 6 times with other completions, and 2 exact repeats
         dict(hot, id=f"hot-{k}", completion_token_ids=[k + 10, k + 11, k + 12]) for k in range(6)
     ] + [dict(hot, id="hot-again"), dict(pool[2], id="again")]
-    write_shard(tmp_path / "traffic", 1, pool[:40] + repeats)
+    # the repeats before the last 20 records, so that they are trained, not held out
+    write_shard(tmp_path / "traffic", 1, pool[:20] + repeats + pool[20:40])
     recipe = online_recipe(tiny_pair, tmp_path, min_gain=-1.0, max_per_prompt=3)
-    summary = OnlineJob(recipe, print=lambda *a, **k: None).run()
+    job = OnlineJob(recipe, print=lambda *a, **k: None)
+    summary = job.run()
     assert summary["duplicates"] == 2  # exact repeats, never trained
     assert summary["over_prompt_cap"] == 4  # hot held once + 6 others: 2 kept, 4 over the cap
     assert summary["records_accepted"] == 40 + 2
+    hot_ids = {hot["id"], "hot-again", *(f"hot-{k}" for k in range(6))}
+    assert hot_ids & set(job.trained_ids) == {hot["id"], "hot-0", "hot-1"}
+    assert "again" not in job.trained_ids
+    # the counts by reason are in the job's metrics, with every refresh
+    metrics = [json.loads(x) for x in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
+    counts = [m["counts"] for m in metrics if m["kind"] == "refresh"][-1]
+    assert counts["duplicate"] == 2 and counts["prompt_cap"] == 4

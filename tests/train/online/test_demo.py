@@ -27,6 +27,9 @@ def test_demo_runs_serves_learns_and_reports(tiny_pair, tmp_path, monkeypatch):
         "alpha_before_shift", "alpha_after_shift", "alpha_after_refresh",
         "alpha_original_domain_after", "records_seen", "records_trained",
         "records_rejected", "promotions", "rollbacks", "failed_requests",
+        "drop_at_shift", "drop_interval", "recovery_records", "recovery_seconds",
+        "recovery_refreshes", "original_domain_change", "windows", "duplicates",
+        "over_prompt_cap",
     ):  # fmt: skip
         assert key in summary, key
     assert summary["failed_requests"] == 0, summary["failure_examples"]
@@ -38,6 +41,8 @@ def test_demo_runs_serves_learns_and_reports(tiny_pair, tmp_path, monkeypatch):
         assert all(0 <= a <= 1 for a in summary[policy]["offline_alpha"].values())
     assert 0 < summary["osd"]["records_trained"] <= summary["records_logged"]  # one pass
     assert summary["alpha_before_shift"] is not None
+    assert summary["windows"]["before_shift"]["records"] > 0
+    assert summary["prompt_pool"]["code"] > len(texts)  # several prompts per text
     assert (out / "served_alpha.png").stat().st_size > 1000
     assert (out / "drafts" / "v000001" / "manifest.json").is_file()
     # --shift target: the server and the job ran the fine-tuned target, the draft was fit first
