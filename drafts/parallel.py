@@ -168,6 +168,14 @@ class Parallel:
         blocks = block_logits(draft, ids, attention, self.mask_id, self.steps, self.vocab_size)
         return shifted_depths(blocks, t_logits, target_mask(batch))
 
+    def chains(self, draft, target, batch: dict, starts: list[int], **sampling):
+        """Not for this type: a parallel draft proposes its block in one forward, so the
+        accepted-length objective's sequential chains do not describe how it drafts."""
+        raise UserError(
+            "loss tau (the draft's own chains) is implemented for standalone drafts only; "
+            "for draft.type=parallel use a per-token loss (e.g. lk_lambda), weighted per depth"
+        )
+
     def save(self, draft, out: Path, tokenizer, verifier: str) -> None:
         from specdistill.drafts.acceptance_head import save_attached_head
 

@@ -69,3 +69,17 @@ def test_no_issue_numbers_in_the_readme_or_docs():
         if re.search(r"\bissues? #?\d+", line, re.IGNORECASE)
     ]
     assert not hits, hits
+
+
+def test_no_dates_in_the_readme_or_docs():
+    """Dates belong to benchmarks/RESULTS.md's section headers, once per measurement; the
+    README and docs describe the project as it is."""
+    date = re.compile(r"\b20\d\d-[01]\d-[0-3]\d\b")
+    hits = [
+        f"{doc.relative_to(REPO)}:{number}"
+        for doc in _docs()
+        if doc.name != "RESULTS.md"
+        for number, line in enumerate(doc.read_text().splitlines(), 1)
+        if date.search(line)
+    ]
+    assert not hits, hits

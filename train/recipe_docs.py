@@ -7,6 +7,7 @@ tests/train/test_config.py fails when the committed file differs from `render()`
 """
 
 import sys
+import types
 import typing
 from typing import Annotated, Any, Literal
 
@@ -91,6 +92,8 @@ def type_text(annotation: Any) -> str:
     origin, args = typing.get_origin(annotation), typing.get_args(annotation)
     if origin is Literal:
         return "string"
+    if origin in (typing.Union, types.UnionType):
+        return " or ".join(dict.fromkeys(type_text(arg) for arg in args))
     if origin is list:
         return f"list of {type_text(args[0])}s"
     if origin is dict:
