@@ -29,6 +29,7 @@ DRAFT_TYPE_MEMBERS = {
     "vocab_size",
     "d2t",
     "detect",
+    "chains",
     "build",
     "count_mask",
     "depths",
