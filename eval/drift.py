@@ -235,50 +235,10 @@ def summarise(
 # ----------------------------------------------------------------------------- pipeline
 
 
-def measure(
-    target_before,
-    target_after,
-    draft,
-    tokenizer,
-    prompts,
-    *,
-    temperature: float = 1.0,
-    top_p: float | None = None,
-    top_k: int | None = None,
-    max_new_tokens: int = 64,
-    max_prompt_tokens: int = 512,
-    stop_at_eos: bool = True,
-    batch_size: int = 8,
-    depth: int | None = None,
-    seed: int = 0,
-    threshold: float = 0.02,
-    min_samples: int = 10,
-    bootstrap: int = 1000,
-    confidence: float = 0.95,
-    max_gamma: int = 8,
-) -> tuple[dict, dict]:
-    """(report, responses {"before": [...], "after": [...]}) for `prompts` (eval.prompts)."""
-    report, responses, _ = measure_scores(
-        target_before,
-        target_after,
-        draft,
-        tokenizer,
-        prompts,
-        temperature=temperature,
-        top_p=top_p,
-        top_k=top_k,
-        max_new_tokens=max_new_tokens,
-        max_prompt_tokens=max_prompt_tokens,
-        stop_at_eos=stop_at_eos,
-        batch_size=batch_size,
-        depth=depth,
-        seed=seed,
-        threshold=threshold,
-        min_samples=min_samples,
-        bootstrap=bootstrap,
-        confidence=confidence,
-        max_gamma=max_gamma,
-    )
+def measure(*args, **kwargs) -> tuple[dict, dict]:
+    """(report, responses {"before": [...], "after": [...]}) for `prompts` (eval.prompts);
+    the arguments are `measure_scores`'s."""
+    report, responses, _ = measure_scores(*args, **kwargs)
     return report, responses
 
 

@@ -32,7 +32,7 @@ import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
-from specdistill.verb_parser import quiet_third_party, verb_parser
+from specdistill.verb_parser import quiet_third_party, temperatures, verb_parser
 
 
 def _gammas(text: str) -> list[int | str]:
@@ -46,19 +46,6 @@ def _gammas(text: str) -> list[int | str]:
     if not values or any(v != "auto" and v < 1 for v in values):
         raise argparse.ArgumentTypeError(
             f'needs at least one integer >= 1 or "auto", comma-separated; got {text!r}'
-        )
-    return values
-
-
-def _floats(text: str) -> list[float]:
-    """argparse type: comma-separated finite numbers >= 0, at least one (temperatures)."""
-    try:
-        values = [float(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        values = []
-    if not values or not all(math.isfinite(v) and v >= 0 for v in values):
-        raise argparse.ArgumentTypeError(
-            f"needs at least one number >= 0, comma-separated; got {text!r}"
         )
     return values
 
@@ -139,7 +126,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--adaptive", action="store_true", help="add an adaptive-γ run in [min γ, max γ]"
     )
     parser.add_argument(
-        "--temperature", type=_floats, default="0", help="comma-separated, >= 0; 0 = greedy"
+        "--temperature", type=temperatures, default="0", help="comma-separated, >= 0; 0 = greedy"
     )
     parser.add_argument(
         "--top-p", type=_top_p, default=None, help="in (0, 1], filters the target; 1 = off"

@@ -66,25 +66,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from specdistill.verb_parser import quiet_third_party, verb_parser
+from specdistill.verb_parser import quiet_third_party, temperatures, verb_parser
 
 if TYPE_CHECKING:  # imported when run: it loads numpy and torch
     from specdistill.eval.drift_gate import GateReport
-
-
-def _temperatures(text: str) -> list[float]:
-    """argparse type: comma-separated distinct numbers >= 0, at least one."""
-    try:
-        values = [float(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        values = []
-    if not values or not all(math.isfinite(v) and v >= 0 for v in values):
-        raise argparse.ArgumentTypeError(
-            f"needs at least one number >= 0, comma-separated; got {text!r}"
-        )
-    if len(set(values)) != len(values):
-        raise argparse.ArgumentTypeError(f"a temperature is given twice in {text!r}")
-    return values
 
 
 def _mix(text: str) -> dict[float, float]:
@@ -131,7 +116,7 @@ def build_parser() -> argparse.ArgumentParser:
     served = parser.add_mutually_exclusive_group()
     served.add_argument(
         "--temperature",
-        type=_temperatures,
+        type=temperatures,
         default="1",
         help="serving temperatures, comma-separated (0 = greedy): responses are sampled at "
         "each and the gate judges each",

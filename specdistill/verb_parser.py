@@ -11,6 +11,7 @@ per-run progress bars. Standard library only at import time.
 
 import argparse
 import copy
+import math
 
 __all__ = ["HelpFormatter", "module_doc", "quiet_third_party", "verb_parser"]
 
@@ -79,3 +80,19 @@ def quiet_third_party() -> None:
     hf_logging.disable_progress_bar()  # transformers' bars, and the hub's with them
     if not downloads_hidden:
         enable_progress_bars()  # the hub's download bars only
+
+
+def temperatures(text: str) -> list[float]:
+    """argparse type: comma-separated distinct finite numbers >= 0, at least one
+    (sampling temperatures; 0 = greedy)."""
+    try:
+        values = [float(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        values = []
+    if not values or not all(math.isfinite(v) and v >= 0 for v in values):
+        raise argparse.ArgumentTypeError(
+            f"needs at least one number >= 0, comma-separated; got {text!r}"
+        )
+    if len(set(values)) != len(values):
+        raise argparse.ArgumentTypeError(f"a temperature is given twice in {text!r}")
+    return values
