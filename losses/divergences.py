@@ -164,7 +164,7 @@ def tau(
     target_logp: Tensor,
     *,
     gamma: int | None = None,
-    prefixes: int = 4,
+    prefixes: int = 32,
     estimator: str = "score",
 ) -> Tensor:
     """The accepted-length objective: not a per-position loss, but the one of the draft's

@@ -52,7 +52,7 @@ class Objective:
             sampling = {k: rest[k] for k in ("top_p", "top_k") if k in rest}
             self.sampling = sampling
             self.gamma = own.get("gamma") or max(recipe.eval.speculative.gammas)
-            self.prefixes = own.get("prefixes", 4)
+            self.prefixes = own.get("prefixes", 32)
             self.estimator = own.get("estimator", "score")
         self.seed = seed
 
