@@ -131,17 +131,17 @@ def sample_chains(
     blocks = text.new_zeros(b, 0)
     with torch.no_grad():
         for k in range(gamma - 1):
-            last = _forward(draft, text, blocks, tree, k, hidden=False)[:, -s:, :vocab_size]
+            last = tree_forward(draft, text, blocks, tree, k, hidden=False)[:, -s:, :vocab_size]
             probs = (last.float() / temperature).softmax(-1).reshape(b * s, -1)
             token = torch.multinomial(probs, 1, generator=generator).reshape(b, s)
             blocks = torch.cat([blocks, token], 1)
-        t_out = _forward(target, text, blocks, tree, gamma - 1, hidden)
-    d_out = _forward(draft, text, blocks, tree, gamma - 1, hidden)
+        t_out = tree_forward(target, text, blocks, tree, gamma - 1, hidden)
+    d_out = tree_forward(draft, text, blocks, tree, gamma - 1, hidden)
     if not hidden:
         d_out, t_out = d_out[..., :vocab_size], t_out[..., :vocab_size]
     tokens = blocks.reshape(b, gamma - 1, s).permute(2, 0, 1).reshape(s * b, gamma - 1)
     mask = target_mask(batch)[:, starts_t].T.reshape(-1)
-    return Chains(_by_chain(d_out, gamma, s), _by_chain(t_out, gamma, s), tokens, mask)
+    return Chains(by_chain(d_out, gamma, s), by_chain(t_out, gamma, s), tokens, mask)
 
 
 def check_maskable(model) -> None:
@@ -155,7 +155,7 @@ def check_maskable(model) -> None:
         )
 
 
-def _forward(model, text: Tensor, blocks: Tensor, tree: Tree, n_blocks: int, hidden: bool):
+def tree_forward(model, text: Tensor, blocks: Tensor, tree: Tree, n_blocks: int, hidden: bool):
     """The model's logits (or final hidden states) at the inputs of chain steps 1..n_blocks+1:
     [B, (n_blocks + 1)·S, V or H], step-major."""
     seq = torch.cat([text, blocks], 1)
@@ -180,7 +180,7 @@ def _dtype(model) -> torch.dtype:
     return torch.float32
 
 
-def _by_chain(out: Tensor, gamma: int, s: int) -> Tensor:
+def by_chain(out: Tensor, gamma: int, s: int) -> Tensor:
     """[B, γ·S, X] step-major → [S·B, γ, X] in start order."""
     b = out.shape[0]
     return out.reshape(b, gamma, s, -1).permute(2, 0, 1, 3).reshape(s * b, gamma, -1)

@@ -11,6 +11,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
+from specdistill.drafts.eagle3_chains import sample_head_chains
 from specdistill.drafts.eagle3_head import (
     Eagle3Head,
     FeatureCapture,
@@ -22,7 +23,6 @@ from specdistill.drafts.eagle3_head import (
 from specdistill.drafts.kv_cache import left_pad, left_pad_rows
 from specdistill.drafts.standalone import StandaloneDrafter
 from specdistill.drafts.types import Depths
-from specdistill.errors import UserError
 
 
 class Eagle3:
@@ -101,11 +101,19 @@ class Eagle3:
         return align_depths(logits, t_logits, batch["loss_mask"], batch["attention_mask"])
 
     def chains(self, draft, target, batch: dict, starts: list[int], **sampling):
-        """Not yet: an EAGLE-3 head's chains need the target's features along the draft's own
-        tokens (loss.name=tau trains standalone drafts)."""
-        raise UserError(
-            "loss tau (the draft's own chains) is implemented for standalone drafts only; "
-            "for draft.type=eagle3 use a per-token loss (e.g. lk_lambda)"
+        """The head's own chains from `starts`, scored by the target (drafts/eagle3_chains.py),
+        for loss.name=tau."""
+        _, features = self.target_forward(target, batch)
+        head = getattr(draft, "module", draft)  # the bare head's d2t under a DDP wrapper
+        return sample_head_chains(
+            draft,
+            target,
+            features.to(self.dtype),
+            batch,
+            starts,
+            vocab_size=self.vocab_size,
+            d2t=head.d2t,
+            **sampling,
         )
 
     def save(self, draft, out: Path, tokenizer, verifier: str) -> None:

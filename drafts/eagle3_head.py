@@ -261,9 +261,11 @@ class Eagle3Head(nn.Module):
         *,
         features: Tensor | None = None,
         ttt_steps: int | None = None,
+        next_ids=None,
     ) -> Eagle3Output | list[Tensor]:
         """One drafting forward with a KV cache (the engine's path), or with `ttt_steps`
-        the training-time test: `unroll(features, input_ids, attention_mask, ttt_steps)`.
+        the training-time test: `unroll(features, input_ids, attention_mask, ttt_steps,
+        next_ids)`.
         Training goes through forward so that DDP / FSDP wrappers see the call.
 
         input_ids [B, k]: the tokens after the positions of `hidden_states` [B, k, H]
@@ -273,7 +275,7 @@ class Eagle3Head(nn.Module):
         full_vocab: logits over the target's V (−inf outside V_d) instead of V_d.
         """
         if ttt_steps is not None:
-            return self.unroll(features, input_ids, attention_mask, ttt_steps)
+            return self.unroll(features, input_ids, attention_mask, ttt_steps, next_ids)
         b, n = input_ids.shape
         layer = self.layers[0]
         if position_ids is None:
@@ -304,7 +306,12 @@ class Eagle3Head(nn.Module):
         return Eagle3Output(self._logits(keep, full_vocab), hidden)
 
     def unroll(
-        self, features: Tensor, input_ids: Tensor, attention_mask: Tensor | None, steps: int
+        self,
+        features: Tensor,
+        input_ids: Tensor,
+        attention_mask: Tensor | None,
+        steps: int,
+        next_ids=None,
     ) -> list[Tensor]:
         """Training-time test: `steps` drafting steps for every position at once.
 
@@ -313,6 +320,10 @@ class Eagle3Head(nn.Module):
         chain that starts at position t, k steps in: it predicts token t+k+2 and was fed the
         tokens t+1..t+k+1 (teacher forcing), its own earlier outputs as h, and sits at
         position t+k. Entries whose inputs run past T are garbage; mask them (`depth_masks`).
+
+        `next_ids(step, logits)`, when given, feeds steps ≥ 1 the head's own tokens instead:
+        it gets the previous step's logits [B, T, V_d] and returns [B, T] target-vocabulary
+        ids (the accepted-length objective's chains, drafts/eagle3_chains.py).
         """
         b, t = input_ids.shape
         layer, attn = self.layers[0], self.layers[0].self_attn
@@ -330,7 +341,10 @@ class Eagle3Head(nn.Module):
         chain_k, chain_v = [], []  # steps 1..k: one key / value per chain (diagonal)
         outputs = []
         for step in range(steps):
-            ids = torch.nn.functional.pad(input_ids[:, step + 1 :], (0, step + 1))
+            if step == 0 or next_ids is None:
+                ids = torch.nn.functional.pad(input_ids[:, step + 1 :], (0, step + 1))
+            else:
+                ids = next_ids(step, outputs[-1])
             x, residual = layer.inputs(self.embed_tokens(ids), hidden)
             cos, sin = self.rotary_emb(x, positions + step)
             q, k, v = attn.qkv(x, cos, sin)

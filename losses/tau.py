@@ -47,8 +47,11 @@ def tau_loss(
     top_p: float | None = None,
     top_k: int | None = None,
     estimator: str = "score",
+    d2t: Tensor | None = None,
 ) -> TauSums:
-    """Accepted-length loss of N chains from their logits (module docstring)."""
+    """Accepted-length loss of N chains from their logits (module docstring). With `d2t`
+    (an EAGLE-3 head's map), the draft's logits and `tokens` are over its reduced
+    vocabulary and the target's are compared on those tokens only."""
     _check_sampling(temperature, top_p, top_k)
     rows = _row_mask(mask, draft_logits.shape[:2], draft_logits.device)
     prepared = prepare(
@@ -58,7 +61,7 @@ def tau_loss(
         temperature=temperature,
         top_p=top_p,
         top_k=top_k,
-        d2t=None,
+        d2t=d2t,
         mask_out_of_vocab=False,
     )
     terms = row_terms(prepared.draft_logp, prepared.target_logp, tokens)

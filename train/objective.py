@@ -146,6 +146,7 @@ class Objective:
                     mask,
                     temperature=share.loss_temperature,
                     estimator=self.estimator,
+                    d2t=core.vocab_map(),
                     **sampling,
                 )
             else:

@@ -105,9 +105,9 @@ def _draft_checks(recipe: Recipe, explicit: set[str]) -> list[Check]:
             f"{', '.join(sorted(explicit & EAGLE3_KEYS))} apply to draft.type=eagle3 only",
         ),
         (
-            not _uses_tau(lo) or d.type == "standalone",
-            "loss tau (the draft's own chains) is implemented for standalone drafts only; "
-            f"for draft.type={d.type} use a per-token loss (e.g. lk_lambda)",
+            not _uses_tau(lo) or d.type in ("standalone", "eagle3"),
+            "loss tau (the draft's own chains) is implemented for standalone drafts and "
+            f"EAGLE-3 heads; for draft.type={d.type} use a per-token loss (e.g. lk_lambda)",
         ),
         (
             not _uses_tau(lo) or cache is None,

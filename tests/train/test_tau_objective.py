@@ -9,6 +9,7 @@ import torch
 from specdistill.train.config import RecipeError, load_recipe
 from specdistill.train.temperatures import FixedShares, Share, TrafficShares
 from specdistill.train.trainer import Trainer
+from tests.train.test_eagle3 import sharp_target  # noqa: F401 (a fixture)
 from tests.train.test_trainer import metrics, overrides
 
 
@@ -57,7 +58,7 @@ def test_gamma_defaults_to_the_largest_evaluated_gamma(tiny_pair, tmp_path):
 @pytest.mark.parametrize(
     "extra, words",
     [
-        ({"loss.name": "tau", "draft.type": "eagle3", "draft.model": "null"}, "standalone"),
+        ({"loss.name": "tau", "draft.type": "parallel"}, "standalone drafts and EAGLE-3"),
         ({"loss.name": "tau", "loss.prefixes": 0}, "prefixes must be >= 1"),
         ({"loss.name": "tau", "loss.estimator": "reinforce"}, "estimator"),
         ({"loss.name": "fkl", "loss.gamma": 3}, "takes no parameter 'loss.gamma'"),
@@ -119,3 +120,16 @@ def test_a_temperature_mixture_is_the_weighted_sum_of_its_losses(tiny_pair, tmp_
     assert set(mix["tau_pred"]) == set(report["tau_pred"])
     per = mix["alpha_by_temperature"]
     assert mix["alpha"] == pytest.approx(0.25 * per["0.5"] + 0.75 * per["1"])
+
+
+def test_tau_trains_an_eagle3_head(tiny_pair, sharp_target, tmp_path):  # noqa: F811
+    """loss.name=tau on an EAGLE-3 head: its own chains (reduced vocabulary, d2t) raise α."""
+    from tests.train.test_eagle3 import eagle_overrides
+
+    out = tmp_path / "run"
+    extra = {"train.max_steps": 20, "loss.name": "tau", "loss.gamma": 3, "loss.prefixes": 8}
+    recipe = load_recipe(None, eagle_overrides(tiny_pair, sharp_target, out, **extra))
+    result = Trainer.from_recipe(recipe).run()
+    assert result["alpha"] > result["alpha_before"] + 0.02
+    records = [m for m in metrics(out) if "loss" in m]
+    assert len(records) == 20 and all(0.0 <= m["loss"] <= 1.0 for m in records)
