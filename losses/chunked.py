@@ -123,9 +123,7 @@ def chunked_loss(
     return loss_sum, n_valid, alpha_sum
 
 
-def chunked_rows_loss(
-    hidden: Tensor, weight: Tensor, chunk_size: int, chunk_loss
-) -> Tensor:
+def chunked_rows_loss(hidden: Tensor, weight: Tensor, chunk_size: int, chunk_loss) -> Tensor:
     """Σ_chunks chunk_loss(rows, hidden[rows] @ weight.T) with the memory bound of
     `chunked_loss`: hidden [N, H], weight [V, H]; ``chunk_loss(rows: slice, logits) -> 0-dim``
     (any per-row loss whose weights are fixed beforehand, e.g. losses/tau.py's second pass).
