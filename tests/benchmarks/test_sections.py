@@ -122,3 +122,41 @@ def test_results_flag_refuses_a_recipe_override_as_its_path():
     assert args.results == str(results.RESULTS) and args.overrides == ["a=1"]
     with pytest.raises(SystemExit):
         parser.parse_args(["--results", "train.max_steps=3"])
+
+
+def test_serve_threads_section_holds_the_printed_table(tmp_path):
+    from benchmarks import serve_threads
+
+    rows = {
+        "default": {"startup_s": 46.71, "first_s": 0.694, "latency_s": [0.5, 1.81, 0.73]},
+        "1": {"startup_s": 33.7, "first_s": 1.95, "latency_s": [1.32, 1.96, 2.66, 2.0]},
+    }
+    for row in rows.values():
+        row["tokens"] = 32
+    cells = serve_threads.table(rows)
+    assert cells[0] == ["default", "46.7", "0.69", "0.50 / 0.73 / 1.81", "32"]
+    assert cells[1][3] == "1.32 / 1.98 / 2.66"  # the median of an even count
+    text = _written(serve_threads.results_section("10 requests", cells), tmp_path)
+    assert text.count("<!-- results:serve_threads -->") == 1 and "10 requests." in text
+    assert _table(text) == [serve_threads.HEADER, *cells]
+
+
+def test_serve_load_section_holds_goodput_and_auto_against_the_best_fixed_gamma(tmp_path):
+    from benchmarks import serve_load
+
+    gammas, cells = ["0", "2", "auto"], {}
+    for g, tokens in (("0", 100), ("2", 160), ("auto", 120)):
+        for m in (1, 4):
+            cells[g, m] = serve_load.Cell(g, m, requests=2, tokens=tokens * m, wall_s=1.0)
+    cells["auto", 1].drafted = [1, 0, 3]  # 4 rounds: one target-only, three of 2 drafts
+    header, rows = serve_load.table(cells, gammas, [1, 4])
+    assert header == ["clients", "no draft", "γ=2", "γ=auto", "auto mean γ"] + [
+        "auto target-only",
+        "auto/best fixed",
+        "auto/no draft",
+    ]
+    assert rows[0] == ["1", "100.0", "160.0", "120.0", "1.50", "25%", "0.75 (γ=2)", "1.20"]
+    assert rows[1][:4] == ["4", "400.0", "640.0", "480.0"] and rows[1][4] == "nan"
+    text = _written(serve_load.results_section("goodput.", header, rows), tmp_path)
+    assert text.count("<!-- /results:serve_load -->") == 1
+    assert _table(text) == [header, *rows]
