@@ -22,6 +22,7 @@ Each trained draft then decodes the prompts in the engine's evaluation sweep
 run.
 Prints measured τ, speedup, engine efficiency and offline α per configuration, and writes
 everything to OUT/summary.json. Already trained runs in OUT are reused (--retrain to redo).
+`--results` writes the table into its section of benchmarks/RESULTS.md (benchmarks/results.py).
 """
 
 import argparse
@@ -31,6 +32,7 @@ from pathlib import Path
 import torch
 from accelerate.state import AcceleratorState, GradientState
 
+from benchmarks import results as results_md
 from specdistill.drafts.hub import load_draft, load_model, load_tokenizer
 from specdistill.eval.prompts import encode_prompts, load_prompts
 from specdistill.eval.sweep import Settings, sweep
@@ -66,6 +68,54 @@ def train(kind: str, loss: str, steps: int, out: Path, overrides: list[str], ret
     return run_dir, Trainer.from_recipe(recipe).run()
 
 
+HEADER = [
+    "draft",
+    "loss",
+    "trainable params",
+    "held-out α (T=1)",
+    "config",
+    "α per depth",
+    "τ",
+    "τ pred",
+    "c",
+    "draft share",
+    "speedup",
+    "efficiency",
+]
+
+
+def table(rows: list[tuple]) -> list[list[str]]:
+    """The cells of HEADER: one row per (kind, loss, trainable params, held-out α, sweep
+    config), the config as eval/sweep.py reports it."""
+    cells = []
+    for kind, loss, params, alpha, c in rows:
+        depth = c.get("alpha_offline_depth")
+        per_depth = " ".join(f"{a:.2f}" for a in depth) if depth else f"{c['alpha_offline']:.2f}"
+        cells.append(
+            [
+                kind,
+                loss,
+                f"{params / 1e6:.2f}M",
+                f"{alpha:.3f}",
+                c["name"],
+                per_depth,
+                f"{c['tau']:.2f}",
+                f"{c['tau_pred']:.2f}",
+                f"{c['cost_ratio_c']:.3f}",
+                f"{c['draft_time_share']:.2f}",
+                f"{c['speedup']:.2f}",
+                f"{c['engine_efficiency']:.2f}",
+            ]
+        )
+    return cells
+
+
+def results_section(setting: str, target: str, cells: list[list[str]]) -> results_md.Section:
+    """This run's section of RESULTS.md: the target, the setting and the table `main` prints."""
+    body = f"Target `{target}`; {setting}.\n\n{results_md.markdown_table(HEADER, cells)}\n"
+    return results_md.Section(key="draft_types", title="Draft types at equal steps", body=body)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -84,6 +134,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--retrain", action="store_true")
     parser.add_argument("--out", default="runs/draft_types")
+    results_md.add_argument(parser)
     parser.add_argument("overrides", nargs="*", help="recipe overrides for every run")
     args = parser.parse_args()
     out = Path(args.out)
@@ -121,24 +172,17 @@ def main() -> None:
         }
         for c in evaluation["configs"]:
             rows.append((kind, loss, params, result["alpha"], c))
-    print(
-        f"\n{args.steps} steps each; {len(prompt_ids)} prompts from {args.prompts}, "
+    setting = (
+        f"{args.steps} steps each; {len(prompt_ids)} prompts from {Path(args.prompts).name}, "
         f"{args.max_new_tokens} new tokens; speedup = tokens/s ÷ target-only tokens/s "
         "measured in the same run"
     )
-    print(
-        "| draft | loss | trainable params | held-out α (T=1) | config | α per depth | τ | "
-        "τ pred | c | draft share | speedup | efficiency |"
-    )
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
-    for kind, loss, params, alpha, c in rows:
-        depth = c.get("alpha_offline_depth")
-        per_depth = " ".join(f"{a:.2f}" for a in depth) if depth else f"{c['alpha_offline']:.2f}"
-        print(
-            f"| {kind} | {loss} | {params / 1e6:.2f}M | {alpha:.3f} | {c['name']} | "
-            f"{per_depth} | {c['tau']:.2f} | {c['tau_pred']:.2f} | {c['cost_ratio_c']:.3f} | "
-            f"{c['draft_time_share']:.2f} | {c['speedup']:.2f} | {c['engine_efficiency']:.2f} |"
-        )
+    cells = table(rows)
+    print(f"\n{setting}")
+    print(results_md.markdown_table(HEADER, cells))
+    if args.results:
+        section = results_section(setting, target_name, cells)
+        print(f"wrote {results_md.write(section, args.results)}")
     out.mkdir(parents=True, exist_ok=True)
     (out / "summary.json").write_text(json.dumps(summary, indent=1, default=str))
 

@@ -16,7 +16,8 @@ separate levers. Prints per run, as mean ± std over seeds: held-out α at the r
 temperature and at T=0, predicted τ(γ) (`tau_pred`, round-aware, docs/theory.md §1) and
 *measured* τ(γ) from real speculative decoding at the end of training
 (`eval.speculative`, on `--spec-prompts` held-out prompts), and the ratio of τ against
-off-policy fkl when fkl is among the losses.
+off-policy fkl when fkl is among the losses. `--results` writes that table into its section of
+benchmarks/RESULTS.md (benchmarks/results.py).
 """
 
 import argparse
@@ -26,6 +27,7 @@ from pathlib import Path
 
 from accelerate.state import AcceleratorState, GradientState
 
+from benchmarks import results as results_md
 from specdistill.train.config import load_recipe
 from specdistill.train.trainer import Trainer
 
@@ -101,6 +103,40 @@ def measured_tau(result: dict, gamma: int) -> float | None:
     return spec.get(f"spec/tau_{gamma}")
 
 
+def results_section(
+    summary: dict, first: dict, seeds: list[int], gamma: int, report_only: bool = False
+) -> results_md.Section:
+    """The table `main` prints, as this benchmark's section of RESULTS.md: `summary` maps each
+    run's label to its per-seed values and `*_ratio_vs_fkl`, `first` is the first run's result
+    (its starting point, steps and eval temperature)."""
+    g = gamma
+    header = [
+        "run",
+        f"α T={first['temperature']}",
+        "α T=0",
+        f"τ_pred({g})",
+        f"τ measured({g})",
+        "τ_pred ÷ fkl",
+        "τ measured ÷ fkl",
+    ]
+    rows = []
+    for label, row in summary.items():
+        ratios = [row.get(f"{k}_ratio_vs_fkl") for k in ("tau_pred", "tau_measured")]
+        rows.append(
+            [label]
+            + [fmt(row[k]) for k in ("alpha", "alpha_greedy", "tau_pred", "tau_measured")]
+            + ["-" if r is None else f"{r:.3f}" for r in ratios]
+        )
+    note = " Read back from finished runs: without `--report-only` the command trains them."
+    body = (
+        f"{len(seeds)} seed(s) ({', '.join(map(str, seeds))}), {first['steps']} steps each, "
+        f"mean ± std over seeds; before training: α {first['alpha_before']:.4f}, greedy "
+        f"{first['alpha_greedy_before']:.4f}, τ_pred({g}) {first['tau_pred_before'][g]:.3f}."
+        f"{note if report_only else ''}\n\n{results_md.markdown_table(header, rows)}\n"
+    )
+    return results_md.Section(key="loss_compare", title="Losses at equal steps", body=body)
+
+
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -135,6 +171,7 @@ def main(argv: list[str] | None = None) -> dict:
         help="train nothing: summarise the runs already in --out (seeds run by several "
         "invocations, say)",
     )
+    results_md.add_argument(parser)
     parser.add_argument("overrides", nargs="*", help="recipe overrides, key.sub=value")
     args = parser.parse_args(argv)
     out = Path(args.out)
@@ -219,6 +256,9 @@ def main(argv: list[str] | None = None) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     report = {"seeds": seeds, "gamma": g, "steps": first["steps"], "results": summary}
     (out / "summary.json").write_text(json.dumps(report, indent=1))
+    if args.results:
+        section = results_section(summary, first, seeds, g, args.report_only)
+        print(f"wrote {results_md.write(section, args.results)}")
     return report
 
 

@@ -10,6 +10,7 @@ engine's own drafters and KV streams (the lean CPU forward), greedy drafting; ea
 proposed, verified by one target forward of γ + 1 tokens and rolled back as if nothing was
 accepted, so every round starts from the same cache. The three timings of a round are taken
 back to back and every configuration is repeated, interleaved; medians are printed.
+`--results` writes the table into its section of benchmarks/RESULTS.md (benchmarks/results.py).
 """
 
 import argparse
@@ -19,6 +20,7 @@ import time
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from benchmarks import results as results_md
 from specdistill.drafts.kv_cache import KVStream
 from specdistill.drafts.parallel import ParallelDrafter, add_mask_token
 from specdistill.drafts.standalone import StandaloneDrafter
@@ -61,6 +63,54 @@ def round_times(drafter, target_stream, gamma: int) -> tuple[float, float]:
     return drafted - start, verified - drafted
 
 
+HEADER = [
+    "γ",
+    "standalone draft ms",
+    "parallel draft ms",
+    "parallel / standalone",
+    "verify ms",
+    "standalone draft share",
+    "parallel draft share",
+]
+
+
+def table(times: dict, gammas: list[int]) -> list[list[str]]:
+    """The rows of HEADER from the timings: medians in ms, ratios and draft shares of a round.
+    `times[kind, γ]` is two lists, draft seconds and verify seconds, one entry per repeat."""
+    rows = []
+    for g in gammas:
+        s = statistics.median(times["standalone", g][0]) * 1e3
+        p = statistics.median(times["parallel", g][0]) * 1e3
+        v = statistics.median(times["standalone", g][1] + times["parallel", g][1]) * 1e3
+        rows.append(
+            [
+                str(g),
+                f"{s:.2f}",
+                f"{p:.2f}",
+                f"{p / s:.2f}",
+                f"{v:.2f}",
+                f"{s / (s + v):.2f}",
+                f"{p / (p + v):.2f}",
+            ]
+        )
+    return rows
+
+
+def results_section(rows: list[list[str]], repeats: int, threads: int) -> results_md.Section:
+    """This run's section of RESULTS.md: the setting and the table `main` prints."""
+    setting = (
+        f"Models of the embedded default's shapes with random weights (a 20-layer target, a "
+        f"1-layer draft); batch 1, 128-token prompt, greedy drafting; medians of {repeats} "
+        f"interleaved rounds per configuration, {threads} thread(s), every configuration in "
+        "the same run."
+    )
+    return results_md.Section(
+        key="parallel_cost",
+        title="The drafting cost of a round: parallel against standalone drafts",
+        body=f"{setting}\n\n{results_md.markdown_table(HEADER, rows)}\n",
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -68,6 +118,7 @@ def main() -> None:
     parser.add_argument("--gammas", default="1,2,3,4,6")
     parser.add_argument("--repeats", type=int, default=30)
     parser.add_argument("--threads", type=int, default=1)
+    results_md.add_argument(parser)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     gammas = [int(g) for g in args.gammas.split(",")]
@@ -94,20 +145,12 @@ def main() -> None:
                 draft_s, verify_s = round_times(d, target_stream, g)
                 times[kind, g][0].append(draft_s)
                 times[kind, g][1].append(verify_s)
+    rows = table(times, gammas)
     print(f"median of {args.repeats} rounds, {args.threads} thread(s); ms per round")
-    print(
-        "| γ | standalone draft | parallel draft | parallel / standalone | verify | "
-        "standalone draft share | parallel draft share |"
-    )
-    print("|---|---|---|---|---|---|---|")
-    for g in gammas:
-        s = statistics.median(times["standalone", g][0]) * 1e3
-        p = statistics.median(times["parallel", g][0]) * 1e3
-        v = statistics.median(times["standalone", g][1] + times["parallel", g][1]) * 1e3
-        print(
-            f"| {g} | {s:.2f} | {p:.2f} | {p / s:.2f} | {v:.2f} | {s / (s + v):.2f} | "
-            f"{p / (p + v):.2f} |"
-        )
+    print(results_md.markdown_table(HEADER, rows))
+    if args.results:
+        section = results_section(rows, args.repeats, args.threads)
+        print(f"wrote {results_md.write(section, args.results)}")
 
 
 if __name__ == "__main__":

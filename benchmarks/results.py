@@ -109,13 +109,23 @@ def write(section: Section, path: Path | str = RESULTS) -> Path:
     return path
 
 
+def _markdown_path(text: str) -> str:
+    if not text.endswith(".md"):
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a .md file (a recipe override? put overrides before --results)"
+        )
+    return text
+
+
 def add_argument(parser: argparse.ArgumentParser) -> None:
-    """`--results [PATH]`: write this run's section into PATH (default benchmarks/RESULTS.md)."""
+    """`--results [PATH]`: write this run's section into PATH (default benchmarks/RESULTS.md).
+    PATH must end in .md, so that `--results key=value` does not take a recipe override for it."""
     parser.add_argument(
         "--results",
         nargs="?",
         const=str(RESULTS),
         default=None,
+        type=_markdown_path,
         metavar="PATH",
         help="replace (or append) this benchmark's section of RESULTS.md "
         "(default path: benchmarks/RESULTS.md)",

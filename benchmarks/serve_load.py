@@ -21,7 +21,8 @@ draft (when those servers are in the run); the auto server's mean predicted vs r
 acceptance (its /metrics: how well the length policy's predictions are calibrated); then the
 checks: failures (must be 0) and traffic records logged (must equal requests served) per
 server. Exit status 1 when a check fails.
-`--json PATH` also writes every cell.
+`--json PATH` also writes every cell; `--results` writes the table into its section of
+benchmarks/RESULTS.md (benchmarks/results.py).
 """
 
 import argparse
@@ -32,6 +33,7 @@ import threading
 import time
 from dataclasses import asdict, dataclass, field
 
+from benchmarks import results as results_md
 from specdistill.eval.prompts import encode_prompts, load_prompts
 from specdistill.serve.server import Server
 from specdistill.serve.traffic import read_traffic
@@ -150,15 +152,18 @@ def ratio(a: float, b: float | None) -> str:
     return "-" if b is None or not b or b != b else f"{a / b:.2f}"
 
 
-def report(args, cells: dict[tuple[str, int], Cell], gammas: list[str]) -> None:
+def table(
+    cells: dict[tuple[str, int], Cell], gammas: list[str], concurrency: list[int]
+) -> tuple[list[str], list[list[str]]]:
+    """The printed table: one row per concurrency, each server's goodput (tokens/s), and for
+    auto its mean drafted length, share of target-only row-rounds and ratios."""
     fixed = [g for g in gammas if g not in ("0", "auto")]
     names = {g: ("no draft" if g == "0" else f"γ={g}") for g in gammas}
     header = ["clients", *(names[g] for g in gammas)]
     if "auto" in gammas:
         header += ["auto mean γ", "auto target-only", "auto/best fixed", "auto/no draft"]
-    print(" | ".join(header))
-    print(" | ".join("---" for _ in header))
-    for m in args.concurrency:
+    rows = []
+    for m in concurrency:
         row = [str(m)] + [f"{cells[g, m].tokens_per_s:.1f}" for g in gammas]
         if "auto" in gammas:
             auto = cells["auto", m]
@@ -175,7 +180,17 @@ def report(args, cells: dict[tuple[str, int], Cell], gammas: list[str]) -> None:
                 ratio(auto.tokens_per_s, best) + (f" (γ={best_name})" if best_name else ""),
                 ratio(auto.tokens_per_s, plain),
             ]
-        print(" | ".join(row))
+        rows.append(row)
+    return header, rows
+
+
+def results_section(setting: str, header: list[str], rows: list[list[str]]) -> results_md.Section:
+    """This run's section of RESULTS.md: the setting and the table `main` prints."""
+    return results_md.Section(
+        key="serve_load",
+        title="`specdistill serve` goodput under load",
+        body=f"{setting}\n\n{results_md.markdown_table(header, rows)}\n",
+    )
 
 
 def main(argv=None) -> int:
@@ -201,6 +216,7 @@ def main(argv=None) -> int:
     parser.add_argument("--device", default=None)
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
     parser.add_argument("--json", default=None, help="also write the cells here")
+    results_md.add_argument(parser)
     args = parser.parse_args(argv)
     gammas = [g.strip() for g in args.gammas.split(",") if g.strip()]
     for g in gammas:
@@ -239,19 +255,21 @@ def main(argv=None) -> int:
     finally:
         for s in servers.values():
             s.server.stop()
-    print(
+    setting = (
         f"goodput (completion tokens/s): target {args.target}, draft {args.draft}, "
         f"{args.requests_per_client} requests per client x {args.repeats} pass(es), "
         f"max_tokens {args.max_tokens}, temperature {args.temperature}, max batch "
-        f"{args.max_batch}, threads {args.threads or 'default'}; {total:.0f} s loaded"
+        f"{args.max_batch}, threads {args.threads or 'default'}; {total:.0f} s loaded."
     )
-    report(args, cells, gammas)
     if calibration is not None:
         predicted, realised = calibration
-        print(
-            f"auto: mean predicted acceptance {predicted:.3f} vs realised {realised:.3f} "
-            "(the drafts verification reached; /metrics)"
+        setting += (
+            f" auto: mean predicted acceptance {predicted:.3f} vs realised {realised:.3f} "
+            "(the drafts verification reached; /metrics)."
         )
+    header, rows = table(cells, gammas, args.concurrency)
+    print(setting)
+    print(results_md.markdown_table(header, rows))
     ok = True
     for g, s in servers.items():
         failures = [f for m in args.concurrency for f in cells[g, m].failures]
@@ -265,6 +283,10 @@ def main(argv=None) -> int:
         with open(args.json, "w") as f:
             json.dump([asdict(c) | {"tokens_per_s": c.tokens_per_s} for c in cells.values()], f)
     print("checks:", "ok" if ok else "FAILED")
+    if args.results and ok:
+        print(f"wrote {results_md.write(results_section(setting, header, rows), args.results)}")
+    elif args.results:
+        print(f"{args.results} not written: a check failed")
     return 0 if ok else 1
 
 

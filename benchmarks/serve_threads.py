@@ -17,7 +17,8 @@ once): the timing of a decoding step does not depend on the weights, and it need
 build. With it the draft defaults to none (a random draft would accept nothing).
 
 Printed: a markdown table, one row per setting: start-up s, first request s, the requests'
-latency min / median / max s, and the completion tokens per request.
+latency min / median / max s, and the completion tokens per request. `--results` writes it
+into its section of benchmarks/RESULTS.md (benchmarks/results.py).
 """
 
 import argparse
@@ -34,6 +35,38 @@ import time
 from pathlib import Path
 
 import httpx
+
+from benchmarks import results as results_md
+
+HEADER = ["--threads", "start-up s", "first request s", "latency min / median / max s", "tokens"]
+
+
+def table(rows: dict) -> list[list[str]]:
+    """The cells of HEADER, one row per `--threads` setting of `rows` (`startup_s`,
+    `first_s`, `latency_s`: every request's seconds, `tokens`)."""
+    cells = []
+    for threads, r in rows.items():
+        lat = r["latency_s"]
+        spread = f"{min(lat):.2f} / {statistics.median(lat):.2f} / {max(lat):.2f}"
+        cells.append(
+            [
+                str(threads),
+                f"{r['startup_s']:.1f}",
+                f"{r['first_s']:.2f}",
+                spread,
+                str(r["tokens"]),
+            ]
+        )
+    return cells
+
+
+def results_section(setting: str, cells: list[list[str]]) -> results_md.Section:
+    """This run's section of RESULTS.md: the setting and the table `main` prints."""
+    return results_md.Section(
+        key="serve_threads",
+        title="`specdistill serve` latency by `--threads`",
+        body=f"{setting}.\n\n{results_md.markdown_table(HEADER, cells)}\n",
+    )
 
 
 def _burn(kind: str) -> None:
@@ -135,6 +168,7 @@ def main(argv=None) -> int:
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--prompt", default="def fibonacci(n):\n")
     parser.add_argument("--json", default=None, help="also write the measurements here")
+    results_md.add_argument(parser)
     args = parser.parse_args(argv)
     tmp = Path(tempfile.mkdtemp(prefix="serve_threads-"))
     target = args.target
@@ -168,20 +202,18 @@ def main(argv=None) -> int:
             process.wait(timeout=60)
         for b in burners:
             b.terminate()
-    print(
+    setting = (
         f"{args.requests} identical greedy requests of {args.max_tokens} tokens, {args.burn} "
         f"{args.burner} process(es) meanwhile, {os.cpu_count()} cores; "
         f"target {args.untrained_like or target}"
     )
+    print(setting)
+    cells = table(rows)
     print()
-    print("| --threads | start-up s | first request s | latency min / median / max s | tokens |")
-    print("|---|---|---|---|---|")
-    for threads, r in rows.items():
-        lat = r["latency_s"]
-        print(
-            f"| {threads} | {r['startup_s']:.1f} | {r['first_s']:.2f} | {min(lat):.2f} / "
-            f"{statistics.median(lat):.2f} / {max(lat):.2f} | {r['tokens']} |"
-        )
+    print(results_md.markdown_table(HEADER, cells))
+    if args.results:
+        section = results_section(setting, cells)
+        print(f"wrote {results_md.write(section, args.results)}")
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=2))
     shutil.rmtree(tmp, ignore_errors=True)

@@ -7,7 +7,8 @@ The default pair (recipes/code.yaml) is "code-deep" / "code-deep-draft": the dra
 a small fraction of a target decoding step on a CPU, so speculative decoding pays off as it
 does for real pairs. "code" / "code-draft" (4 layers / 1 layer, where the draft costs a
 larger fraction of a step) is the pair that the studies of docs/quality.md, docs/eagle3.md,
-docs/drift.md, docs/online.md and docs/cache.md ran on; "prose" / "prose-draft" is a pair
+docs/drift.md, docs/online.md and docs/cache.md ran on (their numbers are in
+benchmarks/RESULTS.md, each section naming its pair); "prose" / "prose-draft" is a pair
 whose target never saw code; "tiny" / "tiny-draft" builds in seconds for the tests.
 
 `resolve_model("embedded:code-deep")` builds the model on first use (its build time on a
