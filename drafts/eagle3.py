@@ -116,6 +116,13 @@ class Eagle3:
             **sampling,
         )
 
+    @staticmethod
+    def head_hidden(captured: list[Tensor], draft_logits: list[Tensor]) -> list[Tensor]:
+        """One recorded head call per depth of the training-time test (`align_hidden`)."""
+        from specdistill.drafts.acceptance_head import align_hidden
+
+        return align_hidden(captured, draft_logits)
+
     def save(self, draft, out: Path, tokenizer, verifier: str) -> None:
         from specdistill.drafts.acceptance_head import save_attached_head
 

@@ -176,6 +176,15 @@ class Parallel:
             "for draft.type=parallel use a per-token loss (e.g. lk_lambda), weighted per depth"
         )
 
+    def head_hidden(self, captured: list[Tensor], draft_logits: list[Tensor]) -> list[Tensor]:
+        """The block forward is recorded once, [B, K·T, H]: its K copies, aligned like the
+        depths' logits."""
+        from specdistill.drafts.acceptance_head import align_hidden
+
+        whole = captured[-1]
+        copies = whole.split(whole.shape[1] // self.steps, dim=1)
+        return align_hidden(list(copies), draft_logits)
+
     def save(self, draft, out: Path, tokenizer, verifier: str) -> None:
         from specdistill.drafts.acceptance_head import save_attached_head
 

@@ -64,6 +64,13 @@ class Standalone:
         """The draft's own chains from `starts` (drafts/chains.py), for loss.name=tau."""
         return sample_chains(draft, target, batch, starts, vocab_size=self.vocab_size, **sampling)
 
+    @staticmethod
+    def head_hidden(captured: list[Tensor], draft_logits: list[Tensor]) -> list[Tensor]:
+        """One recorded forward per depth (`acceptance_head.align_hidden`)."""
+        from specdistill.drafts.acceptance_head import align_hidden
+
+        return align_hidden(captured, draft_logits)
+
     def save(self, draft, out: Path, tokenizer, verifier: str) -> None:
         from specdistill.drafts.acceptance_head import save_attached_head
 

@@ -116,6 +116,12 @@ class DraftType(Protocol):
         for the accepted-length loss; a type that cannot sample them raises a UserError."""
         ...
 
+    def head_hidden(self, captured: list[Tensor], draft_logits: list[Tensor]) -> list[Tensor]:
+        """The acceptance head's inputs per depth: the hidden states its recorder caught
+        during `depths` (drafts/acceptance_head.py `HeadInputs`), aligned with the depths'
+        draft logits."""
+        ...
+
     def save(self, draft, out: Path, tokenizer, verifier: str) -> None:
         """Write a trained draft to the directory `out`."""
         ...

@@ -74,7 +74,7 @@ class HeadTraining:
     is the draft's learning-rate factor; `draft` the plain draft module, which carries the
     head (`attach_head`) so that saving the draft saves its head."""
 
-    def __init__(self, recipe, *, accelerator: Accelerator, draft, schedule):
+    def __init__(self, recipe, *, accelerator: Accelerator, draft, schedule, align=align_hidden):
         h, t = recipe.acceptance_head, recipe.train
         self.accelerator = accelerator
         self.weight, self.stop_gradient = h.weight, h.stop_gradient
@@ -82,6 +82,7 @@ class HeadTraining:
         self.top_p = recipe.loss.params.get("top_p")
         self.top_k = recipe.loss.params.get("top_k")
         self.max_grad_norm = t.max_grad_norm
+        self.align = align  # the draft type's `head_hidden`: recorded states -> per depth
         self.head = build_head(recipe, draft).to(accelerator.device).train()
         self.optimizer = torch.optim.AdamW(
             self.head.parameters(),
@@ -99,8 +100,9 @@ class HeadTraining:
 
     def loss(self, recorded: HeadInputs, draft_logits, target_logits, masks, d2t) -> HeadLoss:
         """The head's loss over the depths of one micro-batch (the hidden states recorded
-        during the draft's forward), computed in float32 outside autocast."""
-        hidden = align_hidden(recorded.tensors, draft_logits)
+        during the draft's forward, aligned with the depths by the draft type's
+        `head_hidden`), computed in float32 outside autocast."""
+        hidden = self.align(recorded.tensors, draft_logits)
         device_type = self.accelerator.device.type
         with torch.autocast(device_type=device_type, enabled=False):
             return head_loss(

@@ -73,6 +73,11 @@ def _draft_checks(recipe: Recipe, explicit: set[str]) -> list[Check]:
             "set loss.chunk_size=null",
         ),
         (
+            d.type != "parallel" or lo.chunk_size is None,
+            "loss.chunk_size is not supported for draft.type=parallel (its depths come from "
+            "one forward over the block's copies): set loss.chunk_size=null",
+        ),
+        (
             not eagle or cache is None,
             "target.cache holds the target's top-N probabilities only; an eagle3 head also "
             "needs the target's hidden states at every position, so it trains on the live "
@@ -170,11 +175,6 @@ def _head_checks(recipe: Recipe) -> list[Check]:
     h, t, d = recipe.acceptance_head, recipe.train, recipe.draft
     only = t.only == "acceptance_head"
     return [
-        (
-            not h.enabled or d.type != "parallel",
-            "acceptance_head.enabled with draft.type=parallel is not supported (the head is "
-            "trained on one hidden state per depth and forward): set acceptance_head.enabled=false",
-        ),
         (
             not only or h.enabled,
             "train.only=acceptance_head trains the acceptance head alone: set "

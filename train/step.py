@@ -135,7 +135,11 @@ class DistillStep:
         self.head_training: HeadTraining | None = None
         if r.acceptance_head.enabled:
             self.head_training = HeadTraining(
-                r, accelerator=acc, draft=self.draft_module(), schedule=schedule
+                r,
+                accelerator=acc,
+                draft=self.draft_module(),
+                schedule=schedule,
+                align=kind.head_hidden,
             )
         else:
             loaded = saved_head(r, self.draft_module())

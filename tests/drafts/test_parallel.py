@@ -216,6 +216,15 @@ def test_the_trainer_adapts_a_standalone_draft(tiny_pair, tmp_path):
     assert 0.0 <= result["alpha"] <= 1.0
 
 
+def test_chunked_losses_are_refused_by_name(tiny_pair, tmp_path):
+    from specdistill.train.config import RecipeError, load_recipe
+    from tests.train.test_trainer import overrides
+
+    extra = {"draft.type": "parallel", "loss.chunk_size": 16}
+    with pytest.raises(RecipeError, match="chunk_size is not supported for draft.type=parallel"):
+        load_recipe(None, overrides(tiny_pair, tmp_path, **extra))
+
+
 @torch.no_grad()
 def test_each_proposal_is_the_drafts_own_prediction_through_its_masks(pair):
     """Round after round (with partial acceptance and rollback), the drafter's greedy block
@@ -241,3 +250,25 @@ def test_each_proposal_is_the_drafts_own_prediction_through_its_masks(pair):
             host.append([n, 9, *drafted])
             context += drafted[:n] + [9]
         drafter.commit(4, torch.tensor([2, 0]), host)
+
+
+def test_the_acceptance_heads_inputs_are_each_depths_hidden_states(pair):
+    """`Parallel.head_hidden` splits the block forward's one recording into its copies: the
+    output head on depth k's hidden states gives depth k's logits."""
+    from specdistill.drafts.acceptance_head import HeadInputs
+
+    target, draft = pair
+    kind = Parallel(vocab_size=VOCAB, steps=3, mask_id=mask_token(draft))
+    ids = torch.randint(1, kind.vocab_size, (2, 10), generator=torch.Generator().manual_seed(0))
+    batch = {
+        "input_ids": ids,
+        "attention_mask": torch.ones_like(ids),
+        "loss_mask": torch.ones_like(ids, dtype=torch.bool),
+    }
+    with torch.no_grad(), HeadInputs(draft) as record:
+        d_logits, _, _ = kind.depths(draft, target, batch)
+    hidden = kind.head_hidden(record.tensors, d_logits)
+    assert len(hidden) == 3
+    head = draft.get_output_embeddings()
+    for k in range(3):
+        torch.testing.assert_close(head(hidden[k])[..., : kind.vocab_size], d_logits[k])

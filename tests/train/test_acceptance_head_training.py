@@ -240,3 +240,16 @@ def test_a_lora_draft_is_saved_merged_with_its_head(tiny_pair, tmp_path):
     loaded = load_draft(str(out / "final"))
     assert loaded.acceptance_head is not None
     assert not any("lora" in name for name in weights(out / "final"))
+
+
+def test_a_parallel_draft_trains_its_acceptance_head_at_every_depth(tiny_pair, tmp_path):
+    extra = {"train.max_steps": 3, "draft.type": "parallel", "draft.parallel_depths": 3}
+    plain, head = tmp_path / "plain", tmp_path / "head"
+    for out, more in ((plain, {}), (head, HEAD)):
+        Trainer.from_recipe(load_recipe(None, overrides(tiny_pair, out, **extra, **more))).run()
+    assert_same(weights(plain / "final"), weights(head / "final"))
+    loaded = load_draft(str(head / "final"))
+    assert loaded.acceptance_head.config.hidden_size == loaded.config.hidden_size
+    report = json.loads((head / "eval.json").read_text())["acceptance_head"]
+    assert report["n"] > 0
+    assert all(m["head_loss"] > 0 for m in metrics(head) if "loss" in m)
