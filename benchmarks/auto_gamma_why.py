@@ -1,6 +1,6 @@
-"""Why `--gamma auto` is or is not faster than the best fixed γ: four measurements in one run.
+r"""Why `--gamma auto` is or is not faster than the best fixed γ: four measurements in one run.
 
-    python -m benchmarks.auto_gamma_why --draft runs/code/final --threads 1 \\
+    python -m benchmarks.auto_gamma_why --draft runs/code/final --threads 1 \
         --prompts benchmarks/prompts/HumanEval.jsonl.gz --num-prompts 10 --max-new-tokens 64
 
 (a) The cost model's error. The target alone, each fixed `--gammas` value and `auto` decode

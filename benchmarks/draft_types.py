@@ -1,8 +1,8 @@
-"""Standalone draft vs EAGLE-3 head, each trained with each loss for equal steps, then run
+r"""Standalone draft vs EAGLE-3 head, each trained with each loss for equal steps, then run
 through real speculative decoding on the same prompts.
 
     python -m benchmarks.draft_types                              # embedded target, 4 runs
-    python -m benchmarks.draft_types --losses lk_lambda,fkl --steps 300 --gammas 3,5 \\
+    python -m benchmarks.draft_types --losses lk_lambda,fkl --steps 300 --gammas 3,5 \
         --temperatures 0,1 --prompts benchmarks/prompts/HumanEval.jsonl.gz --num-prompts 40
 
 Standalone runs use recipes/code-4layer.yaml (the pretrained 1-layer embedded draft), head runs

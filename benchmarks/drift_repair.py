@@ -1,7 +1,7 @@
-"""Repair a drifted draft cheaply: refit the old draft vs train from its starting point.
+r"""Repair a drifted draft cheaply: refit the old draft vs train from its starting point.
 
-    python benchmarks/drift_repair.py --adapter runs/drift-demo/adapter \\
-        --train runs/drift-demo/repair_train.jsonl --eval runs/drift-demo/repair_eval.jsonl \\
+    python benchmarks/drift_repair.py --adapter runs/drift-demo/adapter \
+        --train runs/drift-demo/repair_train.jsonl --eval runs/drift-demo/repair_eval.jsonl \
         --out runs/drift-demo/repair-bench
 
 Both runs use recipes/repair.yaml (target = base + the fine-tune's adapter, unmerged; data =

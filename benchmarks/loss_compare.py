@@ -1,9 +1,9 @@
-"""Distil the same draft with each loss at equal steps and compare held-out acceptance.
+r"""Distil the same draft with each loss at equal steps and compare held-out acceptance.
 
     python benchmarks/loss_compare.py                       # embedded pair, recipes/code.yaml
     python benchmarks/loss_compare.py --losses fkl,tv --seeds 0,1,2 --steps 300
     python benchmarks/loss_compare.py --on-policy 0.5 --steps 300        # both levers
-    python benchmarks/loss_compare.py --target Qwen/Qwen2.5-7B-Instruct \\
+    python benchmarks/loss_compare.py --target Qwen/Qwen2.5-7B-Instruct \
         --draft Qwen/Qwen2.5-0.5B-Instruct --data chats.jsonl --steps 500   # your own pair
 
 `tau` is the accepted-length objective on the draft's own chains (docs/theory.md), trained at

@@ -1,9 +1,9 @@
-"""Goodput of `specdistill serve` under load: draft-length settings side by side, in one run.
+r"""Goodput of `specdistill serve` under load: draft-length settings side by side, in one run.
 
     python -m benchmarks.serve_load        # embedded:code-deep + embedded:code-deep-draft
-    python -m benchmarks.serve_load --draft /tmp/base/runs/code/final --threads 1 \\
+    python -m benchmarks.serve_load --draft /tmp/base/runs/code/final --threads 1 \
         --gammas 0,2,3,4,auto --concurrency 1,2,4,8,16 --requests-per-client 2 --max-tokens 32
-    python -m benchmarks.serve_load --target Qwen/Qwen2.5-1.5B --draft Qwen/Qwen2.5-0.5B \\
+    python -m benchmarks.serve_load --target Qwen/Qwen2.5-1.5B --draft Qwen/Qwen2.5-0.5B \
         --device cuda --dtype bfloat16
 
 One server per `--gammas` value (0: the target alone, `--draft none`; N: N drafts per round;

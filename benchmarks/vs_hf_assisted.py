@@ -1,9 +1,9 @@
-"""This engine's speculative decoding against transformers' assisted generation.
+r"""This engine's speculative decoding against transformers' assisted generation.
 
     python -m benchmarks.vs_hf_assisted     # embedded:code-deep + its pretrained draft, HumanEval
     python -m benchmarks.vs_hf_assisted --draft runs/code/final   # the README's distilled draft
     python -m benchmarks.vs_hf_assisted --gamma 4 --temperatures 0,1 --num-prompts 8 --threads 1
-    python -m benchmarks.vs_hf_assisted --target Qwen/Qwen2.5-1.5B --draft Qwen/Qwen2.5-0.5B \\
+    python -m benchmarks.vs_hf_assisted --target Qwen/Qwen2.5-1.5B --draft Qwen/Qwen2.5-0.5B \
         --prompts benchmarks/prompts/spec_bench_questions.jsonl --device cuda --dtype bfloat16
 
 (`-m` from the repository root: run as `python benchmarks/vs_hf_assisted.py`, the folder's
