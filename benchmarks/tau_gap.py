@@ -102,7 +102,8 @@ def table(gaps: dict[str, Gap]) -> str:
     rows = []
     for name, gap in gaps.items():
         length = expected_length(gap)
-        row = [name, f"{length:.3f}", f"{length / expected_length(base):.3f}"]
+        ratio = length / expected_length(base) if expected_length(base) > 0 else float("nan")
+        row = [name, f"{length:.3f}", f"{ratio:.3f}"]
         row += [f"{float(a) / gap.n:.3f}" for a in gap.alpha]
         row += [f"{float(x) / gap.n:.3f}" for x in gap.reach]
         rows.append(row)
