@@ -81,13 +81,28 @@ HEADER = [
     "draft share",
     "speedup",
     "efficiency",
+    "tok/s",
+    "target tok/s",
+    "speedup, pooled target",
 ]
+
+
+def pooled_target(rows: list[tuple]) -> dict[str, float]:
+    """Per temperature, the fastest of the target-only tokens/s this run measured (one per
+    draft's sweep, the least disturbed by other load): a baseline common to all kinds, so
+    that a load spike during one kind's own target-only measurement does not inflate that
+    kind's speedup (it can only understate speedups)."""
+    by_t: dict[str, list[float]] = {}
+    for *_, c in rows:
+        by_t.setdefault(c["name"].split()[0], []).append(c["target_tokens_per_s"])
+    return {t: max(v) for t, v in by_t.items()}
 
 
 def table(rows: list[tuple]) -> list[list[str]]:
     """The cells of HEADER: one row per (kind, loss, trainable params, held-out α, sweep
     config), the config as eval/sweep.py reports it."""
     cells = []
+    pooled = pooled_target(rows)
     for kind, loss, params, alpha, c in rows:
         depth = c.get("alpha_offline_depth")
         per_depth = " ".join(f"{a:.2f}" for a in depth) if depth else f"{c['alpha_offline']:.2f}"
@@ -105,6 +120,9 @@ def table(rows: list[tuple]) -> list[list[str]]:
                 f"{c['draft_time_share']:.2f}",
                 f"{c['speedup']:.2f}",
                 f"{c['engine_efficiency']:.2f}",
+                f"{c['tokens_per_s']:.1f}",
+                f"{c['target_tokens_per_s']:.1f}",
+                f"{c['tokens_per_s'] / pooled[c['name'].split()[0]]:.2f}",
             ]
         )
     return cells

@@ -50,6 +50,8 @@ def _config(name: str, tau: float, depth: list[float] | None = None) -> dict:
         "draft_time_share": 0.2,
         "speedup": 1.5,
         "engine_efficiency": 0.9,
+        "tokens_per_s": 60.0,
+        "target_tokens_per_s": 40.0 if name.startswith("T=0") else 20.0,
     }
 
 
@@ -61,9 +63,18 @@ def test_draft_types_section_holds_the_printed_table(tmp_path):
     cells = draft_types.table(rows)
     assert cells[0] == [
         "standalone", "lk_lambda", "0.72M", "0.637", "T=0 gamma=3", "0.61", "2.50", "2.60",
-        "0.123", "0.20", "1.50", "0.90",
+        "0.123", "0.20", "1.50", "0.90", "60.0", "40.0", "1.50",
     ]  # fmt: skip
     assert cells[1][5] == "0.70 0.55 0.50"  # a head's α per depth, not its mean
+    assert cells[1][-1] == "3.00"  # 60 tok/s over the T=1 rows' fastest target, 20 tok/s
+    slower = (
+        "parallel",
+        "fkl",
+        700_000,
+        0.6,
+        {**_config("T=0 gamma=2", 2.0), "target_tokens_per_s": 10.0},
+    )
+    assert draft_types.table(rows + [slower])[2][-1] == "1.50"  # the T=0 baseline stays 40
     section = draft_types.results_section("10 steps each", "embedded:code", cells)
     text = _written(section, tmp_path)
     assert text.count("<!-- /results:draft_types -->") == 1
