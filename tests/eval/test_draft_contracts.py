@@ -33,6 +33,7 @@ DRAFT_TYPE_MEMBERS = {
     "build",
     "count_mask",
     "depths",
+    "head_hidden",
     "save",
     "vocab_size_of",
     "drafter",
