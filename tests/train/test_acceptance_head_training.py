@@ -168,6 +168,17 @@ def test_recipe_checks(tiny_pair, tmp_path, extra, message):
         load_recipe(None, overrides(tiny_pair, tmp_path / "run", **extra))
 
 
+def assert_trained_beside(plain: Path, head: Path) -> None:
+    """The run with a head left the draft as the run without it did, and saved, calibrated and
+    trained the head (its loss logged at every step)."""
+    assert_same(weights(plain / "final"), weights(head / "final"))
+    loaded = load_draft(str(head / "final"))
+    assert loaded.acceptance_head.config.hidden_size == loaded.config.hidden_size
+    report = json.loads((head / "eval.json").read_text())["acceptance_head"]
+    assert report["n"] > 0
+    assert all(m["head_loss"] > 0 for m in metrics(head) if "loss" in m)
+
+
 def test_an_eagle3_head_trains_its_acceptance_head_at_every_depth(tiny_pair, tmp_path):
     from tests.train.test_eagle3 import eagle_overrides
 
@@ -177,12 +188,7 @@ def test_an_eagle3_head_trains_its_acceptance_head_at_every_depth(tiny_pair, tmp
     for out, more in ((plain, {}), (head, HEAD)):
         recipe = load_recipe(None, eagle_overrides(tiny_pair, target, out, **extra, **more))
         Trainer.from_recipe(recipe).run()
-    assert_same(weights(plain / "final"), weights(head / "final"))
-    loaded = load_draft(str(head / "final"))
-    assert loaded.acceptance_head.config.hidden_size == loaded.config.hidden_size
-    report = json.loads((head / "eval.json").read_text())["acceptance_head"]
-    assert report["n"] > 0
-    assert all(m["head_loss"] > 0 for m in metrics(head) if "loss" in m)
+    assert_trained_beside(plain, head)
 
 
 def test_a_saved_head_stays_attached_untrained_when_the_head_is_off(tiny_pair, tmp_path):
@@ -247,9 +253,4 @@ def test_a_parallel_draft_trains_its_acceptance_head_at_every_depth(tiny_pair, t
     plain, head = tmp_path / "plain", tmp_path / "head"
     for out, more in ((plain, {}), (head, HEAD)):
         Trainer.from_recipe(load_recipe(None, overrides(tiny_pair, out, **extra, **more))).run()
-    assert_same(weights(plain / "final"), weights(head / "final"))
-    loaded = load_draft(str(head / "final"))
-    assert loaded.acceptance_head.config.hidden_size == loaded.config.hidden_size
-    report = json.loads((head / "eval.json").read_text())["acceptance_head"]
-    assert report["n"] > 0
-    assert all(m["head_loss"] > 0 for m in metrics(head) if "loss" in m)
+    assert_trained_beside(plain, head)
