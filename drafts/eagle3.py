@@ -11,6 +11,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
+from specdistill.drafts.acceptance_head import align_hidden
 from specdistill.drafts.eagle3_chains import sample_head_chains
 from specdistill.drafts.eagle3_head import (
     Eagle3Head,
@@ -116,12 +117,7 @@ class Eagle3:
             **sampling,
         )
 
-    @staticmethod
-    def head_hidden(captured: list[Tensor], draft_logits: list[Tensor]) -> list[Tensor]:
-        """One recorded head call per depth of the training-time test (`align_hidden`)."""
-        from specdistill.drafts.acceptance_head import align_hidden
-
-        return align_hidden(captured, draft_logits)
+    head_hidden = staticmethod(align_hidden)  # one recorded head input per depth
 
     def save(self, draft, out: Path, tokenizer, verifier: str) -> None:
         from specdistill.drafts.acceptance_head import save_attached_head

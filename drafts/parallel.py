@@ -172,7 +172,8 @@ class Parallel:
         """Not for this type: a parallel draft proposes its block in one forward, so the
         accepted-length objective's sequential chains do not describe how it drafts."""
         raise UserError(
-            "loss tau (the draft's own chains) is implemented for standalone drafts only; "
+            "loss tau (the draft's own chains) is implemented for standalone drafts and "
+            "EAGLE-3 heads; "
             "for draft.type=parallel use a per-token loss (e.g. lk_lambda), weighted per depth"
         )
 

@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
+from specdistill.drafts.acceptance_head import align_hidden
 from specdistill.drafts.align import shifted_logits, target_mask
 from specdistill.drafts.chains import Chains, sample_chains
 from specdistill.drafts.confidence import acceptance_head, predicted_acceptance
@@ -64,12 +65,7 @@ class Standalone:
         """The draft's own chains from `starts` (drafts/chains.py), for loss.name=tau."""
         return sample_chains(draft, target, batch, starts, vocab_size=self.vocab_size, **sampling)
 
-    @staticmethod
-    def head_hidden(captured: list[Tensor], draft_logits: list[Tensor]) -> list[Tensor]:
-        """One recorded forward per depth (`acceptance_head.align_hidden`)."""
-        from specdistill.drafts.acceptance_head import align_hidden
-
-        return align_hidden(captured, draft_logits)
+    head_hidden = staticmethod(align_hidden)  # one recorded head input per depth
 
     def save(self, draft, out: Path, tokenizer, verifier: str) -> None:
         from specdistill.drafts.acceptance_head import save_attached_head
