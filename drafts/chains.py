@@ -49,6 +49,13 @@ class Tree:
     starts: Tensor  # [S] long, sorted
     attention: Tensor  # [B, length]
 
+    @classmethod
+    def of(cls, starts: list[int], attention: Tensor) -> "Tree":
+        """The tree of a batch's chains from `starts` (any order): its text runs through the
+        last start."""
+        ordered = torch.tensor(sorted(starts), device=attention.device)
+        return cls(ordered, attention[:, : int(ordered[-1]) + 1])
+
     @property
     def length(self) -> int:
         return self.attention.shape[1]
@@ -123,11 +130,9 @@ def sample_chains(
     for model in (draft, target):
         check_maskable(model)
     ids, attention = batch["input_ids"], batch["attention_mask"]
-    starts_t = torch.tensor(sorted(starts), device=ids.device)
-    length = int(starts_t[-1]) + 1
-    tree = Tree(starts_t, attention[:, :length])
-    text = ids[:, :length]
-    b, s = text.shape[0], len(starts_t)
+    tree = Tree.of(starts, attention)
+    text = ids[:, : tree.length]
+    b, s = text.shape[0], len(tree.starts)
     blocks = text.new_zeros(b, 0)
     with torch.no_grad():
         for k in range(gamma - 1):
@@ -140,7 +145,7 @@ def sample_chains(
     if not hidden:
         d_out, t_out = d_out[..., :vocab_size], t_out[..., :vocab_size]
     tokens = blocks.reshape(b, gamma - 1, s).permute(2, 0, 1).reshape(s * b, gamma - 1)
-    mask = target_mask(batch)[:, starts_t].T.reshape(-1)
+    mask = target_mask(batch)[:, tree.starts].T.reshape(-1)
     return Chains(by_chain(d_out, gamma, s), by_chain(t_out, gamma, s), tokens, mask)
 
 

@@ -39,9 +39,9 @@ def sample_head_chains(
         )
     check_maskable(target)
     ids, attention = batch["input_ids"], batch["attention_mask"]
-    starts_t = torch.tensor(sorted(starts), device=ids.device)
-    entries = (starts_t - 1).clamp_min(0)
-    b, s = ids.shape[0], len(starts_t)
+    tree = Tree.of(starts, attention)
+    entries = (tree.starts - 1).clamp_min(0)
+    b, s = ids.shape[0], len(tree.starts)
     sampled: list[Tensor] = []
 
     def sample(step: int, logits: Tensor) -> Tensor:
@@ -60,11 +60,9 @@ def sample_head_chains(
     draft = torch.stack([step[:, entries] for step in logits], 1)  # [B, γ, S, V_d]
     draft = draft.permute(2, 0, 1, 3).reshape(s * b, gamma, -1)
     own = torch.stack([step[:, entries] for step in sampled[: gamma - 1]], 1)  # [B, γ−1, S]
-    length = int(starts_t[-1]) + 1
-    tree = Tree(starts_t, attention[:, :length])
     blocks = (own + d2t[own]).reshape(b, -1)
     with torch.no_grad():
-        t_out = tree_forward(target, ids[:, :length], blocks, tree, gamma - 1, hidden=False)
+        t_out = tree_forward(target, ids[:, : tree.length], blocks, tree, gamma - 1, hidden=False)
     tokens = own.permute(2, 0, 1).reshape(s * b, gamma - 1)
-    mask = (target_mask(batch)[:, starts_t] & (starts_t >= 1)[None]).T.reshape(-1)
+    mask = (target_mask(batch)[:, tree.starts] & (tree.starts >= 1)[None]).T.reshape(-1)
     return Chains(draft, by_chain(t_out[..., :vocab_size], gamma, s), tokens, mask)
