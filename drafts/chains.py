@@ -149,6 +149,13 @@ def sample_chains(
     return Chains(by_chain(d_out, gamma, s), by_chain(t_out, gamma, s), tokens, mask)
 
 
+def prefix_groups(starts: list[int], rows: int) -> Tensor:
+    """The prefix of each chain of `sample_chains` (start-major over the sorted `starts`,
+    rows within a start): [len(starts) · rows] ids, equal for chains that share a row and a
+    start (a start repeated in `starts` draws independent chains from one prefix)."""
+    return (torch.tensor(sorted(starts))[:, None] * rows + torch.arange(rows)[None]).reshape(-1)
+
+
 def check_maskable(model) -> None:
     """A model whose attention takes the tree's 4-D mask, or a UserError naming the fix."""
     config = getattr(getattr(model, "module", model), "config", None)

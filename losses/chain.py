@@ -18,13 +18,15 @@ c_k = (Π_{j<k} r_j) α_k and G_k = Σ_{m>k} c_m (what follows a_k):
     ∇J = E[ Σ_k c_k ∇log α_k + Σ_{k<γ} G_k ∇log r_k + Σ_{k<γ} (G_k − b_k) ∇log q_k(a_k) ],
 
 where b_k, a baseline that does not depend on a_k or later tokens, keeps the estimate
-unbiased: here the mean G_k of the *other* chains of the batch (leave-one-out). Every term is
+unbiased: here the mean G_k of the *other* chains of the batch (leave-one-out), or, where
+several chains share a prefix (`groups`), of the other chains from the same prefix. Every term is
 a per-position log-quantity times a detached weight, so the loss is a weighted per-position
 sum: chunked and direct computations share it (`chain_weights`, `weighted_terms`).
 
 Shapes: N chains of γ positions; ``draft_logp, target_logp: [N, γ, V]`` (log q at the
 serving temperature, unfiltered; log p filtered as the verifier does); ``tokens: [N, γ−1]``;
-``mask: [N]`` bool (True = the chain counts). Imports nothing from the project but
+``mask: [N]`` bool (True = the chain counts); ``groups: [N]`` long, chains with equal ids
+drawn independently from the same prefix. Imports nothing from the project but
 specdistill.errors.
 """
 
@@ -36,6 +38,7 @@ from torch import Tensor
 from specdistill.errors import UserError
 
 ESTIMATORS = ("score", "pathwise")
+BASELINES = ("coefficient", "reward")
 
 
 class RowTerms(NamedTuple):
@@ -82,13 +85,21 @@ def accepted_length(log_r: Tensor, log_alpha: Tensor) -> Tensor:
 
 
 def chain_weights(
-    log_r: Tensor, log_alpha: Tensor, mask: Tensor | None = None, estimator: str = "score"
+    log_r: Tensor,
+    log_alpha: Tensor,
+    mask: Tensor | None = None,
+    estimator: str = "score",
+    groups: Tensor | None = None,
+    baseline: str = "coefficient",
 ) -> ChainWeights:
     """The detached weights of the gradient estimator (module docstring) from the terms'
     values: [N, γ−1], [N, γ], [N] -> `ChainWeights`. The baseline b_k is the mean G_k of
-    the other valid chains (0 when there is no other)."""
+    the other valid chains of the chain's group (`groups` [N]; without it, or in a group with
+    no other valid chain, of the whole batch; 0 when there is no other)."""
     if estimator not in ESTIMATORS:
         raise UserError(f"tau: estimator must be one of {ESTIMATORS}, got {estimator!r}")
+    if baseline not in BASELINES:
+        raise UserError(f"tau: baseline must be one of {BASELINES}, got {baseline!r}")
     with torch.no_grad():
         log_r, log_alpha = log_r.detach(), log_alpha.detach()
         valid = torch.ones_like(log_alpha[:, 0], dtype=torch.bool) if mask is None else mask
@@ -98,10 +109,31 @@ def chain_weights(
         if estimator == "pathwise":
             score = torch.zeros_like(to_go)
         else:
-            n = valid.sum()
-            others = (to_go.sum(0, keepdim=True) - to_go) / (n - 1).clamp_min(1)
-            score = torch.where(valid[:, None], to_go - torch.where(n > 1, others, 0.0), 0.0)
+            # ∇log r_k = −∇log q_k(a_k) where r_k < 1, so a_k's score has the coefficient
+            # G_k·1[r_k = 1] − b_k in all: the baseline estimates that (docs/theory.md)
+            kept = to_go * (log_r == 0) if baseline == "coefficient" else to_go
+            baseline = leave_one_out(kept, valid)
+            if groups is not None:
+                in_group = leave_one_out(kept, valid, groups)
+                baseline = torch.where(torch.isnan(in_group), baseline, in_group)
+            score = torch.where(valid[:, None], to_go - baseline, 0.0)
         return ChainWeights(c, to_go, score, c.sum(-1))
+
+
+def leave_one_out(values: Tensor, valid: Tensor, groups: Tensor | None = None) -> Tensor:
+    """Each row's mean of the *other* valid rows' `values` [N, K]: of the whole batch (0
+    where there is no other), or of its group (`groups` [N]; NaN where there is no other).
+    `values` is 0 on invalid rows."""
+    if groups is None:
+        n = valid.sum()
+        return torch.where(
+            n > 1, (values.sum(0, keepdim=True) - values) / (n - 1).clamp_min(1), 0.0
+        )
+    ids = torch.unique(groups, return_inverse=True)[1]
+    sums = values.new_zeros(int(ids.max()) + 1, values.shape[1]).index_add_(0, ids, values)
+    counts = values.new_zeros(int(ids.max()) + 1).index_add_(0, ids, valid.to(values.dtype))
+    others = (counts[ids] - valid.to(values.dtype))[:, None]
+    return torch.where(others > 0, (sums[ids] - values) / others.clamp_min(1), float("nan"))
 
 
 def weighted_terms(terms: RowTerms, weights: ChainWeights) -> Tensor:
@@ -131,6 +163,7 @@ def tau_objective(
     mask: Tensor | None = None,
     *,
     estimator: str = "score",
+    groups: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Per-chain loss 1 − L/γ with the estimator's gradient, and L (detached): [N] each.
 
@@ -139,7 +172,7 @@ def tau_objective(
     """
     gamma = draft_logp.shape[-2]
     terms = row_terms(draft_logp, target_logp, tokens)
-    weights = chain_weights(terms.log_r, terms.log_alpha, mask, estimator)
+    weights = chain_weights(terms.log_r, terms.log_alpha, mask, estimator, groups)
     surrogate = -weighted_terms(terms, weights) / gamma
     value = 1.0 - weights.length / gamma
     if mask is not None:

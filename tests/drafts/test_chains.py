@@ -4,7 +4,7 @@ position the logits the model gives that chain's own sequence, prefix + chain, r
 import pytest
 import torch
 
-from specdistill.drafts.chains import sample_chains
+from specdistill.drafts.chains import prefix_groups, sample_chains
 from specdistill.errors import UserError
 from tests.helpers import make_model, make_tokenizer
 
@@ -121,3 +121,37 @@ def test_flash_attention_is_refused_by_name(pair):
             )
     finally:
         draft.config._attn_implementation = original
+
+
+def test_chains_from_a_repeated_start_share_their_prefix_and_draw_apart(pair):
+    """A start repeated in `starts` gives independent draws from the same prefix, in the
+    order `prefix_groups` names them (benchmarks/tau_variance.py's several chains per
+    start)."""
+    tok, draft, target = pair
+    vocab = len(tok)
+    batch = _batch(vocab, [12, 12])
+    starts = [3, 3, 3, 7, 7, 7]
+    chains = sample_chains(
+        draft,
+        target,
+        batch,
+        starts,
+        gamma=4,
+        temperature=1.0,
+        vocab_size=vocab,
+        generator=torch.Generator().manual_seed(0),
+    )
+    groups = prefix_groups(starts, 2)
+    assert len(groups) == len(chains.tokens) == 12
+    first = chains.draft[:, 0]  # the teacher-forced position: the prefix's alone
+    for g in groups.unique():
+        members = (groups == g).nonzero()[:, 0]
+        assert len(members) == 3
+        for m in members[1:]:
+            torch.testing.assert_close(first[m], first[members[0]])
+    leaders = torch.stack([first[groups == g][0] for g in groups.unique()])
+    assert torch.cdist(leaders, leaders).fill_diagonal_(1.0).min() > 1e-3  # 4 distinct prefixes
+    # independent draws at T = 1: the chains of a prefix are not all the same chain
+    assert any(
+        len({tuple(t) for t in chains.tokens[groups == g].tolist()}) > 1 for g in groups.unique()
+    )
