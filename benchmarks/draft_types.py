@@ -17,6 +17,14 @@ draft for the same steps (docs/parallel.md):
         --threads 1 --out runs/parallel_bench draft.model=runs/code/final \
         acceptance_head.enabled=false
 
+`--set KIND:KEY=VALUE` overrides one kind's recipe only. All three kinds on the embedded
+default, the EAGLE-3 head fresh on the same target:
+
+    python -m benchmarks.draft_types --kinds standalone,eagle3,parallel \
+        --recipe standalone=code.yaml --losses lk_lambda --steps 100 --gammas 2,3,4,6 \
+        --set standalone:draft.model=runs/code/final --set parallel:draft.model=runs/code/final \
+        target.model=embedded:code-deep acceptance_head.enabled=false
+
 Each trained draft then decodes the prompts in the engine's evaluation sweep
 (eval/sweep.py: greedy and sampled, per γ) against target-only decoding measured in the same
 run.
@@ -45,6 +53,20 @@ RECIPES = {  # one target (the parallel draft's recipe is on embedded:code-deep:
     "eagle3": "code-eagle3.yaml",
     "parallel": "code-parallel.yaml",
 }
+
+
+def kind_overrides(picks: list[str], kinds: list[str]) -> dict[str, list[str]]:
+    """`--set KIND:KEY=VALUE` picks as each kind's own recipe overrides; an unknown kind or a
+    pick without a KEY=VALUE is refused by name."""
+    per_kind: dict[str, list[str]] = {kind: [] for kind in kinds}
+    for pick in picks:
+        kind, sep, override = pick.partition(":")
+        if not sep or "=" not in override:
+            raise SystemExit(f"--set {pick!r}: expected KIND:KEY=VALUE")
+        if kind not in per_kind:
+            raise SystemExit(f"--set {pick!r}: {kind!r} is not one of --kinds {kinds}")
+        per_kind[kind].append(override)
+    return per_kind
 
 
 def train(kind: str, loss: str, steps: int, out: Path, overrides: list[str], retrain: bool):
@@ -153,6 +175,9 @@ def main() -> None:
     parser.add_argument("--retrain", action="store_true")
     parser.add_argument("--out", default="runs/draft_types")
     results_md.add_argument(parser)
+    parser.add_argument(
+        "--set", action="append", default=[], help="KIND:KEY=VALUE, a recipe override for one kind"
+    )
     parser.add_argument("overrides", nargs="*", help="recipe overrides for every run")
     args = parser.parse_args()
     out = Path(args.out)
@@ -161,14 +186,24 @@ def main() -> None:
         kind, _, name = pick.partition("=")
         RECIPES[kind] = name
 
+    per_kind = kind_overrides(args.set, kinds)
+    targets = {
+        kind: load_recipe(
+            REPO / "recipes" / RECIPES[kind], [*args.overrides, *per_kind[kind]]
+        ).target.model
+        for kind in kinds
+    }
+    if len(set(targets.values())) != 1:
+        raise SystemExit(f"the kinds' recipes name different targets {targets}: override one")
+    target_name = targets[kinds[0]]
     trained = {}
     for kind in kinds:
+        overrides = [*args.overrides, *per_kind[kind]]
         for loss in names:
-            trained[kind, loss] = train(kind, loss, args.steps, out, args.overrides, args.retrain)
+            trained[kind, loss] = train(kind, loss, args.steps, out, overrides, args.retrain)
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    target_name = load_recipe(REPO / "recipes" / RECIPES[kinds[0]]).target.model
     tokenizer = load_tokenizer(target_name)
     target = load_model(target_name)
     prompts = load_prompts(args.prompts, limit=args.num_prompts)
