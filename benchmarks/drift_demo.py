@@ -146,8 +146,12 @@ def main(argv=None) -> dict:
                     min_samples=10, bootstrap=1000, batch_size=16)  # fmt: skip
     eval_prompts = load_prompts(eval_file)
     report, responses = drift.measure(before, after, old, tokenizer, eval_prompts, **settings)
+    weight = next(before.parameters())
     report["meta"] = {"draft": args.draft, "target_before": args.base,
-                      "target_after": f"{args.base} + {out / 'adapter'}"}  # fmt: skip
+                      "target_after": f"{args.base} + {out / 'adapter'}",
+                      "prompts": str(eval_file), "max_new_tokens": args.max_new_tokens,
+                      "device": str(weight.device),
+                      "dtype": str(weight.dtype).removeprefix("torch.")}  # fmt: skip
     drift.write(report, out / "drift", eval_prompts, responses, tokenizer)
     print(f"drift measured ({time.time() - t0:.0f}s): α {report['alpha_before']:.4f} -> "
           f"{report['alpha_after']:.4f}, TV {report['target_tv']:.4f}", flush=True)  # fmt: skip
