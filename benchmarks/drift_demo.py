@@ -96,6 +96,20 @@ def default_start(draft: str) -> str | None:
     return ((yaml.safe_load(recipe.read_text()) or {}).get("draft") or {}).get("model")
 
 
+def demo_meta(args, out: Path, eval_file: Path, target) -> dict:
+    """The drift report's `meta` (eval/drift_report.py's DriftMeta) for this demo's run."""
+    weight = next(target.parameters())
+    return {
+        "draft": args.draft,
+        "target_before": args.base,
+        "target_after": f"{args.base} + {out / 'adapter'}",
+        "prompts": str(eval_file),
+        "max_new_tokens": args.max_new_tokens,
+        "device": str(weight.device),
+        "dtype": str(weight.dtype).removeprefix("torch."),
+    }
+
+
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -146,12 +160,7 @@ def main(argv=None) -> dict:
                     min_samples=10, bootstrap=1000, batch_size=16)  # fmt: skip
     eval_prompts = load_prompts(eval_file)
     report, responses = drift.measure(before, after, old, tokenizer, eval_prompts, **settings)
-    weight = next(before.parameters())
-    report["meta"] = {"draft": args.draft, "target_before": args.base,
-                      "target_after": f"{args.base} + {out / 'adapter'}",
-                      "prompts": str(eval_file), "max_new_tokens": args.max_new_tokens,
-                      "device": str(weight.device),
-                      "dtype": str(weight.dtype).removeprefix("torch.")}  # fmt: skip
+    report["meta"] = demo_meta(args, out, eval_file, before)
     drift.write(report, out / "drift", eval_prompts, responses, tokenizer)
     print(f"drift measured ({time.time() - t0:.0f}s): α {report['alpha_before']:.4f} -> "
           f"{report['alpha_after']:.4f}, TV {report['target_tv']:.4f}", flush=True)  # fmt: skip
