@@ -93,6 +93,13 @@ def measure(target, draft, batches, *, gamma, temperature, starts, vocab_size, s
     return gap
 
 
+def held_out_batches(tokenizer, data: str, max_length: int, sequences: int) -> list[dict]:
+    """The first `sequences` packed sequences of `data`'s held-out split, in batches of 8."""
+    _, held = build_datasets(tokenizer, data, data, max_length=max_length, pack=True)
+    items = [held[i] for i in range(min(sequences, len(held)))]
+    return [collate(items[i : i + 8], tokenizer.pad_token_id) for i in range(0, len(items), 8)]
+
+
 def table(gaps: dict[str, Gap]) -> str:
     names = list(gaps)
     base = gaps[names[0]]
@@ -146,9 +153,7 @@ def main(argv=None) -> None:
         torch.set_num_threads(args.threads)
     tokenizer = hub.load_tokenizer(args.target)
     target = hub.load_target(args.target, None).eval()
-    _, held = build_datasets(tokenizer, args.data, args.data, max_length=args.max_length, pack=True)
-    items = [held[i] for i in range(min(args.sequences, len(held)))]
-    batches = [collate(items[i : i + 8], tokenizer.pad_token_id) for i in range(0, len(items), 8)]
+    batches = held_out_batches(tokenizer, args.data, args.max_length, args.sequences)
     gaps = {}
     for spec in args.draft:
         label, _, path = spec.partition("=")
@@ -167,8 +172,9 @@ def main(argv=None) -> None:
     text = table(gaps)
     print(text)
     if args.results:
+        n = sum(len(b["input_ids"]) for b in batches)
         body = (
-            f"Target {args.target}, {len(items)} held-out sequences of {args.data}, "
+            f"Target {args.target}, {n} held-out sequences of {args.data}, "
             f"{args.starts} chain starts per batch of 8, γ = {args.gamma}, "
             f"T = {args.temperature:g}.\n\n{text}\n"
         )

@@ -20,7 +20,7 @@ import time
 import torch
 
 from benchmarks import results
-from specdistill.data.dataset import build_datasets, collate
+from benchmarks.tau_gap import held_out_batches
 from specdistill.drafts import hub
 from specdistill.drafts.chains import prefix_groups, sample_chains
 from specdistill.losses.chain import chain_weights, row_terms, weighted_terms
@@ -69,9 +69,7 @@ def main(argv=None) -> None:
     target = hub.load_target(args.target, None).eval()
     draft = hub.load_draft(args.draft).eval()
     vocab = min(target.config.vocab_size, draft.config.vocab_size)
-    _, held = build_datasets(tokenizer, args.data, args.data, max_length=args.max_length, pack=True)
-    items = [held[i] for i in range(min(args.sequences, len(held)))]
-    batches = [collate(items[i : i + 8], tokenizer.pad_token_id) for i in range(0, len(items), 8)]
+    batches = held_out_batches(tokenizer, args.data, args.max_length, args.sequences)
     rows, first = [], None
     for baseline, per_start in CONFIGS:
         t0, g = time.time(), torch.Generator().manual_seed(0)
@@ -97,7 +95,7 @@ def main(argv=None) -> None:
     print(text)
     if args.results:
         body = (
-            f"Target {args.target}, draft {args.draft}, {len(items)} held-out sequences of "
+            f"Target {args.target}, draft {args.draft}, {args.sequences} held-out sequences of "
             f"{args.data} ({args.max_length} tokens), {args.chains} chains per row, "
             f"γ = {args.gamma}, T = 1, {args.repeats} repeats.\n\n{text}\n"
         )
