@@ -18,9 +18,11 @@ c_k = (Π_{j<k} r_j) α_k and G_k = Σ_{m>k} c_m (what follows a_k):
     ∇J = E[ Σ_k c_k ∇log α_k + Σ_{k<γ} G_k ∇log r_k + Σ_{k<γ} (G_k − b_k) ∇log q_k(a_k) ],
 
 where b_k, a baseline that does not depend on a_k or later tokens, keeps the estimate
-unbiased: here the mean G_k of the *other* chains of the batch (leave-one-out), or, where
-several chains share a prefix (`groups`), of the other chains from the same prefix. Every term is
-a per-position log-quantity times a detached weight, so the loss is a weighted per-position
+unbiased. Where r_k < 1 the pathwise term carries −G_k ∇log q_k(a_k), so a_k's score has
+the coefficient G_k·1[r_k = 1] − b_k in all; b_k is the mean G_k·1[r_k = 1] of the *other*
+chains of the batch (leave-one-out; `baseline="reward"`: their mean G_k), or, where several
+chains share a prefix (`groups`), of the other chains from the same prefix. Every term is a
+per-position log-quantity times a detached weight, so the loss is a weighted per-position
 sum: chunked and direct computations share it (`chain_weights`, `weighted_terms`).
 
 Shapes: N chains of γ positions; ``draft_logp, target_logp: [N, γ, V]`` (log q at the
@@ -93,9 +95,10 @@ def chain_weights(
     baseline: str = "coefficient",
 ) -> ChainWeights:
     """The detached weights of the gradient estimator (module docstring) from the terms'
-    values: [N, γ−1], [N, γ], [N] -> `ChainWeights`. The baseline b_k is the mean G_k of
-    the other valid chains of the chain's group (`groups` [N]; without it, or in a group with
-    no other valid chain, of the whole batch; 0 when there is no other)."""
+    values: [N, γ−1], [N, γ], [N] -> `ChainWeights`. The baseline b_k is the mean of
+    G_k·1[r_k = 1] (`baseline="coefficient"`) or of G_k (`"reward"`) over the other valid
+    chains of the chain's group (`groups` [N]; without it, or in a group with no other valid
+    chain, of the whole batch; 0 when there is no other)."""
     if estimator not in ESTIMATORS:
         raise UserError(f"tau: estimator must be one of {ESTIMATORS}, got {estimator!r}")
     if baseline not in BASELINES:
@@ -112,11 +115,11 @@ def chain_weights(
             # ∇log r_k = −∇log q_k(a_k) where r_k < 1, so a_k's score has the coefficient
             # G_k·1[r_k = 1] − b_k in all: the baseline estimates that (docs/theory.md)
             kept = to_go * (log_r == 0) if baseline == "coefficient" else to_go
-            baseline = leave_one_out(kept, valid)
+            b = leave_one_out(kept, valid)
             if groups is not None:
                 in_group = leave_one_out(kept, valid, groups)
-                baseline = torch.where(torch.isnan(in_group), baseline, in_group)
-            score = torch.where(valid[:, None], to_go - baseline, 0.0)
+                b = torch.where(torch.isnan(in_group), b, in_group)
+            score = torch.where(valid[:, None], to_go - b, 0.0)
         return ChainWeights(c, to_go, score, c.sum(-1))
 
 

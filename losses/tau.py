@@ -4,8 +4,7 @@ chain math of `losses.chain` (docs/theory.md, "The accepted-length objective").
 
 Inputs are N chains of γ positions: ``draft_logits: [N, γ, V]`` (or hidden states and the
 LM head), the target's ``[N, γ, V]`` logits (or hidden states and head), ``tokens: [N, γ−1]``
-the draft's samples at ``temperature``, ``mask: [N]`` and ``groups: [N]`` (chains from the
-same prefix share an id: their leave-one-out baseline stays within the group). Both functions return
+the draft's samples at ``temperature`` and ``mask: [N]``. Both functions return
 `TauSums`: Σ over valid chains of 1 − L/γ (its gradient the estimator's), their number,
 Σ L and Σ α at the chains' first positions (detached, for logs).
 """
@@ -49,7 +48,6 @@ def tau_loss(
     top_k: int | None = None,
     estimator: str = "score",
     d2t: Tensor | None = None,
-    groups: Tensor | None = None,
 ) -> TauSums:
     """Accepted-length loss of N chains from their logits (module docstring). With `d2t`
     (an EAGLE-3 head's map), the draft's logits and `tokens` are over its reduced
@@ -67,7 +65,7 @@ def tau_loss(
         mask_out_of_vocab=False,
     )
     terms = row_terms(prepared.draft_logp, prepared.target_logp, tokens)
-    return _sums(terms, mask, estimator, draft_logits.shape[1], groups)
+    return _sums(terms, mask, estimator, draft_logits.shape[1])
 
 
 def chunked_tau_loss(
@@ -82,7 +80,6 @@ def chunked_tau_loss(
     top_p: float | None = None,
     top_k: int | None = None,
     estimator: str = "score",
-    groups: Tensor | None = None,
 ) -> TauSums:
     """`tau_loss` from hidden states ``[N, γ, H]`` and the LM head ``[V, H]``, with the same
     values and gradients and O(chunk_size × V) extra memory: a no-grad pass over chunks of
@@ -132,7 +129,7 @@ def chunked_tau_loss(
         values = [flat_terms(rows, hidden[rows] @ draft_head_weight.T) for rows in chunks]
     log_alpha, log_r, log_q = (torch.cat(v).reshape(n, gamma) for v in zip(*values, strict=True))
     terms = RowTerms(log_alpha, log_r[:, :-1], log_q[:, :-1])
-    weights = chain_weights(terms.log_r, terms.log_alpha, mask, estimator, groups)
+    weights = chain_weights(terms.log_r, terms.log_alpha, mask, estimator)
     pad = torch.zeros_like(weights.alpha[:, :1])
     w_alpha = weights.alpha.reshape(-1)
     w_r = torch.cat([weights.r, pad], 1).reshape(-1)
@@ -155,8 +152,8 @@ def chunked_tau_loss(
     )
 
 
-def _sums(terms: RowTerms, mask: Tensor | None, estimator: str, gamma: int, groups=None):
-    weights = chain_weights(terms.log_r, terms.log_alpha, mask, estimator, groups)
+def _sums(terms: RowTerms, mask: Tensor | None, estimator: str, gamma: int):
+    weights = chain_weights(terms.log_r, terms.log_alpha, mask, estimator)
     surrogate = -weighted_terms(terms, weights).sum() / gamma
     valid = _valid(mask, weights.length.shape[0], weights.length.device)
     value = (1.0 - weights.length / gamma)[valid].sum()
