@@ -100,6 +100,17 @@ def held_out_batches(tokenizer, data: str, max_length: int, sequences: int) -> l
     return [collate(items[i : i + 8], tokenizer.pad_token_id) for i in range(0, len(items), 8)]
 
 
+def load_target_and_text(args: argparse.Namespace):
+    """The parsed command line's target (eval mode) and its held-out batches; sets
+    `--threads` and quiets third-party logging first."""
+    quiet_third_party()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    tokenizer = hub.load_tokenizer(args.target)
+    target = hub.load_target(args.target, None).eval()
+    return target, held_out_batches(tokenizer, args.data, args.max_length, args.sequences)
+
+
 def table(gaps: dict[str, Gap]) -> str:
     names = list(gaps)
     base = gaps[names[0]]
@@ -148,12 +159,7 @@ def main(argv=None) -> None:
     parser.add_argument("--seed", type=int, default=0)
     results.add_argument(parser)
     args = parser.parse_args(argv)
-    quiet_third_party()
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    tokenizer = hub.load_tokenizer(args.target)
-    target = hub.load_target(args.target, None).eval()
-    batches = held_out_batches(tokenizer, args.data, args.max_length, args.sequences)
+    target, batches = load_target_and_text(args)
     gaps = {}
     for spec in args.draft:
         label, _, path = spec.partition("=")

@@ -20,11 +20,10 @@ import time
 import torch
 
 from benchmarks import results
-from benchmarks.tau_gap import held_out_batches
+from benchmarks.tau_gap import load_target_and_text
 from specdistill.drafts import hub
 from specdistill.drafts.chains import prefix_groups, sample_chains
 from specdistill.losses.chain import chain_weights, row_terms, weighted_terms
-from specdistill.verb_parser import quiet_third_party
 
 CONFIGS = (("reward", 1), ("coefficient", 1), ("reward", 2), ("coefficient", 2))
 
@@ -62,14 +61,9 @@ def main(argv=None) -> None:
     parser.add_argument("--threads", type=int, default=None)
     results.add_argument(parser)
     args = parser.parse_args(argv)
-    quiet_third_party()
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    tokenizer = hub.load_tokenizer(args.target)
-    target = hub.load_target(args.target, None).eval()
+    target, batches = load_target_and_text(args)
     draft = hub.load_draft(args.draft).eval()
     vocab = min(target.config.vocab_size, draft.config.vocab_size)
-    batches = held_out_batches(tokenizer, args.data, args.max_length, args.sequences)
     rows, first = [], None
     for baseline, per_start in CONFIGS:
         t0, g = time.time(), torch.Generator().manual_seed(0)
