@@ -5,7 +5,6 @@ import hashlib
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -14,6 +13,7 @@ import httpx
 import pytest
 
 from specdistill.serve.traffic import read_traffic, validate
+from tests.processes import free_port
 
 KEYS = ("key-one", "key-two")
 PROMPT = "def add(a, b):"
@@ -391,12 +391,6 @@ def test_gone_non_streaming_client_frees_its_row(small):
 
 
 # ----------------------------------------------------------------------------- drain
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_sigterm_drains_and_exits_zero(tiny_pair, tmp_path):

@@ -7,8 +7,6 @@ not run: their configs are only parsed.
 
 import json
 import os
-import socket
-import subprocess
 import sys
 from pathlib import Path
 from types import SimpleNamespace
@@ -23,6 +21,7 @@ from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 from specdistill.train.config import RecipeError, load_recipe
 from specdistill.train.distributed import check_layout, is_sharded, layout
 from specdistill.train.trainer import Trainer
+from tests.processes import free_port, run_bounded
 
 REPO = Path(__file__).parents[2]
 CONFIGS = REPO / "recipes" / "accelerate"
@@ -126,14 +125,6 @@ def tied_draft(tiny_pair, tmp_path_factory):
     return root
 
 
-def free_port() -> int:
-    """A port nothing listens on now (not accelerate's default 29500, which other suites'
-    DDP runs may hold)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run_overrides(tiny_pair, draft, out: Path) -> list[str]:
     target, _, data = tiny_pair
     settings = {
@@ -192,7 +183,7 @@ def test_fsdp2_over_gloo_with_two_processes_trains_as_one_process(tiny_pair, tie
     ]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
     # a hang (a forward that only some processes run) fails here instead of blocking the suite
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    proc = run_bounded(cmd, env=env, timeout=300)
     assert proc.returncode == 0, proc.stderr[-4000:]
     # FSDP2 really ran (accelerate alone would have fallen back to DDP on CPUs) ...
     assert "2 process(es) (FSDP2)" in proc.stdout

@@ -1,6 +1,5 @@
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -11,6 +10,7 @@ from safetensors.torch import load_file
 from specdistill.drafts.hub import TokenizerMismatchError, check_tokenizers, load_tokenizer
 from specdistill.train.config import load_recipe
 from specdistill.train.trainer import Trainer
+from tests.processes import free_port, run_bounded
 
 REPO = Path(__file__).parents[2]
 
@@ -144,13 +144,16 @@ def run_cli(args: list[str], out: Path, processes: int) -> list[dict]:
             str(processes),
             "--num_machines",
             "1",
+            "--main_process_port",
+            str(free_port()),
             "--mixed_precision",
             "no",
             "--dynamo_backend",
             "no",
             str(REPO / "train" / "distill.py"),
         ]
-    proc = subprocess.run(cmd + args, env=env, capture_output=True, text=True, timeout=600)
+    # a hang fails within the bound, with every process's stack, instead of blocking the suite
+    proc = run_bounded(cmd + args, env=env, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return metrics(out)
 
