@@ -13,6 +13,7 @@ head, so saving the draft saves it. With train.only=acceptance_head the draft is
 only the head trains.
 """
 
+import gc
 import math
 from contextlib import nullcontext
 from dataclasses import dataclass, field
@@ -174,6 +175,20 @@ class DistillStep:
     def draft_module(self):
         """The draft as a plain module (unwrapped from DDP / FSDP)."""
         return self.accelerator.unwrap_model(self.draft)
+
+    def release_wrapper(self) -> None:
+        """At the end of a run, before the process group is destroyed: the draft is unwrapped
+        and its DDP wrapper freed. DDP's reducer holds the gloo process group from C++. Were
+        it the last holder, freeing it (with the GIL held) would join gloo's worker threads
+        while one of them may still be freeing a finished collective's tensors, which needs
+        the GIL: the process would hang at exit (about one two-process run in five did).
+        Freed while torch.distributed still holds the group, the reducer only lets go of
+        it; destroying the group then frees it with the GIL released."""
+        if self.frozen or self.draft is self.draft_module():
+            return
+        self.draft = self.draft_module()
+        self.accelerator.free_memory()
+        gc.collect()  # whatever of the wrapper sits in a reference cycle
 
     # ----------------------------------------------------------------------------- step
     def train_step(self, batches: list[dict]) -> StepMetrics:

@@ -339,6 +339,7 @@ class Trainer:
         self.save_final(result, copy_to_best=final_is_best)
         acc.print(after_line(r, self.out, result, before["tau_pred"]))
         self.metrics.finish()
+        self.core.release_wrapper()  # before end_training destroys the process group
         acc.end_training()
         return result
 
