@@ -315,10 +315,9 @@ class Trainer:
         final = self.evaluate()
         self.history.append({"step": self.step, "alpha": final["alpha"]})
         self.metrics.log(eval_record(self.step, final))
-        if r.eval.speculative.every:
-            spec = self.speculative_eval()
-            if spec is not None:
-                final["speculative"] = spec
+        spec = self.speculative_eval() if r.eval.speculative.every else None
+        if spec is not None:
+            final["speculative"] = spec
         result = {
             **final,
             "alpha_before": before["alpha"],
