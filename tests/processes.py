@@ -2,8 +2,7 @@
 hang into a failure showing where every process was.
 
 Multi-process runs (accelerate launch, torchrun) each get their own rendezvous port from
-`free_port`: accelerate's default 29500 may be held by another suite's DDP run on the same
-machine, and a worker that joins somebody else's rendezvous can block instead of failing.
+`free_port`: accelerate's default 29500 may be in use by another run on the same machine.
 """
 
 import os

@@ -181,9 +181,9 @@ class DistillStep:
         and its DDP wrapper freed. DDP's reducer holds the gloo process group from C++. Were
         it the last holder, freeing it (with the GIL held) would join gloo's worker threads
         while one of them may still be freeing a finished collective's tensors, which needs
-        the GIL: the process would hang at exit (about one two-process run in five did).
-        Freed while torch.distributed still holds the group, the reducer only lets go of
-        it; destroying the group then frees it with the GIL released."""
+        the GIL: the process could hang at exit. Freed while torch.distributed still holds
+        the group, the reducer only lets go of it; destroying the group then frees it with
+        the GIL released."""
         if self.frozen or self.draft is self.draft_module():
             return
         self.draft = self.draft_module()

@@ -14,6 +14,7 @@ from specdistill.drafts.hub import ModelNotFoundError, load_draft, load_model, l
 from specdistill.errors import run_guarded
 from specdistill.train import distill
 from specdistill.train.config import RecipeError, load_recipe
+from tests.processes import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 LOADERS = [load_tokenizer, load_model, load_draft]
@@ -136,11 +137,7 @@ def test_unreachable_hub_fails_fast(monkeypatch, loader):
 
 
 def test_connectivity_check_uses_hf_endpoint(monkeypatch):
-    import socket
-
-    with socket.socket() as s:  # a port nothing listens on
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     for key in ("HTTPS_PROXY", "https_proxy"):
         monkeypatch.delenv(key, raising=False)
     monkeypatch.setenv("HF_ENDPOINT", f"http://127.0.0.1:{port}")
