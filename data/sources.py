@@ -28,6 +28,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from specdistill.data.instructions import stdlib_instructions
 from specdistill.data.records import DataError, Record, record_from_row
 from specdistill.data.stdlib import stdlib_files, stdlib_prose
 
@@ -39,6 +40,8 @@ EMBEDDED = {
     "embedded:code-heldout": ("code", "heldout"),
     "embedded:prose": ("prose", "train"),
     "embedded:prose-heldout": ("prose", "heldout"),
+    "embedded:instructions": ("instructions", "train"),
+    "embedded:instructions-heldout": ("instructions", "heldout"),
 }
 
 _HUB_ID = re.compile(r"([\w-][\w.-]*/[\w-][\w.-]*)(?::(\S+))?")
@@ -53,10 +56,12 @@ class HubDataset:
 
 @dataclass(frozen=True)
 class Documents:
-    """An embedded corpus that is not a set of files: its documents, in a fixed order."""
+    """An embedded corpus that is not a set of files: its documents, in a fixed order; with
+    `chat`, each is a user turn to be answered (a chat record without an answer)."""
 
     source: str
     texts: tuple[str, ...]
+    chat: bool = False
 
 
 def resolve(source: str) -> list[Path | HubDataset | Documents]:
@@ -67,6 +72,8 @@ def resolve(source: str) -> list[Path | HubDataset | Documents]:
         kind, split = EMBEDDED[source]
         if kind == "prose":
             return [Documents(source, stdlib_prose(split))]
+        if kind == "instructions":
+            return [Documents(source, stdlib_instructions(split), chat=True)]
         return list(stdlib_files(split))
     path = Path(source).expanduser()
     if path.is_file():
@@ -107,7 +114,8 @@ def read_records(sources: list[str]) -> Iterator[Record | DataError]:
             yield from _read_hub(item)
         elif isinstance(item, Documents):
             for i, text in enumerate(item.texts):
-                yield from _row({"text": text}, f"{item.source}[{i}]")
+                row = {"messages": [{"role": "user", "content": text}]} if item.chat else None
+                yield from _row(row or {"text": text}, f"{item.source}[{i}]")
         else:
             yield from read_file(item)
 
