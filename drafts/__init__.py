@@ -15,6 +15,11 @@ The interface is written down as `drafts.types.DraftType` (and the engine's prop
 `compared_vocab_size` is the one rule for the logit columns a target and a loaded draft are
 compared over (the engine, the offline α, drift).
 
+A standalone draft with a reduced output vocabulary (FR-Spec, drafts/reduced_vocab.py) is
+the `ReducedStandalone` variant of the standalone type (drafts/standalone.py): its
+`name` is "standalone", `Standalone.build` returns it for `draft.vocab_size`, and `detect` /
+`type_of` tell it apart (it trains over V_d and exports as hf only).
+
 Adding a type (an MTP or DFlash-style head): a module here with a class that satisfies
 `DraftType`, one entry in `TYPES` and one in `DETECTED` (before `Standalone`, the fallback).
 """
@@ -25,7 +30,8 @@ from torch import nn
 
 from specdistill.drafts.eagle3 import Eagle3, SGLangEagle3
 from specdistill.drafts.parallel import Parallel, mask_token
-from specdistill.drafts.standalone import Standalone
+from specdistill.drafts.reduced_vocab import is_reduced
+from specdistill.drafts.standalone import ReducedStandalone, Standalone
 from specdistill.drafts.types import Drafter, DraftType
 from specdistill.errors import UserError
 
@@ -35,7 +41,13 @@ TYPES: dict[str, type[DraftType]] = {
     "parallel": Parallel,
 }
 # Asked in this order by `detect`; Standalone (any HF model directory) is the fallback, last.
-DETECTED: tuple[type[DraftType], ...] = (Eagle3, SGLangEagle3, Parallel, Standalone)
+DETECTED: tuple[type[DraftType], ...] = (
+    Eagle3,
+    SGLangEagle3,
+    Parallel,
+    ReducedStandalone,
+    Standalone,
+)
 
 
 def build(cfg, target, tokenizer, train_data, *, print=print):
@@ -64,11 +76,14 @@ def detect(draft) -> type[DraftType]:
 
 def type_of(model) -> type[DraftType]:
     """The draft type class of a loaded draft module: `Eagle3` for an EAGLE-3 head (it says
-    `is_eagle3`), `Parallel` for a causal LM with a mask token, else `Standalone` (a causal
-    LM). The one place that tells them apart."""
+    `is_eagle3`), `Parallel` for a causal LM with a mask token, `ReducedStandalone` for a
+    causal LM with a reduced output vocabulary, else `Standalone` (a causal LM). The one
+    place that tells them apart."""
     if getattr(model, "is_eagle3", False):
         return Eagle3
-    return Parallel if mask_token(model) is not None else Standalone
+    if mask_token(model) is not None:
+        return Parallel
+    return ReducedStandalone if is_reduced(model) else Standalone
 
 
 def drafter_for(model, vocab_size: int, device) -> Drafter:
@@ -98,6 +113,7 @@ __all__ = [
     "Drafter",
     "Eagle3",
     "Parallel",
+    "ReducedStandalone",
     "SGLangEagle3",
     "Standalone",
     "compared_vocab_size",

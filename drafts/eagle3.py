@@ -21,6 +21,7 @@ from specdistill.drafts.eagle3_head import (
     is_eagle3_dir,
     is_sglang_eagle3_dir,
 )
+from specdistill.drafts.eagle3_vocab import token_counts
 from specdistill.drafts.kv_cache import left_pad, left_pad_rows
 from specdistill.drafts.standalone import StandaloneDrafter
 from specdistill.drafts.types import Depths
@@ -235,16 +236,6 @@ class Eagle3Drafter(StandaloneDrafter):
     def _fc(self, features: Tensor) -> Tensor:
         """Project target features (in the target's dtype, e.g. bf16) in the head's dtype."""
         return self.head.fc(features.to(self.head.fc.weight.dtype))
-
-
-def token_counts(dataset, vocab_size: int) -> Tensor:
-    """Frequency of every token id among the loss-masked tokens of `dataset`: [vocab_size]."""
-    counts = torch.zeros(vocab_size, dtype=torch.long)
-    for i in range(len(dataset)):
-        item = dataset[i]
-        ids = torch.as_tensor(item["input_ids"])[torch.as_tensor(item["loss_mask"]).bool()]
-        counts += torch.bincount(ids.clamp_max(vocab_size - 1), minlength=vocab_size)
-    return counts
 
 
 def new_eagle3_head(target, recipe_draft, train_data, vocab_size: int) -> Eagle3Head:

@@ -52,7 +52,12 @@ from specdistill.drafts.eagle3_format import (
     is_sglang_eagle3_dir,
     read_config,
 )
-from specdistill.drafts.eagle3_vocab import VocabMapError, build_vocab_map, check_vocab_map
+from specdistill.drafts.eagle3_vocab import (
+    VocabMapError,
+    build_vocab_map,
+    check_vocab_map,
+    logits_to_target,
+)
 from specdistill.errors import UserError
 
 __all__ = [
@@ -245,8 +250,7 @@ class Eagle3Head(nn.Module):
 
     def logits_to_full(self, logits: Tensor) -> Tensor:
         """[..., V_d] -> [..., V] with −inf outside V_d (q puts no mass there)."""
-        full = logits.new_full((*logits.shape[:-1], self.config.vocab_size), float("-inf"))
-        return full.index_copy(-1, self.draft_ids(), logits)
+        return logits_to_target(logits, self.draft_ids(), self.config.vocab_size)
 
     def forward(
         self,

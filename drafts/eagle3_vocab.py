@@ -1,8 +1,9 @@
-"""An EAGLE-3 head's draft vocabulary V_d inside the target's V: d2t / t2d maps.
+"""A draft vocabulary V_d inside the target's V: d2t / t2d maps (an EAGLE-3 head's, and a
+reduced-vocabulary standalone draft's, drafts/reduced_vocab.py).
 
 target_id = i + d2t[i] for draft id i; t2d[v] is True for the V_d target ids. The map is
-built from token frequencies (`build_vocab_map`) and checked on every load and save
-(`check_vocab_map`).
+built from token frequencies (`token_counts`, `build_vocab_map`) and checked on every load
+and save (`check_vocab_map`); `logits_to_target` places V_d logits among the target's ids.
 """
 
 import torch
@@ -16,6 +17,23 @@ class VocabMapError(UserError):
 
 
 # ----------------------------------------------------------------------------- vocabulary
+
+
+def token_counts(dataset, vocab_size: int) -> Tensor:
+    """Frequency of every token id among the loss-masked tokens of `dataset`: [vocab_size]."""
+    counts = torch.zeros(vocab_size, dtype=torch.long)
+    for i in range(len(dataset)):
+        item = dataset[i]
+        ids = torch.as_tensor(item["input_ids"])[torch.as_tensor(item["loss_mask"]).bool()]
+        counts += torch.bincount(ids.clamp_max(vocab_size - 1), minlength=vocab_size)
+    return counts
+
+
+def logits_to_target(logits: Tensor, draft_ids: Tensor, vocab_size: int) -> Tensor:
+    """[..., V_d] -> [..., V] with −inf outside V_d (q puts no mass there); `draft_ids` [V_d]:
+    the target id of every draft id."""
+    full = logits.new_full((*logits.shape[:-1], vocab_size), float("-inf"))
+    return full.index_copy(-1, draft_ids, logits)
 
 
 def build_vocab_map(counts: Tensor, draft_vocab_size: int) -> tuple[Tensor, Tensor]:

@@ -31,7 +31,7 @@ from torch import Tensor
 from specdistill.drafts.align import target_mask
 from specdistill.drafts.confidence import acceptance_head, predicted_acceptance
 from specdistill.drafts.kv_cache import left_pad
-from specdistill.drafts.standalone import StandaloneDrafter
+from specdistill.drafts.standalone import StandaloneDrafter, load_or_init
 from specdistill.drafts.types import Depths, DraftControl, Proposal
 from specdistill.errors import UserError
 
@@ -137,8 +137,9 @@ class Parallel:
     @classmethod
     def build(cls, cfg, target, tokenizer, train_data, *, print=print):
         """(draft LM with a mask token, its type) for a recipe's `draft` section: the causal
-        LM `cfg.model` (a standalone draft, or a parallel one to continue) loaded as the
-        standalone type loads it, given a mask token when it has none; trained in full."""
+        LM `cfg.model` (a standalone draft, or a parallel one to continue) or the target's
+        layers (target-layers:...), as the standalone type loads it (`load_or_init`), given
+        a mask token when it has none; trained in full."""
         from specdistill.drafts import hub
 
         if cfg.lora.r > 0:
@@ -146,9 +147,7 @@ class Parallel:
                 "draft.lora with draft.type=parallel: the mask token's embedding must train; "
                 "set draft.lora.r=0 (full fine-tuning)"
             )
-        draft_tok = hub.load_tokenizer(cfg.model, cfg.revision)
-        hub.check_tokenizers(tokenizer, draft_tok, target.name_or_path, cfg.model)
-        draft = hub.load_model(cfg.model, dtype=cfg.dtype, revision=cfg.revision)
+        draft = load_or_init(cfg, target, tokenizer)
         vocab_size = min(hub.shared_vocab_size(target, draft, tokenizer), rows_before_mask(draft))
         mask_id = add_mask_token(draft)
         setattr(draft.config, DEPTHS_FIELD, cfg.parallel_depths)

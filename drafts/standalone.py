@@ -3,10 +3,28 @@
 One depth: position t of the draft predicts token t+1 from the tokens alone, compared with
 the target at the same position (drafts/align.py). Saved as a plain Hugging Face directory,
 which is also what serving engines load (docs/theory.md §5).
+
+The draft is a model the recipe names (`draft.model`) or one made of the target's own layers
+(`draft.model: target-layers:...`, drafts/draft_init.py): `load_or_init`.
+
+`ReducedStandalone` is this type for a draft whose output head keeps V_d rows only
+(`draft.vocab_size`, FR-Spec; the model: drafts/reduced_vocab.py). Its `name` is "standalone"
+and its drafter and offline α are the standalone draft's, reading the full-vocabulary logits
+its forward (and the lean forward) returns, −inf outside V_d, so verification is lossless as
+for any draft (tests/eval/test_reduced_vocab_engine.py). What differs:
+
+- training compares the draft's K columns with the target on V_d: `depths` asks the draft
+  for `full_vocab=False` logits and the type carries the draft's `d2t`, which the losses and
+  the held-out α use (losses/api.py: α with the target's raw mass on V_d, KL-style losses
+  with p renormalised over V_d);
+- the accepted-length loss's chains are sampled from the full-vocabulary logits (q = 0
+  outside V_d, so every sampled token is in V_d) and handed to the loss in draft ids;
+- export: the `hf` format only. vLLM and SGLang load a draft model with the target's whole
+  output head; a K-row head with its d2t map is not a layout they read.
 """
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -16,7 +34,15 @@ from specdistill.drafts.acceptance_head import align_hidden
 from specdistill.drafts.align import shifted_logits, target_mask
 from specdistill.drafts.chains import Chains, sample_chains
 from specdistill.drafts.confidence import acceptance_head, predicted_acceptance
+from specdistill.drafts.draft_init import draft_from_target, layers_spec
 from specdistill.drafts.kv_cache import KVStream, left_pad
+from specdistill.drafts.reduced_vocab import (
+    ReducedHead,
+    ReducedVocabError,
+    is_reduced,
+    is_reduced_dir,
+    reduce_for_data,
+)
 from specdistill.drafts.types import Depths, DraftControl, Proposal
 
 
@@ -39,18 +65,23 @@ class Standalone:
 
     @classmethod
     def build(cls, cfg, target, tokenizer, train_data, *, print=print):
-        """(draft LM, its type) for a recipe's `draft` section: the model `cfg.model` loaded
-        like any HF model, checked to share the target's tokenizer, wrapped in a peft LoRA
-        adapter when `cfg.lora.r` > 0."""
+        """(draft LM, its type) for a recipe's `draft` section: the model of `load_or_init`;
+        with `cfg.vocab_size`, or when it has one already, its output head reduced to V_d
+        (`ReducedStandalone`); wrapped in a peft LoRA adapter when `cfg.lora.r` > 0."""
         from specdistill.drafts import hub
 
-        draft_tok = hub.load_tokenizer(cfg.model, cfg.revision)
-        hub.check_tokenizers(tokenizer, draft_tok, target.name_or_path, cfg.model)
-        draft = hub.load_model(cfg.model, dtype=cfg.dtype, revision=cfg.revision)
-        vocab_size = hub.shared_vocab_size(target, draft, tokenizer)
+        draft = load_or_init(cfg, target, tokenizer)
+        if cfg.vocab_size is not None or is_reduced(draft):
+            draft, kind = ReducedStandalone.reduce(draft, cfg, target, tokenizer, train_data)
+            print(
+                f"standalone draft: output vocabulary V_d of {draft.config.draft_vocab_size} "
+                f"of the target's {kind.vocab_size} tokens"
+            )
+        else:
+            kind = cls(hub.shared_vocab_size(target, draft, tokenizer))
         if cfg.lora.r > 0:
             draft = wrap_lora(draft, cfg.lora)
-        return draft, cls(vocab_size)
+        return draft, kind
 
     def count_mask(self, batch: dict) -> Tensor:
         """The positions a step's loss is normalised by (depth 0's mask)."""
@@ -101,6 +132,108 @@ class Standalone:
         t_logits = target(input_ids=ids, logits_to_keep=keep).logits[0, :, :vocab_size]
         d_logits = model(input_ids=ids.to(model.device), logits_to_keep=keep).logits
         return [(d_logits[0, :, :vocab_size].to(t_logits.device), t_logits, None)]
+
+
+def _head(draft):
+    """The reduced output head of a draft (inside a peft or DDP wrapper too)."""
+    return getattr(draft, "module", draft).get_output_embeddings()
+
+
+@dataclass(frozen=True)
+class ReducedStandalone(Standalone):
+    """A standalone draft over V_d (module docstring): `vocab_size` the target's columns
+    compared; `head` the draft's output head, whose map `d2t` is read where the head is now
+    (the buffer follows the draft to its device, and a loaded checkpoint's map with it)."""
+
+    head: ReducedHead = field(compare=False, repr=False)
+
+    @property
+    def d2t(self) -> Tensor:
+        """The draft's d2t map: draft id i is target id i + d2t[i]."""
+        return self.head.d2t
+
+    formats = ("hf",)  # export formats: vLLM / SGLang cannot load a V_d output head
+    format_note = (
+        "a standalone draft with a reduced output vocabulary (draft.vocab_size) is not a "
+        "draft model vLLM or SGLang load; export it as hf (specdistill serve / speculate "
+        "load that directory)"
+    )
+
+    @staticmethod
+    def detect(path) -> bool:
+        """A model directory whose config.json says model_type specdistill_reduced_llama."""
+        return is_reduced_dir(path)
+
+    @classmethod
+    def reduce(cls, draft, cfg, target, tokenizer, train_data):
+        """(draft over V_d, its type) for a recipe's `draft` section (`Standalone.build`): a
+        draft with a reduced head already is kept (its saved map; `cfg.vocab_size` must be
+        null or its K), else its head is cut to the `cfg.vocab_size` most frequent
+        loss-masked tokens of `train_data` (rows taken from its own head)."""
+        from specdistill.drafts import hub
+
+        vocab_size = hub.shared_vocab_size(target, None, tokenizer)
+        rows = draft.get_input_embeddings().weight.shape[0]
+        if rows < vocab_size:
+            raise ReducedVocabError(
+                f"the draft's input embedding has {rows} rows but the tokenizer has "
+                f"{vocab_size} tokens"
+            )
+        if is_reduced(draft):
+            k = draft.config.draft_vocab_size
+            if cfg.vocab_size not in (None, k):
+                raise ReducedVocabError(
+                    f"draft.model {cfg.model} has a reduced output vocabulary of {k} tokens; "
+                    f"draft.vocab_size={cfg.vocab_size} differs: set it to {k} or null"
+                )
+            if int(draft.lm_head.draft_ids().max()) >= vocab_size:
+                raise ReducedVocabError(
+                    f"draft.model {cfg.model}: its output vocabulary holds ids past the "
+                    f"tokenizer's {vocab_size} tokens"
+                )
+        else:
+            draft = reduce_for_data(draft, cfg.vocab_size, train_data, vocab_size)
+        return draft, cls(vocab_size, draft.lm_head)
+
+    def depths(self, draft, target, batch: dict) -> Depths:
+        """One depth: the draft's K columns [B, T−1, K] against the target's [B, T−1, V]."""
+        with torch.no_grad():
+            t_logits = shifted_logits(target, batch, self.vocab_size)
+        out = draft(
+            input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], full_vocab=False
+        )
+        return [out.logits[:, :-1]], [t_logits], [target_mask(batch)]
+
+    def chains(self, draft, target, batch: dict, starts: list[int], **sampling) -> Chains:
+        """The draft's own chains (drafts/chains.py), sampled from its full-vocabulary logits
+        (q = 0 outside V_d); its logits and tokens handed on over V_d, as the loss takes them
+        with `d2t`."""
+        if sampling.get("hidden"):
+            raise ReducedVocabError(
+                "loss tau with a reduced output vocabulary (draft.vocab_size) runs unchunked: "
+                "set loss.chunk_size=null"
+            )
+        chains = sample_chains(draft, target, batch, starts, vocab_size=self.vocab_size, **sampling)
+        head = _head(draft)
+        ids = head.draft_ids().to(chains.draft.device)
+        return Chains(
+            chains.draft.index_select(-1, ids),
+            chains.target,
+            head.to_draft_ids(chains.tokens),
+            chains.mask,
+        )
+
+    def save(self, draft, out: Path, tokenizer, verifier: str) -> None:
+        """`Standalone.save`, after checking the map the draft carries (`check_vocab_map`)."""
+        _head(draft).check(f"the draft saved to {out}")
+        super().save(draft, out, tokenizer, verifier)
+
+    # ------------------------------------------------------------------ a loaded draft
+    @staticmethod
+    def vocab_size_of(model) -> int:
+        """Logit columns the draft's forward produces: its full input vocabulary (−inf
+        outside V_d), not its head's K rows."""
+        return _head(model).vocab_size
 
 
 class StandaloneDrafter:
@@ -190,6 +323,20 @@ class StandaloneDrafter:
         """Keep the rows at positions `keep` (also as `index` [n] on the device)."""
         self.pending = [self.pending[i] for i in keep]
         self.stream.select_rows(index)
+
+
+def load_or_init(cfg, target, tokenizer):
+    """The causal LM a recipe's `draft` section names: for `cfg.model` target-layers:...,
+    one made of the target's own layers (drafts/draft_init.py), else the model `cfg.model`
+    loaded like any HF model and checked to share the target's tokenizer; in `cfg.dtype`."""
+    from specdistill.drafts import hub
+
+    layers = layers_spec(cfg.model)
+    if layers is not None:
+        return draft_from_target(target, layers).to(hub.DTYPES[cfg.dtype])
+    draft_tok = hub.load_tokenizer(cfg.model, cfg.revision)
+    hub.check_tokenizers(tokenizer, draft_tok, target.name_or_path, cfg.model)
+    return hub.load_model(cfg.model, dtype=cfg.dtype, revision=cfg.revision)
 
 
 def wrap_lora(draft, lora):

@@ -20,6 +20,7 @@ STRICT_WARNINGS = (
     "tests/drafts/test_lean.py",
     "tests/eval/test_drift.py",
     "tests/eval/test_engine_rows.py",
+    "tests/eval/test_reduced_vocab_engine.py",
     "tests/eval/test_speculative.py",
     "tests/eval/test_speculative_eagle3.py",
     "tests/serve/test_adapter.py",

@@ -72,7 +72,10 @@ class DraftConfig(Section):
     )
     model: str | None = recipe_key(
         "embedded:code-deep-draft",
-        "standalone: HF id, local directory or embedded:<name>. "
+        "standalone: HF id, local directory or embedded:<name>; or target-layers:N (N evenly "
+        "spaced layers of the target, the first and last included) or "
+        "target-layers:0,15,29 (those layers): a draft made of the target's own layers, "
+        "embeddings, final norm and output head (drafts/draft_init.py). "
         "eagle3: null for a fresh head built on the target, or an EAGLE-3 checkpoint directory "
         "to continue from",
     )
@@ -86,9 +89,10 @@ class DraftConfig(Section):
     )
     vocab_size: int | None = recipe_key(
         None,
-        "V_d: the head's vocabulary, the most frequent loss-masked training tokens; "
-        "null: the target's V",
-        eagle3_only=True,
+        "V_d: the draft's output vocabulary, the most frequent loss-masked training tokens; "
+        "eagle3: the head's; standalone: the draft's output head keeps only those rows (FR-Spec; "
+        "q = 0 outside V_d, exported as hf only). null: the target's V (or the V_d a reduced "
+        "draft.model was saved with)",
         ge=1,
     )
     aux_layers: Ints | None = recipe_key(

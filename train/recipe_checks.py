@@ -106,6 +106,21 @@ def _draft_checks(recipe: Recipe, explicit: set[str]) -> list[Check]:
             "parallel draft's depths compare the target at shifted positions: unset target.cache",
         ),
         (
+            d.vocab_size is None or d.type != "parallel",
+            "draft.vocab_size (a reduced output vocabulary) applies to standalone drafts and "
+            "eagle3 heads, not draft.type=parallel",
+        ),
+        (
+            d.vocab_size is None or d.type != "standalone" or lo.chunk_size is None,
+            "loss.chunk_size is not supported with draft.vocab_size (the draft's V_d logits "
+            "are small): set loss.chunk_size=null",
+        ),
+        (
+            d.vocab_size is None or d.type != "standalone" or cache is None,
+            "target.cache gives a sparse top-N target with a rest bin, which a reduced output "
+            "vocabulary (draft.vocab_size) cannot be compared with: unset target.cache",
+        ),
+        (
             eagle or not (explicit & EAGLE3_KEYS),
             f"{', '.join(sorted(explicit & EAGLE3_KEYS))} apply to draft.type=eagle3 only",
         ),

@@ -77,6 +77,24 @@ def test_every_draft_type_satisfies_the_protocol(models):
     assert not isinstance(incomplete(), DraftType)
 
 
+def test_the_reduced_vocabulary_variant_is_the_standalone_type(models):
+    """A standalone draft with a reduced output head (drafts/reduced_vocab.py) is a variant of
+    the standalone type, not a fourth type: same name, its own V_d map and export formats."""
+    from specdistill.drafts import ReducedStandalone
+    from specdistill.drafts.eagle3_vocab import build_vocab_map
+    from specdistill.drafts.reduced_vocab import with_reduced_head
+
+    target, draft, _ = models
+    d2t, t2d = build_vocab_map(torch.arange(96), 64)
+    reduced = with_reduced_head(draft, d2t, t2d)
+    kind = ReducedStandalone(96, reduced.lm_head)
+    assert isinstance(kind, DraftType) and isinstance(kind, Standalone)
+    assert kind.name == "standalone" and kind.d2t is reduced.d2t and kind.formats == ("hf",)
+    assert drafts.type_of(reduced) is ReducedStandalone
+    assert isinstance(drafts.drafter_for(reduced, 96, torch.device("cpu")), Drafter)
+    assert drafts.compared_vocab_size(target, draft=reduced) == 96  # its V, not its V_d
+
+
 def test_the_standalone_type_is_frozen():
     kind = Standalone(96)
     with pytest.raises(dataclasses.FrozenInstanceError):

@@ -134,8 +134,10 @@ def test_eagle3_keys_are_refused_when_set_even_to_their_defaults():
     """Detected by whether the user wrote them, not by comparing with the defaults."""
     with pytest.raises(RecipeError, match=r"draft.ttt_steps apply to draft.type=eagle3 only"):
         load_recipe(None, ["draft.ttt_steps=3"])  # 3 is the default
-    with pytest.raises(RecipeError, match=r"draft.freeze_lm_head, draft.vocab_size apply"):
-        load_recipe(None, ["draft.vocab_size=null", "draft.freeze_lm_head=false"])
+    with pytest.raises(RecipeError, match=r"draft.aux_layers, draft.freeze_lm_head apply"):
+        load_recipe(None, ["draft.aux_layers=null", "draft.freeze_lm_head=false"])
+    # draft.vocab_size also applies to a standalone draft (a reduced output vocabulary)
+    assert load_recipe(None, ["draft.vocab_size=null"]).draft.vocab_size is None
     assert load_recipe(None, ["draft.type=eagle3", "draft.model=null", "draft.ttt_steps=3"])
 
 
@@ -177,7 +179,6 @@ def test_key_sets_come_from_the_schema_marks():
     from specdistill.train.run_plan import HARMLESS_KEYS
 
     assert EAGLE3_KEYS == {
-        "draft.vocab_size",
         "draft.aux_layers",
         "draft.ttt_steps",
         "draft.intermediate_size",

@@ -206,8 +206,10 @@ def export_with_plan(
     _prepare_out(out, overwrite, draft)
     kind, model = load_draft(draft)
     if fmt not in kind.formats:
+        note = getattr(kind, "format_note", None)  # why a type's formats are fewer
         raise ExportError(
             f"a {kind.name} draft cannot be exported as {fmt}; formats: {', '.join(kind.formats)}"
+            + (f" ({note})" if note else "")
         )
     plan = module.WRITERS[kind.name](model, options)  # checks; nothing is written yet
     tokenizer = _tokenizer_source(kind, options)

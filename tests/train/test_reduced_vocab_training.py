@@ -1,0 +1,26 @@
+"""Distilling a standalone draft made of the target's layers with a reduced output vocabulary
+(docs/training.md): the recipe builds it, the run trains it over V_d, and final/ reloads as
+the same draft with its map."""
+
+import torch
+
+from specdistill import drafts
+from specdistill.drafts import hub
+from specdistill.train.config import load_recipe
+from specdistill.train.trainer import Trainer
+from tests.train.test_trainer import overrides
+
+
+def test_distill_a_reduced_draft_of_the_targets_layers(tiny_pair, tmp_path):
+    out = tmp_path / "run"
+    extra = {"draft.model": "target-layers:1", "draft.vocab_size": 100, "train.max_steps": 3}
+    result = Trainer.from_recipe(load_recipe(None, overrides(tiny_pair, out, **extra))).run()
+    assert 0 < result["alpha"] <= 1
+    final = out / "final"
+    assert drafts.detect(final) is drafts.ReducedStandalone
+    draft = hub.load_draft(str(final))
+    target = hub.load_target(str(tiny_pair[0]))
+    assert draft.config.num_hidden_layers == 1 and draft.lm_head.weight.shape[0] == 100
+    # the layer it was made of was trained, the target's was not
+    ours, theirs = draft.model.layers[0].mlp.up_proj.weight, target.model.layers[0].mlp.up_proj
+    assert not torch.equal(ours, theirs.weight)
