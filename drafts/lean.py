@@ -20,9 +20,11 @@ filled by transformers' forward continues here and the other way round). Logits 
 transformers' to float rounding (tests/drafts/test_lean.py).
 
 Supported: `model_type` llama, mistral (no sliding window), qwen2 (q/k/v biases) and qwen3
-(q/k norms), SiLU MLPs, full attention in every layer, plain `nn.Linear`/`nn.Embedding`
-modules (no peft adapters, no quantized layers, no accelerate hooks), on CPU, with gradients
-off, and at most `MAX_WEIGHT_BYTES` (2 GiB) of weights, since the copies double them.
+(q/k norms), and a Llama draft with a reduced output vocabulary (drafts/reduced_vocab.py: its
+K-row head runs here, its K columns then placed among the target's ids, −inf elsewhere);
+SiLU MLPs, full attention in every layer, plain `nn.Linear`/`nn.Embedding` modules (no peft
+adapters, no quantized layers, no accelerate hooks), on CPU, with gradients off, and at most
+`MAX_WEIGHT_BYTES` (2 GiB) of weights, since the copies double them.
 Anything else keeps transformers' forward: `why_not(model)` says why. Not used on GPUs, where
 the weight copies would cost memory and the kernels' costs differ.
 
@@ -48,7 +50,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-_FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
+from specdistill.drafts.reduced_vocab import MODEL_TYPE as REDUCED_LLAMA
+from specdistill.drafts.reduced_vocab import ReducedHead
+
+_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", REDUCED_LLAMA)
 # Streams use the lean forward for supported models unless this is False (benchmarks turn it
 # off to measure transformers' forward: `python -m benchmarks.vs_hf_assisted --no-lean`).
 enabled = True
@@ -83,7 +88,9 @@ def why_not(model) -> str | None:
         return "sliding-window layers"
     if type(base.embed_tokens) is not nn.Embedding:
         return "the embedding is not a plain nn.Embedding"
-    linears = [model.lm_head]
+    if type(model.lm_head) not in (nn.Linear, ReducedHead):
+        return "the output head is not a plain nn.Linear (adapter, quantized layer)"
+    linears = []
     for layer in base.layers:
         a, m = layer.self_attn, layer.mlp
         linears += [a.q_proj, a.k_proj, a.v_proj, a.o_proj, m.gate_proj, m.up_proj, m.down_proj]
@@ -175,9 +182,33 @@ def decoder(model) -> "LeanDecoder | None":
     return shared
 
 
-def _t(*weights: torch.Tensor) -> torch.Tensor:
-    """[out_1 + out_2 + ..., in] weights -> one contiguous [in, Σ out] matrix."""
-    return torch.cat(weights).t().contiguous()
+# Forwards of 2..FEW_ROWS rows multiply `W @ xᵀ` with W row-major; one row, or more than
+# FEW_ROWS, multiply `x @ Wᵀ` with a K-major copy. On one x86 core with MKL (the 30 layers of
+# SmolLM2-135M's shapes, 1 thread) the K-major copy is fastest for one row and beyond ~4, while
+# for 2-4 rows the row-major kernel costs about what one row does and the K-major one 1.5-2×
+# (benchmarks/verify_cost.py). So a verification of up to FEW_ROWS tokens costs about one
+# decoding step.
+FEW_ROWS = 4
+
+
+class _Weight:
+    """One projection's fused weight: `t` [in, out] (K-major), and `rows` [out, in] for the
+    widening projections (out ≥ in: q/k/v, gate/up, the output head), where the row-major
+    kernel is the faster one for a few rows; for the narrowing ones (down: 1536 -> 576) it
+    cost 3× one row at 2 rows, and `rows` is None."""
+
+    __slots__ = ("rows", "t")
+
+    def __init__(self, *weights: torch.Tensor):
+        """[out_1 + out_2 + ..., in] weights -> one fused matrix."""
+        w = (torch.cat(weights) if len(weights) > 1 else weights[0]).detach()
+        self.t = w.t().contiguous()
+        # The parameter itself when alone and contiguous: no copy.
+        self.rows = w.contiguous() if w.shape[0] >= w.shape[1] else None
+
+
+def _t(*weights: torch.Tensor) -> _Weight:
+    return _Weight(*weights)
 
 
 def _bias(*linears: nn.Linear) -> torch.Tensor | None:
@@ -195,8 +226,12 @@ def _rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * h.to(x.dtype)
 
 
-def _linear(x: torch.Tensor, weight_t: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    y = x @ weight_t
+def _linear(x: torch.Tensor, weight: _Weight, bias: torch.Tensor | None) -> torch.Tensor:
+    n = x.numel() // x.shape[-1]
+    if 1 < n <= FEW_ROWS and weight.rows is not None:
+        y = (weight.rows @ x.reshape(n, x.shape[-1]).t()).t().reshape(*x.shape[:-1], -1)
+    else:
+        y = x @ weight.t
     return y if bias is None else y + bias
 
 
@@ -247,6 +282,8 @@ class LeanDecoder:
             raise ValueError(f"LeanDecoder cannot run this model: {reason}")
         # Submodules only, never `model` itself: the shared table holds models weakly.
         self.base, self.lm_head = model.model, model.lm_head
+        # A reduced head's K columns -> the target's ids (drafts/reduced_vocab.py), else None.
+        self.to_target = getattr(self.lm_head, "to_target_vocab", None)
         c = model.config
         self.heads, self.kv_heads = c.num_attention_heads, c.num_key_value_heads
         self.head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
@@ -309,7 +346,15 @@ class LeanDecoder:
         # rotate_half(t) * sin == flip of t's halves * (sin with its first half negated)
         half = d // 2
         cos, sin = cos[:, :, None], torch.cat([-sin[..., :half], sin[..., half:]], -1)[:, :, None]
-        gqa = nkv != nh
+        group = nh // nkv
+        if group > 1 and k > 1:
+            # Grouped KV heads: each KV head's query heads are folded into its query length
+            # ([B, nkv, group·k, d]) so SDPA reads K/V as they are. Asked to expand them itself
+            # (enable_gqa) with a mask, it copies K/V per layer, which cost more than the
+            # projections at k = 4 on SmolLM2-135M.
+            if mask is None:
+                mask, causal = additive_mask(key_mask, k, self.dtype), False
+            mask = mask.repeat(1, 1, group, 1)
         for i, w in enumerate(self.layers):
             if record is not None:
                 record(i, x)
@@ -326,12 +371,14 @@ class LeanDecoder:
             q, key = qk.transpose(1, 2).split([nh, nkv], dim=1)
             key, value = cache.layers[i].update(key, value.transpose(1, 2))
             o = F.scaled_dot_product_attention(
-                q, key, value, attn_mask=mask, is_causal=causal, scale=w.scaling, enable_gqa=gqa
-            )
+                q.reshape(b, nkv, group * k, d), key, value,
+                attn_mask=mask, is_causal=causal, scale=w.scaling,
+            ).view(b, nh, k, d)  # fmt: skip
             x = x + _linear(o.transpose(1, 2).reshape(b, k, nh * d), w.o, w.o_bias)
             h = _rms(x, w.ln2.weight, w.ln2.variance_epsilon)
             gate, up = _linear(h, w.gate_up, w.gate_up_bias).split(w.ff, dim=-1)
             x = x + _linear(F.silu(gate) * up, w.down, w.down_bias)
         norm = base.norm
         x = _rms(x[:, -keep:], norm.weight, norm.variance_epsilon)
-        return _linear(x, self.head, self.head_bias), x
+        logits = _linear(x, self.head, self.head_bias)
+        return (logits if self.to_target is None else self.to_target(logits)), x

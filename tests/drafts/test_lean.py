@@ -45,6 +45,13 @@ FAMILIES = {
     "llama-mha-tied": lambda: LlamaForCausalLM(
         LlamaConfig(**SIZES | {"num_key_value_heads": 4}, tie_word_embeddings=True)
     ),
+    # SmolLM2-135M's shape, narrowed: 9 query heads over 3 KV heads, tied embeddings.
+    "llama-smollm2-shape": lambda: LlamaForCausalLM(
+        LlamaConfig(
+            **SIZES | {"num_attention_heads": 9, "num_key_value_heads": 3, "hidden_size": 72},
+            tie_word_embeddings=True,
+        )
+    ),
     "llama3-rope-biases": lambda: LlamaForCausalLM(
         LlamaConfig(**SIZES, rope_parameters=LLAMA3_ROPE, attention_bias=True, mlp_bias=True)
     ),
@@ -87,6 +94,26 @@ def test_logits_equal_transformers(family):
     assert fast.lean is not None and plain.lean is None
     for a, b in zip(run_stream(fast), run_stream(plain), strict=True):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("family", ["llama", "llama-smollm2-shape"])
+@torch.no_grad()
+def test_one_row_verification_of_every_length_equals_transformers(family):
+    """Batch 1 after a prefill, k = 1..9 new tokens (a round's verification up to γ = 8):
+    the row-major kernel for a few rows, the K-major one beyond, and grouped KV heads folded
+    into the query length under a causal mask."""
+    model = build(family)
+    fast = KVStream(model, VOCAB, torch.device("cpu"))
+    plain = KVStream(model, VOCAB, torch.device("cpu"), lean=False)
+    prefix = [[3, 1, 4, 1, 5, 9, 2, 6]]
+    torch.testing.assert_close(fast.admit(prefix)[0], plain.admit(prefix)[0], rtol=1e-5, atol=1e-5)
+    for k in range(1, 10):
+        tokens = torch.arange(k).view(1, k) + 10
+        valid = torch.ones(1, k, dtype=torch.bool)
+        a, b = fast.forward(tokens, valid, keep=k), plain.forward(tokens, valid, keep=k)
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+        for stream in (fast, plain):
+            stream.drop_last(torch.tensor([k]))
 
 
 @torch.no_grad()

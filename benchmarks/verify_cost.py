@@ -1,0 +1,73 @@
+"""v(k): what verifying k drafted tokens costs the target, against one decoding step.
+
+    python -m benchmarks.verify_cost --target registry:smollm2-135m-instruct --threads 1
+
+For each forward (transformers' own; the lean CPU forward with the K-major layout only; the
+lean forward as shipped, which multiplies 2..FEW_ROWS rows by the row-major weights, see
+drafts/lean.py) it times a target forward of k + 1 tokens after `--context` cached tokens,
+batch 1, rolled back after each, for k = 0..--max-k. The forwards take turns within each
+repeat, so a machine that slows down slows all of them; each v(k) is the median over the
+repeats. Prints v(k) in ms and v(k) / v(0), the price of a round's verification in decoding
+steps. Run it alone on the machine: any other process moves the numbers.
+"""
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from specdistill.drafts import lean
+from specdistill.drafts.hub import load_target
+from specdistill.drafts.kv_cache import KVStream
+
+FORWARDS = {  # name -> (lean.enabled, lean.FEW_ROWS)
+    "transformers": (False, lean.FEW_ROWS),
+    "lean, K-major only": (True, 0),
+    "lean (shipped)": (True, lean.FEW_ROWS),
+}
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--target", default="registry:smollm2-135m-instruct")
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--context", type=int, default=200)
+    parser.add_argument("--max-k", type=int, default=8)
+    parser.add_argument("--repeats", type=int, default=15)
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    torch.set_grad_enabled(False)  # the lean forward runs only without gradients
+    target = load_target(args.target)
+    vocab = target.config.vocab_size
+    streams = {}
+    for name, (enabled, _) in FORWARDS.items():
+        stream = KVStream(target, vocab, torch.device("cpu"), lean=enabled)
+        stream.admit([[i % vocab for i in range(args.context)]])
+        streams[name] = stream
+    times = {name: [[] for _ in range(args.max_k + 1)] for name in FORWARDS}
+    for _ in range(args.repeats):
+        for k in range(args.max_k + 1):
+            tokens = torch.arange(k + 1).view(1, k + 1)
+            valid = torch.ones_like(tokens, dtype=torch.bool)
+            for name, (_, few_rows) in FORWARDS.items():
+                lean.FEW_ROWS = few_rows
+                start = time.perf_counter()
+                streams[name].forward(tokens, valid, keep=k + 1).float().softmax(-1)
+                times[name][k].append(time.perf_counter() - start)
+                streams[name].drop_last(torch.full((1,), k + 1))
+    lean.FEW_ROWS = FORWARDS["lean (shipped)"][1]
+    print(
+        f"{args.target}, {args.threads} thread(s), {args.context} cached tokens, batch 1, "
+        f"median of {args.repeats}"
+    )
+    print(f"| forward | {' | '.join(f'v({k})' for k in range(args.max_k + 1))} |")
+    print(f"|---|{'---|' * (args.max_k + 1)}")
+    for name in FORWARDS:
+        v = [statistics.median(t) for t in times[name]]
+        cells = [f"{x * 1e3:.0f} ms ({x / v[0]:.2f})" for x in v]
+        print(f"| {name} | {' | '.join(cells)} |")
+
+
+if __name__ == "__main__":
+    main()
