@@ -10,8 +10,12 @@ for one with `draft.model: target-layers:...` (`layers_spec`; drafts/standalone.
 `load_or_init`).
 
 Layers are given as indices (`[0, 15, 29]`, in a recipe `target-layers:0,15,29`) or as a
-number N of evenly spaced layers, the first and the last included (`choose_layers`; 3 of 30
-layers: 0, 15, 29; in a recipe `target-layers:3`). The copy needs the
+number N, the target's first N layers (`choose_layers`; in a recipe `target-layers:4`): an
+early exit, the one initialisation that starts from a working model. On SmolLM2-135M-Instruct
+the first 2 layers under the target's final norm and head agree with it on α 0.06 of its
+greedy answer, while layers 0 and 29 give α 0.0001: a model's last layer expects the
+residual stream its middle layers build (benchmarks/RESULTS.md, "A real target"). The copy
+needs the
 decoder layers as `model.layers.<i>.` in the state dict (the Llama family: llama, mistral,
 qwen2, qwen3) and a target without a peft adapter (merge it first).
 """
@@ -65,8 +69,8 @@ class TargetLayers:
 
 
 def layers_spec(model: str | None) -> int | list[int] | None:
-    """The layers a recipe's `draft.model` names with `target-layers:N` (a number of evenly
-    spaced layers) or `target-layers:0,15,29` (indices); None for any other model name."""
+    """The layers a recipe's `draft.model` names with `target-layers:N` (the first N layers)
+    or `target-layers:0,15,29` (indices); None for any other model name."""
     if model is None or not model.startswith(SPEC_PREFIX):
         return None
     text = model[len(SPEC_PREFIX) :].strip()
@@ -76,24 +80,21 @@ def layers_spec(model: str | None) -> int | list[int] | None:
         return int(text)
     except ValueError:
         raise DraftInitError(
-            f"draft.model {model!r}: write {SPEC_PREFIX}N (N evenly spaced layers of the "
-            f"target) or {SPEC_PREFIX}0,15,29 (those layers)"
+            f"draft.model {model!r}: write {SPEC_PREFIX}N (the target's first N layers) or "
+            f"{SPEC_PREFIX}0,15,29 (those layers)"
         ) from None
 
 
 def choose_layers(spec: int | Sequence[int], n_layers: int) -> TargetLayers:
-    """`spec` as the recipe writes it: a number N of evenly spaced layers (the first and
-    the last included), or the layer indices themselves."""
+    """`spec` as the recipe writes it: a number N (the target's first N layers: an early
+    exit), or the layer indices themselves."""
     if isinstance(spec, int):
         if not 1 <= spec <= n_layers:
             raise DraftInitError(
                 f"target layers: {spec} layers asked of a target with {n_layers}: give "
                 f"1 to {n_layers}, or the layer indices"
             )
-        if spec == 1:
-            return TargetLayers((0,), n_layers)
-        step = (n_layers - 1) / (spec - 1)
-        return TargetLayers(tuple(int(i * step + 0.5) for i in range(spec)), n_layers)
+        return TargetLayers(tuple(range(spec)), n_layers)
     return TargetLayers(tuple(int(i) for i in spec), n_layers)
 
 

