@@ -37,7 +37,6 @@ trains a tokenizer and a model; this one resolves names, caches, locks and publi
 """
 
 import contextlib
-import fcntl
 import json
 import os
 import shutil
@@ -66,7 +65,7 @@ from specdistill.drafts.embedded_specs import (
 )
 from specdistill.drafts.embedded_train import log, new_tokenizer, train_model
 from specdistill.errors import UserError
-from specdistill.publish import publish_dir
+from specdistill.publish import publish_dir, waiting_lock
 
 __all__ = [
     "BUILD_RECORD",
@@ -151,26 +150,9 @@ def _num_threads(threads: int | None) -> Iterator[None]:
 # --- cache: lock, records, atomic publish ------------------------------------------------
 
 
-@contextlib.contextmanager
-def _build_lock() -> Iterator[None]:
-    """Exclusive `flock` on `<cache>/embedded/.lock`, held for a whole build.
-
-    The lock file is never deleted (deleting it would let two processes lock different
-    files). The kernel releases the lock when its holder dies, so a killed build never
-    blocks the next one.
-    """
-    root = _embedded_root()
-    root.mkdir(parents=True, exist_ok=True)
-    with open(root / ".lock", "a") as lock_file:
-        try:
-            fcntl.flock(lock_file, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            log(f"waiting for another process to finish building (lock {root / '.lock'})")
-            fcntl.flock(lock_file, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(lock_file, fcntl.LOCK_UN)
+def _build_lock():
+    """The build lock on `<cache>/embedded/.lock`, held for a whole build (waited for)."""
+    return waiting_lock(_embedded_root(), log)
 
 
 def _is_current(path: Path, spec: EmbeddedSpec | CorpusSpec) -> bool:

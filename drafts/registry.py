@@ -22,8 +22,6 @@ Builds are serialised by an `flock` on `<cache>/registry/.lock`; a killed build 
 temporary directories, removed by the next one.
 """
 
-import contextlib
-import fcntl
 import hashlib
 import importlib.util
 import shutil
@@ -32,14 +30,13 @@ import sys
 import tempfile
 import time
 import zipfile
-from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from specdistill.drafts.embedded import cache_root
 from specdistill.drafts.gguf_convert import convert_gguf, read_source
 from specdistill.errors import UserError
-from specdistill.publish import publish_dir, remove_leftovers
+from specdistill.publish import publish_dir, remove_leftovers, waiting_lock
 
 PREFIX = "registry:"
 CONVERT_VERSION = 1  # bump when the conversion's output changes: cached directories rebuild
@@ -104,7 +101,7 @@ def resolve(name: str) -> str:
     spec, final = spec_of(name), model_dir(name)
     if _is_current(final, spec):
         return str(final)
-    with _lock():
+    with waiting_lock(_root(), log):
         if _is_current(final, spec):  # another process converted it meanwhile
             return str(final)
         remove_leftovers(_root())
@@ -212,23 +209,6 @@ def _is_current(path: Path, spec: RegistryModel) -> bool:
 
 def _root() -> Path:
     return cache_root() / "registry"
-
-
-@contextlib.contextmanager
-def _lock() -> Iterator[None]:
-    """A blocking `flock` on `<cache>/registry/.lock` for one conversion."""
-    root = _root()
-    root.mkdir(parents=True, exist_ok=True)
-    with open(root / ".lock", "a") as handle:
-        try:
-            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            log(f"waiting for another process to finish converting (lock {root / '.lock'})")
-            fcntl.flock(handle, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)
 
 
 __all__ = ["PREFIX", "REGISTRY", "RegistryError", "RegistryModel", "resolve", "source_of"]

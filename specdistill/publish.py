@@ -17,6 +17,7 @@ import contextlib
 import os
 import shutil
 import tempfile
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 
@@ -168,3 +169,25 @@ class DirLock:
 
     def __exit__(self, *exc) -> None:
         self.release()
+
+
+@contextlib.contextmanager
+def waiting_lock(root: str | os.PathLike, on_wait: Callable[[str], None]) -> Iterator[None]:
+    """An exclusive `flock` on `root/.lock`, waited for (unlike `DirLock`): a build that a
+    second process also asked for runs once, the second then finds it done. `on_wait` is told
+    once when another process holds it. The lock file is never deleted (two processes would
+    lock different files); the kernel releases a killed holder's lock."""
+    import fcntl
+
+    root = Path(root)
+    root.mkdir(parents=True, exist_ok=True)
+    with open(root / ".lock", "a") as handle:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            on_wait(f"waiting for another process to finish (lock {root / '.lock'})")
+            fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
