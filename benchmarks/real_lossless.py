@@ -6,12 +6,13 @@ the target's distribution (χ²).
 
 1. Greedy: `--num-prompts` HumanEval prompts, `--max-new-tokens` each, speculative decoding
    against the target alone: the token sequences must be identical.
-2. T = 1: for `--chi-prompts` prompts, `--samples` rows of the same prompt decode 2 tokens
-   with speculation (one seed per prompt); the first token's counts are compared with the
-   target's own next-token distribution by a χ² test (tokens expected at least 5 times are
-   their own category, the rest one category). A p-value above 1e-3 for every prompt is a
-   pass; the draft's proposals were accepted for part of the rows (shown), so the test
-   exercises acceptance and the residual both.
+2. T = 1: for `--chi-prompts` prompts (the last `--chi-prompt-tokens` tokens of each),
+   `--samples` rows of the same prompt decode 2 tokens with speculation (one seed per
+   prompt); the first token's counts are compared with the target's own next-token
+   distribution by a χ² test (tokens expected at least 5 times are their own category, the
+   rest one category). A p-value above 1e-3 for every prompt is a pass; the draft's
+   proposals were accepted for part of the rows (shown), so the test exercises acceptance and
+   the residual both.
 """
 
 import argparse
@@ -27,10 +28,11 @@ from specdistill.eval import engine
 HUMANEVAL = "benchmarks/prompts/HumanEval.jsonl.gz"
 
 
-def prompts(tokenizer, n: int) -> list[list[int]]:
+def prompts(tokenizer, n: int, keep: int) -> list[list[int]]:
+    """The last `keep` tokens of the first `n` HumanEval prompts."""
     with gzip.open(HUMANEVAL, "rt") as f:
         texts = [json.loads(line)["prompt"] for line in f][:n]
-    return [tokenizer.encode(t, add_special_tokens=False)[-256:] for t in texts]
+    return [tokenizer.encode(t, add_special_tokens=False)[-keep:] for t in texts]
 
 
 def chi_square(target, draft, prompt: list[int], samples: int, gamma: int, seed: int):
@@ -64,13 +66,16 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--num-prompts", type=int, default=8)
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--chi-prompts", type=int, default=3)
-    parser.add_argument("--samples", type=int, default=2000)
+    parser.add_argument("--samples", type=int, default=600)
+    parser.add_argument(
+        "--chi-prompt-tokens", type=int, default=24, help="χ² prompts: their last N tokens"
+    )
     parser.add_argument("--threads", type=int, default=1)
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     target, draft = load_target(args.target), load_draft(args.draft)
     tokenizer = load_tokenizer(args.target)
-    batch = prompts(tokenizer, max(args.num_prompts, args.chi_prompts))
+    batch = prompts(tokenizer, args.num_prompts, 256)
     alone = engine.generate(target, None, batch[: args.num_prompts], gamma=0,
                             max_new_tokens=args.max_new_tokens)  # fmt: skip
     spec = engine.generate(target, draft, batch[: args.num_prompts], gamma=args.gamma,
@@ -78,7 +83,7 @@ def main(argv: list[str] | None = None) -> None:
     same = sum(a == b for a, b in zip(alone.sequences, spec.sequences, strict=True))
     print(f"greedy: {same}/{args.num_prompts} prompts identical to the target alone "
           f"({args.max_new_tokens} tokens each, γ = {args.gamma})")  # fmt: skip
-    for i, prompt in enumerate(batch[: args.chi_prompts]):
+    for i, prompt in enumerate(prompts(tokenizer, args.chi_prompts, args.chi_prompt_tokens)):
         pvalue, k, accepted = chi_square(target, draft, prompt, args.samples, args.gamma, i)
         print(f"T = 1, prompt {i}: χ² p = {pvalue:.3f} over {k} categories, {args.samples} "
               f"samples; first draft token accepted in {accepted:.0%} of rows")  # fmt: skip

@@ -227,7 +227,14 @@ def test_recipe_refuses_what_a_reduced_vocabulary_cannot_do(tiny_pair, tmp_path)
 
 
 def test_export_refuses_vllm_and_writes_hf(tmp_path):
-    from specdistill.train.export import ExportError, export, load_export
+    from specdistill.train.export import (
+        ExportError,
+        Options,
+        export,
+        export_with_plan,
+        load_export,
+        serve_hint,
+    )
     from tests.helpers import make_tokenizer
 
     _, draft, _ = reduced()
@@ -236,7 +243,10 @@ def test_export_refuses_vllm_and_writes_hf(tmp_path):
     for fmt in ("vllm", "sglang"):
         with pytest.raises(ExportError, match="export it as hf"):
             export(tmp_path / "d", fmt, tmp_path / fmt)
-    out = export(tmp_path / "d", "hf", tmp_path / "hf")
+    options = Options(source=tmp_path / "d")
+    out, kind, plan = export_with_plan(tmp_path / "d", "hf", tmp_path / "hf", options)
     assert json.loads((out / "config.json").read_text())["draft_vocab_size"] == K
+    # the serve hint names the server that loads it, not vLLM
+    assert serve_hint("hf", kind, out, plan).startswith("specdistill serve --target")
     back = load_export(out, "hf")
     assert torch.equal(back.lm_head.d2t, draft.lm_head.d2t)

@@ -253,6 +253,8 @@ def export(
 def serve_hint(fmt: str, kind, out, plan: Plan) -> str:
     """How the inference engine of `fmt` serves an export (`export_with_plan`'s result)."""
     tokens = plan.speculative_tokens
+    if "vllm" not in kind.formats:  # e.g. a reduced output vocabulary: only this project loads it
+        return f"specdistill serve --target {plan.verifier or 'TARGET'} --draft {out}"
     return (
         MODULES[fmt]
         .HINTS[kind.name]
