@@ -262,9 +262,9 @@ def test_the_real_smollm2_package_answers_and_speculates_losslessly():
     with a reduced head leaves the greedy output unchanged."""
     from specdistill.drafts import lean
     from specdistill.drafts.draft_init import draft_from_target
+    from specdistill.drafts.eagle3_vocab import build_vocab_map
     from specdistill.drafts.kv_cache import KVStream
     from specdistill.drafts.reduced_vocab import with_reduced_head
-    from specdistill.drafts.eagle3_vocab import build_vocab_map
     from specdistill.eval import engine
 
     torch.set_num_threads(1)

@@ -379,7 +379,7 @@ def test_publish_replaces_atomically_and_imports_only_the_standard_library(tmp_p
         if isinstance(node, ast.Import | ast.ImportFrom)
         for alias in node.names
     }
-    assert imported <= {"contextlib", "fcntl", "os", "shutil", "tempfile", "pathlib"}
+    assert imported <= {"collections", "contextlib", "fcntl", "os", "shutil", "tempfile", "pathlib"}
 
 
 # best/: the checkpoint chosen by held-out α ---------------------------------------------------
