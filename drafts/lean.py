@@ -346,15 +346,7 @@ class LeanDecoder:
         # rotate_half(t) * sin == flip of t's halves * (sin with its first half negated)
         half = d // 2
         cos, sin = cos[:, :, None], torch.cat([-sin[..., :half], sin[..., half:]], -1)[:, :, None]
-        group = nh // nkv
-        if group > 1 and k > 1:
-            # Grouped KV heads: each KV head's query heads are folded into its query length
-            # ([B, nkv, group·k, d]) so SDPA reads K/V as they are. Asked to expand them itself
-            # (enable_gqa) with a mask, it copies K/V per layer, which cost more than the
-            # projections at k = 4 on SmolLM2-135M.
-            if mask is None:
-                mask, causal = additive_mask(key_mask, k, self.dtype), False
-            mask = mask.repeat(1, 1, group, 1)
+        gqa = nkv != nh
         for i, w in enumerate(self.layers):
             if record is not None:
                 record(i, x)
@@ -371,9 +363,8 @@ class LeanDecoder:
             q, key = qk.transpose(1, 2).split([nh, nkv], dim=1)
             key, value = cache.layers[i].update(key, value.transpose(1, 2))
             o = F.scaled_dot_product_attention(
-                q.reshape(b, nkv, group * k, d), key, value,
-                attn_mask=mask, is_causal=causal, scale=w.scaling,
-            ).view(b, nh, k, d)  # fmt: skip
+                q, key, value, attn_mask=mask, is_causal=causal, scale=w.scaling, enable_gqa=gqa
+            )
             x = x + _linear(o.transpose(1, 2).reshape(b, k, nh * d), w.o, w.o_bias)
             h = _rms(x, w.ln2.weight, w.ln2.variance_epsilon)
             gate, up = _linear(h, w.gate_up, w.gate_up_bias).split(w.ff, dim=-1)

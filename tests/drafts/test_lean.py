@@ -100,8 +100,8 @@ def test_logits_equal_transformers(family):
 @torch.no_grad()
 def test_one_row_verification_of_every_length_equals_transformers(family):
     """Batch 1 after a prefill, k = 1..9 new tokens (a round's verification up to γ = 8):
-    the row-major kernel for a few rows, the K-major one beyond, and grouped KV heads folded
-    into the query length under a causal mask."""
+    the row-major kernel for a few rows, the K-major one beyond, with grouped KV heads under
+    a causal mask."""
     model = build(family)
     fast = KVStream(model, VOCAB, torch.device("cpu"))
     plain = KVStream(model, VOCAB, torch.device("cpu"), lean=False)
