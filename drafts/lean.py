@@ -6,8 +6,10 @@ work per layer. `KVStream` (drafts/kv_cache.py) therefore runs a supported model
 this forward instead, with the model's own parameters and the same cache:
 
 - projections multiply by transposed, contiguous copies of the weights, q/k/v and gate/up
-  fused into one matrix each: for a few rows, MKL runs `x @ Wᵀ` with a K-major copy faster
-  than `F.linear(x, W)`;
+  fused into one matrix each: for one row, MKL runs `x @ Wᵀ` with a K-major copy faster than
+  `F.linear(x, W)`; for 2..FEW_ROWS rows (a short verification) the widening projections
+  multiply `W @ xᵀ` with the row-major weights instead, which costs about one row's time
+  (`_Weight`);
 - RoPE is applied to q and k together, with cos/sin computed once per forward by the model's
   own rotary module (so every RoPE scaling type transformers knows works as it does there);
 - only the kept positions go through the final norm and the output head; their normed hidden
