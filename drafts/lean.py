@@ -26,7 +26,8 @@ Supported: `model_type` llama, mistral (no sliding window), qwen2 (q/k/v biases)
 K-row head runs here, its K columns then placed among the target's ids, −inf elsewhere);
 SiLU MLPs, full attention in every layer, plain `nn.Linear`/`nn.Embedding` modules (no peft
 adapters, no quantized layers, no accelerate hooks), on CPU, with gradients off, and at most
-`MAX_WEIGHT_BYTES` (2 GiB) of weights, since the copies double them.
+`MAX_WEIGHT_BYTES` (2 GiB) of weights, since the copies more than double them (every
+projection K-major, and the fused q/k/v and gate/up also row-major).
 Anything else keeps transformers' forward: `why_not(model)` says why. Not used on GPUs, where
 the weight copies would cost memory and the kernels' costs differ.
 
