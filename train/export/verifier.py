@@ -21,7 +21,7 @@ def recipe_target(directory: Path | None) -> str | None:
     return str(model) if model else None
 
 
-def resolve_embedded(name: str) -> str:
+def resolve_name(name: str) -> str:
     """`embedded:<name>` -> its built directory when built (never builds); `registry:<name>`
     -> the hub model it was quantized from, which engines load; else unchanged."""
     from specdistill.drafts import registry
@@ -83,7 +83,7 @@ def resolve(source: Path | None, verifier: str | None) -> tuple[str | None, list
             verifier = existing.get("name_or_path")
     if verifier is None:
         return None, [], None
-    name = resolve_embedded(str(verifier))
+    name = resolve_name(str(verifier))
     config = verifier_config(name)
     if config is not None:
         archs = list(config.get("architectures") or [])
@@ -121,7 +121,7 @@ def check_given(head, verifier: str | None) -> str | None:
     """Check a --verifier against the head, for a layout with no verifier field (SGLang)."""
     if verifier is None:
         return None
-    name = resolve_embedded(verifier)
+    name = resolve_name(verifier)
     check_head(head, name, verifier_config(name))
     return name
 
@@ -130,7 +130,7 @@ def warn_vocab(model, verifier: str | None) -> str | None:
     """A standalone draft: warn when a given verifier's vocabulary differs from the draft's."""
     if verifier is None:
         return None
-    name = resolve_embedded(verifier)
+    name = resolve_name(verifier)
     theirs = (verifier_config(name) or {}).get("vocab_size")
     ours = getattr(model.config, "vocab_size", None)
     if theirs is not None and ours is not None and theirs != ours:
