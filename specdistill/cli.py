@@ -42,6 +42,10 @@ VERBS = {
         "specdistill.train.target_cache_cli",
         "cache the target's top-N log-probabilities over a recipe's data (target.cache)",
     ),
+    "prepare": (
+        "specdistill.train.prepare",
+        "make a recipe's data once: the target resolved, its answers to the recipe's prompts",
+    ),
     "regenerate": (
         "specdistill.train.regenerate",
         "answer a recipe's prompts with the target (resumable, deduplicated JSONL shards)",

@@ -332,6 +332,34 @@ class WandbConfig(Section):
     name: str | None = recipe_key(None, "run name")
 
 
+class PrepareSetConfig(Section):
+    """Prompts the target answers into a directory (`specdistill prepare`)."""
+
+    prompts: Strings | None = recipe_key(
+        None, "the prompts: data.train's forms (chat or text records); null: none to answer"
+    )
+    out: str | None = recipe_key(
+        None, "the directory the answers go to; data.train / data.eval read OUT/regen-*.jsonl"
+    )
+    limit: int | None = recipe_key(None, "answer the first N distinct prompts only", ge=1)
+
+
+class PrepareConfig(Section):
+    """`specdistill prepare`: the target resolved (fetched and converted once when it is a
+    registry model), then the target's own answers to these prompts written as training and
+    held-out data (train/prepare.py)."""
+
+    train: PrepareSetConfig = recipe_key(
+        description="The training answers.", factory=PrepareSetConfig
+    )
+    eval: PrepareSetConfig = recipe_key(
+        description="The held-out answers.", factory=PrepareSetConfig
+    )
+    temperature: Float = recipe_key(0.7, "the target's sampling temperature (0: greedy)", ge=0)
+    max_new_tokens: int = recipe_key(256, "tokens per answer", ge=1)
+    seed: int = recipe_key(0, "sampling seed")
+
+
 class Recipe(Section):
     target: TargetConfig = recipe_key(
         description="The model the draft learns from.", factory=TargetConfig
@@ -359,6 +387,12 @@ class Recipe(Section):
     )
     wandb: WandbConfig = recipe_key(
         description="Weights & Biases logging.", factory=WandbConfig, resume="harmless"
+    )
+    prepare: PrepareConfig = recipe_key(
+        description="`specdistill prepare`: the target's answers made once as data.train / "
+        "data.eval (train/prepare.py); `distill` ignores it.",
+        factory=PrepareConfig,
+        resume="harmless",
     )
     online: OnlineConfig = recipe_key(
         description="`specdistill online`: learn from the server's traffic log "

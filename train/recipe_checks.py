@@ -48,6 +48,7 @@ def validate(recipe: Recipe, explicit: set[str] | None = None) -> None:
         *_draft_checks(recipe, explicit),
         *_on_policy_checks(recipe),
         *_head_checks(recipe),
+        *_prepare_checks(recipe),
     ]
     for ok, message in checks:
         if not ok:
@@ -184,6 +185,25 @@ def _on_policy_checks(recipe: Recipe) -> list[Check]:
             "target.cache (the live target scores them) or set data.on_policy.fraction=0",
         ),
     ]
+
+
+def _prepare_checks(recipe: Recipe) -> list[Check]:
+    """Each prepared set has a directory, and the data it feeds reads that directory."""
+    checks = []
+    for name in ("train", "eval"):
+        s, data = getattr(recipe.prepare, name), getattr(recipe.data, name) or []
+        if s.prompts is None:
+            continue
+        out = s.out.rstrip("/") if s.out else None
+        checks += [
+            (out is not None, f"prepare.{name}.prompts is set: set prepare.{name}.out too"),
+            (
+                out is None or any(str(d).startswith(f"{out}/") for d in data),
+                f"prepare.{name}.out ({out}) is not read by data.{name} ({data}): add "
+                f"'{out}/regen-*.jsonl' to data.{name}",
+            ),
+        ]
+    return checks
 
 
 def _head_checks(recipe: Recipe) -> list[Check]:

@@ -232,6 +232,7 @@ def regenerate(
     `generate` defaults to `eval.engine.generate` (tests pass a wrapper)."""
     from specdistill.data.sources import read_records
     from specdistill.drafts import hub
+    from specdistill.drafts.progress import WorkProgress
     from specdistill.eval import engine
     from specdistill.publish import atomic_write_text
     from specdistill.train.target_cache import target_identity
@@ -328,9 +329,12 @@ def regenerate(
                 ids = ids[: ids.index(t)]
         writer.append(_record(job, tokenizer.decode(ids, skip_special_tokens=True), len(ids)))
 
+    progress = WorkProgress(f"regenerate {out.name}", len(todo)) if todo else None
     try:
         for start in range(0, len(todo), batch_size):
             batch = todo[start : start + batch_size]
+            if progress is not None and start:  # the batch before this one is done
+                progress.advance(batch_size, f"{start}/{len(todo)} prompts")
             seed = sampling.seed + int(batch[0].hash[:8], 16)
             try:
                 for job, ids in zip(batch, run(batch, seed), strict=True):
@@ -361,8 +365,12 @@ def regenerate(
                     failures.append(failure)
                     failed[job.hash] = failure
                     _write_failures(out / FAILURES, failed)
+        if progress is not None:
+            progress.advance(len(todo) - progress.done, f"{len(todo)}/{len(todo)} prompts")
     finally:
         writer.close()
+        if progress is not None:
+            progress.close()
     done = answered(out)
     if any(h in done for h in failed):  # answered since: no longer a failure
         _write_failures(out / FAILURES, {h: f for h, f in failed.items() if h not in done})

@@ -186,7 +186,9 @@ def test_key_sets_come_from_the_schema_marks():
         "draft.freeze_lm_head",
     }
     assert HARMLESS_KEYS == harmless_keys()
-    outside = {k for k in HARMLESS_KEYS if not k.startswith(("eval.", "wandb.", "online."))}
+    outside = {
+        k for k in HARMLESS_KEYS if not k.startswith(("eval.", "wandb.", "online.", "prepare."))
+    }
     assert outside == {
         "train.save_every",
         "train.keep_checkpoints",
@@ -195,7 +197,12 @@ def test_key_sets_come_from_the_schema_marks():
         "train.overwrite",
         "train.output_dir",
     }
-    assert {"eval.speculative.gammas", "wandb.mode", "online.policy"} <= HARMLESS_KEYS
+    assert {
+        "eval.speculative.gammas",
+        "wandb.mode",
+        "online.policy",
+        "prepare.train.limit",
+    } <= HARMLESS_KEYS
     assert not HARMLESS_KEYS & {"train.seed", "train.max_steps", "loss.name", "data.train"}
 
 

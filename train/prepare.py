@@ -1,0 +1,146 @@
+"""Prepare a recipe's data with one command: the target's own answers to its prompts.
+
+    specdistill prepare --recipe recipes/smollm2-standalone.yaml
+    specdistill distill --recipe recipes/smollm2-standalone.yaml
+
+The recipe's `prepare` section names the prompts and where their answers go
+(docs/recipe-keys.md):
+
+    prepare:
+      train: {prompts: [embedded:instructions], out: runs/smollm2-data, limit: 400}
+      eval: {prompts: [embedded:instructions-heldout], out: runs/smollm2-heldout, limit: 48}
+      max_new_tokens: 192
+    data:
+      train: [runs/smollm2-data/regen-*.jsonl]
+      eval: [runs/smollm2-heldout/regen-*.jsonl]
+
+The target is loaded once: a `registry:` model is fetched, checked and converted into the cache
+on first use (drafts/registry.py). Each set is then answered by `specdistill regenerate`'s
+machinery (train/regenerate.py): the chat template, resumable shards, a manifest with the
+target's identity and the sampling, a rerun that answers only what is missing. A set whose
+directory already holds every answer costs nothing, so a rerun after an interruption, or with
+another recipe that shares the data, resumes or does nothing.
+"""
+
+import json
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from specdistill.errors import UserError
+from specdistill.verb_parser import quiet_third_party, verb_parser
+
+
+class PrepareError(UserError):
+    """A recipe with nothing to prepare."""
+
+
+@dataclass(frozen=True)
+class PreparedSet:
+    """What one set of prompts became."""
+
+    name: str  # "train" or "eval"
+    out: Path
+    prompts: int
+    answered: int
+    tokens: int  # answer tokens in the directory's shards
+    complete: bool
+
+
+def answer_tokens(out: Path) -> int:
+    """The answer tokens of a regenerate directory's shards (each record's count)."""
+    total = 0
+    for shard in sorted(out.glob("regen-*.jsonl")):
+        for line in shard.read_bytes().splitlines():
+            try:
+                total += int(json.loads(line).get("completion_tokens", 0))
+            except (ValueError, AttributeError, TypeError):
+                continue  # a torn final line: regenerate cuts it off on its next run
+    return total
+
+
+def prepare(recipe, *, batch_size: int = 16, print=print) -> list[PreparedSet]:
+    """Answer each set of `recipe.prepare` that has prompts; -> what each became."""
+    import torch
+
+    from specdistill.drafts import hub
+    from specdistill.train.regenerate import Sampling, regenerate
+
+    p = recipe.prepare
+    sets = [(name, s) for name in ("train", "eval") if (s := getattr(p, name)).prompts]
+    if not sets:
+        raise PrepareError(
+            "the recipe has nothing to prepare: set prepare.train.prompts and prepare.train.out "
+            "(and prepare.eval.*) to have the target answer them (docs/recipe-keys.md)"
+        )
+    sampling = Sampling(p.temperature, None, None, p.max_new_tokens, p.seed)
+    t = recipe.target
+    print(f"prepare: loading the target {t.model}")
+    tokenizer = hub.load_tokenizer(t.model, t.revision)
+    target = hub.load_target(t.model, t.adapter, dtype=t.dtype, revision=t.revision)
+    target = target.to("cuda" if torch.cuda.is_available() else "cpu")
+    done = []
+    for name, s in sets:
+        started = time.monotonic()
+        print(f"prepare: {name} answers of {', '.join(s.prompts)} -> {s.out}")
+        data = recipe.data.model_copy(update={"train": list(s.prompts)})
+        manifest = regenerate(
+            recipe.model_copy(update={"data": data}),
+            s.out,
+            sampling=sampling,
+            batch_size=batch_size,
+            limit=s.limit,
+            target=target,
+            tokenizer=tokenizer,
+            print=print,
+        )
+        out = Path(s.out)
+        result = PreparedSet(
+            name,
+            out,
+            manifest["prompts"],
+            manifest["answered"],
+            answer_tokens(out),
+            manifest["complete"],
+        )
+        print(
+            f"prepare: {name}: {result.answered}/{result.prompts} prompts answered, "
+            f"{result.tokens:,} answer tokens in {out} ({time.monotonic() - started:.0f} s)"
+        )
+        done.append(result)
+    return done
+
+
+def build_parser():
+    parser = verb_parser("prepare", __doc__)
+    parser.add_argument("--recipe", help="YAML recipe with a prepare section")
+    parser.add_argument("--batch-size", type=int, default=16, help="answers generated together")
+    parser.add_argument("overrides", nargs="*", help="key.sub=value recipe overrides")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    quiet_third_party()
+    from specdistill.train.config import load_recipe
+
+    recipe = load_recipe(args.recipe, args.overrides)
+    results = prepare(
+        recipe, batch_size=args.batch_size, print=lambda *a: print(*a, file=sys.stderr)
+    )
+    incomplete = [r.name for r in results if not r.complete]
+    if incomplete:
+        print(
+            f"prepare: some {' and '.join(incomplete)} prompts failed every attempt "
+            "(their failures.jsonl names them); rerun to retry them",
+            file=sys.stderr,
+        )
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    from specdistill.errors import run_guarded
+
+    sys.exit(run_guarded(main, sys.argv[1:]))
