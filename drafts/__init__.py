@@ -18,7 +18,8 @@ compared over (the engine, the offline α, drift).
 A standalone draft with a reduced output vocabulary (FR-Spec, drafts/reduced_vocab.py) is
 the `ReducedStandalone` variant of the standalone type (drafts/standalone.py): its
 `name` is "standalone", `Standalone.build` returns it for `draft.vocab_size`, and `detect` /
-`type_of` tell it apart (it trains over V_d and exports as hf only).
+`type_of` tell it apart (it trains over V_d and exports as hf only). A parallel draft with a
+reduced output vocabulary is likewise `ReducedParallel` (drafts/parallel.py).
 
 Adding a type (an MTP or DFlash-style head): a module here with a class that satisfies
 `DraftType`, one entry in `TYPES` and one in `DETECTED` (before `Standalone`, the fallback).
@@ -29,7 +30,7 @@ from pathlib import Path
 from torch import nn
 
 from specdistill.drafts.eagle3 import Eagle3, SGLangEagle3
-from specdistill.drafts.parallel import Parallel, mask_token
+from specdistill.drafts.parallel import Parallel, ReducedParallel, mask_token
 from specdistill.drafts.reduced_vocab import is_reduced
 from specdistill.drafts.standalone import ReducedStandalone, Standalone
 from specdistill.drafts.types import Drafter, DraftType
@@ -44,6 +45,7 @@ TYPES: dict[str, type[DraftType]] = {
 DETECTED: tuple[type[DraftType], ...] = (
     Eagle3,
     SGLangEagle3,
+    ReducedParallel,
     Parallel,
     ReducedStandalone,
     Standalone,
@@ -76,13 +78,14 @@ def detect(draft) -> type[DraftType]:
 
 def type_of(model) -> type[DraftType]:
     """The draft type class of a loaded draft module: `Eagle3` for an EAGLE-3 head (it says
-    `is_eagle3`), `Parallel` for a causal LM with a mask token, `ReducedStandalone` for a
+    `is_eagle3`), `Parallel` for a causal LM with a mask token (`ReducedParallel` with a
+    reduced output vocabulary), `ReducedStandalone` for a
     causal LM with a reduced output vocabulary, else `Standalone` (a causal LM). The one
     place that tells them apart."""
     if getattr(model, "is_eagle3", False):
         return Eagle3
     if mask_token(model) is not None:
-        return Parallel
+        return ReducedParallel if is_reduced(model) else Parallel
     return ReducedStandalone if is_reduced(model) else Standalone
 
 
@@ -113,6 +116,7 @@ __all__ = [
     "Drafter",
     "Eagle3",
     "Parallel",
+    "ReducedParallel",
     "ReducedStandalone",
     "SGLangEagle3",
     "Standalone",

@@ -22,7 +22,7 @@ are dropped after verification and the accepted drafts become the next round's p
 which is what verification receives, so speculative sampling stays lossless.
 """
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -31,7 +31,19 @@ from torch import Tensor
 from specdistill.drafts.align import target_mask
 from specdistill.drafts.confidence import acceptance_head, predicted_acceptance
 from specdistill.drafts.kv_cache import left_pad
-from specdistill.drafts.standalone import StandaloneDrafter, load_or_init
+from specdistill.drafts.reduced_vocab import (
+    ReducedHead,
+    add_input_row,
+    is_reduced,
+    is_reduced_dir,
+    output_columns,
+)
+from specdistill.drafts.standalone import (
+    ReducedStandalone,
+    StandaloneDrafter,
+    load_or_init,
+    reduced_head,
+)
 from specdistill.drafts.types import Depths, DraftControl, Proposal
 from specdistill.errors import UserError
 
@@ -45,13 +57,17 @@ def mask_token(model) -> int | None:
 
 
 def add_mask_token(model) -> int:
-    """Give a causal LM a mask token (one more embedding row, initialised to the mean of the
-    others) unless it has one; -> its id."""
+    """Give a causal LM a mask token (one more input embedding row, initialised to the mean of
+    the others; one more output row too unless the head is a reduced one) unless it has one;
+    -> its id."""
     existing = mask_token(model)
     if existing is not None:
         return existing
-    rows = model.get_input_embeddings().weight.shape[0]
-    model.resize_token_embeddings(rows + 1, mean_resizing=True)
+    if is_reduced(model):  # its K-row output head stays as it is
+        rows = add_input_row(model)
+    else:
+        rows = model.get_input_embeddings().weight.shape[0]
+        model.resize_token_embeddings(rows + 1, mean_resizing=True)
     setattr(model.config, MASK_FIELD, rows)
     return rows
 
@@ -85,14 +101,24 @@ def block_inputs(
 
 
 def block_logits(
-    model, ids: Tensor, attention_mask: Tensor, mask_id: int, depths: int, vocab_size: int
+    model,
+    ids: Tensor,
+    attention_mask: Tensor,
+    mask_id: int,
+    depths: int,
+    vocab_size: int,
+    *,
+    reduced: bool = False,
 ) -> list[Tensor]:
     """The draft's logits of every depth at every anchor, from one forward: K tensors
-    [B, T, vocab_size]; depth k at slot t predicts token t + k + 1 from tokens ≤ t."""
+    [B, T, vocab_size] (`reduced`: a reduced head's K columns, [B, T, K]); depth k at slot t
+    predicts token t + k + 1 from tokens ≤ t."""
     length = ids.shape[1]
     inputs, positions, mask = block_inputs(ids, attention_mask, mask_id, depths, model.dtype)
-    out = model(input_ids=inputs, attention_mask=mask, position_ids=positions)
-    return list(out.logits[..., :vocab_size].split(length, dim=1))
+    extra = {"full_vocab": False} if reduced else {}
+    out = model(input_ids=inputs, attention_mask=mask, position_ids=positions, **extra)
+    logits = out.logits if reduced else out.logits[..., :vocab_size]
+    return list(logits.split(length, dim=1))
 
 
 def shifted_depths(blocks: list[Tensor], t_logits: Tensor, base_mask: Tensor) -> Depths:
@@ -139,7 +165,9 @@ class Parallel:
         """(draft LM with a mask token, its type) for a recipe's `draft` section: the causal
         LM `cfg.model` (a standalone draft, or a parallel one to continue) or the target's
         layers (target-layers:...), as the standalone type loads it (`load_or_init`), given
-        a mask token when it has none; trained in full."""
+        a mask token when it has none; with `cfg.vocab_size`, or when it has one already, its
+        output head reduced to V_d as a standalone draft's (`ReducedParallel`); trained in
+        full."""
         from specdistill.drafts import hub
 
         if cfg.lora.r > 0:
@@ -148,11 +176,22 @@ class Parallel:
                 "set draft.lora.r=0 (full fine-tuning)"
             )
         draft = load_or_init(cfg, target, tokenizer)
-        vocab_size = min(hub.shared_vocab_size(target, draft, tokenizer), rows_before_mask(draft))
+        # a reduced head's rows are V_d: its ids are checked by `ReducedStandalone.reduce`
+        full_head = None if is_reduced(draft) else draft
+        vocab_size = min(
+            hub.shared_vocab_size(target, full_head, tokenizer), rows_before_mask(draft)
+        )
         mask_id = add_mask_token(draft)
         setattr(draft.config, DEPTHS_FIELD, cfg.parallel_depths)
         print(f"parallel draft: mask token {mask_id}, {cfg.parallel_depths} depths per anchor")
-        return draft, cls(vocab_size, cfg.parallel_depths, mask_id)
+        if cfg.vocab_size is None and not is_reduced(draft):
+            return draft, cls(vocab_size, cfg.parallel_depths, mask_id)
+        draft, _ = ReducedStandalone.reduce(draft, cfg, target, tokenizer, train_data)
+        print(
+            f"parallel draft: output vocabulary V_d of {draft.config.draft_vocab_size} of the "
+            f"target's {vocab_size} tokens"
+        )
+        return draft, ReducedParallel(vocab_size, cfg.parallel_depths, mask_id, draft.lm_head)
 
     def count_mask(self, batch: dict) -> Tensor:
         """The positions a step's loss is normalised by (depth 0's mask: the anchors)."""
@@ -229,9 +268,53 @@ class Parallel:
         return out
 
 
+@dataclass(frozen=True)
+class ReducedParallel(Parallel):
+    """A parallel draft over V_d (FR-Spec, as `drafts.standalone.ReducedStandalone`): its
+    output head keeps K rows with the d2t / t2d map; training compares the K columns of every
+    depth with the target (`d2t`), and its forward, which the drafter and the offline α read,
+    returns full-vocabulary logits with −inf outside V_d (q = 0 there: lossless). Its `name`
+    is "parallel"; exported as hf only."""
+
+    head: ReducedHead = field(compare=False, repr=False)
+
+    @property
+    def d2t(self) -> Tensor:
+        """The draft's d2t map: draft id i is target id i + d2t[i]."""
+        return self.head.d2t
+
+    formats = ("hf",)
+    format_note = (
+        "a parallel draft with a reduced output vocabulary (draft.vocab_size) is not a draft "
+        "model vLLM loads; export it as hf (specdistill serve / speculate load that directory)"
+    )
+
+    @staticmethod
+    def detect(path) -> bool:
+        """A parallel draft's directory whose config.json says a reduced head's model_type."""
+        return Parallel.detect(path) and is_reduced_dir(path)
+
+    def depths(self, draft, target, batch: dict) -> Depths:
+        """Every depth's K columns [B, T−1, K] against the target's [B, T−1, V]."""
+        ids, attention = batch["input_ids"], batch["attention_mask"]
+        with torch.no_grad():
+            t_logits = target(input_ids=ids, attention_mask=attention).logits[
+                ..., : self.vocab_size
+            ]
+        blocks = block_logits(
+            draft, ids, attention, self.mask_id, self.steps, self.vocab_size, reduced=True
+        )
+        return shifted_depths(blocks, t_logits, target_mask(batch))
+
+    def save(self, draft, out: Path, tokenizer, verifier: str) -> None:
+        """`Parallel.save`, after checking the map the draft carries (`check_vocab_map`)."""
+        reduced_head(draft).check(f"the draft saved to {out}")
+        super().save(draft, out, tokenizer, verifier)
+
+
 def rows_before_mask(model) -> int:
-    """The output head's rows that are tokens: all of them, or those before the mask token."""
-    rows = model.get_output_embeddings().weight.shape[0]
+    """The logit columns that are tokens: all of them, or those before the mask token."""
+    rows = output_columns(model)
     mask_id = mask_token(model)
     return rows if mask_id is None else min(rows, mask_id)
 

@@ -214,6 +214,36 @@ def with_reduced_head(model, d2t: Tensor, t2d: Tensor) -> ReducedVocabLlamaForCa
     return reduced.train(model.training)
 
 
+def add_input_row(model: ReducedVocabLlamaForCausalLM) -> int:
+    """One more input token for a reduced-head draft (a parallel draft's mask token): an
+    embedding row initialised to the mean of the others; the K-row output head is kept and
+    its map covers the new id outside V_d (never proposed). -> the new id."""
+    old = model.get_input_embeddings()
+    rows, width = old.weight.shape
+    new = nn.Embedding(
+        rows + 1,
+        width,
+        padding_idx=old.padding_idx,
+        device=old.weight.device,
+        dtype=old.weight.dtype,
+    )
+    with torch.no_grad():
+        new.weight[:rows] = old.weight
+        new.weight[rows] = old.weight.mean(dim=0)
+    model.set_input_embeddings(new)
+    head = model.lm_head
+    head.t2d = torch.cat([head.t2d, head.t2d.new_zeros(1)])  # a registered buffer, replaced
+    model.config.vocab_size = model.vocab_size = rows + 1
+    return rows
+
+
+def output_columns(model) -> int:
+    """The logit columns a causal LM's forward returns: a reduced head's full vocabulary
+    (−inf outside V_d), else its output head's rows."""
+    head = getattr(model, "module", model).get_output_embeddings()
+    return head.vocab_size if isinstance(head, ReducedHead) else head.weight.shape[0]
+
+
 def reduce_for_data(model, draft_vocab_size: int, train_data, vocab_size: int):
     """`with_reduced_head` for the `draft_vocab_size` most frequent loss-masked tokens of
     `train_data` among the first `vocab_size` ids (those the shared tokenizer produces)."""

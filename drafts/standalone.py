@@ -134,7 +134,7 @@ class Standalone:
         return [(d_logits[0, :, :vocab_size].to(t_logits.device), t_logits, None)]
 
 
-def _head(draft):
+def reduced_head(draft) -> ReducedHead:
     """The reduced output head of a draft (inside a peft or DDP wrapper too)."""
     return getattr(draft, "module", draft).get_output_embeddings()
 
@@ -214,7 +214,7 @@ class ReducedStandalone(Standalone):
                 "set loss.chunk_size=null"
             )
         chains = sample_chains(draft, target, batch, starts, vocab_size=self.vocab_size, **sampling)
-        head = _head(draft)
+        head = reduced_head(draft)
         ids = head.draft_ids().to(chains.draft.device)
         return Chains(
             chains.draft.index_select(-1, ids),
@@ -225,7 +225,7 @@ class ReducedStandalone(Standalone):
 
     def save(self, draft, out: Path, tokenizer, verifier: str) -> None:
         """`Standalone.save`, after checking the map the draft carries (`check_vocab_map`)."""
-        _head(draft).check(f"the draft saved to {out}")
+        reduced_head(draft).check(f"the draft saved to {out}")
         super().save(draft, out, tokenizer, verifier)
 
     # ------------------------------------------------------------------ a loaded draft
@@ -233,7 +233,7 @@ class ReducedStandalone(Standalone):
     def vocab_size_of(model) -> int:
         """Logit columns the draft's forward produces: its full input vocabulary (−inf
         outside V_d), not its head's K rows."""
-        return _head(model).vocab_size
+        return reduced_head(model).vocab_size
 
 
 class StandaloneDrafter:

@@ -92,9 +92,9 @@ class DraftConfig(Section):
     vocab_size: int | None = recipe_key(
         None,
         "V_d: the draft's output vocabulary, the most frequent loss-masked training tokens; "
-        "eagle3: the head's; standalone: the draft's output head keeps only those rows (FR-Spec; "
-        "q = 0 outside V_d, exported as hf only). null: the target's V (or the V_d a reduced "
-        "draft.model was saved with)",
+        "eagle3: the head's; standalone and parallel: the draft's output head keeps only "
+        "those rows (FR-Spec; q = 0 outside V_d, exported as hf only). null: the target's V "
+        "(or the V_d a reduced draft.model was saved with)",
         ge=1,
     )
     aux_layers: Ints | None = recipe_key(

@@ -107,11 +107,6 @@ def _draft_checks(recipe: Recipe, explicit: set[str]) -> list[Check]:
             "parallel draft's depths compare the target at shifted positions: unset target.cache",
         ),
         (
-            d.vocab_size is None or d.type != "parallel",
-            "draft.vocab_size (a reduced output vocabulary) applies to standalone drafts and "
-            "eagle3 heads, not draft.type=parallel",
-        ),
-        (
             d.vocab_size is None or d.type != "standalone" or lo.chunk_size is None,
             "loss.chunk_size is not supported with draft.vocab_size (the draft's V_d logits "
             "are small): set loss.chunk_size=null",

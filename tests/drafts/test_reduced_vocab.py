@@ -219,9 +219,60 @@ def test_build_reduces_the_draft_and_trains_over_v_d(tiny_pair, tmp_path):
         drafts.build(other.draft, target, tokenizer, None, print=print)
 
 
+def test_a_parallel_draft_with_a_reduced_vocabulary(tiny_pair, tmp_path):
+    """draft.type=parallel with draft.vocab_size: the mask token is one more input row, the
+    head keeps K rows, every depth trains over V_d, and the saved draft reloads as the same
+    type; a saved reduced standalone draft becomes one by gaining a mask token."""
+    from specdistill.train.config import recipe_datasets
+
+    extra = {"draft.vocab_size": 50, "draft.type": "parallel", "draft.parallel_depths": 3}
+    recipe = recipe_for(tiny_pair, tmp_path, **extra)
+    target = hub.load_target(str(tiny_pair[0]))
+    tokenizer = hub.load_tokenizer(str(tiny_pair[0]))
+    train_data = recipe_datasets(recipe, tokenizer)[0]
+    draft, kind = drafts.build(recipe.draft, target, tokenizer, train_data, print=print)
+    v = len(tokenizer)
+    assert isinstance(kind, drafts.ReducedParallel) and kind.name == "parallel"
+    assert kind.vocab_size == v and kind.mask_id == v and kind.d2t is draft.lm_head.d2t
+    assert draft.get_input_embeddings().weight.shape[0] == v + 1
+    assert draft.lm_head.weight.shape[0] == 50 and draft.lm_head.vocab_size == v + 1
+    assert not bool(draft.lm_head.t2d[v])  # the mask token is never proposed
+    batch = {
+        "input_ids": torch.as_tensor(train_data[0]["input_ids"][:16])[None],
+        "attention_mask": torch.ones(1, 16, dtype=torch.long),
+        "loss_mask": torch.ones(1, 16, dtype=torch.bool),
+    }
+    d, t, m = kind.depths(draft, target, batch)
+    assert [x.shape for x in d] == [(1, 15, 50)] * 3 and t[0].shape == (1, 15, v)
+    assert drafts.type_of(draft) is drafts.ReducedParallel
+    assert drafts.compared_vocab_size(target, draft=draft) == v
+    kind.save(draft, tmp_path / "saved", tokenizer, "target")
+    assert drafts.detect(tmp_path / "saved") is drafts.ReducedParallel
+    again = recipe_for(tiny_pair, tmp_path, **{**extra, "draft.model": str(tmp_path / "saved")})
+    loaded, kind2 = drafts.build(again.draft, target, tokenizer, None, print=print)
+    assert isinstance(kind2, drafts.ReducedParallel) and kind2.mask_id == v
+    assert torch.equal(loaded.lm_head.d2t, draft.lm_head.d2t)
+    assert torch.equal(loaded.get_input_embeddings().weight, draft.get_input_embeddings().weight)
+    from specdistill.train.export import ExportError, export
+
+    with pytest.raises(ExportError, match="export it as hf"):
+        export(tmp_path / "saved", "vllm", tmp_path / "vllm")
+    exported = export(tmp_path / "saved", "hf", tmp_path / "hf")
+    assert json.loads((exported / "config.json").read_text())["pard_token"] == v
+
+    standalone = recipe_for(tiny_pair, tmp_path, **{"draft.vocab_size": 50})
+    reduced, _ = drafts.build(standalone.draft, target, tokenizer, train_data, print=print)
+    drafts.ReducedStandalone(v, reduced.lm_head).save(reduced, tmp_path / "sa", tokenizer, "t")
+    grown = recipe_for(tiny_pair, tmp_path, **{**extra, "draft.model": str(tmp_path / "sa")})
+    draft, kind = drafts.build(grown.draft, target, tokenizer, None, print=print)
+    assert isinstance(kind, drafts.ReducedParallel) and kind.mask_id == v
+    assert torch.equal(draft.lm_head.weight, reduced.lm_head.weight)  # the head is kept
+    rows = draft.get_input_embeddings().weight
+    assert torch.equal(rows[:v], reduced.get_input_embeddings().weight)
+    assert torch.allclose(rows[v], rows[:v].mean(0))
+
+
 def test_recipe_refuses_what_a_reduced_vocabulary_cannot_do(tiny_pair, tmp_path):
-    with pytest.raises(RecipeError, match="not draft.type=parallel"):
-        recipe_for(tiny_pair, tmp_path, **{"draft.vocab_size": 50, "draft.type": "parallel"})
     with pytest.raises(RecipeError, match="loss.chunk_size is not supported with draft.vocab"):
         recipe_for(tiny_pair, tmp_path, **{"draft.vocab_size": 50, "loss.chunk_size": 8})
 

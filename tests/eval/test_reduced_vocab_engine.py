@@ -1,13 +1,15 @@
-"""The speculative decoding engine with a reduced-vocabulary standalone draft
-(drafts/reduced_vocab.py) stays lossless: greedy output is the target's greedy output, and at
-T = 1 the first two sampled tokens follow the target's distribution (chi-square), although the
-draft never proposes a token outside V_d and the target often wants one."""
+"""The speculative decoding engine with a reduced-vocabulary standalone or parallel draft
+(drafts/reduced_vocab.py, drafts/parallel.py) stays lossless: greedy output is the target's
+greedy output, and at T = 1 the first two sampled tokens follow the target's distribution
+(chi-square), although the draft never proposes a token outside V_d and the target often
+wants one."""
 
 import pytest
 import torch
 
 from specdistill import drafts
 from specdistill.drafts.eagle3_vocab import build_vocab_map
+from specdistill.drafts.parallel import add_mask_token
 from specdistill.drafts.reduced_vocab import with_reduced_head
 from specdistill.eval import engine
 from tests.eval.test_speculative import (
@@ -36,10 +38,25 @@ def reduced_pair():
     return target, draft, t2d
 
 
-@pytest.mark.parametrize("gamma, batch_size", [(1, 5), (3, 2), (6, 5)])
-def test_greedy_equals_target_greedy(reduced_pair, gamma, batch_size):
+def as_parallel(draft):
+    """The reduced draft with a mask token: a reduced parallel draft (untrained mask)."""
+    import copy
+
+    parallel = copy.deepcopy(draft)
+    add_mask_token(parallel)
+    return parallel
+
+
+@pytest.mark.parametrize(
+    "gamma, batch_size, parallel",
+    [(1, 5, False), (3, 2, False), (6, 5, False), (3, 2, True), (6, 5, True)],
+)
+def test_greedy_equals_target_greedy(reduced_pair, gamma, batch_size, parallel):
     target, draft, t2d = reduced_pair
-    assert drafts.type_of(draft) is drafts.ReducedStandalone
+    if parallel:
+        draft = as_parallel(draft)
+    kind = drafts.ReducedParallel if parallel else drafts.ReducedStandalone
+    assert drafts.type_of(draft) is kind
     g = torch.Generator().manual_seed(3)
     prompts = [torch.randint(0, 96, (n,), generator=g).tolist() for n in (3, 11, 6, 1, 8)]
     out = engine.generate(
@@ -53,9 +70,15 @@ def test_greedy_equals_target_greedy(reduced_pair, gamma, batch_size):
     assert any(n > 0 for n in accepted) and any(n < gamma for n in accepted)
 
 
-def test_sampling_is_lossless_at_temperature_one():
+@pytest.mark.parametrize("parallel", [False, True])
+def test_sampling_is_lossless_at_temperature_one(parallel):
     target = tiny_llama(0, vocab=V_SMALL, hidden=32, layers=1, init=0.2)
     draft, t2d = reduce(perturbed(target, 0.04, seed=1), 5, seed=2)
+    if parallel:
+        draft = as_parallel(draft)
+        assert drafts.type_of(draft) is drafts.ReducedParallel
+        assert draft.get_input_embeddings().weight.shape[0] == V_SMALL + 1
+        t2d = t2d[:V_SMALL]
     assert int((~t2d).sum()) == V_SMALL - 5
     out = sample_pairs((target, draft), 2)
     first = [n for r in out.rounds for n, s in zip(r.accepted, r.starts, strict=True) if s == 0]
