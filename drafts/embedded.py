@@ -66,6 +66,7 @@ from specdistill.drafts.embedded_specs import (
 from specdistill.drafts.embedded_train import log, new_tokenizer, train_model
 from specdistill.errors import UserError
 from specdistill.publish import publish_dir, waiting_lock
+from specdistill.threads import ThreadPolicy
 
 __all__ = [
     "BUILD_RECORD",
@@ -117,8 +118,8 @@ def build(name: str, *, force: bool = False) -> Path:
         tokenizer_dir = _ensure_tokenizer(spec.corpus)
         tmp = _new_tmp_dir(name)
         try:
-            with _num_threads(spec.threads):
-                _train_model(name, spec, tokenizer_dir, tmp)
+            with _thread_policy(spec.threads) as threads:
+                _train_model(name, spec, tokenizer_dir, tmp, threads)
             publish_dir(tmp, final)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -137,12 +138,14 @@ def _embedded_root() -> Path:
 
 
 @contextlib.contextmanager
-def _num_threads(threads: int | None) -> Iterator[None]:
-    """Run with `threads` torch intra-op threads (unchanged when None), then restore."""
+def _thread_policy(forced: int | None) -> Iterator[ThreadPolicy]:
+    """The build's torch intra-op threads (specdistill/threads.py): the spec's count when it
+    sets one, else the free cores, re-checked between steps; torch's count restored after."""
     previous = torch.get_num_threads()
-    torch.set_num_threads(threads or previous)
+    policy = ThreadPolicy(forced, name="the model's spec", say=log)
+    policy.start()
     try:
-        yield
+        yield policy
     finally:
         torch.set_num_threads(previous)
 
@@ -200,6 +203,8 @@ def _ensure_tokenizer(corpus: CorpusSpec) -> Path:
     return final
 
 
-def _train_model(name: str, spec: EmbeddedSpec, tokenizer_dir: Path, out: Path) -> None:
+def _train_model(
+    name: str, spec: EmbeddedSpec, tokenizer_dir: Path, out: Path, threads: ThreadPolicy
+) -> None:
     """Pretrain `spec` from scratch and save model, tokenizer and build record into `out`."""
-    _write_record(out, spec, **train_model(name, spec, tokenizer_dir, out))
+    _write_record(out, spec, **train_model(name, spec, tokenizer_dir, out, threads))

@@ -48,7 +48,8 @@ class EmbeddedSpec:
     warmup_steps: int
     eval_blocks: int  # held-out blocks of `seq_len` scored for the build record
     seed: int = 0
-    threads: int | None = None  # torch intra-op threads while building; None: torch's default
+    # torch intra-op threads while building; None: the free cores (specdistill/threads.py)
+    threads: int | None = None
     # Progressive stacking (Gong et al. 2019, "Efficient Training of BERT by Progressively
     # Stacking"): train `grow_from_layers` layers for the first `grow_at_step` steps, then
     # repeat each layer num_layers / grow_from_layers times and train the rest at full depth.

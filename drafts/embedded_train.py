@@ -33,6 +33,7 @@ from specdistill.drafts.embedded_specs import (
 )
 from specdistill.drafts.model_lock import model_lock
 from specdistill.drafts.progress import WorkProgress
+from specdistill.threads import ThreadPolicy
 
 PREFIX = "[specdistill embedded] "
 
@@ -192,9 +193,16 @@ def step_cost(spec: EmbeddedSpec, num_layers: int) -> int:
     return (num_layers + 1) * spec.batch_size * spec.seq_len
 
 
-def train_model(name: str, spec: EmbeddedSpec, tokenizer_dir: Path, out: Path) -> dict:
+def train_model(
+    name: str,
+    spec: EmbeddedSpec,
+    tokenizer_dir: Path,
+    out: Path,
+    threads: ThreadPolicy | None = None,
+) -> dict:
     """Pretrain `spec` from scratch and save model and tokenizer into `out`; the build
-    record's fields about the run (drafts/embedded.py writes the record)."""
+    record's fields about the run (drafts/embedded.py writes the record). `threads`, when
+    given, is re-checked between steps (specdistill/threads.py)."""
     start = time.perf_counter()
     tokenizer = tokenizers.Tokenizer.from_file(str(tokenizer_dir / "tokenizer.json"))
     eos_id = tokenizer.token_to_id(EOS)
@@ -259,6 +267,8 @@ def train_model(name: str, spec: EmbeddedSpec, tokenizer_dir: Path, out: Path) -
             cursor += spec.batch_size
             loss = train_step(model, optimizer, scheduler, batch)
             progress.advance(costs[step], f"step {step + 1}/{spec.steps}, loss {loss:.3f}")
+            if threads is not None:
+                threads.recheck(say=progress.note)
 
     n_params = sum(p.numel() for p in model.parameters())
     heldout_loss = _eval_loss(model, eval_blocks, spec.batch_size)

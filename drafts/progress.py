@@ -31,15 +31,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TextIO
 
+from specdistill.threads import usable_cores
+
 BUSY_MARGIN = 0.5  # runnable processes beyond the cores before the machine counts as busy
-
-
-def usable_cores() -> int:
-    """The cores this process may run on (its affinity mask where the OS has one)."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not on Linux
-        return os.cpu_count() or 1
 
 
 @dataclass(frozen=True)

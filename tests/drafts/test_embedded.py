@@ -289,3 +289,30 @@ def test_growth_needs_a_layer_count_that_divides_and_a_step_inside_the_run():
         dataclasses.replace(base, num_layers=3, grow_from_layers=2, grow_at_step=5)
     with pytest.raises(ValueError, match="grow_at_step"):
         dataclasses.replace(base, num_layers=4, grow_from_layers=2, grow_at_step=base.steps)
+
+
+def test_a_build_follows_the_free_cores_between_steps(cache, monkeypatch):
+    """A spec without a thread count builds on the cores free at its start and re-checks
+    them after every step (specdistill/threads.py); a spec's own count is kept."""
+    from specdistill import threads
+
+    chosen, rechecks = [], []
+
+    class Policy(threads.ThreadPolicy):
+        def start(self):
+            chosen.append(self.forced)
+            return super().start()
+
+        def recheck(self, say=None):
+            rechecks.append(say)
+            return None
+
+    monkeypatch.setattr(embedded, "ThreadPolicy", Policy)
+    loose = dataclasses.replace(embedded.EMBEDDED["tiny"], threads=None)
+    monkeypatch.setitem(embedded.EMBEDDED, "tiny-loose", loose)
+    embedded.resolve_model("embedded:tiny-loose")
+    assert chosen == [None] and len(rechecks) == loose.steps and all(rechecks)
+    before = torch.get_num_threads()
+    embedded.resolve_model("embedded:tiny")
+    assert chosen == [None, embedded.EMBEDDED["tiny"].threads]
+    assert torch.get_num_threads() == before  # restored after the build
