@@ -12,7 +12,8 @@ Free cores are measured, not guessed from the load average (which counts this pr
 threads and lags a minute): over an interval, the machine's busy CPU time (/proc/stat) less
 this process's own CPU time (`os.times`) is what the other processes used. A core counts as
 taken when the others used at least half of it. Where /proc/stat cannot be read (not Linux),
-the 1-minute load average stands in for the others' use. Standard library only at import.
+the 1-minute load average stands in for the others' use. The standard library and
+specdistill/errors.py only at import.
 """
 
 import math
@@ -21,12 +22,14 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from specdistill.errors import UserError
+
 START_SAMPLE_S = 0.3  # the interval measured before the first choice
 RECHECK_S = 30.0  # a long job's re-check interval
 TAKEN = 0.5  # the share of a core the others must use for it to count as taken
 
 
-class ThreadsError(ValueError):
+class ThreadsError(UserError):
     """A forced thread count that is not a positive integer."""
 
 

@@ -40,7 +40,7 @@ FOLDERS = {
     "specdistill.train": "train",
     "specdistill.recipes": "recipes",
 }
-UTILITIES = {"publish", "errors", "verb_parser"}
+UTILITIES = {"publish", "errors", "verb_parser", "threads"}
 ALLOWED = {
     # specdistill/errors.py defines the project's error base classes (stdlib only)
     "data": {"errors"},
@@ -48,6 +48,7 @@ ALLOWED = {
     "publish": set(),
     "errors": {"publish"},  # OutputDirError: publish imports only the standard library
     "verb_parser": set(),
+    "threads": {"errors"},  # ThreadsError; the standard library otherwise (torch lazily)
     # the embedded default target is built from the data layer's corpus (drafts/embedded.py)
     "drafts": {"losses", "data"} | UTILITIES,
     "eval": {"data", "losses", "drafts"} | UTILITIES,
