@@ -15,8 +15,11 @@ Loading is all-or-nothing (drafts/weights.py): a model whose weight files lack a
 config implies, or hold one of another shape, is refused with `IncompleteDraftError` naming
 the tensors and the directory, instead of running with randomly initialised layers; so is a
 draft whose files hold tensors its config has no place for (a target's are logged). A weights
-file that cannot be read is a `BrokenWeightsError` naming it. Every load of a draft or a
-target goes through here: serve (--draft, hot swap), speculate, drift, training, online.
+file that cannot be read is a `BrokenWeightsError` naming it. A draft (and its acceptance
+head) whose weights hold a NaN or an infinity is a `NonFiniteWeightsError` naming the file and
+the tensor; a target is not scanned here (its non-finite logits are refused where they are
+used, `losses.api`). Every load of a draft or a target goes through here: serve (--draft, hot
+swap), speculate, drift, training, online.
 """
 
 import functools
@@ -29,13 +32,17 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from specdistill.drafts import registry
+from specdistill.drafts.acceptance_head import WEIGHTS as HEAD_WEIGHTS
 from specdistill.drafts.acceptance_head import attach_saved_head
 from specdistill.drafts.embedded import PREFIX, resolve_model
 from specdistill.drafts.model_lock import model_lock
 from specdistill.drafts.weights import (
     BrokenWeightsError,
     IncompleteDraftError,
+    NonFiniteWeightsError,
+    check_finite,
     check_loading_info,
+    check_module_finite,
     check_weight_files,
     describe,
     tensor_names,
@@ -49,6 +56,7 @@ __all__ = [
     "BrokenWeightsError",
     "IncompleteDraftError",
     "ModelNotFoundError",
+    "NonFiniteWeightsError",
     "TokenizerMismatchError",
     "load_draft",
     "load_model",
@@ -79,10 +87,12 @@ def load_model(
     dtype: str = "float32",
     revision: str | None = None,
     unexpected: str = "refuse",
+    finite: bool = True,
 ):
     """A causal LM whose weights cover its config (else `IncompleteDraftError`); `dtype` is
     a key of DTYPES or "auto" (the dtype the weights were saved in). Weights its config has
-    no place for are refused, or logged with `unexpected="warn"`."""
+    no place for are refused, or logged with `unexpected="warn"`. With `finite`, weights
+    holding a NaN or an infinity as loaded are refused (`NonFiniteWeightsError`)."""
     torch_dtype = "auto" if dtype == "auto" else DTYPES[dtype]
     model, info = _from_pretrained(
         AutoModelForCausalLM,
@@ -93,6 +103,8 @@ def load_model(
         ignore_mismatched_sizes=True,  # reported in `info` and refused below, by name
     )
     check_loading_info(name, info, unexpected=unexpected)
+    if finite:
+        check_module_finite(name, model)
     return model
 
 
@@ -128,7 +140,7 @@ def load_target(
     lacks LoRA tensors its config implies (peft would leave them at their initialisation)
     is an `IncompleteDraftError` naming them.
     """
-    model = load_model(name, dtype=dtype, revision=revision, unexpected="warn")
+    model = load_model(name, dtype=dtype, revision=revision, unexpected="warn", finite=False)
     if adapter is None:
         return model
     from peft import PeftModel
@@ -272,7 +284,8 @@ def load_draft(
 
     A local draft directory with an acceptance head (drafts/acceptance_head.py) gives a draft
     carrying it as `model.acceptance_head`, checked like the draft's own weights; without the
-    head's files, or with `use_acceptance_head=False`, the draft has no such attribute."""
+    head's files, or with `use_acceptance_head=False`, the draft has no such attribute.
+    Weights (the head's too) holding a NaN or an infinity are a `NonFiniteWeightsError`."""
     path = local_model_dir(name)  # checks a local path before the imports
     # The head's own check (what `drafts.Eagle3.detect` uses): the drafts package imports
     # this module, so this module does not import the package.
@@ -280,10 +293,13 @@ def load_draft(
 
     if path is not None and is_eagle3_dir(path):
         model = Eagle3Head.from_pretrained(path, dtype=DTYPES[dtype])
+        check_module_finite(path, model)
     else:
         model = load_model(name, dtype=dtype, revision=revision)
     if use_acceptance_head and path is not None:
-        attach_saved_head(model, path)
+        head = attach_saved_head(model, path)
+        if head is not None:
+            check_finite(Path(path) / HEAD_WEIGHTS, head.named_parameters())
     return model
 
 

@@ -11,14 +11,19 @@ checks here turn that into an error:
   first few names of each kind and their count.
 - `BrokenWeightsError`: a weights file that cannot be read (cut short, not safetensors),
   named by its path, instead of safetensors' bare `SafetensorError`.
+- `NonFiniteWeightsError`: a loaded draft whose weights hold a NaN or an infinity (a training
+  run that diverged): it would propose garbage at full speed. The message names the weights
+  file and the first such tensor.
 
-Both are ValueErrors with one-line messages, so that the CLI reports them as `error: ...`.
+All are ValueErrors with one-line messages, so that the CLI reports them as `error: ...`.
 """
 
+import json
 import logging
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 
+import torch
 from safetensors import SafetensorError, safe_open
 
 from specdistill.errors import UserError
@@ -35,6 +40,10 @@ class IncompleteDraftError(UserError):
 
 class BrokenWeightsError(UserError):
     """A weights file that cannot be read: truncated, or not a safetensors file."""
+
+
+class NonFiniteWeightsError(UserError):
+    """A model whose weights, as loaded, hold a NaN or an infinity."""
 
 
 def name_list(names: Iterable[str], shown: int = SHOWN) -> str:
@@ -164,3 +173,85 @@ def check_state_file(path, expected: Mapping, advice: str = RESAVE) -> None:
 
 def _storage(tensor) -> tuple:
     return (tensor.device.type, tensor.untyped_storage().data_ptr())
+
+
+def header_shapes(directory) -> dict[str, tuple]:
+    """name -> shape of every tensor in a model directory's safetensors files, read from
+    their headers only; `BrokenWeightsError` for a file that cannot be read."""
+    shapes: dict[str, tuple] = {}
+    for path in weight_files(directory):
+        try:
+            with safe_open(str(path), framework="pt") as f:
+                shapes.update({name: tuple(f.get_slice(name).get_shape()) for name in f.keys()})
+        except SafetensorError as e:
+            raise broken(path, e) from None
+    return shapes
+
+
+def check_header_shapes(
+    directory, implied: Mapping[str, tuple], tied: Iterable[Iterable[str]] = ()
+) -> None:
+    """Refuse (`IncompleteDraftError`) a model directory whose weight files lack tensors of
+    `implied` (the shapes its config implies; `tied`: groups of names sharing one tensor, saved
+    under any one of them) or hold them in another shape, from the headers alone: before a
+    model of the config's size is allocated. Directories without safetensors files are left
+    to the loader."""
+    shapes = header_shapes(directory)
+    if not shapes:
+        return
+    saved = set(shapes)
+    for group in map(set, tied):
+        if group & shapes.keys():
+            saved |= group
+    missing = [name for name in implied if name not in saved]
+    mismatched = [
+        f"{name} {shapes[name]} vs {tuple(implied[name])}"
+        for name in implied
+        if name in shapes and shapes[name] != tuple(implied[name])
+    ]
+    message = describe(str(directory), missing, (), mismatched)
+    if message:
+        raise IncompleteDraftError(message)
+
+
+def check_finite(source, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+    """Refuse (`NonFiniteWeightsError`) floating-point `tensors` ((name, tensor) pairs of a model
+    loaded from `source`, a directory or a file) holding a NaN or an infinity; the message
+    names the file the first such tensor came from and how many there are. One
+    `isfinite(...).all()` per tensor."""
+    bad = [
+        (name, t.dtype)
+        for name, t in tensors
+        if t.is_floating_point() and not bool(torch.isfinite(t).all())
+    ]
+    if not bad:
+        return
+    name, dtype = bad[0]
+    others = f" and {len(bad) - 1} more tensor(s)" if len(bad) > 1 else ""
+    raise NonFiniteWeightsError(
+        f"{file_of(source, name)}: tensor {name} ({str(dtype).removeprefix('torch.')}){others} "
+        "holds NaN or infinite values: refused (the draft would propose garbage); a training "
+        "run that diverged writes such weights: train it again with a lower train.lr"
+    )
+
+
+def check_module_finite(source, module: torch.nn.Module) -> None:
+    """`check_finite` on a loaded module's parameters (its buffers are derived, not trained)."""
+    check_finite(source, module.named_parameters())
+
+
+def file_of(source, name: str) -> str:
+    """The weights file of directory `source` that holds tensor `name`: the only safetensors
+    file, or the one a sharded checkpoint's index maps it to; else `source` itself."""
+    path = Path(source)
+    if not path.is_dir():
+        return str(source)
+    files = weight_files(path)
+    if len(files) == 1:
+        return str(files[0])
+    index = path / "model.safetensors.index.json"
+    try:
+        shard = json.loads(index.read_text())["weight_map"][name]
+    except (OSError, ValueError, KeyError, TypeError):
+        return str(source)
+    return str(path / shard)

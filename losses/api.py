@@ -160,7 +160,8 @@ def acceptance(
     α = Σ_x min(p(x), q(x)) at ``temperature`` (target filtered by top_p/top_k, raw target
     mass on V_d with d2t, as in :func:`compute_loss`). Temperature 0 gives greedy agreement:
     1.0 if argmax q = argmax p else 0.0 (filters do not move the argmax). Masked positions
-    give 0. Differentiable for temperature > 0.
+    give 0, and so do positions whose draft logits hold a NaN or +inf (a diverged draft
+    accepts nothing; at temperature 0 also all −inf rows). Differentiable for temperature > 0.
     """
     if temperature == 0:
         _check_sampling(1.0, top_p, top_k)
@@ -172,7 +173,8 @@ def acceptance(
         draft_argmax = _valid_rows(draft_logits, mask).argmax(-1)
         if draft_ids is not None:
             draft_argmax = draft_ids[draft_argmax]
-        alpha = (draft_argmax == target.argmax(-1)).to(_dtype(draft_logits))
+        agree = (draft_argmax == target.argmax(-1)) & ~_diverged_rows(draft_logits)
+        alpha = agree.to(_dtype(draft_logits))
     else:
         _check_sampling(temperature, top_p, top_k)
         prepared = prepare(
@@ -186,7 +188,15 @@ def acceptance(
             mask_out_of_vocab=False,
         )
         alpha = log_acceptance(prepared.draft_logp, prepared.target_logp).exp()
+        alpha = torch.where(alpha.isnan(), 0.0, alpha)  # NaN from a non-finite draft
     return alpha if mask is None else torch.where(mask, alpha, 0.0)
+
+
+def _diverged_rows(draft_logits: Tensor) -> Tensor:
+    """Positions whose draft logits hold a NaN or +inf, or are all −inf: [..., V] -> [...]
+    bool. Their argmax is the NaN's (or the infinity's, or the first) index, not a
+    prediction. amax is NaN if any entry is, +inf if any is, −inf if all are."""
+    return ~torch.isfinite(draft_logits.detach().amax(-1))
 
 
 def masked_loss(name: str, prepared: Prepared, params: dict) -> Tensor:

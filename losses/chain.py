@@ -65,8 +65,9 @@ class ChainWeights(NamedTuple):
 
 
 def log_alpha_of(draft_logp: Tensor, target_logp: Tensor) -> Tensor:
-    """log α = logsumexp_x min(log p, log q): [..., V] x2 -> [...]."""
-    return torch.where(draft_logp <= target_logp, draft_logp, target_logp).logsumexp(-1)
+    """log α = logsumexp_x min(log p, log q): [..., V] x2 -> [...]; NaN for a NaN draft
+    (`losses.divergences.log_acceptance`)."""
+    return torch.where(target_logp < draft_logp, target_logp, draft_logp).logsumexp(-1)
 
 
 def row_terms(draft_logp: Tensor, target_logp: Tensor, tokens: Tensor) -> RowTerms:

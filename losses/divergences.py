@@ -33,9 +33,11 @@ def log_acceptance(draft_logp: Tensor, target_logp: Tensor) -> Tensor:
     """log α = logsumexp_x min(log p(x), log q(x)): [..., vocab] x2 -> [...].
 
     Stable as α -> 0. The gradient goes to the draft where q <= p (ties included),
-    which gives the closed-form TV gradient of docs/theory.md §3.
+    which gives the closed-form TV gradient of docs/theory.md §3. A NaN in the draft is
+    kept (the comparison is false for NaN, so the draft's entry is taken): a diverged draft
+    gives log α = NaN, never the target's own mass (α = 1).
     """
-    return torch.where(draft_logp <= target_logp, draft_logp, target_logp).logsumexp(-1)
+    return torch.where(target_logp < draft_logp, target_logp, draft_logp).logsumexp(-1)
 
 
 def renormalised(target_logp: Tensor) -> Tensor:

@@ -2,6 +2,7 @@
 field helper that carries a key's description and marks, and the value types that read YAML
 as the recipe means it."""
 
+import math
 import re
 from typing import Annotated, Any, Literal
 
@@ -41,6 +42,14 @@ def _number(value: Any) -> Any:
             return float(value)
         except ValueError:
             pass
+    return value
+
+
+def _finite(value: float) -> float:
+    """A number key holds a finite number: an infinity or a NaN would reach the arithmetic it
+    feeds (a learning rate, a ratio, a temperature) and poison the run without an error."""
+    if not math.isfinite(value):
+        raise ValueError(f"must be a finite number, got {value}")
     return value
 
 
@@ -92,8 +101,8 @@ def _resume_value(value: Any) -> Any:
 
 
 TEMPERATURE_VALUES = (
-    "a temperature > 0, a distribution of served temperatures {temperature >= 0: weight > 0, "
-    "...} whose weights sum to 1 (e.g. {0: 0.3, 0.7: 0.5, 1.0: 0.2}), or traffic"
+    "a finite temperature > 0, a distribution of served temperatures {finite temperature >= 0: "
+    "weight > 0, ...} whose weights sum to 1 (e.g. {0: 0.3, 0.7: 0.5, 1.0: 0.2}), or traffic"
 )
 
 
@@ -104,7 +113,7 @@ def _loss_temperature(value: Any) -> Any:
     if value == "traffic":
         return value
     if isinstance(value, int | float) and not isinstance(value, bool):
-        if not value > 0:
+        if not (value > 0 and math.isfinite(value)):
             raise RecipeError(
                 f"loss.temperature must be {TEMPERATURE_VALUES}; got {value}",
                 key="loss.temperature",
@@ -117,7 +126,7 @@ def _loss_temperature(value: Any) -> Any:
             mix = None
         if (
             mix is not None
-            and all(t >= 0 and w > 0 for t, w in mix.items())
+            and all(t >= 0 and w > 0 and math.isfinite(t) for t, w in mix.items())
             and abs(sum(mix.values()) - 1.0) <= 1e-6
         ):
             return mix
@@ -126,7 +135,7 @@ def _loss_temperature(value: Any) -> Any:
     )
 
 
-Float = Annotated[float, BeforeValidator(_number)]
+Float = Annotated[float, BeforeValidator(_number), AfterValidator(_finite)]
 LossTemperature = Annotated[
     float | dict[float, float] | Literal["traffic"], BeforeValidator(_loss_temperature)
 ]

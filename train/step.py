@@ -24,6 +24,7 @@ from accelerate import Accelerator
 
 from specdistill.drafts.acceptance_head import HeadLoss, attach_head, attached_head
 from specdistill.drafts.align import shifted_hidden, target_mask
+from specdistill.errors import UserError
 from specdistill.train.config import RecipeError
 from specdistill.train.distributed import (
     full_head_weight,
@@ -49,6 +50,40 @@ def lr_lambda(step: int, warmup: int, total: int, min_ratio: float) -> float:
         return (step + 1) / warmup
     progress = min(1.0, (step - warmup) / max(1, total - warmup))
     return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+class TrainingDiverged(UserError):
+    """An optimiser step whose loss is NaN or infinite, or whose update left a trained
+    parameter non-finite: the run stops there, before anything of that step is saved."""
+
+
+def nonfinite_count(params: list[torch.Tensor], device) -> torch.Tensor:
+    """How many of `params` hold a NaN or an infinity, as a 0-dim float64 on `device`. A
+    sharded parameter (an FSDP DTensor) is checked on this process's shard: the caller sums
+    the count over processes."""
+    flags = [
+        (~torch.isfinite(p.to_local() if hasattr(p, "to_local") else p).all()).to(device)
+        for p in params
+    ]
+    if not flags:
+        return torch.zeros((), dtype=torch.float64, device=device)
+    return torch.stack(flags).sum().double()
+
+
+def diverged_message(step: int, numbers: dict, nonfinite: int) -> str:
+    """The one line that stops a diverged run: which step, its loss (and the other numbers
+    of `numbers`), how many trained tensors went non-finite."""
+    shown = ", ".join(f"{name} {value:.6g}" for name, value in numbers.items())
+    params = (
+        f"; {nonfinite} trained parameter tensor(s) NaN or infinite after the update"
+        if nonfinite
+        else ""
+    )
+    return (
+        f"training diverged at step {step}: {shown}{params}; stopped before saving anything of "
+        "this step (checkpoints already written are kept): lower train.lr or raise "
+        "train.warmup_steps"
+    )
 
 
 @dataclass
@@ -79,6 +114,17 @@ class StepMetrics:
             **head,
             **self.extra,
         }
+
+
+def check_finite(metrics: StepMetrics, nonfinite: int) -> None:
+    """`TrainingDiverged` unless the step's losses are finite and no trained parameter went
+    NaN or infinite."""
+    losses = {"loss": metrics.loss}
+    if metrics.head_loss is not None:
+        losses["head_loss"] = metrics.head_loss
+    if nonfinite or not all(math.isfinite(v) for v in losses.values()):
+        numbers = {**losses, "alpha": metrics.alpha, "grad norm": metrics.grad_norm}
+        raise TrainingDiverged(diverged_message(metrics.step, numbers, nonfinite))
 
 
 class StepLosses(NamedTuple):
@@ -192,7 +238,9 @@ class DistillStep:
 
     # ----------------------------------------------------------------------------- step
     def train_step(self, batches: list[dict]) -> StepMetrics:
-        """One optimiser step on this process's micro-batches of the global batch."""
+        """One optimiser step on this process's micro-batches of the global batch.
+        `TrainingDiverged` (on every process alike) when the step's loss is not finite or
+        its update leaves a trained parameter non-finite."""
         acc, head = self.accelerator, self.head_training
         self._calls = 0
         n_local = sum(int(self.kind.count_mask(b).sum()) for b in batches)
@@ -222,10 +270,12 @@ class DistillStep:
             lr = self.scheduler.get_last_lr()[0]
             if head is not None:
                 head.update()
+        # the count of non-finite trained parameters rides along with the sums
+        stats = torch.cat([stats, nonfinite_count(self.trained_parameters(), acc.device)[None]])
         stats = acc.reduce(stats, "sum")
         denom = max(n_global, 1)
         self.step += 1
-        return StepMetrics(
+        metrics = StepMetrics(
             step=self.step,
             loss=stats[0].item() / denom,
             alpha=stats[1].item() / denom,
@@ -234,6 +284,16 @@ class DistillStep:
             tokens=n_global,
             head_loss=None if head is None else stats[2].item() / denom,
         )
+        check_finite(metrics, int(stats[-1].item()))
+        return metrics
+
+    def trained_parameters(self) -> list[torch.Tensor]:
+        """The parameters the optimisers update: the draft's (unless frozen) and its
+        acceptance head's."""
+        optimizers = [] if self.frozen else [self.optimizer]
+        if self.head_training is not None:
+            optimizers.append(self.head_training.optimizer)
+        return [p for opt in optimizers for group in opt.param_groups for p in group["params"]]
 
     def backward(self, parts: "StepLosses", scale: float) -> None:
         """The backward passes of one micro-batch: the draft's loss through accelerate, the

@@ -30,7 +30,8 @@ run's `final/`), else 3, with a note.
 
 Before anything is written the draft is checked: its weight files must be readable (a
 `BrokenWeightsError` naming a cut-short file) and cover its config (an `IncompleteDraftError`
-naming the missing, unexpected or other-shaped tensors: drafts/weights.py); for a head, its
+naming the missing, unexpected or other-shaped tensors: drafts/weights.py) and hold no NaN or
+infinity (a `NonFiniteWeightsError` naming the file and the tensor); for a head, its
 d2t / t2d map (a `VocabMapError` when missing or inconsistent); what the format can hold; the
 verifier; the tokenizer files. A
 non-empty --out is refused unless --overwrite; the export is written to a temporary directory
@@ -52,7 +53,7 @@ from torch import nn
 
 from specdistill import drafts
 from specdistill.drafts.eagle3_head import VocabMapError
-from specdistill.drafts.weights import check_weight_files
+from specdistill.drafts.weights import check_module_finite, check_weight_files
 from specdistill.publish import publish_dir
 from specdistill.train.export import hf, sglang, vllm
 from specdistill.train.export.common import ExportError, Options, Plan
@@ -107,13 +108,17 @@ def _read(directory: Path) -> tuple[type, nn.Module]:
 
 
 def load_draft(draft) -> tuple[type, nn.Module]:
-    """(draft type, module) for a draft directory, or an in-memory `Eagle3Head` / causal LM."""
+    """(draft type, module) for a draft directory, or an in-memory `Eagle3Head` / causal LM;
+    a `NonFiniteWeightsError` when its weights hold a NaN or an infinity (drafts/weights.py)."""
     if isinstance(draft, nn.Module):
+        check_module_finite("the draft in memory", draft)
         return drafts.detect(draft), draft
     directory = Path(draft)
     if not directory.is_dir():
         raise ExportError(f"draft directory {directory} does not exist")
-    return _read(directory)
+    kind, model = _read(directory)
+    check_module_finite(directory, model)
+    return kind, model
 
 
 def load_export(out, fmt: str) -> nn.Module:
@@ -240,9 +245,10 @@ def export(
 
     `tokenizer`: a directory whose tokenizer files the export carries (default: the draft's).
     Returns the path written. Raises `VocabMapError` for a bad d2t / t2d map,
-    `IncompleteDraftError` / `BrokenWeightsError` for weights that do not cover the config or
-    cannot be read, and `ExportError` for a draft the format cannot hold, a standalone draft
-    without tokenizer files or an unusable `out`; in every case nothing is written.
+    `IncompleteDraftError` / `BrokenWeightsError` / `NonFiniteWeightsError` for weights that
+    do not cover the config, cannot be read or hold NaN or infinite values, and `ExportError`
+    for a draft the format cannot hold, a standalone draft without tokenizer files or an
+    unusable `out`; in every case nothing is written.
     """
     source = None if isinstance(draft, nn.Module) else Path(draft)
     tokenizer = Path(tokenizer) if tokenizer is not None else None

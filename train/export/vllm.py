@@ -21,7 +21,11 @@ from pathlib import Path
 from torch import nn
 
 from specdistill.drafts.eagle3_head import Eagle3Head, check_vocab_map
-from specdistill.drafts.weights import BrokenWeightsError, IncompleteDraftError
+from specdistill.drafts.weights import (
+    BrokenWeightsError,
+    IncompleteDraftError,
+    NonFiniteWeightsError,
+)
 from specdistill.train.export import verifier
 from specdistill.train.export.common import (
     ExportError,
@@ -69,12 +73,13 @@ def write_causal_lm(model: nn.Module, options: Options) -> Plan:
 
 def read_causal_lm(directory: Path) -> nn.Module:
     """The causal LM of `directory` in its saved dtype, refused unless its weights cover its
-    config (drafts.hub.load_model: `IncompleteDraftError`, `BrokenWeightsError`)."""
+    config and hold no NaN or infinity (drafts.hub.load_model: `IncompleteDraftError`,
+    `BrokenWeightsError`, `NonFiniteWeightsError`)."""
     from specdistill.drafts import hub
 
     try:
         return hub.load_model(str(directory), dtype="auto")
-    except (IncompleteDraftError, BrokenWeightsError):
+    except (IncompleteDraftError, BrokenWeightsError, NonFiniteWeightsError):
         raise
     except (OSError, ValueError, KeyError) as e:
         raise ExportError(

@@ -85,11 +85,22 @@ def mean_difference_interval(
     return float(delta.mean()), lower, upper
 
 
+def unscored_why(cand: np.ndarray, inc: np.ndarray) -> str | None:
+    """Why the held-out α cannot be compared (a NaN or an infinity in either draft's
+    per-sequence α), or None. Such a score is never a reason to promote."""
+    for name, alpha in (("candidate", cand), ("incumbent", inc)):
+        bad = int((~np.isfinite(alpha)).sum())
+        if bad:
+            return f"the {name}'s alpha is not finite on {bad} of {len(alpha)} held-out sequences"
+    return None
+
+
 def decide(cand, inc, categories, cfg, *, seed: int = 0) -> dict:
     """The gate's verdict on per-sequence α arrays of candidate and incumbent.
 
     `cfg`: the recipe's online section (min_gain, confidence, bootstrap_samples,
-    min_category_samples, max_regression, min_holdout)."""
+    min_category_samples, max_regression, min_holdout). A non-finite α of either draft on
+    any held-out sequence is a rejection (`unscored_why`)."""
     cand, inc = np.asarray(cand, dtype=np.float64), np.asarray(inc, dtype=np.float64)
     n = len(cand)
     result = {"n_heldout": n, "alpha_candidate": None, "alpha_incumbent": None}
@@ -99,6 +110,9 @@ def decide(cand, inc, categories, cfg, *, seed: int = 0) -> dict:
             "promote": False,
             "why": f"held-out slice has {n} < min_holdout {cfg.min_holdout} sequences",
         }
+    unscored = unscored_why(cand, inc)
+    if unscored:
+        return {**result, "promote": False, "why": unscored}
     delta = cand - inc
     mean, lower, upper = mean_difference_interval(
         delta, samples=cfg.bootstrap_samples, confidence=cfg.confidence, seed=seed
@@ -127,7 +141,7 @@ def decide(cand, inc, categories, cfg, *, seed: int = 0) -> dict:
         min_gain=cfg.min_gain,
         categories=per_cat,
     )
-    if lower <= cfg.min_gain:
+    if not lower > cfg.min_gain:
         why = (
             f"CI lower bound {lower:+.4f} of delta-alpha {mean:+.4f} is not above "
             f"min_gain {cfg.min_gain:g}"

@@ -80,7 +80,10 @@ class Refreshes:
         return not why
 
     def refresh(self) -> dict:
-        """K optimiser steps on the new records + replay, the gate, maybe a publish, commit."""
+        """K optimiser steps on the new records + replay, the gate, maybe a publish, commit.
+        A step that diverges stops the job (the step core's `TrainingDiverged`) before
+        anything is committed or published; a non-finite loss that reaches the gate is a
+        rejection under every policy."""
         from specdistill.train.online.gate import by_temperature, decide, sequence_alpha
 
         self._follow_external_change()
@@ -107,7 +110,17 @@ class Refreshes:
             self.faults("refresh:step")
         student = core.draft_module()
         version, incumbent = self.incumbent()
-        if osd:  # no gate: every update is served
+        bad = [i for i, loss in enumerate(losses) if not math.isfinite(loss)]
+        if bad:  # never served, whatever the policy
+            verdict = {
+                "promote": False,
+                "why": f"the training loss is not finite ({losses[bad[0]]} at step {bad[0] + 1} "
+                f"of {steps})",
+                "n_heldout": len(self.store.holdout),
+                "alpha_candidate": None,
+                "alpha_incumbent": None,
+            }
+        elif osd:  # no gate: every update is served
             verdict = {
                 "promote": True,
                 "why": "osd policy: no gate, promote always",
