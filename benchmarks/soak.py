@@ -523,12 +523,27 @@ def served_records(root: Path) -> list[dict]:
     ]
 
 
+def job_state(root: Path) -> dict | None:
+    """The online job's committed state (OUT/state/trainer_state.json, OUT = ROOT/online), or
+    None when it has committed none."""
+    from specdistill.train.online.dirs import STATE
+    from specdistill.train.run_plan import STATE_FILE
+
+    path = root / "online" / STATE / STATE_FILE
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
 def _job_read(root: Path) -> bool:
     """The job's committed cursor has consumed every line of the log."""
-    state = root / "online" / "state" / "state.json"
-    if not state.is_file():
-        return False
-    return json.loads(state.read_text())["cursor"]["lines"] >= log_lines(root)
+    state = job_state(root)
+    return state is not None and state["cursor"]["lines"] >= log_lines(root)
+
+
+def untrusted_trained(root: Path, untrusted: set) -> int | None:
+    """How many of the untrusted key's records the job trained on; None when the job has
+    committed no state (nothing to check: the check fails)."""
+    state = job_state(root)
+    return None if state is None else len(untrusted & set(state["trained_ids"]))
 
 
 def load_phases(s: Settings, url: str, server, context: int) -> dict:
@@ -594,8 +609,8 @@ def check(s: Settings, root: Path, f: dict, alive: dict, codes: dict, poison_ids
         for r in read_jsonl(root / "online" / "rejects.jsonl")
         if r.get("shard") == POISON_SHARD
     }
-    state = root / "online" / "state" / "state.json"
-    trained = set(json.loads(state.read_text())["trained_ids"]) if state.is_file() else set()
+    state = job_state(root)
+    trained = set(state["trained_ids"]) if state is not None else set()
     results = {
         "processes_alive": alive,
         "exit_codes": codes,
@@ -603,7 +618,7 @@ def check(s: Settings, root: Path, f: dict, alive: dict, codes: dict, poison_ids
         "poison_records": len(poison_ids),
         "poison_rejected": sum(offset in rejects for offset in poison_ids),
         "poison_not_rejected": [n for offset, n in poison_ids.items() if offset not in rejects],
-        "untrusted_trained": len(untrusted & trained),
+        "untrusted_trained": untrusted_trained(root, untrusted),
         "trained_records": len(trained),
         "versions": sorted(p.name for p in (root / "drafts").glob("v*")),
     }

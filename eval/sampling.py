@@ -6,6 +6,10 @@ each draft was drawn from, so the output is distributed exactly as sampling from
 processed target. `Sampler` samples every row of a batch alike with one generator
 (`generate`); `RowSampler` samples each row with its own `Sampling` and generator
 (`Engine`). Both take the rows' `RowState`s (eval/batch.py) next to the logits.
+
+A temperature below `GREEDY_BELOW` (1e-5, 0 included) is greedy: argmax, as vLLM and
+SGLang decode a temperature near 0. Logits divided by a subnormal one overflow to infinity,
+and softmax of those is NaN.
 """
 
 import os
@@ -15,6 +19,13 @@ import torch
 
 from specdistill.eval import verify
 from specdistill.losses.sampling import check_filters, probabilities
+
+GREEDY_BELOW = 1e-5
+
+
+def is_greedy(temperature: float) -> bool:
+    """Whether `temperature` decodes greedily (below `GREEDY_BELOW`)."""
+    return temperature < GREEDY_BELOW
 
 
 @dataclass(frozen=True)
@@ -33,7 +44,8 @@ class Sampling:
 
 
 class Sampler:
-    """Token choice at the run's temperature, argmax at temperature 0, with one generator.
+    """Token choice at the run's temperature, argmax when greedy (`is_greedy`), with one
+    generator.
 
     The target samples from p (temperature, top-k, top-p); the draft from q (temperature
     only): docs/theory.md §1. `rows` (the logits' rows' states) is unused: every row of a
@@ -43,7 +55,7 @@ class Sampler:
     def __init__(self, temperature: float, top_p, top_k, generator: torch.Generator):
         self.temperature, self.top_p, self.top_k = temperature, top_p, top_k
         self.generator = generator
-        self.greedy = temperature == 0
+        self.greedy = is_greedy(temperature)
 
     def p(self, logits: torch.Tensor) -> torch.Tensor:
         return probabilities(logits, self.temperature, self.top_p, self.top_k)
@@ -93,7 +105,7 @@ class RowSampler:
 
     def generator_for(self, sampling: Sampling) -> torch.Generator | None:
         """A sampled request's generator (its seed, or a random one); None when greedy."""
-        if sampling.temperature == 0:
+        if is_greedy(sampling.temperature):
             return None
         seed = sampling.seed if sampling.seed is not None else int.from_bytes(os.urandom(7))
         return torch.Generator(device=self.device).manual_seed(seed)
@@ -109,7 +121,7 @@ class RowSampler:
         probs = None
         for i, row in enumerate(rows):
             s = row.sampling
-            if s.temperature == 0:
+            if is_greedy(s.temperature):
                 continue
             filters = (s.top_p, s.top_k) if filtered else ()
             p = probabilities(logits[i : i + 1], s.temperature, *filters)
@@ -126,7 +138,7 @@ class RowSampler:
         n_accepted, next_token = verify.verify_greedy(logits, drafted, **ragged)
         for i, row in enumerate(rows):
             s = row.sampling
-            if s.temperature == 0:
+            if is_greedy(s.temperature):
                 continue
             k = drafted.shape[1] if lengths is None else int(lengths[i])
             p = probabilities(logits[i : i + 1, : k + 1], s.temperature, s.top_p, s.top_k)

@@ -24,6 +24,7 @@ from pydantic import BaseModel
 from specdistill.serve import errors
 from specdistill.serve.auth import ApiKeys, AuthMiddleware
 from specdistill.serve.errors import APIError, error_body, error_response
+from specdistill.serve.intake import BodyReader
 from specdistill.serve.metrics import Metrics
 from specdistill.serve.responses import (
     Choice,
@@ -36,7 +37,7 @@ from specdistill.serve.responses import (
     Usage,
     body,
 )
-from specdistill.serve.schema import Limits, Parsed, parse, read_body, validate_body
+from specdistill.serve.schema import Limits, Parsed, parse, validate_body
 from specdistill.serve.traffic import (
     SCHEMA_VERSION,
     SamplingRecord,
@@ -59,6 +60,7 @@ class ServerConfig:
     max_num_seqs: int = 8  # rows decoded together
     max_queue: int = 64  # admitted requests beyond the rows (parsing or waiting for a row)
     max_gamma: int = 8  # the top bucket of the drafted-length histogram in /metrics
+    body_timeout_s: float = 30.0  # seconds a request's body may take to arrive (408 past them)
 
 
 # ----------------------------------------------------------------------------- text
@@ -306,7 +308,8 @@ class Run:
 class AppState:
     """What the routes share: models, worker, config, traffic log, metrics, admissions.
 
-    `in_flight` counts admitted requests (being parsed, waiting for a row, or decoding);
+    `in_flight` counts admitted requests (being parsed, waiting for a row, or decoding; a
+    request is admitted once its body is read, serve/intake.py);
     at `max_num_seqs + max_queue` a new one is answered 503 with Retry-After. It is read and
     written on the event loop only.
     """
@@ -322,8 +325,15 @@ class AppState:
         self.tokenizer, self.worker, self.config, self.traffic = tokenizer, worker, config, traffic
         self.keys = keys or ApiKeys([])
         self.metrics = Metrics(config.max_gamma)
+        self.watcher = None  # the --drafts DraftWatcher (serve/drafts.py): its state in /health
         self.in_flight = 0
         self.capacity = config.max_num_seqs + config.max_queue
+        # bodies are read before admission; together they hold what admitted requests may
+        self.bodies = BodyReader(
+            config.limits.max_body_bytes,
+            config.body_timeout_s,
+            self.capacity * config.limits.max_body_bytes,
+        )
         # one thread parses and tokenises, off the event loop (/health answers meanwhile)
         self.parser = ThreadPoolExecutor(1, thread_name_prefix="specdistill-tokenize")
 
@@ -353,7 +363,9 @@ def build_app(state: AppState) -> FastAPI:
 
     @app.get("/health")
     async def health():
-        return {"status": "ok", "draft_version": state.worker.version}
+        drafts = state.watcher.health() if state.watcher is not None else None
+        status = "degraded" if drafts and not drafts["ok"] else "ok"
+        return {"status": status, "draft_version": state.worker.version, "drafts": drafts}
 
     @app.get("/v1/models")
     async def models():
@@ -373,11 +385,13 @@ def build_app(state: AppState) -> FastAPI:
         return await handle(request, chat=True)
 
     async def handle(request: Request, chat: bool):
+        raw = await state.bodies.read(request)  # no slot is held while a body arrives
         state.admit()
         run = None
         try:
-            run = await start(request, chat)
+            run = await start(request, chat, raw)
         finally:
+            del raw
             if run is None:  # refused: the slot goes back
                 state.release()
         if run.p.stream:
@@ -399,13 +413,12 @@ def build_app(state: AppState) -> FastAPI:
                 task.cancel()
             run.cancel()
 
-    async def start(request: Request, chat: bool) -> Run:
-        """Read, validate and tokenise the request within the limits; submit it."""
+    async def start(request: Request, chat: bool, raw: bytes) -> Run:
+        """Validate and tokenise the request's body within the limits; submit it."""
         limits = state.config.limits
-        body = await read_body(request, limits)
         loop = asyncio.get_running_loop()  # parsing and tokenising: off the event loop
-        req = await loop.run_in_executor(state.parser, validate_body, body, chat, limits)
-        del body
+        req = await loop.run_in_executor(state.parser, validate_body, raw, chat, limits)
+        del raw
         if req.model is not None and req.model != state.config.model_name:
             raise APIError(404, f"The model `{req.model}` does not exist.", param="model")
         parsed = await loop.run_in_executor(state.parser, parse, req, state.tokenizer, limits)

@@ -3,7 +3,10 @@
 `ApiKeys` holds the accepted keys (several may be given, comma-separated); `AuthMiddleware`
 (plain ASGI, so streaming and disconnect detection are untouched) answers 401 in the OpenAI
 error shape for a /v1/* request without a valid key and puts the caller's client id in the
-request state (`request.state.client`). /health and /metrics stay open. The client id is
+request state (`request.state.client`). The OpenAPI schema and its pages (/openapi.json,
+/docs, /redoc) need a key too, since they list every route and field; /health and /metrics
+stay open. An empty key (`--api-key ""`, a blank between commas) is refused at start-up: it
+would leave the server open while it looks guarded. The client id is
 `key-` + the first 12 hex digits of sha256(key): traffic records carry it, never the key.
 """
 
@@ -15,7 +18,7 @@ from collections.abc import Iterable
 from specdistill.errors import UserError
 from specdistill.serve.errors import error_body
 
-PROTECTED = "/v1/"
+PROTECTED = ("/v1/", "/openapi.json", "/docs", "/redoc")  # path prefixes that need a key
 
 
 def client_id(key: str) -> str:
@@ -23,12 +26,19 @@ def client_id(key: str) -> str:
     return "key-" + hashlib.sha256(key.encode()).hexdigest()[:12]
 
 
-def parse_keys(value: str | Iterable[str] | None) -> list[str]:
-    """Keys from a comma-separated string or a list; blanks dropped."""
+def parse_keys(value: str | Iterable[str] | None, source: str = "--api-key") -> list[str]:
+    """Keys from a comma-separated string or a list, stripped; None: no keys. A blank key
+    (an empty value, or nothing between two commas) is a `UserError` naming `source`."""
     if value is None:
         return []
     items = value.split(",") if isinstance(value, str) else list(value)
-    return [k.strip() for k in items if k and k.strip()]
+    keys = [k.strip() for k in items]
+    if not keys or not all(keys):
+        raise UserError(
+            f"{source}: an empty API key (an empty value, or a blank between commas) would "
+            "leave the server open; give non-empty keys, comma-separated"
+        )
+    return keys
 
 
 class ApiKeys:

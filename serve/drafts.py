@@ -14,6 +14,14 @@ the worker, which switches between rounds. Loading is all or nothing (drafts.hub
 whose weights do not cover its config, or whose weights file is cut short, does not load. A
 version that fails to load or to match is logged and skipped (not retried until `current`
 names it again after another version), and the previous one keeps serving.
+
+Only ROOT's own versions load: a version directory, or a manifest's `draft_dir`, that
+resolves outside ROOT is refused. A version's config is checked against its weight files'
+headers before the model is built (`check_before_loading`), so a config of other shapes
+allocates nothing. A `current` that cannot be read (not UTF-8, a directory, a symlink loop)
+never stops the watcher: each failed poll is logged (once per distinct problem), counted and
+retried at the next poll; `health()` and the `WatchMetrics` collector show it in /health and
+/metrics.
 """
 
 import dataclasses
@@ -21,6 +29,7 @@ import json
 import logging
 import re
 import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -86,8 +95,69 @@ class Manifest:
         (version_dir / "manifest.json").write_text(json.dumps(self.to_dict(), indent=1))
 
 
+class CurrentUnreadableError(UserError):
+    """ROOT/current exists but cannot be read as a version name (not UTF-8, not a file)."""
+
+
+class OutsideRootError(UserError):
+    """A version (or its manifest's draft_dir) that resolves outside the drafts root."""
+
+
+def implied_shapes(path: str) -> tuple[dict[str, tuple], list[set[str]]]:
+    """(name -> shape of every tensor the config at `path` implies, groups of names sharing
+    one tensor), from the model built on the meta device: nothing is allocated."""
+    import torch
+
+    from specdistill.drafts.eagle3_head import Eagle3Head, is_eagle3_dir
+
+    with torch.device("meta"):
+        if is_eagle3_dir(path):
+            model = _meta_eagle3(Eagle3Head, Path(path))
+        else:
+            from transformers import AutoConfig, AutoModelForCausalLM
+
+            model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path))
+    state = model.state_dict(keep_vars=True)
+    groups: dict[int, set[str]] = {}
+    for name, tensor in state.items():
+        groups.setdefault(id(tensor), set()).add(name)
+    tied = [names for names in groups.values() if len(names) > 1]
+    return {name: tuple(t.shape) for name, t in state.items()}, tied
+
+
+def _meta_eagle3(cls, directory: Path):
+    """An EAGLE-3 head of the speculators config in `directory` (as drafts/eagle3_format.py
+    builds it), under the caller's device context."""
+    from transformers import LlamaConfig
+
+    config = json.loads((directory / "config.json").read_text())
+    layer = {k: v for k, v in config["transformer_layer_config"].items() if k != "model_type"}
+    return cls(
+        LlamaConfig(**layer),
+        draft_vocab_size=config["draft_vocab_size"],
+        target_hidden_size=config["target_hidden_size"],
+        aux_layers=config["eagle_aux_hidden_state_layer_ids"],
+        norm_before_residual=config["norm_before_residual"],
+        ttt_steps=config.get("ttt_steps"),
+    )
+
+
+def check_before_loading(path: str) -> None:
+    """Refuse (`IncompleteDraftError`) a local draft directory whose weight files' headers
+    lack tensors its config implies or hold them in other shapes, before any tensor is
+    allocated."""
+    from specdistill.drafts.weights import check_header_shapes
+
+    if not (Path(path) / "config.json").is_file():
+        return  # not a local model directory: the loader says what it is
+    shapes, tied = implied_shapes(path)
+    check_header_shapes(path, shapes, tied)
+
+
 def load_checked(path: str, target, tokenizer, *, dtype: str = "float32"):
-    """A draft loaded from `path`, on the target's device, checked to fit the target."""
+    """A draft loaded from `path`, on the target's device, checked to fit the target; its
+    config's shapes are checked against its weights before the model is built."""
+    check_before_loading(path)
     draft = load_draft(path, dtype=dtype)
     kind = drafts.type_of(draft)
     if kind.own_tokenizer:
@@ -111,12 +181,41 @@ def load_checked(path: str, target, tokenizer, *, dtype: str = "float32"):
 
 
 def read_current(root: Path) -> str | None:
-    """The version ROOT/current names (None when there is no such file or it is empty)."""
+    """The version ROOT/current names (None when there is no such file or it is empty);
+    `CurrentUnreadableError` when it exists but is not a UTF-8 text file."""
+    path = Path(root) / "current"
     try:
-        name = (root / "current").read_text().strip()
+        name = path.read_text(encoding="utf-8").strip()
     except FileNotFoundError:
         return None
+    except (OSError, UnicodeDecodeError) as e:
+        why = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
+        raise CurrentUnreadableError(
+            f"{path}: cannot read the current version ({why}); write the version's name "
+            "(e.g. v000001) to it, or roll back with specdistill online rollback"
+        ) from None
     return name or None
+
+
+def version_draft_dir(root: Path, version: str) -> Path:
+    """The draft directory of ROOT/`version` (its manifest's draft_dir, or the version
+    directory), resolved; `OutsideRootError` when it lies outside ROOT."""
+    root = Path(root)
+    if not VERSION.match(version):
+        raise UserError(f"{version!r} is not a version like v000001")
+    inside = root.resolve()
+    path = (root / version).resolve()
+    draft_dir = read_manifest(path).draft_dir
+    if draft_dir is not None and not isinstance(draft_dir, str):
+        raise UserError(f"{root / version}/manifest.json: draft_dir is not a path string")
+    model_dir = (path / draft_dir).resolve() if draft_dir else path
+    for what, where in ((root / version, path), (f"its draft_dir {draft_dir!r}", model_dir)):
+        if not where.is_relative_to(inside):
+            raise OutsideRootError(
+                f"{root / version}: {what} resolves to {where}, outside the drafts root "
+                f"{inside}; only the root's own versions are loaded"
+            )
+    return model_dir
 
 
 def read_manifest(version_dir: Path) -> Manifest:
@@ -140,6 +239,9 @@ class DraftWatcher(threading.Thread):
         self.loaded: str | None = None
         self.last_seen: str | None = None
         self.failed: dict[str, str] = {}  # version -> why it was skipped
+        self.errors = 0  # polls that failed (current unreadable, or any other error)
+        self.error: str | None = None  # the last poll's problem (None: it went well)
+        self.error_time: float | None = None
         self.stopping = threading.Event()
 
     def load(self, version: str):
@@ -149,12 +251,18 @@ class DraftWatcher(threading.Thread):
         path = self.root / version
         if not path.is_dir():
             raise FileNotFoundError(f"{path}: no such version directory")
-        model_dir = read_manifest(path).draft_path(path)
+        model_dir = version_draft_dir(self.root, version)
         return load_checked(str(model_dir), self.target, self.tokenizer, dtype=self.dtype)
 
     def poll(self) -> tuple[object, str] | None:
-        """Check `current` once: (draft, version) when a new good version was loaded."""
-        version = read_current(self.root)
+        """Check `current` once: (draft, version) when a new good version was loaded. A
+        `current` that cannot be read is a failed poll (`note_error`), retried at the next."""
+        try:
+            version = read_current(self.root)
+        except Exception as e:  # noqa: BLE001 - any read error: keep serving, poll again
+            self.note_error(e)
+            return None
+        self.error = None
         if version is None or version == self.loaded:
             self.last_seen = version
             return None
@@ -171,11 +279,64 @@ class DraftWatcher(threading.Thread):
         self.loaded = version
         return draft, version
 
-    def run(self) -> None:
-        while not self.stopping.wait(self.poll_s):
+    def note_error(self, error: BaseException) -> None:
+        """Count a failed poll; log it when its problem differs from the last poll's."""
+        why = f"{type(error).__name__}: {error}"
+        self.errors += 1
+        self.error_time = time.time()
+        if why != self.error:
+            log.error("%s: draft watch poll failed (%s); still serving %s; retrying every "
+                      "%gs", self.root, why, self.loaded, self.poll_s)  # fmt: skip
+        self.error = why
+
+    def step(self) -> None:
+        """One poll and, for a new good version, its install; never raises."""
+        try:
             found = self.poll()
             if found is not None:
                 self.install(*found)
+        except Exception as e:  # noqa: BLE001 - the watcher outlives any one poll
+            self.note_error(e)
+
+    def run(self) -> None:
+        while not self.stopping.wait(self.poll_s):
+            self.step()
 
     def stop(self) -> None:
         self.stopping.set()
+
+    def health(self) -> dict:
+        """The watch's state for /health: healthy unless the last poll failed or the thread
+        died after it was started."""
+        dead = self.ident is not None and not self.is_alive() and not self.stopping.is_set()
+        return {
+            "ok": self.error is None and not dead,
+            "root": str(self.root),
+            "loaded": self.loaded,
+            "errors": self.errors,
+            "error": "the draft watcher stopped" if dead else self.error,
+            "skipped": dict(self.failed),
+        }
+
+
+class WatchMetrics:
+    """A Prometheus collector of a DraftWatcher: failed polls (a counter) and whether the
+    last one failed (a gauge)."""
+
+    def __init__(self, watcher: DraftWatcher):
+        self.watcher = watcher
+
+    def collect(self):
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+        w = self.watcher
+        yield CounterMetricFamily(
+            "specdistill:draft_watch_errors",
+            "Polls of the drafts root that failed (current unreadable, a load that raised).",
+            value=w.errors,
+        )
+        yield GaugeMetricFamily(
+            "specdistill:draft_watch_failing",
+            "1 while the last poll of the drafts root failed, else 0.",
+            value=0 if w.health()["ok"] else 1,
+        )

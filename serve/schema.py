@@ -2,17 +2,23 @@
 
 Order of the checks, cheapest first, so that no request costs more than its limits allow:
 
-1. body size (`Limits.max_body_bytes`): the Content-Length header, then the bytes as they
-   arrive (a chunked body without Content-Length is cut off at the cap), 413;
+1. body size (`Limits.max_body_bytes`), 413, and the time it takes to arrive, 408, while it
+   is read (serve/intake.py), before the request takes an admission slot;
 2. JSON nesting depth (`MAX_JSON_DEPTH`), counted on the raw bytes before parsing, 400;
 3. JSON parsing and the pydantic model (`CompletionRequest`, `ChatCompletionRequest`):
-   every field typed and range-checked, NaN and Infinity refused, unknown fields refused
-   (400 naming the field), OpenAI fields this server does not implement refused when set to
+   every field typed and range-checked, NaN and Infinity refused, booleans only as JSON
+   `true` / `false`, unknown fields refused (400 naming the field), a lone UTF-16 surrogate
+   (`"\\ud800"`) in any string refused (400 naming the field: no such string can be encoded,
+   tokenised or logged), OpenAI fields this server does not implement refused when set to
    anything but their neutral value (`UNSUPPORTED`);
 4. the number of messages, stop strings and the prompt's length in characters, 400;
 5. tokenising (the prompt is at most `max_prompt_chars` characters by then), then the
    context check: prompt tokens + max_tokens above `max_model_len` is a 400 naming both
    numbers; a request without max_tokens gets min(the default, the room left).
+
+A temperature below `GREEDY_BELOW` (1e-5, eval/sampling.py) is greedy decoding, as vLLM and
+SGLang decode a temperature near 0 greedily rather than divide logits by it (a subnormal one
+overflows them); the traffic record names the temperature served, 0.
 """
 
 import json
@@ -23,6 +29,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from specdistill.eval.engine import Sampling
+from specdistill.eval.sampling import GREEDY_BELOW
 from specdistill.serve.errors import APIError
 
 MAX_TOP_LOGPROBS = 20
@@ -49,6 +56,7 @@ class Limits:
 
 Int = Annotated[int, Field(strict=True)]
 Float = Annotated[float, Field(strict=True)]  # ints are accepted, bools and strings are not
+Bool = Annotated[bool, Field(strict=True)]  # JSON true / false only: not "yes", 1 or "true"
 SEED_RANGE = dict(ge=-(2**63), le=2**64 - 1)
 
 
@@ -57,8 +65,8 @@ class _Strict(BaseModel):
 
 
 class StreamOptions(_Strict):
-    include_usage: bool | None = None
-    continuous_usage_stats: bool | None = None
+    include_usage: Bool | None = None
+    continuous_usage_stats: Bool | None = None
 
 
 class TextPart(_Strict):
@@ -83,7 +91,7 @@ class _Common(_Strict):
     temperature: Annotated[Float, Field(ge=0.0, le=100.0)] | None = None
     top_p: Annotated[Float, Field(gt=0.0, le=1.0)] | None = None
     n: Annotated[Int, Field(ge=1)] | None = None
-    stream: bool | None = None
+    stream: Bool | None = None
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
     seed: Annotated[Int, Field(**SEED_RANGE)] | None = None
@@ -93,7 +101,7 @@ class _Common(_Strict):
     user: str | None = None
     metadata: dict[str, Any] | None = None
     category: str | None = None  # this server's: the traffic record's category
-    store: bool | None = None
+    store: Bool | None = None
     service_tier: str | None = None
 
 
@@ -101,21 +109,21 @@ class CompletionRequest(_Common):
     prompt: str | list[str] | list[Int]
     logprobs: Annotated[Int, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
     best_of: Annotated[Int, Field(ge=1)] | None = None
-    echo: bool | None = None
+    echo: Bool | None = None
     suffix: str | None = None
 
 
 class ChatCompletionRequest(_Common):
     messages: Annotated[list[Message], Field(min_length=1)]
     max_completion_tokens: Annotated[Int, Field(ge=1)] | None = None
-    logprobs: bool | None = None
+    logprobs: Bool | None = None
     top_logprobs: Annotated[Int, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
     response_format: dict[str, Any] | None = None
     tools: list[Any] | None = None
     tool_choice: Any = None
     functions: list[Any] | None = None
     function_call: Any = None
-    parallel_tool_calls: bool | None = None
+    parallel_tool_calls: Bool | None = None
 
 
 def _unsupported(req: _Common) -> str | None:
@@ -154,30 +162,6 @@ def _unsupported(req: _Common) -> str | None:
 # ----------------------------------------------------------------------------- the body
 
 
-async def read_body(request, limits: Limits) -> bytes:
-    """The request body, refused with 413 once it passes `max_body_bytes` (the declared
-    Content-Length first; then the bytes received, which bounds a chunked body too)."""
-    cap = limits.max_body_bytes
-    declared = request.headers.get("content-length")
-    if declared is not None:
-        if not declared.isdigit():
-            raise APIError(400, "Content-Length is not a number")
-        if int(declared) > cap:
-            raise APIError(413, _too_large(int(declared), cap))
-    chunks, total = [], 0
-    async for chunk in request.stream():
-        total += len(chunk)
-        if total > cap:
-            raise APIError(413, _too_large(total, cap, at_least=True))
-        chunks.append(chunk)
-    return b"".join(chunks)
-
-
-def _too_large(size: int, cap: int, at_least: bool = False) -> str:
-    more = "at least " if at_least else ""
-    return f"the request body has {more}{size} bytes, more than this server accepts ({cap})"
-
-
 _STRING = re.compile(rb'"(?:[^"\\]|\\.)*"', re.S)
 _NOT_BRACKET = bytes(b for b in range(256) if b not in b"[]{}")
 
@@ -194,6 +178,32 @@ def json_depth_exceeds(body: bytes, limit: int) -> bool:
     return False
 
 
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")  # how JSON text spells a surrogate
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def lone_surrogate_at(data: object) -> str | None:
+    """The path (`messages.0.content`) of a string in parsed JSON that holds a lone surrogate
+    (of the object, for a key that holds one); None if there is none. `json.loads` joins a
+    valid pair into one character, so any surrogate left is lone. The depth is bounded by
+    `json_depth_exceeds`, which runs first."""
+    todo: list[tuple[str, object]] = [("", data)]
+    while todo:
+        path, value = todo.pop()
+        if isinstance(value, str):
+            if _SURROGATE.search(value):
+                return path or "body"
+        elif isinstance(value, dict):
+            for key, item in value.items():
+                inner = f"{path}.{key}" if path else key
+                if _SURROGATE.search(key):
+                    return path or "body"
+                todo.append((inner, item))
+        elif isinstance(value, list):
+            todo += [(f"{path}.{i}" if path else str(i), item) for i, item in enumerate(value)]
+    return None
+
+
 def validate_body(body: bytes, chat: bool, limits: Limits) -> _Common:
     if json_depth_exceeds(body, limits.max_json_depth):
         raise APIError(400, f"the JSON body nests deeper than {limits.max_json_depth} levels")
@@ -203,6 +213,12 @@ def validate_body(body: bytes, chat: bool, limits: Limits) -> _Common:
         raise APIError(400, "the request body is not valid JSON") from None
     if not isinstance(data, dict):
         raise APIError(400, "the request body must be a JSON object")
+    if _SURROGATE_ESCAPE.search(body):
+        where = lone_surrogate_at(data)
+        if where is not None:
+            raise APIError(
+                400, f"{where}: a string holds a lone UTF-16 surrogate (not text)", param=where
+            )
     model = ChatCompletionRequest if chat else CompletionRequest
     try:
         req = model.model_validate(data)
@@ -324,6 +340,8 @@ def parse(req: _Common, tokenizer, limits: Limits) -> Parsed:
     else:
         max_tokens = asked
     temperature = 1.0 if req.temperature is None else float(req.temperature)
+    if temperature < GREEDY_BELOW:
+        temperature = 0.0
     top_p = 1.0 if req.top_p is None else float(req.top_p)
     stops = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
     if chat:

@@ -22,8 +22,10 @@ Limits (vLLM's names where vLLM has the flag; `Server(...)` takes the same as ke
 --max-model-len (prompt + completion tokens; more is a 400 naming both numbers),
 --max-num-seqs (rows decoded together), --max-queue (requests waiting beyond them; past
 that a 503 with Retry-After at once, never a stall), --max-body-bytes (413 past it),
---max-prompt-chars (checked before tokenising), --max-messages, --drain-s (on SIGTERM, how
-long running requests may take). Every option with its default: docs/cli.md.
+--max-prompt-chars (checked before tokenising), --max-messages, --body-timeout-s (408 for
+a body slower than that; a request is admitted only once its body is read), --drain-s (on
+SIGTERM, how long running requests may take). Every value is checked before a model loads
+(serve/flags.py). Every option with its default: docs/cli.md.
 
 Draft length: --gamma N|auto. "auto" sets each row's length every round from the acceptance
 head's predictions and the cost of a round measured at the current batch size
@@ -34,8 +36,9 @@ otherwise), decided again for each hot-swapped version. --max-gamma caps it.
 Fixed per request (serve/schema.py): JSON nesting depth <= 32 (counted before parsing), at
 most 16 stop strings of at most 256 characters, top logprobs <= 20.
 
-Authentication: --api-key KEY[,KEY...] (or $SPECDISTILL_API_KEY) is required as
-`Authorization: Bearer KEY` on /v1/* (401 otherwise); /health and /metrics stay open. Serving
+Authentication: --api-key KEY[,KEY...] (or $SPECDISTILL_API_KEY; an empty key is refused)
+is required as `Authorization: Bearer KEY` on /v1/* and the OpenAPI pages (/openapi.json,
+/docs, /redoc), 401 otherwise; /health and /metrics stay open. Serving
 on a host beyond loopback without a key is refused at start-up unless --insecure. Traffic
 records name the key a request used (`client`: `key-` + sha256(key)[:12]).
 
@@ -46,16 +49,16 @@ field; a `model` other than the served name is a 404.
 """
 
 import argparse
-import contextlib
 import logging
 import os
-import signal
 import socket
 import threading
 import time
 from collections.abc import Sequence
 
 from specdistill.errors import UserError
+from specdistill.serve.flags import check_device, check_limits, check_traffic_dir, parse_gamma
+from specdistill.serve.uvicorn_server import _Uvicorn
 from specdistill.verb_parser import quiet_third_party, verb_parser
 
 log = logging.getLogger("specdistill.serve")
@@ -95,14 +98,13 @@ class Server:
         api_key: str | Sequence[str] | None = None,
         insecure: bool = False,
         drain_s: float = 30.0,
+        body_timeout_s: float = 30.0,
     ):
-        import torch
-
         from specdistill.drafts.hub import load_target, load_tokenizer
         from specdistill.drafts.identity import model_identity
         from specdistill.serve.app import AppState, ServerConfig, build_app
         from specdistill.serve.auth import ApiKeys, parse_keys
-        from specdistill.serve.drafts import DraftWatcher, load_checked
+        from specdistill.serve.drafts import DraftWatcher, WatchMetrics, load_checked
         from specdistill.serve.schema import Limits
         from specdistill.serve.traffic import DEFAULT_SHARD_BYTES, TrafficLog
         from specdistill.serve.worker import EngineWorker
@@ -110,27 +112,28 @@ class Server:
         if draft is not None and drafts_root is not None:
             raise UserError("give --draft or --drafts, not both")
         gamma = parse_gamma(gamma)
-        if max_gamma < 1:
-            raise UserError(f"--max-gamma must be >= 1, got {max_gamma}")
         if max_num_seqs is not None and max_batch is not None and max_num_seqs != max_batch:
             raise UserError("give --max-num-seqs or its alias --max-batch, not both")
         max_num_seqs = max_num_seqs or max_batch or 8
-        for flag, value, low in (
-            ("--max-num-seqs", max_num_seqs, 1),
-            ("--max-queue", max_queue, 0),
-            ("--max-body-bytes", max_body_bytes, 1024),
-            ("--max-messages", max_messages, 1),
-            ("--max-tokens", default_max_tokens, 1),
-        ):
-            if value < low:
-                raise UserError(f"{flag} must be >= {low}, got {value}")
-        if not drain_s >= 0:
-            raise UserError(f"--drain-s must be >= 0, got {drain_s}")
+        check_limits(
+            max_num_seqs=max_num_seqs,
+            max_queue=max_queue,
+            max_body_bytes=max_body_bytes,
+            max_messages=max_messages,
+            default_max_tokens=default_max_tokens,
+            max_prompt_chars=max_prompt_chars,
+            max_model_len=max_model_len,
+            max_gamma=max_gamma,
+            log_top_logprobs=log_top_logprobs,
+            drain_s=drain_s,
+            poll_s=poll_s,
+            body_timeout_s=body_timeout_s,
+            shard_bytes=shard_bytes,
+        )
+        check_traffic_dir(traffic)
+        device = check_device(device)
         self.keys = ApiKeys(parse_keys(api_key))
         self.insecure, self.drain_s = insecure, drain_s
-        if not 0 <= log_top_logprobs <= 20:
-            raise UserError(f"--log-top-logprobs must be in [0, 20], got {log_top_logprobs}")
-        device = device or ("cuda" if torch.cuda.is_available() else "cpu")
         self.tokenizer = load_tokenizer(target)
         # A peft adapter stays unmerged (drafts.hub.load_target); the identity the traffic
         # records carry covers its files, so the online job refuses records of another adapter
@@ -144,8 +147,6 @@ class Server:
                     f"{target}: its config names no max_position_embeddings; give --max-model-len"
                 )
             max_model_len = context
-        elif max_model_len < 2:
-            raise UserError(f"--max-model-len must be >= 2, got {max_model_len}")
         elif context and max_model_len > context:
             log.warning(
                 "--max-model-len %d is beyond the target's context (%d positions): outputs "
@@ -204,8 +205,12 @@ class Server:
             max_num_seqs=max_num_seqs,
             max_queue=max_queue,
             max_gamma=max(max_gamma, gamma if isinstance(gamma, int) else 0),
+            body_timeout_s=body_timeout_s,
         )
         self.state = AppState(self.tokenizer, self.worker, config, self.traffic, self.keys)
+        if self.watcher is not None:  # the watch's failed polls in /health and /metrics
+            self.state.watcher = self.watcher
+            self.state.metrics.registry.register(WatchMetrics(self.watcher))
         self.app = build_app(self.state)
         self._uvicorn = None
         self._thread = None
@@ -309,46 +314,6 @@ def set_threads(threads: int | None, device: str | None) -> None:
         log.info("%d torch threads (--threads to choose)%s", torch.get_num_threads(), state)
 
 
-def parse_gamma(value: int | str | None) -> int | str | None:
-    """--gamma: a number of drafts per round (>= 1), "auto", or None (the default)."""
-    if value is None or value == "auto":
-        return value
-    try:
-        gamma = int(value)
-    except (TypeError, ValueError):
-        raise UserError(f"--gamma must be an integer >= 1 or 'auto', got {value!r}") from None
-    if isinstance(value, bool) or gamma < 1 or (isinstance(value, float) and value != gamma):
-        raise UserError(f"--gamma must be an integer >= 1 or 'auto', got {value!r}")
-    return gamma
-
-
-def _uvicorn_server_class():
-    import uvicorn
-
-    class Uvicorn(uvicorn.Server):
-        """uvicorn's server, except that a SIGTERM/SIGINT it drained for is not raised again
-        afterwards: `serve` returns and the process exits 0."""
-
-        @contextlib.contextmanager
-        def capture_signals(self):
-            if threading.current_thread() is not threading.main_thread():
-                yield
-                return
-            handled = (signal.SIGINT, signal.SIGTERM)
-            original = {sig: signal.signal(sig, self.handle_exit) for sig in handled}
-            try:
-                yield
-            finally:
-                for sig, handler in original.items():
-                    signal.signal(sig, handler)
-
-    return Uvicorn
-
-
-def _Uvicorn(config):  # noqa: N802 - built lazily: uvicorn is imported on first use
-    return _uvicorn_server_class()(config)
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = verb_parser("serve", __doc__)
     parser.add_argument(
@@ -436,7 +401,16 @@ def build_parser() -> argparse.ArgumentParser:
         default=30.0,
         help="on SIGTERM/SIGINT: seconds running requests may take to finish",
     )
-    parser.add_argument("--poll-s", type=float, default=2.0, help="--drafts: seconds between polls")
+    parser.add_argument(
+        "--body-timeout-s",
+        type=float,
+        default=30.0,
+        help="seconds a client may take to send a request's body (408 past them); a request "
+        "takes an admission slot only once its body is read",
+    )
+    parser.add_argument(
+        "--poll-s", type=float, default=2.0, help="--drafts: seconds between polls (>= 0.05)"
+    )
     parser.add_argument("--max-tokens", type=int, default=16, help="default max_tokens")
     parser.add_argument(
         "--served-model-name", default=None, help="the model name clients send (default: --target)"
@@ -459,9 +433,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     quiet_third_party()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     from specdistill.serve.auth import ApiKeys, check_bind, parse_keys
+    from specdistill.serve.flags import check_cli, shard_bytes
 
-    api_key = args.api_key or os.environ.get("SPECDISTILL_API_KEY")
-    check_bind(args.host, ApiKeys(parse_keys(api_key)), args.insecure)  # before loading models
+    check_cli(args)
+    source, api_key = "--api-key", args.api_key
+    if api_key is None:
+        source, api_key = "SPECDISTILL_API_KEY", os.environ.get("SPECDISTILL_API_KEY")
+    check_bind(args.host, ApiKeys(parse_keys(api_key, source)), args.insecure)  # before loading
     set_threads(args.threads, args.device)
     server = Server(
         args.target,
@@ -477,7 +455,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         device=args.device,
         model_name=args.served_model_name,
         default_max_tokens=args.max_tokens,
-        shard_bytes=int(args.traffic_shard_mb * 1024 * 1024),
+        shard_bytes=shard_bytes(args.traffic_shard_mb),
         target_adapter=args.target_adapter,
         max_model_len=args.max_model_len,
         max_queue=args.max_queue,
@@ -487,6 +465,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         api_key=api_key,
         insecure=args.insecure,
         drain_s=args.drain_s,
+        body_timeout_s=args.body_timeout_s,
     )
     server.serve(args.host, args.port)
     return 0

@@ -86,9 +86,13 @@ TOP_P = Bounds(gt=0.0, le=1.0)
 COUNT = Bounds(ge=0)
 RATE = Bounds(ge=0.0, le=1.0)
 LOGPROB = Bounds(le=1e-4)  # a log-probability (rounding a little above 0 allowed)
+SECONDS = Bounds(ge=0.0)  # a time since the epoch, a latency
+ENDPOINTS = ("completions", "chat.completions")
+# What the server writes ("stop": EOS or a stop string) and what engines' logs carry.
+FINISH_REASONS = ("stop", "length", "abort", "tool_calls", "content_filter")
 
 Int = Annotated[int, Field(strict=True)]  # never a bool, a float or a string
-Number = number()
+Natural = Annotated[int, Field(strict=True, ge=0)]
 Count = number(COUNT)
 TopEntry = Annotated[list[tuple[Int, number(LOGPROB)]], Field(min_length=1)]
 
@@ -107,7 +111,7 @@ class Target(_Open):
 class SamplingRecord(_Open):
     temperature: number(TEMPERATURE)
     top_p: number(TOP_P) | None  # null or 1.0: off
-    max_tokens: Int | None
+    max_tokens: Annotated[int, Field(strict=True, ge=1)] | None
     seed: Int | None
     stop: list[str]
 
@@ -115,9 +119,9 @@ class SamplingRecord(_Open):
 class SpeculativeRecord(_Open):
     """vLLM's per-request speculative statistics (`metrics.speculative_decoding`)."""
 
-    mean_acceptance_length: Number | None
+    mean_acceptance_length: Count | None
     draft_acceptance_rate: number(RATE) | None
-    acceptance_histogram: list[Int] | None
+    acceptance_histogram: list[Natural] | None
     num_spec_steps: Count | None
     num_draft_tokens: Count | None
     num_accepted_draft_tokens: Count | None
@@ -129,8 +133,8 @@ class TrafficRecord(_Open):
 
     schema_version: Literal[1]
     id: str
-    time: Number
-    endpoint: str
+    time: number(SECONDS)
+    endpoint: Literal[ENDPOINTS]
     target: Target
     draft_version: str | None
     sampling: SamplingRecord
@@ -138,12 +142,12 @@ class TrafficRecord(_Open):
     prompt_token_ids: list[Int]
     completion_token_ids: list[Int]
     completion_text: str
-    finish_reason: str
+    finish_reason: Literal[FINISH_REASONS]
     speculative: SpeculativeRecord
     category: str | None
     top_logprobs: list[TopEntry] | None
-    latency_s: Number
-    ttft_s: Number | None
+    latency_s: number(SECONDS)
+    ttft_s: number(SECONDS) | None
     # `key-` + sha256(API key)[:12]; null: the server has no key; absent: convert-traffic
     client: Annotated[str, Field(pattern=r"^key-[0-9a-f]{12}$")] | None = None
 

@@ -46,13 +46,13 @@ class OnlineConfig(Section):
         64, "a refresh after this many new trainable records ...", ge=1
     )
     refresh_seconds: Float = recipe_key(
-        600.0, "... or after this many seconds (with at least min_refresh_records)"
+        600.0, "... or after this many seconds (with at least min_refresh_records)", gt=0
     )
     min_refresh_records: int = recipe_key(1, "new records a timed refresh needs", ge=1)
     refresh_steps: int = recipe_key(
         20, "optimiser steps per refresh (more if the new records need them)", ge=1
     )
-    max_refreshes: int = recipe_key(0, "stop after this many refreshes (0: no limit)")
+    max_refreshes: int = recipe_key(0, "stop after this many refreshes (0: no limit)", ge=0)
     recent_size: int = recipe_key(512, "the bounded store of recent records", ge=1)
     reservoir_size: int = recipe_key(
         512, "a uniform reservoir sample of the records older than those", ge=0
@@ -72,21 +72,32 @@ class OnlineConfig(Section):
     max_record_tokens: int | None = recipe_key(
         None,
         "prompt + completion tokens of a record; longer ones are rejected; null: data.max_length",
+        ge=1,
     )
-    max_line_bytes: int = recipe_key(4 * 1024 * 1024, "longer traffic lines are rejected")
+    max_line_bytes: int = recipe_key(
+        4 * 1024 * 1024,
+        "longer traffic lines are rejected (at least 4 KiB: a record's line fits)",
+        ge=4096,
+        le=1 << 30,
+    )
     dedup_size: int = recipe_key(
-        100_000, "(prompt, completion) keys remembered: exact repeats are dropped"
+        100_000,
+        "(prompt, completion) keys remembered: exact repeats are dropped (0: none)",
+        ge=0,
+        le=10_000_000,
     )
     max_per_prompt: int = recipe_key(
         4, "records of one prompt held at once (holdout, recent, reservoir)", ge=1
     )
-    bootstrap_samples: int = recipe_key(1000, "resamples of the gate's paired bootstrap", ge=100)
+    bootstrap_samples: int = recipe_key(
+        1000, "resamples of the gate's paired bootstrap", ge=100, le=100_000
+    )
     confidence: Float = recipe_key(
         0.95, "two-sided level of the paired bootstrap interval of Δα", gt=0, lt=1
     )
     min_gain: Float = recipe_key(0.0, "promote only if the interval's lower bound is above this")
     min_category_samples: int = recipe_key(
-        10, "held-out sequences a category needs to count in the regression check"
+        10, "held-out sequences a category needs to count in the regression check", ge=1
     )
     max_regression: Float = recipe_key(
         0.05, "a category (>= min_category_samples) may drop this much α", ge=0

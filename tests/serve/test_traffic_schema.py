@@ -76,6 +76,16 @@ def test_the_model_writes_the_lines_the_dict_writer_wrote(tmp_path):
         ({"top_logprobs": [[[3, 2.0]], [[4, -0.1]]]}, "2.0 is not in (-inf, 0.0001]"),
         ({"client": "someone"}, "client"),
         ({"schema_version": 2}, "schema_version 2 is not 1"),
+        ({"sampling": {**record()["sampling"], "max_tokens": -1}}, "sampling.max_tokens"),
+        (
+            {"speculative": {**record()["speculative"], "acceptance_histogram": [-1]}},
+            "speculative.acceptance_histogram.0",
+        ),
+        ({"endpoint": "evil"}, "endpoint: Input should be 'completions' or 'chat.completions'"),
+        ({"finish_reason": "evil"}, "finish_reason: Input should be 'stop'"),
+        ({"time": -1}, "time: -1 is not in [0, inf)"),
+        ({"latency_s": -1}, "latency_s: -1 is not in [0, inf)"),
+        ({"ttft_s": -0.5}, "ttft_s: -0.5 is not in [0, inf)"),
     ],
 )
 def test_a_record_outside_the_schema_is_refused_naming_field_and_value(changes, message):

@@ -15,6 +15,7 @@ state and logs.
 import json
 from pathlib import Path
 
+from specdistill.errors import UserFileError
 from specdistill.publish import DirLock, OutputDirError, atomic_write_text, claim_output_dir
 from specdistill.train.run_plan import STATE_FILE
 
@@ -27,7 +28,10 @@ HOLDER = "an online job or rollback"
 def lock_dirs(out: Path, root: Path, *, overwrite: bool | None = None) -> list[DirLock]:
     """DirLocks on OUT and ROOT (one when they are the same directory), taken now; with
     `overwrite` not None, OUT is claimed (`claim_out`) between the two, before ROOT (which
-    may lie inside OUT) is created."""
+    may lie inside OUT) is created. A path that is a file (or lies under one) is refused
+    first, naming its recipe key."""
+    check_dir_path("online.output_dir", out)
+    check_dir_path("online.drafts", root)
     locks = [DirLock(out, HOLDER).acquire()]
     try:
         if overwrite is not None:
@@ -38,6 +42,20 @@ def lock_dirs(out: Path, root: Path, *, overwrite: bool | None = None) -> list[D
         release(locks)
         raise
     return locks
+
+
+def check_dir_path(key: str, path: Path) -> None:
+    """`UserFileError` unless `path` is a directory or can be made one: it, or the nearest
+    of its parents that exists, is something other than a directory."""
+    for where in (path, *path.parents):
+        if where.exists() or where.is_symlink():
+            if where.is_dir():
+                return
+            what = "is" if where == path else f"lies under {where}, which is"
+            raise UserFileError(
+                f"{key} {path} {what} not a directory (a file, or a broken symlink); "
+                "choose a directory"
+            )
 
 
 def release(locks: list[DirLock]) -> None:
@@ -105,6 +123,8 @@ def rollback_main(argv: list[str]) -> int:
 
     args = rollback_parser().parse_args(argv)
     root = Path(args.drafts)
+    if root.exists() and not root.is_dir():
+        raise UserFileError(f"--drafts {root} is not a directory (the published root)")
     if not root.is_dir():
         raise FileNotFoundError(f"{root}: no such drafts root")
     with DirLock(root, HOLDER):

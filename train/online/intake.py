@@ -52,6 +52,9 @@ class TrafficInput:
             if reason in ("shard_rewritten", "shard_gone"):
                 self._shard_event(reason, shard)
                 continue
+            if reason == "not_a_shard":
+                self._not_a_shard(shard)
+                continue
             self.counts["lines"] += 1
             if raw is None:
                 self._reject(reason, "", shard, offset, None)
@@ -101,6 +104,21 @@ class TrafficInput:
         self.counts[what] += 1
         self.print(f"WARNING online: {path} {how}", file=sys.stderr)
         self._log("metrics.jsonl", {"kind": what, "shard": shard, "time": time.time()})
+
+    def _not_a_shard(self, name: str) -> None:
+        """A shard's name on a directory, a device or a symlink leading out of the traffic
+        directory: skipped, with a warning and a count once per job."""
+        if f"not_a_shard/{name}" in self._said:
+            return
+        self._said.add(f"not_a_shard/{name}")
+        self.counts["not_a_shard"] += 1
+        path = Path(self.o.traffic) / name
+        self.print(
+            f"WARNING online: {path} is not a regular file inside {self.o.traffic} (a "
+            "directory, a device, or a symlink leading out of it); skipped",
+            file=sys.stderr,
+        )
+        self._log("metrics.jsonl", {"kind": "not_a_shard", "shard": name, "time": time.time()})
 
     def _check_traffic(self, follow: bool) -> None:
         """A missing online.traffic is an error in a one-pass run, and a warning (once) in a

@@ -332,6 +332,7 @@ class OnlineJob(TrafficInput, ServedVersions, Refreshes):
             "skipped_by_reason": skipped,
             "shards_rewritten": self.counts["shard_rewritten"],
             "shards_gone": self.counts["shard_gone"],
+            "shards_skipped": self.counts["not_a_shard"],
             "records_accepted": self.counts["records_accepted"],
             "records_trained": len(self.trained_ids),
             "records_rejected": sum(rejected.values()),

@@ -43,10 +43,9 @@ class ServedVersions:
     # ----------------------------------------------------------------------------- versions
     def load_version(self, version: str):
         """The draft model of the published `version` (loaded and checked all or nothing)."""
-        from specdistill.serve.drafts import load_checked, read_manifest
+        from specdistill.serve.drafts import load_checked, version_draft_dir
 
-        path = self.root / version
-        model_dir = read_manifest(path).draft_path(path)
+        model_dir = version_draft_dir(self.root, version)  # inside ROOT, or refused
         return load_checked(
             str(model_dir), self.target, self.tokenizer, dtype=self.recipe.draft.dtype
         )

@@ -1,18 +1,13 @@
-"""The online job's input: a cursor over the server's traffic shards, record screening, and
-the bounded training store (recent records, a reservoir of older ones, an anchor set, the
-held-out newest slice). Everything here is plain data that `state()` / `from_state()` turn
-into JSON, so that the job can commit it atomically with each refresh (train/online/job.py).
-
-Cursor: (shard name, byte offset of the next unread line, lines consumed). Only complete
-lines (ending in a newline) are consumed; a final line without its newline is left for
-later while its shard is the newest (the server may be writing it), and rejected as torn
-once a newer shard exists (the server never appends after a torn line, docs/traffic.md).
+"""The online job's input: record screening and the bounded training store (recent records,
+a reservoir of older ones, an anchor set, the held-out newest slice). Everything here is
+plain data that `state()` / `from_state()` turn into JSON, so that the job can commit it
+atomically with each refresh (train/online/job.py). The cursor over the traffic shards is
+train/online/cursor.py (re-exported here).
 """
 
 import hashlib
 import json
 import math
-import os
 import random
 from collections import Counter, deque
 from dataclasses import dataclass, field
@@ -22,113 +17,7 @@ import numpy as np
 
 from specdistill.data.tokenize import Tokens
 from specdistill.serve.traffic import SHARD, TrafficError, check, describe, shards
-
-SEAL_BYTES = 4096  # a shard's bytes hashed into the cursor: its first and the last consumed
-
-
-@dataclass
-class Cursor:
-    shard: str | None = None  # the shard being read (None: before the first)
-    offset: int = 0  # bytes of `shard` consumed
-    lines: int = 0  # lines consumed in all shards (records, rejects, blank lines)
-    # What the consumed part of `shard` was (`seal`): its inode and a hash of its first and
-    # last consumed SEAL_BYTES; a shard found otherwise was rewritten or truncated under it.
-    inode: int | None = None
-    check: str | None = None
-
-    def as_dict(self) -> dict:
-        return {
-            "shard": self.shard,
-            "offset": self.offset,
-            "lines": self.lines,
-            "inode": self.inode,
-            "check": self.check,
-        }
-
-    @classmethod
-    def from_dict(cls, d: dict) -> "Cursor":
-        return cls(d["shard"], d["offset"], d["lines"], d.get("inode"), d.get("check"))
-
-    def seal(self, directory) -> None:
-        """Record what the consumed part of the current shard is now."""
-        self.inode, self.check = _shard_check(Path(directory), self.shard, self.offset)
-
-
-def _shard_check(d: Path, name: str | None, offset: int) -> tuple[int | None, str | None]:
-    if name is None:
-        return None, None
-    try:
-        with open(d / name, "rb") as f:
-            inode = os.fstat(f.fileno()).st_ino
-            if os.fstat(f.fileno()).st_size < offset:
-                return inode, "truncated"
-            head = f.read(min(offset, SEAL_BYTES))
-            f.seek(max(0, offset - SEAL_BYTES))
-            tail = f.read(min(offset, SEAL_BYTES))
-    except FileNotFoundError:
-        return None, None
-    return inode, hashlib.sha256(head + b"\0" + tail).hexdigest()[:32]
-
-
-def read_new(directory, cursor: Cursor, max_line_bytes: int):
-    """Yield (shard name, offset, raw line bytes | None, reason) for each complete line after
-    `cursor`, advancing it as each one is yielded (the caller processes it before the next).
-    `raw` is None for an oversized or torn line (reason says which), and for an event about
-    the cursor's own shard, yielded before any line: "shard_rewritten" (it is no longer what
-    the cursor consumed: shorter than the cursor's offset, another file, or other bytes; it
-    is read again from its start, the store's prompt deduplication refusing the records
-    already taken) or "shard_gone" (deleted: reading goes on with the next shard)."""
-    d = Path(directory)
-    if not d.is_dir():
-        return
-    names = [p.name for p in shards(d)]
-    if cursor.shard is not None and cursor.shard not in names:
-        gone = cursor.shard
-        later = [n for n in names if n > gone]
-        cursor.shard, cursor.offset = (later[0] if later else None), 0
-        cursor.inode = cursor.check = None
-        yield gone, 0, None, "shard_gone"
-        if cursor.shard is None:
-            return
-    elif cursor.shard is not None and cursor.check is not None:
-        if _shard_check(d, cursor.shard, cursor.offset) != (cursor.inode, cursor.check):
-            cursor.offset = 0
-            cursor.inode = cursor.check = None
-            yield cursor.shard, 0, None, "shard_rewritten"
-    start = names.index(cursor.shard) if cursor.shard is not None else 0
-    for i in range(start, len(names)):
-        name = names[i]
-        if name != cursor.shard:
-            cursor.shard, cursor.offset = name, 0
-            cursor.inode = cursor.check = None
-        newest = i == len(names) - 1
-        with open(d / name, "rb") as f:
-            f.seek(cursor.offset)
-            while True:
-                at = cursor.offset
-                raw = f.readline(max_line_bytes + 1)
-                if not raw:
-                    break
-                if len(raw) > max_line_bytes or not raw.endswith(b"\n"):
-                    total, complete = len(raw), raw.endswith(b"\n")
-                    while not complete:  # find the end of this line
-                        chunk = f.readline(1 << 20)
-                        if not chunk:
-                            break
-                        total += len(chunk)
-                        complete = chunk.endswith(b"\n")
-                    if not complete and newest:
-                        return  # possibly still being written: wait for its newline
-                    cursor.offset = at + total
-                    cursor.lines += 1
-                    yield name, at, None, ("oversized_line" if complete else "torn_line")
-                    if not complete:
-                        break
-                    continue
-                cursor.offset += len(raw)
-                cursor.lines += 1
-                yield name, at, raw, None
-
+from specdistill.train.online.cursor import Cursor, read_new
 
 SKIP_REASONS = ("client",)  # screened out by choice: counted, not written to rejects.jsonl
 # A positive temperature below MIN_TEMPERATURE overflows logits / T in low precision (the

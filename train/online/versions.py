@@ -21,6 +21,7 @@ from specdistill.serve.drafts import (
     Manifest,
     read_current,
     read_manifest,
+    version_draft_dir,
     version_name,
     version_number,
 )
@@ -44,9 +45,8 @@ def check_loads(root, version: str) -> None:
     from specdistill.drafts.hub import load_draft
 
     path = Path(root) / version
-    model_dir = read_manifest(path).draft_path(path)
     try:
-        load_draft(str(model_dir))
+        load_draft(str(version_draft_dir(root, version)))
     except Exception as e:  # noqa: BLE001 - any failure to load means a broken version
         why = " ".join(str(e).split())[:600] or type(e).__name__
         raise UserError(f"{path}: version {version} does not load ({why})") from None

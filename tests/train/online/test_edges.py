@@ -62,6 +62,12 @@ def poisoned(pool):
         (edit(18, speculative__num_draft_tokens=-5), "speculative"),
         (edit(19, time="yesterday"), "schema"),
         (edit(21, category="c" * 10_000), "schema"),
+        (edit(22, sampling__max_tokens=-1), "sampling"),
+        (edit(23, speculative__acceptance_histogram=[-1]), "speculative"),
+        (edit(24, endpoint="evil"), "schema"),
+        (edit(25, finish_reason="evil"), "schema"),
+        (edit(26, time=-1), "schema"),
+        (edit(27, latency_s=-1), "schema"),
         (edit(20, sampling__temperature=1e999), "malformed_json"),  # overflows to inf
         (re.sub(r'"temperature": [^,]+', '"temperature": 1e400', json.dumps(r)).encode() + b"\n",
          "malformed_json"),
