@@ -33,15 +33,18 @@ class PromptError(UserError):
 
 
 _FIELDS = "messages / turns / prompt / text"
+_TOO_DEEP = "JSON nested too deeply to read (lists or objects inside each other)"
 
 
 def _record_prompt(record, index: int, where: str) -> Prompt:
     """The prompt of one record; `index` gives the fallback id, `where` locates it in errors."""
     if not isinstance(record, dict):
         raise PromptError(f"{where}: expected a JSON object, got {type(record).__name__}")
-    rid = str(record.get("question_id", record.get("task_id", record.get("id", index))))
+    rid = _unicode(
+        str(record.get("question_id", record.get("task_id", record.get("id", index)))), where, "id"
+    )
     category = record.get("category")
-    category = None if category is None else str(category)
+    category = None if category is None else _unicode(str(category), where, "category")
     if "messages" in record:
         return Prompt(rid, messages=_messages(record["messages"], where), category=category)
     if "turns" in record:
@@ -52,7 +55,10 @@ def _record_prompt(record, index: int, where: str) -> Prompt:
         return Prompt(rid, messages=[{"role": "user", "content": first}], category=category)
     for key in ("prompt", "text"):
         if key in record:
-            return Prompt(rid, text=_string(record[key], where, key), category=category)
+            text = _string(record[key], where, key)
+            if not text:
+                raise PromptError(f"{where}: '{key}' is empty")
+            return Prompt(rid, text=text, category=category)
     raise PromptError(f"{where}: record has none of the fields {_FIELDS} (keys: {sorted(record)})")
 
 
@@ -60,6 +66,19 @@ def _string(value, where: str, field: str) -> str:
     if not isinstance(value, str):
         got = "null" if value is None else type(value).__name__
         raise PromptError(f"{where}: '{field}' must be a string, got {got}")
+    return _unicode(value, where, field)
+
+
+def _unicode(value: str, where: str, field: str) -> str:
+    """`value` if it is text UTF-8 can hold; a lone surrogate (JSON's "\\ud800" escape without
+    its pair) is a PromptError naming the field and the character's offset."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise PromptError(
+            f"{where}: '{field}' holds a lone surrogate U+{ord(value[e.start]):04X} at "
+            f"character {e.start}, which is not text"
+        ) from None
     return value
 
 
@@ -110,6 +129,8 @@ def _jsonl_prompts(content: str, path: Path) -> list[Prompt]:
             record = json.loads(line)
         except json.JSONDecodeError as e:
             raise PromptError(f"{where}: invalid JSON: {e.msg} (column {e.colno})") from None
+        except RecursionError:
+            raise PromptError(f"{where}: {_TOO_DEEP}") from None
         prompts.append(_record_prompt(record, len(prompts), where))
     return prompts
 
@@ -120,6 +141,8 @@ def _json_prompts(content: str, path: Path) -> list[Prompt]:
         records = json.loads(content)
     except json.JSONDecodeError as e:
         raise PromptError(f"{path}:{e.lineno}: invalid JSON: {e.msg} (column {e.colno})") from None
+    except RecursionError:
+        raise PromptError(f"{path}: {_TOO_DEEP}") from None
     if not isinstance(records, list):
         raise PromptError(f"{path}: expected a JSON list of records, got {type(records).__name__}")
     return [_record_prompt(r, i, f"{path}: record {i}") for i, r in enumerate(records)]
@@ -176,5 +199,7 @@ def encode_prompts(
             text, add_special_tokens=prompt.messages is None or not tokenizer.chat_template
         )
         ids = ids["input_ids"]
+        if not ids:
+            raise PromptError(f"prompt {prompt.id}: the tokenizer makes no tokens of it")
         encoded.append(ids[-max_tokens:] if max_tokens else ids)
     return encoded

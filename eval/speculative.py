@@ -27,11 +27,16 @@ finished rows give their place to waiting prompts (continuous batching, drafts/k
 """
 
 import argparse
-import math
+import sys
 import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
+from specdistill.errors import UserError
+from specdistill.eval.cli_args import at_least as _at_least
+from specdistill.eval.cli_args import resolve_device
+from specdistill.eval.cli_args import seed as _seed
+from specdistill.eval.cli_args import top_p as _top_p
 from specdistill.verb_parser import quiet_third_party, temperatures, verb_parser
 
 
@@ -50,30 +55,29 @@ def _gammas(text: str) -> list[int | str]:
     return values
 
 
-def _at_least(low: int):
-    """argparse type: an integer >= `low`."""
-
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            value = low - 1
-        if value < low:
-            raise argparse.ArgumentTypeError(f"needs an integer >= {low}; got {text!r}")
-        return value
-
-    return parse
-
-
-def _top_p(text: str) -> float:
-    """argparse type: a number in (0, 1]."""
-    try:
-        value = float(text)
-    except ValueError:
-        value = math.nan
-    if not 0 < value <= 1:
-        raise argparse.ArgumentTypeError(f"needs a number in (0, 1]; got {text!r}")
-    return value
+def within_context(target, prompt_ids: list[list[int]], max_new_tokens: int) -> int:
+    """`max_new_tokens`, lowered with a note on stderr so that the longest prompt and its
+    answer fit the target's context (its config's `max_position_embeddings`; unbounded when
+    the config names none). UserError when the longest prompt alone fills the context."""
+    context = getattr(target.config, "max_position_embeddings", None)
+    if not context:
+        return max_new_tokens
+    longest = max(map(len, prompt_ids))
+    room = context - longest
+    if room < 1:
+        raise UserError(
+            f"the longest prompt has {longest} tokens and the target's context is {context} "
+            f"positions (max_position_embeddings): give --max-prompt-tokens below {context}"
+        )
+    if max_new_tokens > room:
+        print(
+            f"[speculate] --max-new-tokens {max_new_tokens} lowered to {room}: the target's "
+            f"context is {context} positions (max_position_embeddings) and the longest prompt "
+            f"has {longest} tokens",
+            file=sys.stderr,
+        )
+        return room
+    return max_new_tokens
 
 
 def _check_out_dir(out: str) -> str | None:
@@ -149,7 +153,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--num-prompts", type=positive, default=None, help="use the first N prompts"
     )
     parser.add_argument("--stop-at-eos", action="store_true", help="end requests at EOS")
-    parser.add_argument("--seed", type=int, default=0, help="sampling seed")
+    parser.add_argument("--seed", type=_seed, default=0, help="sampling seed, in [0, 2**63 - 1]")
     parser.add_argument(
         "--repeats",
         type=positive,
@@ -164,7 +168,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="the models' dtype",
     )
     parser.add_argument(
-        "--threads", type=int, default=None, help="torch intra-op CPU threads (default: torch's)"
+        "--threads",
+        type=positive,
+        default=None,
+        help="torch intra-op CPU threads, >= 1 (default: torch's)",
     )
     return parser
 
@@ -188,8 +195,7 @@ def _run(args, prompts) -> dict:
     quiet_third_party()
     import torch
 
-    if args.device == "auto":
-        args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    args.device = resolve_device(args.device)
     if args.threads:
         torch.set_num_threads(args.threads)
     from specdistill import drafts
@@ -213,6 +219,7 @@ def _run(args, prompts) -> dict:
     target.to(args.device)
     draft.to(args.device)
     prompt_ids = encode_prompts(prompts, tokenizer, max_tokens=args.max_prompt_tokens)
+    max_new_tokens = within_context(target, prompt_ids, args.max_new_tokens)
     settings = sweep.Settings(
         gammas=args.gamma,
         adaptive=args.adaptive,
@@ -220,7 +227,7 @@ def _run(args, prompts) -> dict:
         top_p=args.top_p,
         top_k=args.top_k or None,  # 0 is off
         batch_size=args.batch_size,
-        max_new_tokens=args.max_new_tokens,
+        max_new_tokens=max_new_tokens,
         eos_token_id=tokenizer.eos_token_id if args.stop_at_eos else None,
         seed=args.seed,
         repeats=args.repeats,
@@ -246,8 +253,6 @@ def _run(args, prompts) -> dict:
 
 
 if __name__ == "__main__":
-    import sys
-
     from specdistill.errors import run_guarded
 
     sys.exit(run_guarded(main, sys.argv[1:]))

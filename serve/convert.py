@@ -23,12 +23,13 @@ SGLang install is needed and no code in the file runs.
 Input files are read as bytes and split at b"\\n" only (JSON strings may hold U+2028 and
 other characters that `str.splitlines` would split at). Every line, dump file and entry is
 converted and checked in full before anything is appended: a line that is not UTF-8, not
-JSON, not an object, or holds a non-finite or out-of-range sampling parameter or
-statistic; a pickle that is truncated, nested deeper than MAX_DEPTH or names callables; each
-is one reject, counted by reason and written to OUT/rejects.jsonl with its `file:line` (or
-`file#entry`), and the conversion goes on with the next. The target identity is computed as
-the server computes it (`model_identity`), so the online job accepts the converted records
-exactly when they come from its own target.
+JSON, not an object, holds a non-finite or out-of-range sampling parameter (top_p 0
+included) or statistic, a string with a lone surrogate, a chat message that is not text, or
+no completion tokens; a pickle that is truncated, nested deeper than MAX_DEPTH or names
+callables; each is one reject, counted by reason and written to OUT/rejects.jsonl with its
+`file:line` (or `file#entry`), and the conversion goes on with the next. The target identity
+is computed as the server computes it (`model_identity`), so the online job accepts the
+converted records exactly when they come from its own target.
 
 Converting is idempotent: a record whose key (its id, prompt and completion token ids) is
 already in OUT's traffic log is skipped, so a rerun, an input converted twice or a run cut
@@ -78,8 +79,11 @@ def from_vllm(line: dict, tokenizer, target: dict, fallback_id: str = "") -> dic
     choice = choices[0]
     chat = "messages" in request
     if chat:
-        prompt = request["messages"]
-        text = (choice.get("message") or {}).get("content") or ""
+        prompt = chat_messages(request["messages"])
+        text = (choice.get("message") or {}).get("content")
+        if text is not None and not isinstance(text, str):
+            raise ConvertError(f"the reply's content must be a string, got {type(text).__name__}")
+        text = text or ""
         prompt_ids = response.get("prompt_token_ids") or tokenizer.apply_chat_template(
             prompt, add_generation_prompt=True, tokenize=True, return_dict=False
         )
@@ -91,6 +95,8 @@ def from_vllm(line: dict, tokenizer, target: dict, fallback_id: str = "") -> dic
         prompt_ids = choice.get("prompt_token_ids") or response.get("prompt_token_ids")
         prompt_ids = prompt_ids or tokenizer.encode(prompt, add_special_tokens=False)
     completion_ids = choice.get("token_ids") or tokenizer.encode(text, add_special_tokens=False)
+    if not completion_ids:
+        raise ConvertError("an empty completion (no completion tokens to learn from)")
     top = _vllm_top_logprobs(choice.get("logprobs"), tokenizer, chat)
     if top is not None and len(top) != len(completion_ids):
         raise ConvertError(
@@ -124,6 +130,28 @@ def from_vllm(line: dict, tokenizer, target: dict, fallback_id: str = "") -> dic
         created=response.get("created"),
         latency_s=line.get("latency_s"),
     )
+
+
+def chat_messages(messages) -> list[dict]:
+    """A chat request's messages as the server logs them: a non-empty list of {"role": str,
+    "content": str}, text parts ([{"type": "text", "text": str}, ...]) joined; ConvertError
+    naming the first message that is not."""
+    if not isinstance(messages, list) or not messages:
+        raise ConvertError("'messages' must be a non-empty list")
+    out = []
+    for i, message in enumerate(messages):
+        content = message.get("content") if isinstance(message, dict) else None
+        if isinstance(content, list) and all(
+            isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
+            for p in content
+        ):
+            content = "".join(p["text"] for p in content)
+        if not isinstance(content, str) or not isinstance(message.get("role"), str):
+            raise ConvertError(
+                f"messages[{i}] needs a string 'role' and a string (or text parts) 'content'"
+            )
+        out.append({**message, "content": content})
+    return out
 
 
 def _vllm_top_logprobs(logprobs, tokenizer, chat: bool) -> list | None:
@@ -200,15 +228,38 @@ def _check_ids(record: dict, vocab: int) -> dict:
     return record
 
 
+def check_out(out: Path) -> None:
+    """UserError when OUT exists and is not a directory (a traffic directory)."""
+    if out.exists() and not out.is_dir():
+        raise UserError(f"--out {out} exists and is not a directory (a traffic directory)")
+
+
+def _make_out(out: Path) -> None:
+    check_out(out)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise UserError(f"--out {out}: cannot create it ({e.strerror or e})") from None
+
+
 def convert(source: str, inputs: list[Path], tokenizer, target: dict, out: Path) -> dict:
     """Append every convertible record not yet in `out`'s traffic log to it; rejects to
     out/rejects.jsonl. Returns {"converted": n, "already_logged": n, "rejected": {reason: n}}."""
     if source not in SOURCES:
         raise UserError(f"--from must be one of {', '.join(SOURCES)}, got {source!r}")
-    out.mkdir(parents=True, exist_ok=True)
+    _make_out(out)
     keys = logged_keys(out)
     written_rejects = _logged_rejects(out / "rejects.jsonl")
     vocab = len(tokenizer)
+
+    def build(item) -> dict:
+        """A source entry's record (its content id, when it names none, is computed here too,
+        inside the checks)."""
+        fallback = content_id(source, item)
+        if source == "vllm":
+            return from_vllm(item, tokenizer, target, fallback)
+        return from_sglang(*item, tokenizer, target, fallback)
+
     rejected: dict[str, int] = {}
     converted = already = 0
     log: TrafficLog | None = None  # opened at the first new record: a rerun adds no shard
@@ -223,10 +274,10 @@ def convert(source: str, inputs: list[Path], tokenizer, target: dict, out: Path)
                     rejects.write(json.dumps({"source": where, "reason": reason}) + "\n")
                     rejects.flush()
 
-            def one(where: str, build) -> None:
+            def one(where: str, item) -> None:
                 nonlocal converted, already, log
                 try:  # the whole record is built and checked before it is appended
-                    record = _check_ids(build(), vocab)
+                    record = _check_ids(build(item), vocab)
                 except (ConvertError, ValueError, KeyError, TypeError, AttributeError,
                         IndexError, RecursionError) as e:  # fmt: skip
                     reject(where, str(e) or type(e).__name__)
@@ -247,12 +298,8 @@ def convert(source: str, inputs: list[Path], tokenizer, target: dict, out: Path)
                 for where, item in _entries(source, path):
                     if isinstance(item, ConvertError):
                         reject(where, str(item))
-                    elif source == "vllm":
-                        fid = content_id(source, item)
-                        one(where, lambda i=item, f=fid: from_vllm(i, tokenizer, target, f))
                     else:
-                        fid = content_id(source, item)
-                        one(where, lambda p=item, f=fid: from_sglang(*p, tokenizer, target, f))
+                        one(where, item)
     finally:
         if log is not None:
             log.close()

@@ -38,9 +38,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    from specdistill.serve.convert import convert, input_files
+    from specdistill.serve.convert import check_out, convert, input_files
 
     inputs = input_files(Path(args.input))
+    check_out(Path(args.out))  # before the tokenizer loads
     quiet_third_party()
     from specdistill.drafts.hub import load_tokenizer
     from specdistill.drafts.identity import model_identity

@@ -6,6 +6,7 @@ bounded nesting), the record's assembly, and the reading of JSON lines from byte
 import hashlib
 import json
 import math
+import re
 import time
 from pathlib import Path
 
@@ -21,6 +22,8 @@ from specdistill.serve.traffic import (
 )
 
 MAX_DEPTH = 64  # nesting of a source entry (lists, objects, pickled attribute bags)
+# A lone surrogate: JSON's "\\ud800" escape without its pair, which no UTF-8 log can hold.
+SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 class ConvertError(UserError):
@@ -133,9 +136,7 @@ def sampling_params(params: dict) -> dict:
         raise ConvertError(f"temperature must be in {TEMPERATURE}, got {temperature!r}")
     top_p = params.get("top_p")
     top_p = 1.0 if top_p is None else finite(top_p, "top_p")
-    if top_p == 0:  # engines read 0 as "off"
-        top_p = 1.0
-    if not TOP_P.contains(top_p):
+    if not TOP_P.contains(top_p):  # 0 included: what an engine did with it is not known
         raise ConvertError(f"top_p must be in {TOP_P}, got {top_p!r}")
     max_tokens = params.get("max_tokens", params.get("max_new_tokens"))
     if max_tokens is not None:
@@ -197,15 +198,25 @@ class AttrBag:
 
 def plain(value, depth: int = 0):
     """_Bags -> dicts, recursively (so the converter reads dumps and JSON alike); refuses
-    nesting deeper than MAX_DEPTH (a self-referencing pickle included)."""
+    nesting deeper than MAX_DEPTH (a self-referencing pickle included) and a string or key
+    that holds a lone surrogate."""
     if depth > MAX_DEPTH:
         raise ConvertError(f"nested deeper than {MAX_DEPTH} levels")
     if isinstance(value, AttrBag):
         value = {k: v for k, v in value.__dict__.items() if k != "_args"}
+    if isinstance(value, str):
+        return text(value)
     if isinstance(value, dict):
-        return {k: plain(v, depth + 1) for k, v in value.items()}
+        return {text(k) if isinstance(k, str) else k: plain(v, depth + 1) for k, v in value.items()}
     if isinstance(value, list | tuple):
         return [plain(v, depth + 1) for v in value]
+    return value
+
+
+def text(value: str) -> str:
+    """`value`, unless it holds a lone surrogate (ConvertError: it is not text)."""
+    if SURROGATE.search(value):
+        raise ConvertError(f"a string holds a lone surrogate (not text: {value[:40]!r})")
     return value
 
 

@@ -25,7 +25,10 @@ from specdistill.serve.convert_common import (
 
 class _SafeUnpickler(pickle.Unpickler):
     """Plain containers and attribute bags only: a dump's classes (SGLang's request types,
-    enums) all become `AttrBag`s, and nothing callable from the file is ever invoked."""
+    enums) all become `AttrBag`s, and nothing callable from the file is ever invoked. The
+    builtins it may call build at most what their arguments, read from the file, hold; `bytes`
+    and `bytearray` are not among them (`bytearray(2**31)` allocates 2 GiB from a few bytes of
+    pickle); the pickle opcodes still read bytes objects."""
 
     SAFE = {
         ("builtins", n)
@@ -39,8 +42,6 @@ class _SafeUnpickler(pickle.Unpickler):
             "int",
             "float",
             "bool",
-            "bytes",
-            "bytearray",
         )
     }
 

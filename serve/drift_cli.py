@@ -66,6 +66,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from specdistill.eval.cli_args import at_least as _at_least
+from specdistill.eval.cli_args import resolve_device
+from specdistill.eval.cli_args import seed as _seed
+from specdistill.eval.cli_args import top_p as _top_p
 from specdistill.verb_parser import quiet_third_party, temperatures, verb_parser
 
 if TYPE_CHECKING:  # imported when run: it loads numpy and torch
@@ -81,18 +85,9 @@ def _mix(text: str) -> dict[float, float]:
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
-def _positive(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"needs an integer >= 1; got {text!r}")
-    return value
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = verb_parser("drift", __doc__)
+    positive = _at_least(1)
     parser.add_argument("--draft", required=True, help="the draft (standalone or EAGLE-3 dir)")
     parser.add_argument(
         "--target-before",
@@ -148,18 +143,22 @@ def build_parser() -> argparse.ArgumentParser:
         help="exit 1 when the lower bound of the drop of α lies above X (the gate); without "
         "it the command reports and exits 0",
     )
-    parser.add_argument("--top-p", type=float, default=None, help="filters both targets")
-    parser.add_argument("--top-k", type=int, default=None, help="filters both targets")
-    parser.add_argument("--max-new-tokens", type=_positive, default=64, help="tokens per response")
     parser.add_argument(
-        "--max-prompt-tokens", type=_positive, default=512, help="keep the last N prompt tokens"
+        "--top-p", type=_top_p, default=None, help="in (0, 1], filters both targets; 1 = off"
     )
-    parser.add_argument("--num-prompts", type=_positive, default=64, help="use the first N prompts")
+    parser.add_argument(
+        "--top-k", type=_at_least(0), default=0, help=">= 0, filters both targets; 0 = off"
+    )
+    parser.add_argument("--max-new-tokens", type=positive, default=64, help="tokens per response")
+    parser.add_argument(
+        "--max-prompt-tokens", type=positive, default=512, help="keep the last N prompt tokens"
+    )
+    parser.add_argument("--num-prompts", type=positive, default=64, help="use the first N prompts")
     parser.add_argument(
         "--no-stop-at-eos", action="store_true", help="generate --max-new-tokens past EOS"
     )
     parser.add_argument(
-        "--batch-size", type=_positive, default=8, help="responses generated together"
+        "--batch-size", type=positive, default=8, help="responses generated together"
     )
     parser.add_argument(
         "--depth", type=int, default=None, help="EAGLE-3 positions (default: ttt_steps)"
@@ -172,13 +171,15 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--min-samples", type=int, default=10, help="prompts per category cell")
     parser.add_argument(
-        "--bootstrap", type=_positive, default=1000, help="bootstrap resamples of the prompts"
+        "--bootstrap", type=positive, default=1000, help="bootstrap resamples of the prompts"
     )
     parser.add_argument(
         "--confidence", type=float, default=0.95, help="the intervals' confidence, in (0, 1)"
     )
-    parser.add_argument("--max-gamma", type=_positive, default=8, help="predicted τ up to this γ")
-    parser.add_argument("--seed", type=int, default=0, help="sampling and bootstrap seed")
+    parser.add_argument("--max-gamma", type=positive, default=8, help="predicted τ up to this γ")
+    parser.add_argument(
+        "--seed", type=_seed, default=0, help="sampling and bootstrap seed, in [0, 2**63 - 1]"
+    )
     parser.add_argument("--device", default="auto", help="cuda, cpu, ...; auto: cuda if present")
     parser.add_argument(
         "--dtype",
@@ -225,12 +226,23 @@ def temperature_mix(directory) -> dict[float, float]:
     draft drafts at), from `serve.traffic.read_traffic`'s validated records."""
     from pathlib import Path
 
-    from specdistill.serve.traffic import TrafficError, read_traffic
+    from specdistill.serve.traffic import TrafficError, read_traffic, shards
 
     if not Path(directory).is_dir():
         raise TrafficError(f"--traffic {directory}: no such directory")
+    for path in shards(directory):
+        if not path.is_file():
+            raise TrafficError(f"--traffic {directory}: {path.name} is not a regular file")
+    try:
+        records = read_traffic(directory)
+    except RecursionError:
+        raise TrafficError(f"--traffic {directory}: a record is nested too deeply") from None
+    except OSError as e:
+        raise TrafficError(
+            f"--traffic {directory}: cannot read {e.filename}: {e.strerror}"
+        ) from None
     tokens: dict[float, int] = {}
-    for record in read_traffic(directory):
+    for record in records:
         t = float(record["sampling"]["temperature"])
         tokens[t] = tokens.get(t, 0) + len(record["completion_token_ids"])
     total = sum(tokens.values())
@@ -249,7 +261,6 @@ def _run(args, prompts) -> DriftRun:
     from pathlib import Path
 
     import numpy as np
-    import torch
 
     from specdistill import drafts
     from specdistill.drafts.hub import check_tokenizers, load_draft, load_target, load_tokenizer
@@ -259,8 +270,7 @@ def _run(args, prompts) -> DriftRun:
     from specdistill.eval.drift_report import write
 
     quiet_third_party()
-    if args.device == "auto":
-        args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    args.device = resolve_device(args.device)
     tokenizer = load_tokenizer(args.target_after)
     check_tokenizers(
         load_tokenizer(args.target_before), tokenizer, args.target_before, args.target_after
@@ -283,7 +293,7 @@ def _run(args, prompts) -> DriftRun:
             prompts,
             temperature=temperature,
             top_p=args.top_p,
-            top_k=args.top_k,
+            top_k=args.top_k or None,  # 0 is off
             max_new_tokens=args.max_new_tokens,
             max_prompt_tokens=args.max_prompt_tokens,
             stop_at_eos=not args.no_stop_at_eos,

@@ -74,6 +74,9 @@ __all__ = [
 ]
 
 
+_TOO_DEEP = "nested too deeply to read (lists or mappings inside each other)"
+
+
 def recipe_from_dict(raw: dict) -> Recipe:
     """A checked Recipe from plain data (sections of keys, loss parameters flat or under
     `params`); RecipeError names the first problem."""
@@ -119,6 +122,8 @@ def parse_override(text: str) -> tuple[str, Any]:
         return key.strip(), yaml.safe_load(value) if value.strip() else None
     except yaml.YAMLError as e:
         raise RecipeError(f"override {text!r}: value is not valid YAML ({e})") from None
+    except RecursionError:
+        raise RecipeError(f"override {key.strip()}=...: {_TOO_DEEP}") from None
 
 
 def _recipe_path(path: Path) -> Path:
@@ -147,14 +152,32 @@ def _key_lines(node: yaml.Node, prefix: str = "") -> dict[str, int]:
     return lines
 
 
+def _text(path: Path) -> str:
+    """The recipe file's text; RecipeError when it is not UTF-8 (UTF-16 named as such)."""
+    raw = path.read_bytes()
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        if raw[:2] in (b"\xff\xfe", b"\xfe\xff"):
+            raise RecipeError(f"{path}: UTF-16 text; save the recipe as UTF-8") from None
+        line = raw[: e.start].count(b"\n") + 1
+        raise RecipeError(
+            f"{path}:{line}: not UTF-8 text ({e.reason} at byte {e.start}); a recipe is a "
+            "YAML file saved as UTF-8"
+        ) from None
+    return text.removeprefix("\ufeff")
+
+
 def _read(path: Path) -> tuple[dict, dict[str, int]]:
     """The recipe file's mapping and the line of each key."""
-    text = path.read_text()
+    text = _text(path)
     try:
         raw = yaml.safe_load(text)
         lines = _key_lines(yaml.compose(text, Loader=yaml.SafeLoader))
     except yaml.YAMLError as e:
         raise RecipeError(f"{path}: not valid YAML ({e})") from None
+    except RecursionError:
+        raise RecipeError(f"{path}: {_TOO_DEEP}") from None
     if raw is None:  # an empty file (or only comments): most likely not what was meant
         raise RecipeError(f"{path}: recipe is empty")
     if not isinstance(raw, dict):

@@ -234,7 +234,9 @@ class TrainConfig(Section):
     min_lr_ratio: Float = recipe_key(0.1, "the cosine decay ends at lr × min_lr_ratio", ge=0, le=1)
     max_grad_norm: Float = recipe_key(1.0, "gradient clipping norm", gt=0)
     mixed_precision: MixedPrecision = recipe_key("no", "bf16 / fp16 through accelerate")
-    seed: int = recipe_key(0, "seed of the data order, the held-out split and the initialisation")
+    seed: int = recipe_key(
+        0, "seed of the data order, the held-out split and the initialisation", ge=0, le=2**32 - 1
+    )
     output_dir: str = recipe_key("runs/code", "where everything is written", resume="harmless")
     save_every: int = recipe_key(
         100, "checkpoint period in steps (0: the final draft only)", resume="harmless", ge=0

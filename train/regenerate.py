@@ -31,9 +31,12 @@ parameters is refused (the shards would mix two distributions).
 
 The sampling parameters and sizes are checked before anything is loaded or written
 (temperature finite and >= 0, top_p in (0, 1], top_k, max_new_tokens, batch and shard sizes
->= 1, retries >= 0). A malformed data record is skipped, named (`file:line` and the
-problem) and counted by reason as distill's data reader counts it (`DataError.reason`);
-the counts go into the manifest's `skipped`.
+>= 1, retries >= 0, seed in [0, 2**63 - 1]), and OUT must be a directory or creatable. A
+malformed data record (one holding a lone surrogate, "\\ud800" without its pair, too) is
+skipped, named (`file:line` and the problem) and counted by reason as distill's data reader
+counts it (`DataError.reason`); the counts go into the manifest's `skipped`. The exit status
+is 1 when a prompt failed every attempt in this run (it is in OUT/failures.jsonl; a rerun
+tries it again), else 0.
 """
 
 import argparse
@@ -48,9 +51,11 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from specdistill.errors import UserError
+from specdistill.eval.cli_args import MAX_SEED, make_dir
 from specdistill.verb_parser import quiet_third_party, verb_parser
 
 SHARD = re.compile(r"^regen-(\d{6})\.jsonl$")
+SURROGATE = re.compile("[\ud800-\udfff]")  # a lone one: JSON's "\\ud800" without its pair
 MANIFEST = "manifest.json"
 FAILURES = "failures.jsonl"
 
@@ -78,8 +83,11 @@ class Sampling:
             raise RegenerateError(f"--top-k must be an integer >= 1, got {k!r}")
         if not (_integer(n) and n >= 1):
             raise RegenerateError(f"--max-new-tokens must be an integer >= 1, got {n!r}")
-        if not _integer(self.seed):
-            raise RegenerateError(f"--seed must be an integer, got {self.seed!r}")
+        if not (_integer(self.seed) and 0 <= self.seed <= MAX_SEED):
+            raise RegenerateError(
+                f"--seed must be an integer in [0, 2**63 - 1] (a torch seed, offset per "
+                f"prompt), got {self.seed!r}"
+            )
         return self
 
 
@@ -247,8 +255,7 @@ def regenerate(
     )
     generate = generate or engine.generate
     r = recipe
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
+    out = make_dir(out)
     if tokenizer is None:
         tokenizer = hub.load_tokenizer(r.target.model, r.target.revision)
     if target is None:
@@ -276,7 +283,7 @@ def regenerate(
                 f"{out} was generated with sampling {previous['sampling']}, this run asks for "
                 f"{asdict(sampling)}; use the same parameters or another --out"
             )
-    records, skipped = _valid_records(read_records(list(r.data.train)), print)
+    records, skipped = _valid_records(_text_only(read_records(list(r.data.train))), print)
     jobs, duplicates = jobs_from_records(records, tokenizer, text_prompt_tokens)
     if limit:
         jobs = jobs[:limit]
@@ -385,6 +392,20 @@ def regenerate(
     return manifest
 
 
+def _text_only(items):
+    """`items` with each record that holds a lone surrogate (not text: no tokenizer or UTF-8
+    file takes it) turned into a DataError naming its origin, counted as "not UTF-8"."""
+    from specdistill.data.records import ChatRecord, DataError
+
+    for item in items:
+        if not isinstance(item, DataError):
+            chat = isinstance(item, ChatRecord)
+            strings = [v for m in item.messages for v in m.values()] if chat else [item.text]
+            if any(isinstance(t, str) and SURROGATE.search(t) for t in strings):
+                item = DataError(f"{item.origin}: not UTF-8 text (it holds a lone surrogate)")
+        yield item
+
+
 def _valid_records(items, print) -> tuple[list, dict[str, int]]:
     """(the records, {reason: n} of the malformed ones); each malformed one is printed with
     its `file:line` (the first ten, then a count), as distill's reader counts them."""
@@ -448,13 +469,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """`specdistill regenerate`: 1 when a prompt failed (OUT/failures.jsonl), else 0."""
     args = build_parser().parse_args(argv)
     quiet_third_party()
     from specdistill.train.config import load_recipe
 
     recipe = load_recipe(args.recipe, args.overrides)
     sampling = Sampling(args.temperature, args.top_p, args.top_k, args.max_new_tokens, args.seed)
-    regenerate(
+    manifest = regenerate(
         recipe,
         args.out,
         sampling=sampling,
@@ -465,7 +487,7 @@ def main(argv: list[str] | None = None) -> int:
         limit=args.limit,
         print=lambda *a: print(*a, file=sys.stderr),
     )
-    return 0
+    return 1 if manifest["failed_this_run"] else 0
 
 
 if __name__ == "__main__":

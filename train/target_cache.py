@@ -152,6 +152,12 @@ def build_cache(
         raise CacheError(f"--top-n must be >= 1, got {top_n}")
     if values_dtype not in VALUE_DTYPES:
         raise CacheError(f"values dtype must be one of {', '.join(VALUE_DTYPES)}")
+    if batch_size is not None and batch_size < 1:
+        raise CacheError(f"--batch-size must be >= 1, got {batch_size}")
+    if shard_bytes < 1:
+        raise CacheError(f"--shard-mb must give a shard size of at least 1 byte, got {shard_bytes}")
+    if out.exists() and not out.is_dir():
+        raise CacheError(f"--out {out} exists and is not a directory")
     if out.exists() and any(out.iterdir()) and not overwrite:
         raise CacheError(f"{out} exists and is not empty; pass --overwrite to replace it")
     if tokenizer is None:
@@ -307,7 +313,13 @@ class TargetCache:
                     f"{len(data)} sequences, {data_hash(data)[:19]}…): data sources, "
                     f"max_length, pack, eval split or seed differ{rebuild}"
                 )
-            for info in stored["shards"]:
+        self.check_shards()
+
+    def check_shards(self) -> None:
+        """Raise CacheError naming the first damaged shard of any split (train and eval alike,
+        whether or not this run reads it): train/target_cache_shards.py's `shard_problem`."""
+        for split, stored in self.manifest["splits"].items():
+            for info in stored.get("shards", []):
                 problem = shard_problem(self.path / info["file"], split, info, self.top_n)
                 if problem:
                     raise CacheError(

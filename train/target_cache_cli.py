@@ -12,6 +12,7 @@ gives the sizes.
 """
 
 import argparse
+import math
 import sys
 
 from specdistill.verb_parser import quiet_third_party, verb_parser
@@ -22,6 +23,17 @@ SPLITS = ("train", "eval")
 VALUE_DTYPES = ("float16", "float32")
 DEFAULT_TOP_N = 64
 DEFAULT_SHARD_MB = 256
+
+
+def _megabytes(text: str) -> float:
+    """argparse type: a finite number of MiB > 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"needs a finite number > 0; got {text!r}")
+    return value
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -43,7 +55,9 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         help="sequences per forward (default: the recipe's train.micro_batch_size)",
     )
-    parser.add_argument("--shard-mb", type=float, default=DEFAULT_SHARD_MB, help="MiB per shard")
+    parser.add_argument(
+        "--shard-mb", type=_megabytes, default=DEFAULT_SHARD_MB, help="MiB per shard, > 0"
+    )
     parser.add_argument("--overwrite", action="store_true", help="replace an existing --out")
     parser.add_argument("overrides", nargs="*", help="key.sub=value recipe overrides")
     return parser

@@ -156,7 +156,7 @@ def _traffic(directory, temperatures_and_tokens):
 
     log = TrafficLog(directory)
     for i, (t, n) in enumerate(temperatures_and_tokens):
-        sampling = {"temperature": t, "top_p": 1.0, "max_tokens": n, "seed": None, "stop": []}
+        sampling = {"temperature": t, "top_p": 1.0, "max_tokens": n or 1, "seed": None, "stop": []}
         log.append(
             record(id=f"r{i}", sampling=sampling, completion_token_ids=list(range(3, 3 + n)),
                    top_logprobs=None)

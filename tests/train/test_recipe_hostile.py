@@ -1,0 +1,53 @@
+"""Hostile recipes for `specdistill distill`: a seed out of range, keys nested 100,000 deep in
+the file or an override, a binary or UTF-16 file: each is one `recipe error:` line and exit 2,
+before anything loads."""
+
+import pytest
+
+from specdistill.train import distill
+from specdistill.train.config import RecipeError, load_recipe
+
+DEEP = "[" * 100_000 + "]" * 100_000
+
+
+@pytest.mark.parametrize("value", ["-1", str(2**32), "123456789012345678901234"])
+def test_a_seed_outside_32_bits_is_a_recipe_error(value):
+    with pytest.raises(
+        RecipeError, match=rf"^train\.seed must be in \[0, 4294967295\], got {value}"
+    ):
+        load_recipe(None, [f"train.seed={value}"])
+    assert load_recipe(None, [f"train.seed={2**32 - 1}"]).train.seed == 2**32 - 1
+
+
+def test_a_seed_outside_32_bits_exits_2_in_one_line(tmp_path, capsys):
+    argv = [f"train.output_dir={tmp_path / 'run'}", "train.seed=-1"]
+    assert distill.main(argv) == 2
+    err = capsys.readouterr().err
+    assert err == "recipe error: train.seed must be in [0, 4294967295], got -1\n"
+    assert not (tmp_path / "run").exists()
+
+
+def test_data_train_nested_100000_deep_is_a_recipe_error(tmp_path):
+    path = tmp_path / "deep.yaml"
+    path.write_text(f"data:\n  train: {DEEP}\n")
+    with pytest.raises(RecipeError, match=rf"^{path}: nested too deeply to read"):
+        load_recipe(path)
+    with pytest.raises(RecipeError, match=r"^override data\.train=\.\.\.: nested too deeply"):
+        load_recipe(None, [f"data.train={DEEP}"])
+
+
+@pytest.mark.parametrize(
+    "content, message",
+    [
+        ("train:\n  max_steps: 2\n".encode("utf-16"), ": UTF-16 text; save the recipe as UTF-8"),
+        (b"train:\n  max_steps: 2\n\x80\x81\x00\xff", ":3: not UTF-8 text \\(invalid start byte"),
+    ],
+)
+def test_a_binary_or_utf16_recipe_is_one_line(tmp_path, capsys, content, message):
+    path = tmp_path / "recipe.yaml"
+    path.write_bytes(content)
+    with pytest.raises(RecipeError, match=f"^{path}{message}"):
+        load_recipe(path)
+    assert distill.main(["--recipe", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"recipe error: {path}") and err.count("\n") == 1
