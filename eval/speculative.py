@@ -32,6 +32,7 @@ import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
+from specdistill import threads
 from specdistill.errors import UserError
 from specdistill.eval.cli_args import at_least as _at_least
 from specdistill.eval.cli_args import resolve_device
@@ -171,7 +172,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--threads",
         type=positive,
         default=None,
-        help="torch intra-op CPU threads, >= 1 (default: torch's)",
+        help=threads.HELP,
     )
     return parser
 
@@ -196,8 +197,7 @@ def _run(args, prompts) -> dict:
     import torch
 
     args.device = resolve_device(args.device)
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    threads.start(args.threads)
     from specdistill import drafts
     from specdistill.drafts.hub import check_tokenizers, load_draft, load_target, load_tokenizer
     from specdistill.drafts.progress import WorkProgress, usable_cores

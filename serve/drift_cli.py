@@ -66,10 +66,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from specdistill import threads
 from specdistill.eval.cli_args import at_least as _at_least
 from specdistill.eval.cli_args import resolve_device
 from specdistill.eval.cli_args import seed as _seed
 from specdistill.eval.cli_args import top_p as _top_p
+from specdistill.threads import checked_threads
 from specdistill.verb_parser import quiet_third_party, temperatures, verb_parser
 
 if TYPE_CHECKING:  # imported when run: it loads numpy and torch
@@ -181,6 +183,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--seed", type=_seed, default=0, help="sampling and bootstrap seed, in [0, 2**63 - 1]"
     )
     parser.add_argument("--device", default="auto", help="cuda, cpu, ...; auto: cuda if present")
+    threads.add_argument(parser)
     parser.add_argument(
         "--dtype",
         default="float32",
@@ -271,6 +274,7 @@ def _run(args, prompts) -> DriftRun:
 
     quiet_third_party()
     args.device = resolve_device(args.device)
+    threads.start(checked_threads(args.threads))
     tokenizer = load_tokenizer(args.target_after)
     check_tokenizers(
         load_tokenizer(args.target_before), tokenizer, args.target_before, args.target_after

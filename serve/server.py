@@ -59,6 +59,7 @@ from collections.abc import Sequence
 from specdistill.errors import UserError
 from specdistill.serve.flags import check_device, check_limits, check_traffic_dir, parse_gamma
 from specdistill.serve.uvicorn_server import _Uvicorn
+from specdistill.threads import ThreadPolicy
 from specdistill.verb_parser import quiet_third_party, verb_parser
 
 log = logging.getLogger("specdistill.serve")
@@ -98,6 +99,7 @@ class Server:
         api_key: str | Sequence[str] | None = None,
         insecure: bool = False,
         drain_s: float = 30.0,
+        threads: ThreadPolicy | None = None,
         body_timeout_s: float = 30.0,
     ):
         from specdistill.drafts.hub import load_target, load_tokenizer
@@ -194,6 +196,7 @@ class Server:
             capacity=max_num_seqs,
             eos_token_id=self.tokenizer.eos_token_id,
             vocab_size=len(self.tokenizer),
+            threads=threads,
         )
         self.traffic = TrafficLog(traffic, shard_bytes or DEFAULT_SHARD_BYTES) if traffic else None
         config = ServerConfig(
@@ -299,19 +302,17 @@ def warm_up(engine, token_id: int | None) -> float:
     return time.perf_counter() - start
 
 
-def set_threads(threads: int | None, device: str | None) -> None:
-    """--threads, else torch's default (every core), said on a CPU with the machine's load:
-    on a busy machine fewer threads did not answer faster (benchmarks/RESULTS.md)."""
+def set_threads(threads: int | None, device: str | None) -> ThreadPolicy | None:
+    """--threads, else the cores free at start-up (specdistill/threads.py), which the engine
+    worker re-checks between rounds; on a GPU only a forced count is set."""
     import torch
 
-    from specdistill.drafts.progress import machine_load
-
-    if threads:
-        torch.set_num_threads(threads)
-    elif (device or ("cuda" if torch.cuda.is_available() else "cpu")) == "cpu":
-        load = machine_load()
-        state = "" if load is None else f", {load.describe()}" + (" (busy)" if load.busy else "")
-        log.info("%d torch threads (--threads to choose)%s", torch.get_num_threads(), state)
+    on_cpu = (device or ("cuda" if torch.cuda.is_available() else "cpu")) == "cpu"
+    if threads is None and not on_cpu:
+        return None
+    policy = ThreadPolicy(threads, say=log.info)
+    policy.start()
+    return policy
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -423,7 +424,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--device", default=None, help="cuda, cpu, ... (default: cuda if present)")
     parser.add_argument(
-        "--threads", type=int, default=None, help="torch intra-op CPU threads (default: all)"
+        "--threads",
+        type=int,
+        default=None,
+        help="torch intra-op CPU threads (default: the cores free at start-up, re-checked)",
     )
     return parser
 
@@ -440,7 +444,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if api_key is None:
         source, api_key = "SPECDISTILL_API_KEY", os.environ.get("SPECDISTILL_API_KEY")
     check_bind(args.host, ApiKeys(parse_keys(api_key, source)), args.insecure)  # before loading
-    set_threads(args.threads, args.device)
+    threads = set_threads(args.threads, args.device)
     server = Server(
         args.target,
         args.draft,
@@ -465,6 +469,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         api_key=api_key,
         insecure=args.insecure,
         drain_s=args.drain_s,
+        threads=threads,
         body_timeout_s=args.body_timeout_s,
     )
     server.serve(args.host, args.port)

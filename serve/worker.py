@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 
 from specdistill.eval.engine import Engine, Sampling, SpecStats
 from specdistill.eval.length_policy import AutoGamma
+from specdistill.threads import ThreadPolicy
 
 log = logging.getLogger("specdistill.serve")
 
@@ -120,8 +121,10 @@ class EngineWorker(threading.Thread):
         eos_token_id,
         vocab_size,
         max_gamma: int = 8,
+        threads: ThreadPolicy | None = None,
     ):
         super().__init__(name="specdistill-engine", daemon=True)
+        self.threads = threads  # re-checked between rounds (specdistill/threads.py)
         self.target = target
         self.gamma, self.max_gamma, self.capacity = gamma, max_gamma, capacity
         self.eos_token_id, self.vocab_size = eos_token_id, vocab_size
@@ -180,6 +183,8 @@ class EngineWorker(threading.Thread):
                 if engine.busy:
                     self._step(engine)
             self.draining = [e for e in self.draining if e.busy]
+            if self.threads is not None:
+                self.threads.recheck(say=log.info)
         for job in list(self.jobs.values()):
             job.deliver(Failed("server shutting down"))
 

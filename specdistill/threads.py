@@ -115,11 +115,12 @@ class ThreadPolicy:
         set_threads: Callable[[int], None] | None = None,
         load_average: Callable[[], float] | None = None,
         sleep: Callable[[float], None] = time.sleep,
+        clock: Callable[[], float] = time.monotonic,
     ):
         self.forced = checked_threads(forced, name)
         self.name, self.share, self.interval_s, self.say = name, max(1, share), interval_s, say
         self.cores = cores or usable_cores()
-        self.sampler, self.sleep = sampler, sleep
+        self.sampler, self.sleep, self.clock = sampler, sleep, clock
         self.set_threads = set_threads or _torch_set_threads
         self.load_average = load_average or (lambda: os.getloadavg()[0])
         self.threads: int | None = None
@@ -148,9 +149,9 @@ class ThreadPolicy:
         count when it changed (said, by `say` when given: a progress bar's line), else None."""
         if self.forced is not None or self.last is None:
             return None
-        now = self.sampler()
-        if now.at - self.last.at < self.interval_s:
+        if self.clock() - self.last.at < self.interval_s:  # cheap: no sample taken
             return None
+        now = self.sampler()
         others = self._others(self.last, now)
         self.last = now
         threads = self._choose(others)
@@ -184,3 +185,25 @@ def _torch_set_threads(threads: int) -> None:
     import torch
 
     torch.set_num_threads(threads)
+
+
+HELP = "torch intra-op CPU threads, >= 1 (default: the cores free when it starts)"
+
+
+def add_argument(parser, help: str = HELP) -> None:
+    """A verb's `--threads` option (None: chosen by `ThreadPolicy`)."""
+    parser.add_argument("--threads", type=int, default=None, help=help)
+
+
+def start(
+    threads: int | None, say: Callable[[str], None] | None = None, name: str = "--threads"
+) -> ThreadPolicy:
+    """A started `ThreadPolicy` for a verb's `--threads` (or the key `name`), said on stderr
+    (or by `say`)."""
+    import sys
+
+    policy = ThreadPolicy(
+        threads, name=name, say=say or (lambda line: print(line, file=sys.stderr))
+    )
+    policy.start()
+    return policy

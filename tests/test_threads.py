@@ -38,6 +38,7 @@ class FakeMachine:
             sampler=self.sample,
             set_threads=self.set.append,
             sleep=self.advance,
+            clock=lambda: self.t,
             **kw,
         )
         return policy, said

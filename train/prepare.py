@@ -64,6 +64,7 @@ def prepare(recipe, *, batch_size: int = 16, print=print) -> list[PreparedSet]:
     """Answer each set of `recipe.prepare` that has prompts; -> what each became."""
     import torch
 
+    from specdistill import threads
     from specdistill.drafts import hub
     from specdistill.train.regenerate import Sampling, regenerate
 
@@ -76,6 +77,7 @@ def prepare(recipe, *, batch_size: int = 16, print=print) -> list[PreparedSet]:
         )
     sampling = Sampling(p.temperature, None, None, p.max_new_tokens, p.seed)
     t = recipe.target
+    threads.start(recipe.train.threads, name="train.threads")  # said on stderr
     print(f"prepare: loading the target {t.model}")
     tokenizer = hub.load_tokenizer(t.model, t.revision)
     target = hub.load_target(t.model, t.adapter, dtype=t.dtype, revision=t.revision)

@@ -256,6 +256,13 @@ class TrainConfig(Section):
         resume="harmless",
     )
     log_every: int = recipe_key(10, "steps between progress lines", resume="harmless", ge=1)
+    threads: int | None = recipe_key(
+        None,
+        "torch intra-op CPU threads per process; null: the cores free at the start, "
+        "re-checked between steps (specdistill/threads.py)",
+        resume="harmless",
+        ge=1,
+    )
     only: TrainOnly | None = recipe_key(
         None,
         "null: train the draft (and its acceptance head when acceptance_head.enabled); "

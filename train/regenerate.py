@@ -238,6 +238,7 @@ def regenerate(
 ) -> dict:
     """Answer the recipe's prompts not yet answered in `out`; return the manifest.
     `generate` defaults to `eval.engine.generate` (tests pass a wrapper)."""
+    from specdistill import threads
     from specdistill.data.sources import read_records
     from specdistill.drafts import hub
     from specdistill.drafts.progress import WorkProgress
@@ -259,6 +260,7 @@ def regenerate(
     if tokenizer is None:
         tokenizer = hub.load_tokenizer(r.target.model, r.target.revision)
     if target is None:
+        threads.start(r.train.threads, name="train.threads")  # said on stderr
         target = hub.load_target(
             r.target.model,
             getattr(r.target, "adapter", None),

@@ -66,10 +66,12 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     quiet_third_party()
+    from specdistill import threads
     from specdistill.train.config import load_recipe
     from specdistill.train.target_cache import CacheError, build_cache
 
     recipe = load_recipe(args.recipe, args.overrides)
+    threads.start(recipe.train.threads, name="train.threads")
     splits = tuple(s.strip() for s in args.splits.split(",") if s.strip())
     unknown = [s for s in splits if s not in SPLITS]
     if unknown or not splits:

@@ -28,6 +28,7 @@ from tqdm.auto import tqdm
 from specdistill import drafts
 from specdistill.drafts import hub as models
 from specdistill.publish import atomic_write_text
+from specdistill.threads import ThreadPolicy
 from specdistill.train.batches import Batches, accumulation_steps
 from specdistill.train.config import (
     Recipe,
@@ -286,6 +287,7 @@ class Trainer:
         if self.plan.finished is not None:
             return report_finished(r, self.out, self.plan.finished, say=acc.print)
         self.run_dir.start(clear=self.plan.clear, say=acc.print)
+        self.threads = started_threads(r, acc)
         resumed = self.resume()
         if acc.is_main_process:
             self.run_dir.trim_metrics(resumed, say=acc.print)
@@ -299,13 +301,7 @@ class Trainer:
         )
         skipped = {"train": self.train_data.stats.skipped, "eval": self.eval_data.stats.skipped}
         if any(skipped.values()) and resumed is None:  # a resumed log has it already
-            self.metrics.log(
-                {
-                    "step": self.step,
-                    "data/skipped": skipped["train"],
-                    "data/skipped_eval": skipped["eval"],
-                }
-            )
+            self.metrics.log(skipped_record(self.step, skipped))
         if self.alpha_before is None:
             self.alpha_before = self.evaluate()
             self.metrics.log(eval_record(self.step, self.alpha_before))
@@ -359,6 +355,7 @@ class Trainer:
         start = time.perf_counter()
         while self.step < r.train.max_steps:
             record = self.train_step(self.step)
+            self.threads.recheck(say=say)  # acc.print says nothing off the main process
             bar.update(1)
             bar.set_postfix(loss=f"{record['loss']:.4f}", alpha=f"{record['alpha']:.3f}")
             if self.step % r.train.log_every == 0 or self.step == r.train.max_steps:
@@ -398,6 +395,21 @@ class Trainer:
         draft = self.core.full_draft()  # every process: a sharded draft is gathered
         if acc.is_main_process:
             self.outputs.save_final(draft, result, copy_to_best=copy_to_best)
+
+
+def skipped_record(step: int, skipped: dict) -> dict:
+    """The metrics line of the malformed records skipped in the training and held-out data."""
+    return {"step": step, "data/skipped": skipped["train"], "data/skipped_eval": skipped["eval"]}
+
+
+def started_threads(recipe, acc: Accelerator) -> ThreadPolicy:
+    """This process's torch threads (specdistill/threads.py): train.threads, else its share
+    of the cores free now; said by the main process."""
+    policy = ThreadPolicy(
+        recipe.train.threads, name="train.threads", share=acc.num_processes, say=acc.print
+    )
+    policy.start()
+    return policy
 
 
 def yaml_text(recipe) -> str:

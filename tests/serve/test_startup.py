@@ -5,8 +5,6 @@ import threading
 
 import httpx
 
-from specdistill.drafts import progress
-from specdistill.drafts.progress import Load
 from specdistill.eval import engine as engine_module
 from specdistill.serve import server as server_module
 
@@ -42,18 +40,41 @@ def test_one_generation_runs_before_the_server_answers(tiny_pair, tmp_path, monk
     assert len(records) == 1
 
 
-def test_serve_sets_threads_as_asked_and_says_the_load(monkeypatch, caplog):
+def test_serve_sets_threads_as_asked_or_from_the_free_cores(monkeypatch, caplog):
+    """--threads is kept; without it the free cores are measured (specdistill/threads.py)
+    and said, and the policy goes to the engine worker; on a GPU nothing is set."""
     import logging
 
     import torch
 
     calls = []
     monkeypatch.setattr(torch, "set_num_threads", calls.append)
-    monkeypatch.setattr(progress, "machine_load", lambda: Load(3.4, 2))
     with caplog.at_level(logging.INFO, logger="specdistill.serve"):
-        server_module.set_threads(3, "cpu")  # --threads
-        server_module.set_threads(None, "cpu")  # torch's default, said with the load
-        server_module.set_threads(None, "cuda")
-    assert calls == [3]
+        forced = server_module.set_threads(3, "cpu")  # --threads
+        chosen = server_module.set_threads(None, "cpu")
+        assert server_module.set_threads(None, "cuda") is None
+    assert forced.threads == 3 and calls[0] == 3 and calls[1] == chosen.threads >= 1
     said = [r.getMessage() for r in caplog.records]
-    assert len(said) == 1 and said[0].endswith("load average 3.4 on 2 cores (busy)")
+    assert said[0] == "threads: 3 (--threads)" and said[1].startswith(
+        f"threads: {chosen.threads} of "
+    )
+
+
+def test_the_engine_worker_rechecks_the_threads_between_rounds(tiny_pair, tmp_path):
+    from specdistill.serve.server import Server
+
+    class Policy:
+        rechecks = 0
+
+        def recheck(self, say=None):
+            Policy.rechecks += 1
+
+    target, draft, _ = tiny_pair
+    srv = Server(str(target), str(draft), gamma=2, threads=Policy())
+    try:
+        url = srv.start()
+        body = {"model": str(target), "prompt": "def", "max_tokens": 4, "temperature": 0}
+        assert httpx.post(f"{url}/v1/completions", json=body, timeout=30).status_code == 200
+    finally:
+        srv.stop()
+    assert Policy.rechecks >= 2  # each round of the request's decoding

@@ -196,6 +196,7 @@ def test_key_sets_come_from_the_schema_marks():
         "train.resume",
         "train.overwrite",
         "train.output_dir",
+        "train.threads",
     }
     assert {
         "eval.speculative.gammas",

@@ -212,3 +212,27 @@ def test_periodic_speculative_eval_logs_measured_tau(tiny_pair, tmp_path):
             assert 1.0 <= m[f"spec/tau_{g}"] <= g + 1
             assert m[f"spec/speedup_{g}"] > 0
     assert result["speculative"]["step"] == 4
+
+
+def test_threads_are_chosen_at_the_start_and_rechecked_between_steps(
+    tiny_pair, tmp_path, monkeypatch, capsys
+):
+    """train.threads null: the free cores at the start, re-checked after every step; a
+    forced train.threads is said and kept (specdistill/threads.py)."""
+    from specdistill.threads import ThreadPolicy
+
+    calls = []
+    monkeypatch.setattr(ThreadPolicy, "recheck", lambda self, say=None: calls.append(say))
+    out = tmp_path / "run"
+    Trainer.from_recipe(
+        load_recipe(None, overrides(tiny_pair, out, **{"train.max_steps": 3}))
+    ).run()
+    assert len(calls) == 3
+    assert "threads: " in capsys.readouterr().out
+    forced = tmp_path / "forced"
+    Trainer.from_recipe(
+        load_recipe(
+            None, overrides(tiny_pair, forced, **{"train.max_steps": 1, "train.threads": 1})
+        )
+    ).run()
+    assert "threads: 1 (train.threads)" in capsys.readouterr().out

@@ -56,6 +56,7 @@ from collections import Counter
 from pathlib import Path
 
 from specdistill.errors import run_guarded
+from specdistill.threads import ThreadPolicy
 from specdistill.train.config import RecipeError, load_recipe
 from specdistill.train.online.args import job_parser
 from specdistill.train.online.dirs import LOGS, STATE
@@ -69,11 +70,19 @@ class OnlineJob(TrafficInput, ServedVersions, Refreshes):
     """One online job on OUT and ROOT. `faults`: a hook called with the name of each
     crash-test point the job passes (tests only; a no-op otherwise)."""
 
-    def __init__(self, recipe, *, print=print, faults: Faults = no_faults):
+    def __init__(
+        self,
+        recipe,
+        *,
+        print=print,
+        faults: Faults = no_faults,
+        threads: ThreadPolicy | None = None,
+    ):
         from specdistill.train.online import dirs as online_dirs
 
         self._locks = []
         self.print = print
+        self.threads = threads  # re-checked before each refresh (specdistill/threads.py)
         self.faults = faults
         r = copy.deepcopy(recipe)
         # A refresh is a continuation, not a schedule: constant learning rate.
@@ -300,6 +309,8 @@ class OnlineJob(TrafficInput, ServedVersions, Refreshes):
                 self.read()
                 limit = self.o.max_refreshes
                 while self.due(final=not follow) and not (limit and self.refreshes >= limit):
+                    if self.threads is not None:
+                        self.threads.recheck(say=self.print)
                     self.refresh()
                     self.read()
                 if (
@@ -357,7 +368,9 @@ def main(argv: list[str] | None = None, *, faults: Faults = no_faults) -> int:
     args = job_parser().parse_args(argv)
     recipe = load_recipe(args.recipe, args.overrides)
     follow = True if args.follow else False if args.once else None
-    OnlineJob(recipe, faults=faults).run(follow=follow)
+    threads = ThreadPolicy(recipe.train.threads, name="train.threads")
+    threads.start()
+    OnlineJob(recipe, faults=faults, threads=threads).run(follow=follow)
     return 0
 
 

@@ -432,3 +432,19 @@ def test_kill_between_publish_and_commit_completes_the_publish(
     assert names(b / "drafts") == names(a / "drafts")
     assert (b / "drafts" / "current").read_text() == (a / "drafts" / "current").read_text()
     assert len(lines(b / "out" / "decisions.jsonl")) == len(lines(a / "out" / "decisions.jsonl"))
+
+
+def test_the_threads_are_rechecked_before_each_refresh(tiny_pair, traffic_pool, tmp_path):
+    from specdistill.train.online.job import OnlineJob
+
+    class Policy:
+        rechecks = 0
+
+        def recheck(self, say=None):
+            Policy.rechecks += 1
+
+    _, pool = traffic_pool
+    write_shard(tmp_path / "traffic", 1, pool[:60])
+    recipe = online_recipe(tiny_pair, tmp_path, min_gain=-1.0)
+    summary = OnlineJob(recipe, print=quiet, threads=Policy()).run()
+    assert summary["refreshes"] >= 2 and Policy.rechecks == summary["refreshes"]
