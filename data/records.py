@@ -151,3 +151,17 @@ def _content(content: Any, where: str, key: str = "content") -> str:
 
 def _type_name(value: Any) -> str:
     return "null" if value is None else type(value).__name__
+
+
+def utf8_text(raw: bytes, path, error: type[Exception], what: str) -> str:
+    """`raw` decoded as UTF-8; else `error` naming `path` (and the line), UTF-16 as such, and
+    what to do: save `what` as UTF-8."""
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        if raw[:2] in (b"\xff\xfe", b"\xfe\xff"):
+            raise error(f"{path}: UTF-16 text; save {what} as UTF-8") from None
+        line = raw[: e.start].count(b"\n") + 1
+        raise error(
+            f"{path}:{line}: not UTF-8 ({e.reason} at byte {e.start}); save {what} as UTF-8"
+        ) from None

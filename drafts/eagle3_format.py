@@ -88,6 +88,20 @@ def save_pretrained(
     save_file(state, str(directory / "model.safetensors"), metadata={"format": "pt"})
 
 
+def head_from_config(cls, config: dict):
+    """An untrained head `cls` of a speculators Eagle-3 config.json's fields (built on the
+    caller's device context: on "meta" it allocates nothing)."""
+    layer = {k: v for k, v in config["transformer_layer_config"].items() if k != "model_type"}
+    return cls(
+        LlamaConfig(**layer),
+        draft_vocab_size=config["draft_vocab_size"],
+        target_hidden_size=config["target_hidden_size"],
+        aux_layers=config["eagle_aux_hidden_state_layer_ids"],
+        norm_before_residual=config["norm_before_residual"],
+        ttt_steps=config.get("ttt_steps"),
+    )
+
+
 def from_pretrained(cls, directory, dtype: torch.dtype | None = None):
     """Load a head saved by `save_pretrained` (or any speculators Eagle-3 checkpoint)."""
     directory = Path(directory)
@@ -100,15 +114,7 @@ def from_pretrained(cls, directory, dtype: torch.dtype | None = None):
             f"{path}: speculators_model_type is {config.get('speculators_model_type')!r}, "
             "expected 'eagle3'"
         )
-    layer = {k: v for k, v in config["transformer_layer_config"].items() if k != "model_type"}
-    head = cls(
-        LlamaConfig(**layer),
-        draft_vocab_size=config["draft_vocab_size"],
-        target_hidden_size=config["target_hidden_size"],
-        aux_layers=config["eagle_aux_hidden_state_layer_ids"],
-        norm_before_residual=config["norm_before_residual"],
-        ttt_steps=config.get("ttt_steps"),
-    )
+    head = head_from_config(cls, config)
     weights = directory / "model.safetensors"
     if not weights.is_file():
         raise FileNotFoundError(f"{weights} not found: the head's weights are missing")

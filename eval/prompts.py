@@ -17,6 +17,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from specdistill.data.records import utf8_text
 from specdistill.errors import UserError
 
 
@@ -104,15 +105,7 @@ def _read_text(path: Path, opener) -> str:
         if opener is open and isinstance(e, OSError):
             raise
         raise PromptError(f"{path}: not a readable gzip file ({e})") from None
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError as e:
-        if raw[:2] in (b"\xff\xfe", b"\xfe\xff"):
-            raise PromptError(f"{path}: UTF-16 text; save it as UTF-8") from None
-        line = raw[: e.start].count(b"\n") + 1
-        raise PromptError(
-            f"{path}:{line}: not UTF-8 ({e.reason} at byte {e.start}); save it as UTF-8"
-        ) from None
+    text = utf8_text(raw, path, PromptError, "it")
     return text.replace("\r\n", "\n").replace("\r", "\n")  # as text mode reads it
 
 

@@ -126,20 +126,11 @@ def implied_shapes(path: str) -> tuple[dict[str, tuple], list[set[str]]]:
 
 
 def _meta_eagle3(cls, directory: Path):
-    """An EAGLE-3 head of the speculators config in `directory` (as drafts/eagle3_format.py
-    builds it), under the caller's device context."""
-    from transformers import LlamaConfig
+    """An EAGLE-3 head of the speculators config in `directory`, under the caller's device
+    context."""
+    from specdistill.drafts.eagle3_format import head_from_config
 
-    config = json.loads((directory / "config.json").read_text())
-    layer = {k: v for k, v in config["transformer_layer_config"].items() if k != "model_type"}
-    return cls(
-        LlamaConfig(**layer),
-        draft_vocab_size=config["draft_vocab_size"],
-        target_hidden_size=config["target_hidden_size"],
-        aux_layers=config["eagle_aux_hidden_state_layer_ids"],
-        norm_before_residual=config["norm_before_residual"],
-        ttt_steps=config.get("ttt_steps"),
-    )
+    return head_from_config(cls, json.loads((directory / "config.json").read_text()))
 
 
 def check_before_loading(path: str) -> None:

@@ -154,17 +154,9 @@ def _key_lines(node: yaml.Node, prefix: str = "") -> dict[str, int]:
 
 def _text(path: Path) -> str:
     """The recipe file's text; RecipeError when it is not UTF-8 (UTF-16 named as such)."""
-    raw = path.read_bytes()
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError as e:
-        if raw[:2] in (b"\xff\xfe", b"\xfe\xff"):
-            raise RecipeError(f"{path}: UTF-16 text; save the recipe as UTF-8") from None
-        line = raw[: e.start].count(b"\n") + 1
-        raise RecipeError(
-            f"{path}:{line}: not UTF-8 text ({e.reason} at byte {e.start}); a recipe is a "
-            "YAML file saved as UTF-8"
-        ) from None
+    from specdistill.data.records import utf8_text
+
+    text = utf8_text(path.read_bytes(), path, RecipeError, "the recipe")
     return text.removeprefix("\ufeff")
 
 

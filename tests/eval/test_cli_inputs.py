@@ -4,8 +4,6 @@ import gzip
 import json
 import os
 import re
-import sys
-import types
 
 import pytest
 
@@ -64,22 +62,6 @@ def test_malformed_json_names_file_and_line(tmp_path):
     path.write_text('[\n  {"prompt": "a"},\n  {"prompt" "b"}\n]\n')
     with pytest.raises(PromptError, match=rf"^{at(path)}:3: invalid JSON: "):
         load_prompts(path)
-
-
-@pytest.fixture
-def no_models(monkeypatch):
-    """Stand-in for specdistill.drafts.hub that records every load instead of loading."""
-    calls = []
-    fake = types.ModuleType("specdistill.drafts.hub")
-
-    def load(name, *args, **kwargs):
-        calls.append(name)
-        raise RuntimeError("stop: a model would load here")
-
-    fake.load_tokenizer = fake.load_model = fake.load_draft = fake.load_target = load
-    fake.check_tokenizers = lambda *args: None
-    monkeypatch.setitem(sys.modules, "specdistill.drafts.hub", fake)
-    return calls
 
 
 def _argv(tmp_path, *extra: str, out=None) -> list[str]:

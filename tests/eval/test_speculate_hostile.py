@@ -3,7 +3,6 @@ is bounded and said (a `--max-new-tokens` beyond the target's context)."""
 
 import json
 import re
-import sys
 import types
 
 import pytest
@@ -12,22 +11,6 @@ import torch
 from specdistill.errors import UserError, run_guarded
 from specdistill.eval import speculative as spec
 from specdistill.eval.prompts import PromptError, encode_prompts, load_prompts
-
-
-@pytest.fixture
-def no_models(monkeypatch):
-    """Stand-in for specdistill.drafts.hub that records every load instead of loading."""
-    calls = []
-    fake = types.ModuleType("specdistill.drafts.hub")
-
-    def load(name, *args, **kwargs):
-        calls.append(name)
-        raise RuntimeError("stop: a model would load here")
-
-    fake.load_tokenizer = fake.load_model = fake.load_draft = fake.load_target = load
-    fake.check_tokenizers = lambda *args: None
-    monkeypatch.setitem(sys.modules, "specdistill.drafts.hub", fake)
-    return calls
 
 
 def _argv(tmp_path, *extra: str, prompts: str = '{"prompt": "a b"}\n') -> list[str]:

@@ -40,7 +40,7 @@ def test_data_train_nested_100000_deep_is_a_recipe_error(tmp_path):
     "content, message",
     [
         ("train:\n  max_steps: 2\n".encode("utf-16"), ": UTF-16 text; save the recipe as UTF-8"),
-        (b"train:\n  max_steps: 2\n\x80\x81\x00\xff", ":3: not UTF-8 text \\(invalid start byte"),
+        (b"train:\n  max_steps: 2\n\x80\x81\x00\xff", ":3: not UTF-8 \\(invalid start byte"),
     ],
 )
 def test_a_binary_or_utf16_recipe_is_one_line(tmp_path, capsys, content, message):
