@@ -197,7 +197,6 @@ def _run(args, prompts) -> dict:
     import torch
 
     args.device = resolve_device(args.device)
-    threads.start(args.threads)
     from specdistill import drafts
     from specdistill.drafts.hub import check_tokenizers, load_draft, load_target, load_tokenizer
     from specdistill.drafts.progress import WorkProgress, usable_cores
@@ -216,6 +215,7 @@ def _run(args, prompts) -> dict:
             f"the target's tokenizer has {len(tokenizer)}: it was trained for another target"
         )
     target = load_target(args.target, args.target_adapter, dtype=args.dtype)
+    threads.start(args.threads)  # once the models load: an error stays one line
     target.to(args.device)
     draft.to(args.device)
     prompt_ids = encode_prompts(prompts, tokenizer, max_tokens=args.max_prompt_tokens)

@@ -274,7 +274,6 @@ def _run(args, prompts) -> DriftRun:
 
     quiet_third_party()
     args.device = resolve_device(args.device)
-    threads.start(checked_threads(args.threads))
     tokenizer = load_tokenizer(args.target_after)
     check_tokenizers(
         load_tokenizer(args.target_before), tokenizer, args.target_before, args.target_after
@@ -284,6 +283,7 @@ def _run(args, prompts) -> DriftRun:
         check_tokenizers(tokenizer, load_tokenizer(args.draft), args.target_after, args.draft)
     before = load_target(args.target_before, args.adapter_before, dtype=args.dtype)
     after = load_target(args.target_after, args.adapter_after, dtype=args.dtype)
+    threads.start(checked_threads(args.threads))  # once the models load: errors stay one line
     for model in (before, after, draft):
         model.to(args.device)
     result, pairs = DriftRun(), {}

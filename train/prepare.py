@@ -77,10 +77,10 @@ def prepare(recipe, *, batch_size: int = 16, print=print) -> list[PreparedSet]:
         )
     sampling = Sampling(p.temperature, None, None, p.max_new_tokens, p.seed)
     t = recipe.target
-    threads.start(recipe.train.threads, name="train.threads")  # said on stderr
     print(f"prepare: loading the target {t.model}")
     tokenizer = hub.load_tokenizer(t.model, t.revision)
     target = hub.load_target(t.model, t.adapter, dtype=t.dtype, revision=t.revision)
+    threads.start(recipe.train.threads, name="train.threads")  # on stderr, once it loads
     target = target.to("cuda" if torch.cuda.is_available() else "cpu")
     done = []
     for name, s in sets:

@@ -260,13 +260,13 @@ def regenerate(
     if tokenizer is None:
         tokenizer = hub.load_tokenizer(r.target.model, r.target.revision)
     if target is None:
-        threads.start(r.train.threads, name="train.threads")  # said on stderr
         target = hub.load_target(
             r.target.model,
             getattr(r.target, "adapter", None),
             dtype=r.target.dtype,
             revision=r.target.revision,
         )
+        threads.start(r.train.threads, name="train.threads")  # on stderr, once it loads
         if hasattr(target, "to"):
             import torch
 

@@ -71,11 +71,11 @@ def main(argv: list[str] | None = None) -> int:
     from specdistill.train.target_cache import CacheError, build_cache
 
     recipe = load_recipe(args.recipe, args.overrides)
-    threads.start(recipe.train.threads, name="train.threads")
     splits = tuple(s.strip() for s in args.splits.split(",") if s.strip())
     unknown = [s for s in splits if s not in SPLITS]
     if unknown or not splits:
         raise CacheError(f"--splits takes {', '.join(SPLITS)}, got {args.splits!r}")
+    threads.start(recipe.train.threads, name="train.threads")
     manifest = build_cache(
         recipe,
         args.out,

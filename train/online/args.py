@@ -93,6 +93,8 @@ def demo_parser() -> argparse.ArgumentParser:
         help="records per summary window (before / after the shift, recovery, return)",
     )
     p.add_argument("--bootstrap", type=int, default=1000, help="resamples per interval")
-    p.add_argument("--threads", type=int, default=2, help="torch intra-op CPU threads")
+    p.add_argument(
+        "--threads", type=int, default=None, help="torch intra-op CPU threads (default: free cores)"
+    )
     p.add_argument("--seed", type=int, default=0, help="the demo's seed")
     return p

@@ -39,6 +39,7 @@ from pathlib import Path
 
 import numpy as np
 
+from specdistill import threads
 from specdistill.train.online.args import demo_parser
 from specdistill.train.online.demo_report import (
     Bootstrap,
@@ -198,14 +199,12 @@ def recipe_for(args, out: Path, policy: str):
 
 
 def demo(args) -> dict:
-    import torch
 
     from specdistill.serve.server import Server
     from specdistill.serve.traffic import read_traffic
     from specdistill.train.online.job import OnlineJob
 
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    threads.start(args.threads)
     t_start = time.time()
     out = Path(args.out)
     if out.exists() and any(out.iterdir()):
