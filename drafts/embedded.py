@@ -142,7 +142,7 @@ def _thread_policy(forced: int | None) -> Iterator[ThreadPolicy]:
     """The build's torch intra-op threads (specdistill/threads.py): the spec's count when it
     sets one, else the free cores, re-checked between steps; torch's count restored after."""
     previous = torch.get_num_threads()
-    policy = ThreadPolicy(forced, name="the model's spec", say=log)
+    policy = ThreadPolicy(forced, name="EmbeddedSpec.threads", say=log)
     policy.start()
     try:
         yield policy

@@ -140,7 +140,7 @@ class ThreadPolicy:
         self._set(threads)
         self.say(
             f"threads: {threads} of {self.cores} cores (other processes busy on "
-            f"{others:.1f}; {self.name} N to force)"
+            f"{others:.1f}; {self.name}{' ' if self.name.startswith('-') else '='}N to force)"
         )
         return threads
 

@@ -86,6 +86,9 @@ def test_a_forced_count_is_kept_and_a_bad_one_refused():
     machine = FakeMachine(others=1.5)
     policy, said = machine.policy(3, name="train.threads")
     assert policy.start() == 3 and said == ["threads: 3 (train.threads)"]
+    keyed, said = FakeMachine(others=0.0).policy(name="train.threads")
+    keyed.start()
+    assert said[0].endswith("train.threads=N to force)")
     machine.advance(100.0)
     assert policy.recheck() is None and machine.set == [3]
     for bad in (0, -1, 1.5, True, "2"):
