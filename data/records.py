@@ -12,6 +12,7 @@ accepts three shapes:
 every later error can point at it.
 """
 
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -59,6 +60,9 @@ class ChatRecord:
 Record = TextRecord | ChatRecord
 
 ROLES = ("system", "user", "assistant")
+# A lone UTF-16 surrogate: JSON's "\ud800" escape without its pair. `json.loads` joins a valid
+# pair into one character, so any surrogate in a parsed string is lone: not text UTF-8 holds.
+SURROGATE = re.compile("[\ud800-\udfff]")
 SHAREGPT_ROLES = {"system": "system", "human": "user", "gpt": "assistant"}
 
 
@@ -71,18 +75,34 @@ def record_from_row(row: Any, origin: str) -> Record | None:
     if not isinstance(row, dict):
         raise DataError(f"{origin}: expected a JSON object, got {_type_name(row)}")
     if row.get("messages") is not None:
-        return ChatRecord(_openai_messages(row["messages"], origin), origin)
+        return _text_only(ChatRecord(_openai_messages(row["messages"], origin), origin))
     if row.get("conversations") is not None:
-        return ChatRecord(_sharegpt_messages(row["conversations"], origin), origin)
+        return _text_only(ChatRecord(_sharegpt_messages(row["conversations"], origin), origin))
     if row.get("text") is not None:
         text = row["text"]
         if not isinstance(text, str):
             raise DataError(f"{origin}: 'text' must be a string, got {_type_name(text)}")
-        return TextRecord(text, origin) if text else None
+        return _text_only(TextRecord(text, origin)) if text else None
     raise DataError(
         f"{origin}: missing field: expected 'text', 'messages' or 'conversations' "
         f"(keys: {', '.join(map(str, row)) or 'none'})"
     )
+
+
+def lone_surrogate(value: str) -> int | None:
+    """The offset of the first lone surrogate in `value` (`SURROGATE`), or None."""
+    found = SURROGATE.search(value)
+    return found.start() if found else None
+
+
+def _text_only(record: Record) -> Record:
+    """`record`, unless a string of it holds a lone surrogate: no tokenizer or UTF-8 file
+    takes it (DataError, counted as "not UTF-8")."""
+    chat = isinstance(record, ChatRecord)
+    strings = [m["content"] for m in record.messages] if chat else [record.text]
+    if any(lone_surrogate(s) is not None for s in strings):
+        raise DataError(f"{record.origin}: not UTF-8 text (it holds a lone surrogate)")
+    return record
 
 
 def _openai_messages(messages: Any, origin: str) -> list[dict[str, str]]:

@@ -17,7 +17,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from specdistill.data.records import utf8_text
+from specdistill.data.records import lone_surrogate, utf8_text
 from specdistill.errors import UserError
 
 
@@ -73,13 +73,12 @@ def _string(value, where: str, field: str) -> str:
 def _unicode(value: str, where: str, field: str) -> str:
     """`value` if it is text UTF-8 can hold; a lone surrogate (JSON's "\\ud800" escape without
     its pair) is a PromptError naming the field and the character's offset."""
-    try:
-        value.encode("utf-8")
-    except UnicodeEncodeError as e:
+    at = lone_surrogate(value)
+    if at is not None:
         raise PromptError(
-            f"{where}: '{field}' holds a lone surrogate U+{ord(value[e.start]):04X} at "
-            f"character {e.start}, which is not text"
-        ) from None
+            f"{where}: '{field}' holds a lone surrogate U+{ord(value[at]):04X} at "
+            f"character {at}, which is not text"
+        )
     return value
 
 

@@ -6,12 +6,12 @@ bounded nesting), the record's assembly, and the reading of JSON lines from byte
 import hashlib
 import json
 import math
-import re
 import time
 from pathlib import Path
 
 from pydantic import ValidationError
 
+from specdistill.data.records import lone_surrogate
 from specdistill.errors import UserError
 from specdistill.serve.traffic import (
     SCHEMA_VERSION,
@@ -22,8 +22,6 @@ from specdistill.serve.traffic import (
 )
 
 MAX_DEPTH = 64  # nesting of a source entry (lists, objects, pickled attribute bags)
-# A lone surrogate: JSON's "\\ud800" escape without its pair, which no UTF-8 log can hold.
-SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 class ConvertError(UserError):
@@ -215,7 +213,7 @@ def plain(value, depth: int = 0):
 
 def text(value: str) -> str:
     """`value`, unless it holds a lone surrogate (ConvertError: it is not text)."""
-    if SURROGATE.search(value):
+    if lone_surrogate(value) is not None:
         raise ConvertError(f"a string holds a lone surrogate (not text: {value[:40]!r})")
     return value
 

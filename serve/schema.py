@@ -28,6 +28,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from specdistill.data.records import lone_surrogate
 from specdistill.eval.engine import Sampling
 from specdistill.eval.sampling import GREEDY_BELOW
 from specdistill.serve.errors import APIError
@@ -179,7 +180,6 @@ def json_depth_exceeds(body: bytes, limit: int) -> bool:
 
 
 _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")  # how JSON text spells a surrogate
-_SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 def lone_surrogate_at(data: object) -> str | None:
@@ -191,12 +191,12 @@ def lone_surrogate_at(data: object) -> str | None:
     while todo:
         path, value = todo.pop()
         if isinstance(value, str):
-            if _SURROGATE.search(value):
+            if lone_surrogate(value) is not None:
                 return path or "body"
         elif isinstance(value, dict):
             for key, item in value.items():
                 inner = f"{path}.{key}" if path else key
-                if _SURROGATE.search(key):
+                if lone_surrogate(key) is not None:
                     return path or "body"
                 todo.append((inner, item))
         elif isinstance(value, list):

@@ -55,7 +55,6 @@ from specdistill.eval.cli_args import MAX_SEED, make_dir
 from specdistill.verb_parser import quiet_third_party, verb_parser
 
 SHARD = re.compile(r"^regen-(\d{6})\.jsonl$")
-SURROGATE = re.compile("[\ud800-\udfff]")  # a lone one: JSON's "\\ud800" without its pair
 MANIFEST = "manifest.json"
 FAILURES = "failures.jsonl"
 
@@ -285,7 +284,7 @@ def regenerate(
                 f"{out} was generated with sampling {previous['sampling']}, this run asks for "
                 f"{asdict(sampling)}; use the same parameters or another --out"
             )
-    records, skipped = _valid_records(_text_only(read_records(list(r.data.train))), print)
+    records, skipped = _valid_records(read_records(list(r.data.train)), print)
     jobs, duplicates = jobs_from_records(records, tokenizer, text_prompt_tokens)
     if limit:
         jobs = jobs[:limit]
@@ -392,20 +391,6 @@ def regenerate(
     atomic_write_text(out / MANIFEST, json.dumps(manifest, indent=1))
     print(f"regenerate: {manifest['answered']}/{len(jobs)} answered, {len(failures)} failed")
     return manifest
-
-
-def _text_only(items):
-    """`items` with each record that holds a lone surrogate (not text: no tokenizer or UTF-8
-    file takes it) turned into a DataError naming its origin, counted as "not UTF-8"."""
-    from specdistill.data.records import ChatRecord, DataError
-
-    for item in items:
-        if not isinstance(item, DataError):
-            chat = isinstance(item, ChatRecord)
-            strings = [v for m in item.messages for v in m.values()] if chat else [item.text]
-            if any(isinstance(t, str) and SURROGATE.search(t) for t in strings):
-                item = DataError(f"{item.origin}: not UTF-8 text (it holds a lone surrogate)")
-        yield item
 
 
 def _valid_records(items, print) -> tuple[list, dict[str, int]]:

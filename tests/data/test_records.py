@@ -82,3 +82,21 @@ def test_malformed_rows_name_origin_and_problem(row, problem):
     message = str(info.value)
     assert message.startswith("chats.jsonl:7: ")
     assert problem in message
+
+
+@pytest.mark.parametrize(
+    "row",
+    [
+        {"text": "def \udfff f(x): return x"},
+        {"messages": [{"role": "user", "content": "write \ud800 code"}]},
+        {"conversations": [{"from": "human", "value": "x \udbff"}]},
+        {"messages": [{"role": "user", "content": [{"type": "text", "text": "\udc00"}]}]},
+    ],
+)
+def test_a_lone_surrogate_is_not_text(row):
+    """Every reader of records (distill, regenerate, cache) refuses it, counted as not UTF-8."""
+    with pytest.raises(DataError, match=r"^f\.jsonl:3: not UTF-8 text") as info:
+        record_from_row(row, "f.jsonl:3")
+    assert info.value.reason == "not UTF-8"
+    paired = {"text": "a pair \U0001f600 is text"}  # what json.loads makes of a valid pair
+    assert record_from_row(paired, "f.jsonl:4") == TextRecord(paired["text"], "f.jsonl:4")
