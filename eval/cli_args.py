@@ -17,6 +17,7 @@ from specdistill.errors import UserError
 # Seeds are offset per request or per batch (regenerate adds a 32-bit prompt hash and the
 # attempt); below 2**63 every such sum still fits the 64 bits a torch generator takes.
 MAX_SEED = 2**63 - 1
+DEVICE_TYPES = ("cpu", "cuda", "mps", "xpu")  # the devices the models can be put on
 
 
 def at_least(low: int):
@@ -58,22 +59,25 @@ def seed(text: str) -> int:
     return value
 
 
-def resolve_device(name: str) -> str:
-    """The device to run on: `name` itself, or for "auto" cuda when present, else cpu.
+def resolve_device(name: str | None) -> str:
+    """The device to run on: `name` itself, or for "auto" (or None) cuda when present, else
+    cpu.
 
-    UserError naming `--device` when torch knows no such device or this machine lacks it
+    UserError naming `--device` when it is no device of `DEVICE_TYPES` or this machine lacks it
     (cuda without CUDA, an index past the last GPU).
     """
     import torch
 
-    if name == "auto":
+    if name in (None, "auto"):
         return "cuda" if torch.cuda.is_available() else "cpu"
     try:
         device = torch.device(name)
     except (RuntimeError, ValueError, TypeError):
+        device = None
+    if device is None or device.type not in DEVICE_TYPES:
         raise UserError(
-            f"--device {name!r}: not a device torch knows; use cpu, cuda, cuda:N, mps or auto"
-        ) from None
+            f"--device {name!r}: not a device torch knows; use cpu, cuda, cuda:N, mps, xpu or auto"
+        )
     try:
         torch.empty(1, device=device).add_(1)
     except (RuntimeError, AssertionError, ValueError) as e:

@@ -3,7 +3,7 @@
 Each bad value is one `UserError` naming the flag and the value (one line and exit 2 on the
 command line), never a traceback from deep inside a library and never a server that starts
 with a setting it cannot keep: a negative size, a poll interval that spins, a port that does
-not exist, a file where a directory belongs, a device torch does not know.
+not exist, a file where a directory belongs (the device: eval/cli_args.py `resolve_device`).
 """
 
 import math
@@ -14,7 +14,6 @@ from specdistill.errors import UserError
 
 MIN_POLL_S = 0.05  # --poll-s below this re-reads the drafts root in a busy loop
 MAX_PORT = 65535
-DEVICE_TYPES = ("cpu", "cuda", "mps", "xpu")
 
 
 def at_least(flag: str, value: float, low: float) -> None:
@@ -66,31 +65,6 @@ def check_limits(
     finite_at_least("--drain-s", drain_s, 0)
     finite_at_least("--poll-s", poll_s, MIN_POLL_S)
     finite_at_least("--body-timeout-s", body_timeout_s, 0.1)
-
-
-def check_device(device: str | None) -> str:
-    """The device to load onto: `device` if torch knows it and it is present, else (None)
-    cuda when available, cpu otherwise."""
-    import torch
-
-    if device is None:
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    try:
-        parsed = torch.device(device)
-    except (RuntimeError, ValueError):
-        parsed = None
-    if parsed is None or parsed.type not in DEVICE_TYPES:
-        raise UserError(f"--device {device!r} is not a device (cpu, cuda, cuda:N, mps, xpu)")
-    backend = getattr(torch, parsed.type, None) if parsed.type != "cpu" else None
-    if parsed.type == "mps":
-        backend = torch.backends.mps
-    if backend is not None and not backend.is_available():
-        raise UserError(f"--device {device}: no {parsed.type} device on this machine")
-    if parsed.index is not None and parsed.type == "cuda":
-        count = torch.cuda.device_count()
-        if parsed.index >= count:
-            raise UserError(f"--device {device}: this machine has {count} cuda device(s)")
-    return device
 
 
 def check_traffic_dir(path: str | None) -> None:

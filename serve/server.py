@@ -57,7 +57,8 @@ import time
 from collections.abc import Sequence
 
 from specdistill.errors import UserError
-from specdistill.serve.flags import check_device, check_limits, check_traffic_dir, parse_gamma
+from specdistill.eval.cli_args import resolve_device
+from specdistill.serve.flags import check_limits, check_traffic_dir, parse_gamma
 from specdistill.serve.uvicorn_server import _Uvicorn
 from specdistill.threads import ThreadPolicy
 from specdistill.verb_parser import quiet_third_party, verb_parser
@@ -133,7 +134,7 @@ class Server:
             shard_bytes=shard_bytes,
         )
         check_traffic_dir(traffic)
-        device = check_device(device)
+        device = resolve_device(device)
         self.keys = ApiKeys(parse_keys(api_key))
         self.insecure, self.drain_s = insecure, drain_s
         self.tokenizer = load_tokenizer(target)
