@@ -151,11 +151,7 @@ def check_state_file(path, expected: Mapping, advice: str = RESAVE) -> None:
     """Refuse a safetensors state file (a training checkpoint's model.safetensors) that does
     not hold exactly the tensors of `expected` (a module's state_dict), with their shapes.
     Tensors sharing storage in `expected` (a tied head) need to be saved once only."""
-    try:
-        with safe_open(str(path), framework="pt") as f:
-            shapes = {name: tuple(f.get_slice(name).get_shape()) for name in f.keys()}
-    except SafetensorError as e:
-        raise broken(path, e) from None
+    shapes = file_shapes(path)
     missing = [name for name in expected if name not in shapes]
     if missing:  # a tied tensor is saved under one of its names
         saved = {_storage(expected[name]) for name in expected if name in shapes}
@@ -180,12 +176,18 @@ def header_shapes(directory) -> dict[str, tuple]:
     their headers only; `BrokenWeightsError` for a file that cannot be read."""
     shapes: dict[str, tuple] = {}
     for path in weight_files(directory):
-        try:
-            with safe_open(str(path), framework="pt") as f:
-                shapes.update({name: tuple(f.get_slice(name).get_shape()) for name in f.keys()})
-        except SafetensorError as e:
-            raise broken(path, e) from None
+        shapes.update(file_shapes(path))
     return shapes
+
+
+def file_shapes(path) -> dict[str, tuple]:
+    """name -> shape of every tensor of one safetensors file, from its header;
+    `BrokenWeightsError` if it cannot be read."""
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            return {name: tuple(f.get_slice(name).get_shape()) for name in f.keys()}
+    except SafetensorError as e:
+        raise broken(path, e) from None
 
 
 def check_header_shapes(

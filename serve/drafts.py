@@ -29,7 +29,6 @@ import json
 import logging
 import re
 import threading
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -196,10 +195,11 @@ def version_draft_dir(root: Path, version: str) -> Path:
         raise UserError(f"{version!r} is not a version like v000001")
     inside = root.resolve()
     path = (root / version).resolve()
-    draft_dir = read_manifest(path).draft_dir
+    manifest = read_manifest(path)
+    draft_dir = manifest.draft_dir
     if draft_dir is not None and not isinstance(draft_dir, str):
         raise UserError(f"{root / version}/manifest.json: draft_dir is not a path string")
-    model_dir = (path / draft_dir).resolve() if draft_dir else path
+    model_dir = manifest.draft_path(path).resolve()
     for what, where in ((root / version, path), (f"its draft_dir {draft_dir!r}", model_dir)):
         if not where.is_relative_to(inside):
             raise OutsideRootError(
@@ -232,7 +232,6 @@ class DraftWatcher(threading.Thread):
         self.failed: dict[str, str] = {}  # version -> why it was skipped
         self.errors = 0  # polls that failed (current unreadable, or any other error)
         self.error: str | None = None  # the last poll's problem (None: it went well)
-        self.error_time: float | None = None
         self.stopping = threading.Event()
 
     def load(self, version: str):
@@ -274,7 +273,6 @@ class DraftWatcher(threading.Thread):
         """Count a failed poll; log it when its problem differs from the last poll's."""
         why = f"{type(error).__name__}: {error}"
         self.errors += 1
-        self.error_time = time.time()
         if why != self.error:
             log.error("%s: draft watch poll failed (%s); still serving %s; retrying every "
                       "%gs", self.root, why, self.loaded, self.poll_s)  # fmt: skip
