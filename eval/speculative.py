@@ -168,12 +168,7 @@ def build_parser() -> argparse.ArgumentParser:
         choices=["float32", "bfloat16", "float16"],
         help="the models' dtype",
     )
-    parser.add_argument(
-        "--threads",
-        type=positive,
-        default=None,
-        help=threads.HELP,
-    )
+    threads.add_argument(parser)
     return parser
 
 

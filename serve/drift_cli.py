@@ -71,7 +71,6 @@ from specdistill.eval.cli_args import at_least as _at_least
 from specdistill.eval.cli_args import resolve_device
 from specdistill.eval.cli_args import seed as _seed
 from specdistill.eval.cli_args import top_p as _top_p
-from specdistill.threads import checked_threads
 from specdistill.verb_parser import quiet_third_party, temperatures, verb_parser
 
 if TYPE_CHECKING:  # imported when run: it loads numpy and torch
@@ -283,7 +282,7 @@ def _run(args, prompts) -> DriftRun:
         check_tokenizers(tokenizer, load_tokenizer(args.draft), args.target_after, args.draft)
     before = load_target(args.target_before, args.adapter_before, dtype=args.dtype)
     after = load_target(args.target_after, args.adapter_after, dtype=args.dtype)
-    threads.start(checked_threads(args.threads))  # once the models load: errors stay one line
+    threads.start(args.threads)  # once the models load: errors stay one line
     for model in (before, after, draft):
         model.to(args.device)
     result, pairs = DriftRun(), {}

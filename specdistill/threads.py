@@ -190,9 +190,22 @@ def _torch_set_threads(threads: int) -> None:
 HELP = "torch intra-op CPU threads, >= 1 (default: the cores free when it starts)"
 
 
+def count(text: str) -> int:
+    """argparse type of `--threads`: an integer >= 1 (a usage error otherwise)."""
+    import argparse
+
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"needs an integer >= 1; got {text!r}")
+    return value
+
+
 def add_argument(parser, help: str = HELP) -> None:
-    """A verb's `--threads` option (None: chosen by `ThreadPolicy`)."""
-    parser.add_argument("--threads", type=int, default=None, help=help)
+    """A verb's `--threads` option, checked as it is parsed (None: chosen by `ThreadPolicy`)."""
+    parser.add_argument("--threads", type=count, default=None, help=help)
 
 
 def start(

@@ -32,6 +32,7 @@ def _prompts(tmp_path, text: str = '{"prompt": "def f():\\n"}\n'):
         ("--top-p", "nan", "needs a number in (0, 1]"),
         ("--top-k", "-1", "needs an integer >= 0"),
         ("--seed", "123456789012345678901234", "needs an integer in [0, 9223372036854775807]"),
+        ("--threads", "0", "needs an integer >= 1"),
     ],
 )
 def test_filters_and_seed_out_of_range_are_usage_errors(

@@ -6,6 +6,7 @@ here; the descriptions are those modules' docstrings."""
 import argparse
 from pathlib import Path
 
+from specdistill import threads
 from specdistill.verb_parser import module_doc, verb_parser
 
 HERE = Path(__file__).parent
@@ -93,8 +94,6 @@ def demo_parser() -> argparse.ArgumentParser:
         help="records per summary window (before / after the shift, recovery, return)",
     )
     p.add_argument("--bootstrap", type=int, default=1000, help="resamples per interval")
-    p.add_argument(
-        "--threads", type=int, default=None, help="torch intra-op CPU threads (default: free cores)"
-    )
+    threads.add_argument(p)
     p.add_argument("--seed", type=int, default=0, help="the demo's seed")
     return p
