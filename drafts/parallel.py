@@ -198,12 +198,17 @@ class Parallel:
         return target_mask(batch)
 
     def depths(self, draft, target, batch: dict) -> Depths:
+        """Every depth's logits [B, T−1, V] against the target's [B, T−1, V]; a reduced head's
+        K columns [B, T−1, K] instead (`ReducedParallel`: the type carries its `d2t`)."""
         ids, attention = batch["input_ids"], batch["attention_mask"]
         with torch.no_grad():
             t_logits = target(input_ids=ids, attention_mask=attention).logits[
                 ..., : self.vocab_size
             ]
-        blocks = block_logits(draft, ids, attention, self.mask_id, self.steps, self.vocab_size)
+        reduced = self.d2t is not None
+        blocks = block_logits(
+            draft, ids, attention, self.mask_id, self.steps, self.vocab_size, reduced=reduced
+        )
         return shifted_depths(blocks, t_logits, target_mask(batch))
 
     def chains(self, draft, target, batch: dict, starts: list[int], **sampling):
@@ -272,9 +277,9 @@ class Parallel:
 class ReducedParallel(Parallel):
     """A parallel draft over V_d (FR-Spec, as `drafts.standalone.ReducedStandalone`): its
     output head keeps K rows with the d2t / t2d map; training compares the K columns of every
-    depth with the target (`d2t`), and its forward, which the drafter and the offline α read,
-    returns full-vocabulary logits with −inf outside V_d (q = 0 there: lossless). Its `name`
-    is "parallel"; exported as hf only."""
+    depth with the target (`Parallel.depths` with `d2t`), and its forward, which the drafter
+    and the offline α read, returns full-vocabulary logits with −inf outside V_d (q = 0 there:
+    lossless). Its `name` is "parallel"; exported as hf only."""
 
     head: ReducedHead = field(compare=False, repr=False)
 
@@ -293,18 +298,6 @@ class ReducedParallel(Parallel):
     def detect(path) -> bool:
         """A parallel draft's directory whose config.json says a reduced head's model_type."""
         return Parallel.detect(path) and is_reduced_dir(path)
-
-    def depths(self, draft, target, batch: dict) -> Depths:
-        """Every depth's K columns [B, T−1, K] against the target's [B, T−1, V]."""
-        ids, attention = batch["input_ids"], batch["attention_mask"]
-        with torch.no_grad():
-            t_logits = target(input_ids=ids, attention_mask=attention).logits[
-                ..., : self.vocab_size
-            ]
-        blocks = block_logits(
-            draft, ids, attention, self.mask_id, self.steps, self.vocab_size, reduced=True
-        )
-        return shifted_depths(blocks, t_logits, target_mask(batch))
 
     def save(self, draft, out: Path, tokenizer, verifier: str) -> None:
         """`Parallel.save`, after checking the map the draft carries (`check_vocab_map`)."""
