@@ -44,7 +44,9 @@ def timed(command: list[str], competitors: int) -> float:
         if spinners:
             time.sleep(1.0)  # the competitors are running when the command starts
         start = time.perf_counter()
-        done = subprocess.run(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        # without OMP_NUM_THREADS, which the verb would keep as a forced count
+        env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
+        done = subprocess.run(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env)
         elapsed = time.perf_counter() - start
     finally:
         for p in spinners:

@@ -6,7 +6,8 @@ process, so on 2 cores a forward beside one busy process took 7× longer with 2 
 with 1 (benchmarks/RESULTS.md, "Threads"). So a verb takes as many threads as there are free
 cores when it starts, and a long job re-checks between pieces of work (`ThreadPolicy.recheck`:
 the trainer between steps, the embedded build, the server's worker). `--threads N` (a recipe:
-`train.threads`) forces N; the choice is said once, and again only when it changes.
+`train.threads`) forces N, and so does `OMP_NUM_THREADS=N` in the environment when no count is
+given; the choice is said once, and again only when it changes.
 
 Free cores are measured, not guessed from the load average (which counts this process's own
 threads and lags a minute): over an interval, the machine's busy CPU time (/proc/stat) less
@@ -96,6 +97,15 @@ def checked_threads(threads: int | None, name: str = "--threads") -> int | None:
     return threads
 
 
+def from_environment(environ, name: str) -> tuple[int | None, str]:
+    """(`OMP_NUM_THREADS` as a forced count, its name) when the environment sets it to an
+    integer ≥ 1 (what torch itself would take), else (None, `name`)."""
+    text = environ.get("OMP_NUM_THREADS", "").strip()
+    if text.isdigit() and int(text) >= 1:
+        return int(text), "OMP_NUM_THREADS"
+    return None, name
+
+
 class ThreadPolicy:
     """The intra-op threads of one process (module docstring). `start()` chooses and sets
     them; `recheck()` re-measures at most every `interval_s` and sets a new count when the
@@ -116,7 +126,10 @@ class ThreadPolicy:
         load_average: Callable[[], float] | None = None,
         sleep: Callable[[float], None] = time.sleep,
         clock: Callable[[], float] = time.monotonic,
+        environ: dict[str, str] | None = None,
     ):
+        if forced is None:
+            forced, name = from_environment(environ if environ is not None else os.environ, name)
         self.forced = checked_threads(forced, name)
         self.name, self.share, self.interval_s, self.say = name, max(1, share), interval_s, say
         self.cores = cores or usable_cores()

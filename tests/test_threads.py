@@ -39,6 +39,7 @@ class FakeMachine:
             set_threads=self.set.append,
             sleep=self.advance,
             clock=lambda: self.t,
+            environ=kw.pop("environ", {}),
             **kw,
         )
         return policy, said
@@ -96,6 +97,20 @@ def test_a_forced_count_is_kept_and_a_bad_one_refused():
             ThreadPolicy(bad)
 
 
+@pytest.mark.parametrize(("value", "forced"), [("1", 1), (" 3 ", 3), ("0", None), ("x", None)])
+def test_omp_num_threads_in_the_environment_is_a_forced_count(value, forced):
+    """A user's OMP_NUM_THREADS=N is kept as if forced (torch would take it); a value torch
+    would not take is ignored and the cores are measured."""
+    policy, said = FakeMachine(others=0.0).policy(environ={"OMP_NUM_THREADS": value})
+    chosen = policy.start()
+    if forced is None:
+        assert chosen == 2 and said[0].startswith("threads: 2 of 2 cores")
+    else:
+        assert chosen == forced and said == [f"threads: {forced} (OMP_NUM_THREADS)"]
+    kept, said = FakeMachine(others=0.0).policy(2, environ={"OMP_NUM_THREADS": "1"})
+    assert kept.start() == 2 and said == ["threads: 2 (--threads)"]
+
+
 def test_distributed_processes_split_the_free_cores():
     policy, _ = FakeMachine(others=0.0).policy(share=2)
     assert policy.start() == 1
@@ -117,6 +132,7 @@ def test_without_proc_stat_the_load_average_stands_in(tmp_path):
         set_threads=set_.append,
         load_average=lambda: 1.1,
         sleep=lambda s: None,
+        environ={},
     )
     assert policy.start() == 1
 

@@ -49,6 +49,7 @@ def test_serve_sets_threads_as_asked_or_from_the_free_cores(monkeypatch, caplog)
 
     calls = []
     monkeypatch.setattr(torch, "set_num_threads", calls.append)
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)  # else a forced count
     with caplog.at_level(logging.INFO, logger="specdistill.serve"):
         forced = server_module.set_threads(3, "cpu")  # --threads
         chosen = server_module.set_threads(None, "cpu")
