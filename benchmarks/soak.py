@@ -505,14 +505,14 @@ def _healthy(url: str) -> bool:
 
 def log_lines(root: Path) -> int:
     """Complete lines in the traffic log's shards (the poisoned one included)."""
-    from specdistill.serve.traffic import shards
+    from specdistill.formats.traffic_shards import shards
 
     return sum(p.read_bytes().count(b"\n") for p in shards(root / "traffic"))
 
 
 def served_records(root: Path) -> list[dict]:
     """The server's records (every shard but the poisoned one)."""
-    from specdistill.serve.traffic import shards
+    from specdistill.formats.traffic_shards import shards
 
     return [
         json.loads(line)

@@ -1,6 +1,6 @@
 """The α drift report: its schema (`DriftReport`, report.json), report.md, the plot and the
 after-target's responses as training records (eval/drift.py measures; the meanings of the
-numbers: serve/drift_cli.py's module docstring).
+numbers: eval/drift_cli.py's module docstring).
 """
 
 import json

@@ -3,7 +3,7 @@
 `generate_responses` answers the prompts with a target alone (the project's engine);
 `score_prompt` compares the draft with both targets on both responses of a prompt and
 returns its `PromptScore` (sums per depth), which eval/drift.py `summarise` turns into the
-report (the meanings: serve/drift_cli.py's module docstring).
+report (the meanings: eval/drift_cli.py's module docstring).
 """
 
 from collections.abc import Sequence

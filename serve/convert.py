@@ -44,6 +44,7 @@ import math
 from pathlib import Path
 
 from specdistill.errors import UserError
+from specdistill.formats.traffic_shards import shards
 from specdistill.serve.convert_common import (
     NO_SPECULATION,
     ConvertError,
@@ -57,7 +58,7 @@ from specdistill.serve.convert_common import (
     token_ids,
 )
 from specdistill.serve.convert_sglang import from_sglang, sglang_pairs
-from specdistill.serve.traffic import TrafficLog, shards
+from specdistill.serve.traffic import TrafficLog
 
 SOURCES = ("vllm", "sglang")
 

@@ -13,7 +13,7 @@ from pydantic import ValidationError
 
 from specdistill.data.records import lone_surrogate
 from specdistill.errors import UserError
-from specdistill.serve.traffic import (
+from specdistill.formats.traffic import (
     SCHEMA_VERSION,
     TEMPERATURE,
     TOP_P,

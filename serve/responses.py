@@ -12,7 +12,7 @@ from typing import ClassVar, Literal
 from fastapi.responses import Response
 from pydantic import BaseModel, model_serializer
 
-from specdistill.serve.traffic import SpeculativeRecord
+from specdistill.formats.traffic import SpeculativeRecord
 
 
 class _Body(BaseModel):

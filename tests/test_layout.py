@@ -5,9 +5,12 @@ Layers, lowest first (an arrow may only point down):
     data, losses        depend on nothing else in the project but the errors utility
     publish, errors,    utilities: atomic writes, one-line errors, the verbs' argument parser
     verb_parser         (stdlib only; errors may use publish)
-    drafts              what differs between draft types; may use losses, publish
-    eval                may use drafts, data, losses, publish; never train
-    train               may use everything below
+    formats             the files the server and the online job share (the traffic record, its
+                        shards, the published versions); may use errors only
+    drafts              what differs between draft types; may use losses, data, utilities
+    eval                may use drafts, formats, data, losses, utilities; never serve or train
+    serve, train        may use eval, formats and everything below; never each other
+    online_demo         serve and train together (the online demo): everything below cli
     cli, cli_docs       dispatch to the verbs, document them (import anything, lazily)
 
 Imports are read from the source with `ast`, deferred (function-level) imports included:
@@ -28,18 +31,8 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
-# subpackage -> folder in the repository (as pyproject.toml maps them)
-FOLDERS = {
-    "specdistill": "specdistill",
-    "specdistill.data": "data",
-    "specdistill.losses": "losses",
-    "specdistill.drafts": "drafts",
-    "specdistill.eval": "eval",
-    "specdistill.serve": "serve",
-    "specdistill.train": "train",
-    "specdistill.recipes": "recipes",
-}
+from tests.package_modules import REPO, modules
+
 UTILITIES = {"publish", "errors", "verb_parser", "threads"}
 ALLOWED = {
     # specdistill/errors.py defines the project's error base classes (stdlib only)
@@ -49,34 +42,20 @@ ALLOWED = {
     "errors": {"publish"},  # OutputDirError: publish imports only the standard library
     "verb_parser": set(),
     "threads": {"errors"},  # ThreadsError; the standard library otherwise (torch lazily)
+    "formats": {"errors"},  # pydantic and the standard library otherwise
     # the embedded default target is built from the data layer's corpus (drafts/embedded.py)
     "drafts": {"losses", "data"} | UTILITIES,
-    "eval": {"data", "losses", "drafts"} | UTILITIES,
-    "serve": {"data", "losses", "drafts", "eval"} | UTILITIES,
-    "train": {"data", "losses", "drafts", "eval", "serve"} | UTILITIES,
+    "eval": {"data", "losses", "drafts", "formats"} | UTILITIES,
+    "serve": {"data", "losses", "drafts", "eval", "formats"} | UTILITIES,
+    "train": {"data", "losses", "drafts", "eval", "formats"} | UTILITIES,
+    # specdistill/online_demo/: a server and an online job run together
+    "online_demo": {"data", "losses", "drafts", "eval", "formats", "serve", "train", "root"}
+    | UTILITIES,
     "recipes": set(),
     "root": set(),  # specdistill/__init__.py
-    "cli": {"data", "losses", "drafts", "eval", "serve", "train", "root"} | UTILITIES,
+    "cli": {"data", "losses", "drafts", "eval", "formats", "serve", "train", "online_demo", "root"}
+    | UTILITIES,
 }
-
-
-def modules() -> dict[str, Path]:
-    found = {}
-    for package, folder in FOLDERS.items():
-        root = REPO / folder
-        if not root.is_dir():
-            continue
-        for path in root.rglob("*.py"):
-            rel = path.relative_to(root).with_suffix("")
-            parts = [p for p in rel.parts if p != "__init__"]
-            if (
-                package == "specdistill"
-                and parts
-                and parts[0] in ("data", "losses", "drafts", "eval", "serve", "train", "recipes")
-            ):
-                continue
-            found[".".join([package, *parts])] = path
-    return found
 
 
 def layer(module: str) -> str:

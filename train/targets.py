@@ -6,7 +6,7 @@ with the live target. Three sources:
 
 - `LiveTarget`: a forward of the frozen target (the draft type's own `depths`);
 - `IndexedTargets` over a `TargetCache` (train/target_cache.py, the target's cached top-N) or
-  over the traffic records' logprobs (`RecordTargets`, train/online/traffic.py): both look
+  over the traffic records' logprobs (`RecordTargets`, train/online/sparse.py): both look
   their rows up by `batch["sequence"]`, the dataset index of each row, which is why such a
   source asks the data order for it (`indexed`).
 """

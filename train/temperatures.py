@@ -10,6 +10,7 @@ temperature 1, the smooth objective whose optimum (q = p) also matches the argma
 reported as greedy agreement by the evaluation.
 """
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -88,14 +89,21 @@ class FixedShares:
         return self.list
 
 
+class ServedSampling(Protocol):
+    """A record's served sampling (train/online/kept.py `KeptRecord`)."""
+
+    temperature: float
+    top_p: float | None
+
+
 class TrafficShares:
     """Each row at its traffic record's own temperature and top-p (``items``: the online
-    store's records, compact form, by dataset index)."""
+    store's records, by dataset index)."""
 
     indexed = True
 
-    def __init__(self, items: list[dict]):
-        self.sampling = [(float(it["temperature"]), it.get("top_p")) for it in items]
+    def __init__(self, items: Sequence[ServedSampling]):
+        self.sampling = [(float(it.temperature), it.top_p) for it in items]
 
     def shares(self, batch: dict) -> list[Share]:
         sequence = batch["sequence"].tolist()

@@ -22,7 +22,7 @@ from specdistill.drafts.hub import NonFiniteWeightsError, load_draft, load_token
 from specdistill.drafts.weights import check_finite
 from specdistill.publish import atomic_write_text
 from specdistill.train.export_cli import main as export_main
-from tests.train.test_loading import head_dir, one_line_error  # noqa: F401 (a fixture)
+from tests.train.helpers import one_line_error
 
 BAD = "model.layers.0.mlp.up_proj.weight"
 
@@ -64,8 +64,8 @@ def test_integer_tensors_and_finite_weights_pass_the_check():
         check_finite("x", [("ids", torch.tensor([1])), ("w", torch.tensor([1.0, math.nan]))])
 
 
-def test_an_eagle3_head_with_nan_weights_is_refused(head_dir, tmp_path):  # noqa: F811
-    head = shutil.copytree(head_dir, tmp_path / "head")
+def test_an_eagle3_head_with_nan_weights_is_refused(tiny_head_dir, tmp_path):
+    head = shutil.copytree(tiny_head_dir, tmp_path / "head")
     weights = head / "model.safetensors"
     state = load_file(weights)
     state["fc.weight"][0, 0] = math.nan
@@ -86,11 +86,12 @@ def test_a_nan_acceptance_head_is_refused_naming_its_file(tiny_pair, tmp_path):
 
 
 def test_serve_refuses_a_nan_draft(tiny_pair, tmp_path):
+    from specdistill.serve.options import ServeOptions
     from specdistill.serve.server import Server
 
     draft = poisoned(tiny_pair[1], tmp_path / "nan")
     with pytest.raises(NonFiniteWeightsError, match=BAD):
-        Server(str(tiny_pair[0]), str(draft), gamma=2, max_batch=2)
+        Server(ServeOptions(target=str(tiny_pair[0]), draft=str(draft), gamma=2, max_num_seqs=2))
 
 
 def test_hot_swap_skips_a_nan_version_and_keeps_serving(tiny_pair, tmp_path):
@@ -124,8 +125,8 @@ def test_export_refuses_a_nan_draft(tiny_pair, tmp_path, capsys, fmt):
     assert not out.exists()
 
 
-def test_export_refuses_a_nan_eagle3_head(head_dir, tmp_path, capsys):  # noqa: F811
-    head = shutil.copytree(head_dir, tmp_path / "head")
+def test_export_refuses_a_nan_eagle3_head(tiny_head_dir, tmp_path, capsys):
+    head = shutil.copytree(tiny_head_dir, tmp_path / "head")
     weights = head / "model.safetensors"
     state = load_file(weights)
     state["norm.weight"][0] = math.inf
@@ -150,8 +151,7 @@ def test_export_refuses_a_nan_draft_in_memory(tiny_pair, tmp_path):
 
 def test_speculate_and_drift_refuse_a_nan_draft_with_one_line(tiny_pair, tmp_path, capsys):
     from specdistill.errors import run_guarded
-    from specdistill.eval import speculative
-    from specdistill.serve import drift_cli
+    from specdistill.eval import drift_cli, speculative
 
     draft = poisoned(tiny_pair[1], tmp_path / "nan")
     target = str(tiny_pair[0])

@@ -7,9 +7,8 @@ import pytest
 import torch
 
 from specdistill.drafts import hub
-from specdistill.eval import drift
+from specdistill.eval import drift, drift_cli
 from specdistill.eval.prompts import load_prompts
-from specdistill.serve import drift_cli
 from tests.helpers import make_lora_adapter
 
 

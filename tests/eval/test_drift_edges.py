@@ -7,9 +7,9 @@ import re
 
 import pytest
 
+from specdistill.eval import drift_cli
 from specdistill.eval.prompts import PromptError
 from specdistill.publish import OutputDirError
-from specdistill.serve import drift_cli
 
 
 def _argv(tiny_pair, prompts, out, *extra) -> list[str]:  # noqa: F811

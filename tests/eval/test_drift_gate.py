@@ -6,9 +6,8 @@ import json
 import numpy as np
 import pytest
 
-from specdistill.eval import drift
+from specdistill.eval import drift, drift_cli
 from specdistill.eval.drift_gate import judge, parse_mix
-from specdistill.serve import drift_cli
 from tests.helpers import make_lora_adapter
 
 
@@ -92,19 +91,22 @@ def _argv(draft, target, prompts, out, *extra):
 
 
 @pytest.fixture
-def prompts(tmp_path):
+def gate_prompt_file(tmp_path):
+    """A prompts.jsonl of 8 code prompts without categories."""
     path = tmp_path / "prompts.jsonl"
     starts = ["def add(a, b):\n", "class Point:\n", "for i in range(", "import os\n"]
     path.write_text("".join(json.dumps({"prompt": starts[i % 4]}) + "\n" for i in range(8)))
     return path
 
 
-def test_exit_status_fails_a_deploy_on_a_real_drop(tiny_pair, prompts, tmp_path):  # noqa: F811
+def test_exit_status_fails_a_deploy_on_a_real_drop(tiny_pair, gate_prompt_file, tmp_path):
     """The draft is the before-target (α_before = 1); a scaled LoRA on the after-target drops
     α at both temperatures: exit 1 past a threshold, 0 under it, reports per temperature."""
     target, _, _ = tiny_pair
     adapter = make_lora_adapter(target, tmp_path / "adapter", scale=2.0)
-    base = _argv(target, target, prompts, tmp_path / "gate", "--adapter-after", str(adapter))
+    base = _argv(
+        target, target, gate_prompt_file, tmp_path / "gate", "--adapter-after", str(adapter)
+    )
     base += ["--temperature", "0,1"]
     run = drift_cli.run([*base, "--fail-if-drop-above", "0.01"])
     assert sorted(run.reports) == [0.0, 1.0]
@@ -133,17 +135,17 @@ def test_main_exits_1_only_when_the_gate_fails(monkeypatch):
         assert drift_cli.main([]) == status
 
 
-def test_self_drift_passes_at_a_mixture(tiny_pair, prompts, tmp_path):  # noqa: F811
+def test_self_drift_passes_at_a_mixture(tiny_pair, gate_prompt_file, tmp_path):
     target, draft, _ = tiny_pair
-    argv = _argv(draft, target, prompts, tmp_path / "mix", "--temperature-mix", "0:1,1:3")
+    argv = _argv(draft, target, gate_prompt_file, tmp_path / "mix", "--temperature-mix", "0:1,1:3")
     run = drift_cli.run([*argv, "--fail-if-drop-above", "0"])
     assert not run.gate.failed and run.gate.weights == {"0": 0.25, "1": 0.75}
     assert run.gate.checks[-1].name == "mixture" and run.gate.checks[-1].drop_ci == [0.0, 0.0]
 
 
-def test_temperature_and_mixture_are_exclusive(tiny_pair, prompts, tmp_path, capsys):  # noqa: F811
+def test_temperature_and_mixture_are_exclusive(tiny_pair, gate_prompt_file, tmp_path, capsys):
     target, draft, _ = tiny_pair
-    argv = _argv(draft, target, prompts, tmp_path / "x", "--temperature", "0")
+    argv = _argv(draft, target, gate_prompt_file, tmp_path / "x", "--temperature", "0")
     with pytest.raises(SystemExit) as exit_:
         drift_cli.main([*argv, "--temperature-mix", "0:1"])
     assert exit_.value.code == 2 and "not allowed with" in capsys.readouterr().err
@@ -152,7 +154,7 @@ def test_temperature_and_mixture_are_exclusive(tiny_pair, prompts, tmp_path, cap
 
 def _traffic(directory, temperatures_and_tokens):
     from specdistill.serve.traffic import TrafficLog
-    from tests.serve.test_traffic_schema import record
+    from tests.serve.helpers import record
 
     log = TrafficLog(directory)
     for i, (t, n) in enumerate(temperatures_and_tokens):
@@ -166,7 +168,7 @@ def _traffic(directory, temperatures_and_tokens):
 
 
 def test_the_traffic_logs_mixture_is_its_share_of_completion_tokens(tmp_path):
-    from specdistill.serve.traffic import TrafficError
+    from specdistill.formats.traffic import TrafficError
 
     traffic = _traffic(tmp_path / "t", [(0.0, 2), (1.0, 6), (1.0, 2), (0.0, 0)])
     assert drift_cli.temperature_mix(traffic) == {0.0: 0.2, 1.0: 0.8}
@@ -177,10 +179,10 @@ def test_the_traffic_logs_mixture_is_its_share_of_completion_tokens(tmp_path):
         drift_cli.temperature_mix(empty)
 
 
-def test_the_gate_judges_the_traffic_logs_mixture(tiny_pair, prompts, tmp_path):  # noqa: F811
+def test_the_gate_judges_the_traffic_logs_mixture(tiny_pair, gate_prompt_file, tmp_path):
     target, draft, _ = tiny_pair
     traffic = _traffic(tmp_path / "traffic", [(0.0, 1), (1.0, 3)])
-    argv = _argv(draft, target, prompts, tmp_path / "out", "--traffic", str(traffic))
+    argv = _argv(draft, target, gate_prompt_file, tmp_path / "out", "--traffic", str(traffic))
     run = drift_cli.run([*argv, "--fail-if-drop-above", "0"])
     assert sorted(run.reports) == [0.0, 1.0] and run.gate.judged == "mixture"
     assert run.gate.weights == {"0": 0.25, "1": 0.75} and not run.gate.failed

@@ -7,7 +7,7 @@ import json
 import pytest
 
 from specdistill.errors import run_guarded
-from specdistill.serve import drift_cli
+from specdistill.eval import drift_cli
 
 
 def _argv(tiny_pair, prompts, out, *extra) -> list[str]:

@@ -6,86 +6,15 @@ import pickle
 
 import pytest
 
-from specdistill.drafts.hub import load_tokenizer
 from specdistill.drafts.identity import model_identity
+from specdistill.formats.traffic_shards import read_traffic
 from specdistill.serve.convert import convert
 from specdistill.serve.convert_cli import main
-from specdistill.serve.traffic import read_traffic
-
-SPEC = {
-    "num_spec_steps": 4,
-    "num_draft_tokens": 16,
-    "num_accepted_draft_tokens": 10,
-    "acceptance_histogram": [4, 3, 2, 1],
-    "mean_acceptance_length": 3.5,
-    "draft_acceptance_rate": 0.625,
-}
+from tests.serve.helpers import GenerateReqInput, vllm_lines
 
 
-@pytest.fixture
-def target(tiny_pair):
-    path = str(tiny_pair[0])
-    return path, load_tokenizer(path), {"name": path, "identity": model_identity(path)}
-
-
-def vllm_lines(tokenizer) -> list[dict]:
-    text = "    return a + b\n"
-    ids = tokenizer.encode(text, add_special_tokens=False)
-    tokens = tokenizer.convert_ids_to_tokens(ids)
-    completion = {
-        "request": {
-            "model": "t",
-            "prompt": "def add(a, b):\n",
-            "temperature": 0.7,
-            "max_tokens": 16,
-            "metadata": {"category": "code"},
-            "logprobs": 2,
-        },
-        "response": {
-            "id": "cmpl-1",
-            "created": 1700000000,
-            "choices": [
-                {
-                    "text": text,
-                    "finish_reason": "stop",
-                    "token_ids": ids,
-                    "logprobs": {"top_logprobs": [{t: -0.1} for t in tokens]},
-                }
-            ],
-            "metrics": {"speculative_decoding": SPEC},
-        },
-    }
-    chat = {
-        "request": {"model": "t", "messages": [{"role": "user", "content": "print squares"}]},
-        "response": {
-            "id": "chatcmpl-2",
-            "created": 1700000001,
-            "choices": [
-                {
-                    "message": {"role": "assistant", "content": "for i in range(10):"},
-                    "finish_reason": "length",
-                    "logprobs": {
-                        "content": [
-                            {
-                                "token": t,
-                                "logprob": -0.5,
-                                "top_logprobs": [{"token": t, "logprob": -0.5}],
-                            }
-                            for t in tokenizer.convert_ids_to_tokens(
-                                tokenizer.encode("for i in range(10):", add_special_tokens=False)
-                            )
-                        ]
-                    },
-                }
-            ],
-        },
-    }
-    two_choices = {"request": {"prompt": "x"}, "response": {"choices": [{}, {}]}}
-    return [completion, chat, two_choices]
-
-
-def test_vllm_responses_become_records(target, tmp_path):
-    path, tokenizer, identity = target
+def test_vllm_responses_become_records(traffic_target, tmp_path):
+    path, tokenizer, identity = traffic_target
     source = tmp_path / "proxy.jsonl"
     source.write_text("\n".join(map(json.dumps, vllm_lines(tokenizer))) + "\n{not json\n")
     result = convert("vllm", [source], tokenizer, identity, tmp_path / "traffic")
@@ -108,18 +37,13 @@ def test_vllm_responses_become_records(target, tmp_path):
     assert any("expected one choice" in r for r in rejects)
 
 
-class GenerateReqInput:  # stands for SGLang's class: the dump names a class we never import
-    def __init__(self, text, sampling_params):
-        self.text, self.sampling_params, self.rid = text, sampling_params, "r1"
-
-
 class Exploit:
     def __reduce__(self):
         return (os.system, ("touch /tmp/specdistill-convert-pwned",))
 
 
-def test_sglang_dump_becomes_records_without_running_its_code(target, tmp_path):
-    path, tokenizer, identity = target
+def test_sglang_dump_becomes_records_without_running_its_code(traffic_target, tmp_path):
+    path, tokenizer, identity = traffic_target
     out_ids = tokenizer.encode("return x", add_special_tokens=False)
     meta = {
         "id": "s1",
@@ -153,8 +77,8 @@ def test_sglang_dump_becomes_records_without_running_its_code(target, tmp_path):
     assert record["speculative"]["mean_acceptance_length"] == pytest.approx(2.5)
 
 
-def test_cli_converts_and_reports(target, tmp_path, capsys):
-    path, tokenizer, _ = target
+def test_cli_converts_and_reports(traffic_target, tmp_path, capsys):
+    path, tokenizer, _ = traffic_target
     source = tmp_path / "proxy.jsonl"
     source.write_text(json.dumps(vllm_lines(tokenizer)[0]) + "\n")
     assert (
@@ -188,9 +112,9 @@ def test_cli_converts_and_reports(target, tmp_path, capsys):
         )
 
 
-def test_cli_target_adapter_enters_the_identity(target, tiny_adapter, tmp_path):
+def test_cli_target_adapter_enters_the_identity(traffic_target, tiny_adapter, tmp_path):
     """--target-adapter: the records carry base + adapter's identity, as the server's."""
-    path, tokenizer, _ = target
+    path, tokenizer, _ = traffic_target
     source = tmp_path / "proxy.jsonl"
     source.write_text(json.dumps(vllm_lines(tokenizer)[0]) + "\n")
     out = tmp_path / "t"

@@ -8,9 +8,9 @@ import pickle
 
 import pytest
 
+from specdistill.formats.traffic_shards import read_traffic
 from specdistill.serve.convert import convert
-from specdistill.serve.traffic import read_traffic
-from tests.serve.test_convert import GenerateReqInput, target, vllm_lines  # noqa: F401
+from tests.serve.helpers import GenerateReqInput, vllm_lines
 
 
 def _completion(tokenizer, i: int, prompt: str = "def add(a, b):\n", **request) -> dict:
@@ -24,8 +24,8 @@ def _rejects(out) -> list[dict]:
     return [json.loads(x) for x in (out / "rejects.jsonl").read_text().splitlines()]
 
 
-def test_a_non_object_line_is_a_counted_reject_not_a_crash(target, tmp_path):
-    _, tokenizer, identity = target
+def test_a_non_object_line_is_a_counted_reject_not_a_crash(traffic_target, tmp_path):
+    _, tokenizer, identity = traffic_target
     source = tmp_path / "proxy.jsonl"
     deep = "[" * 100_000 + "]" * 100_000
     lines = [json.dumps(_completion(tokenizer, 1)), "[1, 2, 3]", deep, "7"]
@@ -46,8 +46,8 @@ def test_a_non_object_line_is_a_counted_reject_not_a_crash(target, tmp_path):
     assert [r["id"] for r in read_traffic(tmp_path / "t")] == ["cmpl-1", "cmpl-2"]
 
 
-def test_unicode_line_separators_inside_strings_do_not_split_lines(target, tmp_path):
-    _, tokenizer, identity = target
+def test_unicode_line_separators_inside_strings_do_not_split_lines(traffic_target, tmp_path):
+    _, tokenizer, identity = traffic_target
     source = tmp_path / "proxy.jsonl"
     separators = ["\u2028", "\u2029", "\u0085", "\u001c", "\u000b"]
     lines = [
@@ -61,8 +61,8 @@ def test_unicode_line_separators_inside_strings_do_not_split_lines(target, tmp_p
     assert prompts == [f"x = 1{sep}y = 2\n" for sep in separators]
 
 
-def test_a_line_that_is_not_utf8_is_rejected_alone(target, tmp_path):
-    _, tokenizer, identity = target
+def test_a_line_that_is_not_utf8_is_rejected_alone(traffic_target, tmp_path):
+    _, tokenizer, identity = traffic_target
     source = tmp_path / "proxy.jsonl"
     good = [json.dumps(_completion(tokenizer, i)).encode() for i in (1, 2)]
     source.write_bytes(good[0] + b"\n" + b'{"request": "\xff\xfe"}\n' + good[1] + b"\n")
@@ -86,8 +86,10 @@ def test_a_line_that_is_not_utf8_is_rejected_alone(target, tmp_path):
         ({"seed": 1.5}, "seed must be an integer, got 1.5"),
     ],
 )
-def test_non_finite_and_out_of_range_sampling_is_rejected(target, tmp_path, request_fields, reason):
-    _, tokenizer, identity = target
+def test_non_finite_and_out_of_range_sampling_is_rejected(
+    traffic_target, tmp_path, request_fields, reason
+):
+    _, tokenizer, identity = traffic_target
     source = tmp_path / "proxy.jsonl"
     bad = json.dumps(_completion(tokenizer, 2, **request_fields))  # NaN, Infinity as Python's
     source.write_text(json.dumps(_completion(tokenizer, 1)) + "\n" + bad + "\n")
@@ -99,8 +101,8 @@ def test_non_finite_and_out_of_range_sampling_is_rejected(target, tmp_path, requ
     assert record["id"] == "cmpl-1"
 
 
-def test_non_finite_speculative_statistics_are_rejected(target, tmp_path):
-    _, tokenizer, identity = target
+def test_non_finite_speculative_statistics_are_rejected(traffic_target, tmp_path):
+    _, tokenizer, identity = traffic_target
     line = _completion(tokenizer, 1)
     line["response"]["metrics"]["speculative_decoding"]["num_draft_tokens"] = math.nan
     source = tmp_path / "proxy.jsonl"
@@ -113,9 +115,9 @@ def test_non_finite_speculative_statistics_are_rejected(target, tmp_path):
     )
 
 
-def test_converting_twice_appends_each_record_once(target, tmp_path):
+def test_converting_twice_appends_each_record_once(traffic_target, tmp_path):
     """Idempotent by record key (id, prompt ids, completion ids) against OUT's traffic log."""
-    _, tokenizer, identity = target
+    _, tokenizer, identity = traffic_target
     out = tmp_path / "t"
     first = tmp_path / "a.jsonl"
     first.write_text("\n".join(json.dumps(_completion(tokenizer, i)) for i in (1, 2)) + "\n[1]\n")
@@ -143,8 +145,8 @@ def test_converting_twice_appends_each_record_once(target, tmp_path):
     assert len(list(out.glob("traffic-*.jsonl"))) == 2  # runs that add nothing open no shard
 
 
-def test_bad_pickles_are_rejected_and_the_good_ones_converted(target, tmp_path):
-    _, tokenizer, identity = target
+def test_bad_pickles_are_rejected_and_the_good_ones_converted(traffic_target, tmp_path):
+    _, tokenizer, identity = traffic_target
     folder = tmp_path / "dump"
     folder.mkdir()
     out_ids = tokenizer.encode("return x", add_special_tokens=False)
@@ -177,8 +179,8 @@ def test_bad_pickles_are_rejected_and_the_good_ones_converted(target, tmp_path):
     assert record["id"] == "s1" and record["completion_token_ids"] == out_ids
 
 
-def test_sglang_json_lines_that_are_not_objects_are_rejected(target, tmp_path):
-    _, tokenizer, identity = target
+def test_sglang_json_lines_that_are_not_objects_are_rejected(traffic_target, tmp_path):
+    _, tokenizer, identity = traffic_target
     source = tmp_path / "gen.jsonl"
     good = {"request": {"text": "a", "rid": "r1"}, "output": {"text": "b", "meta_info": {}}}
     source.write_text("[1, 2, 3]\n" + json.dumps(good) + "\n")

@@ -10,20 +10,11 @@ import tracemalloc
 
 import pytest
 
-from specdistill.drafts.hub import load_tokenizer
-from specdistill.drafts.identity import model_identity
 from specdistill.errors import run_guarded
+from specdistill.formats.traffic_shards import read_traffic
 from specdistill.serve.convert import convert
 from specdistill.serve.convert_cli import main
-from specdistill.serve.traffic import read_traffic
-from tests.serve.test_convert import GenerateReqInput, vllm_lines
-
-
-@pytest.fixture
-def target(tiny_pair):
-    """(path, tokenizer, target record) of the tiny target, as tests/serve/test_convert.py."""
-    path = str(tiny_pair[0])
-    return path, load_tokenizer(path), {"name": path, "identity": model_identity(path)}
+from tests.serve.helpers import GenerateReqInput, vllm_lines
 
 
 def _lines(tokenizer, *edits) -> list[dict]:
@@ -50,8 +41,8 @@ def _set(line: dict, *keys, value) -> None:
     line[keys[-1]] = value
 
 
-def test_a_lone_surrogate_is_a_counted_reject_and_later_lines_convert(target, tmp_path):
-    _, tokenizer, identity = target
+def test_a_lone_surrogate_is_a_counted_reject_and_later_lines_convert(traffic_target, tmp_path):
+    _, tokenizer, identity = traffic_target
     source = tmp_path / "proxy.jsonl"
     lines = _lines(tokenizer, lambda x: _set(x, "request", "prompt", value="a\ud800b"), id)
     lines[2]["response"]["id"] = "cmpl-2"  # the last one unedited, after the bad one
@@ -66,8 +57,8 @@ def test_a_lone_surrogate_is_a_counted_reject_and_later_lines_convert(target, tm
     assert reject["source"] == f"{source}:2"
 
 
-def test_top_p_0_is_rejected_not_rewritten(target, tmp_path):
-    _, tokenizer, identity = target
+def test_top_p_0_is_rejected_not_rewritten(traffic_target, tmp_path):
+    _, tokenizer, identity = traffic_target
     source = tmp_path / "proxy.jsonl"
     _write(source, _lines(tokenizer, lambda x: _set(x, "request", "top_p", value=0)))
     result = convert("vllm", [source], tokenizer, identity, tmp_path / "t")
@@ -86,8 +77,8 @@ def _chat(tokenizer, *, prompt_content="print squares", reply="for i in range(10
     return line
 
 
-def test_chat_content_that_is_not_text_and_empty_completions_are_rejected(target, tmp_path):
-    _, tokenizer, identity = target
+def test_chat_content_that_is_not_text_and_empty_completions_are_rejected(traffic_target, tmp_path):
+    _, tokenizer, identity = traffic_target
     source = tmp_path / "proxy.jsonl"
     parts = [{"type": "text", "text": "print "}, {"type": "text", "text": "squares"}]
     lines = [
@@ -109,8 +100,8 @@ def test_chat_content_that_is_not_text_and_empty_completions_are_rejected(target
     assert record["prompt"] == [{"role": "user", "content": "print squares"}]
 
 
-def test_an_out_that_is_a_file_is_one_line_and_kept(target, tmp_path, capsys):
-    path, tokenizer, _ = target
+def test_an_out_that_is_a_file_is_one_line_and_kept(traffic_target, tmp_path, capsys):
+    path, tokenizer, _ = traffic_target
     source = tmp_path / "proxy.jsonl"
     _write(source, _lines(tokenizer))
     out = tmp_path / "traffic.jsonl"
@@ -123,8 +114,8 @@ def test_an_out_that_is_a_file_is_one_line_and_kept(target, tmp_path, capsys):
 
 
 @pytest.mark.parametrize("name", ["bytearray", "bytes"])
-def test_a_pickle_cannot_call_bytes_to_allocate(target, tmp_path, name):
-    _, tokenizer, identity = target
+def test_a_pickle_cannot_call_bytes_to_allocate(traffic_target, tmp_path, name):
+    _, tokenizer, identity = traffic_target
     size = 10**8  # 2**31 in the wild: 35 bytes of pickle, 2 GiB allocated
     # protocol 2: builtins.<name>(size) through REDUCE
     dump = b"\x80\x02cbuiltins\n" + name.encode() + b"\n" + pickle.dumps(size, 2)[2:-1] + b"\x85R."

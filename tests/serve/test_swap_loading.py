@@ -10,7 +10,7 @@ import torch
 from specdistill.drafts.hub import IncompleteDraftError, load_tokenizer
 from specdistill.publish import atomic_write_text
 from specdistill.serve.drafts import DraftWatcher
-from tests.train.test_loading import seven_layer_config
+from tests.train.helpers import seven_layer_config
 
 
 def test_hot_swap_skips_a_version_whose_weights_do_not_cover_its_config(
@@ -46,8 +46,9 @@ def test_hot_swap_skips_a_version_whose_weights_do_not_cover_its_config(
 
 
 def test_serve_refuses_a_draft_whose_weights_do_not_cover_its_config(tiny_pair, tmp_path):
+    from specdistill.serve.options import ServeOptions
     from specdistill.serve.server import Server
 
     broken = seven_layer_config(tiny_pair[1], tmp_path / "seven")
     with pytest.raises(IncompleteDraftError, match="54 tensors missing"):
-        Server(str(tiny_pair[0]), str(broken), gamma=2, max_batch=2)
+        Server(ServeOptions(target=str(tiny_pair[0]), draft=str(broken), gamma=2, max_num_seqs=2))

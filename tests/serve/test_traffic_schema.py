@@ -5,45 +5,10 @@ import re
 
 import pytest
 
-from specdistill.serve.traffic import (
-    TrafficError,
-    TrafficLog,
-    TrafficRecord,
-    read_traffic,
-    validate,
-)
-
-
-def record(**changes) -> dict:
-    rec = {
-        "schema_version": 1,
-        "id": "cmpl-1",
-        "time": 1764662400.25,
-        "endpoint": "completions",
-        "target": {"name": "t", "identity": "sha256:ab"},
-        "draft_version": "v000001",
-        "sampling": {"temperature": 0.7, "top_p": 1.0, "max_tokens": 4, "seed": None, "stop": []},
-        "prompt": "héllo",
-        "prompt_token_ids": [1, 2],
-        "completion_token_ids": [3, 4],
-        "completion_text": "wörld",
-        "finish_reason": "length",
-        "speculative": {
-            "mean_acceptance_length": 1.5,
-            "draft_acceptance_rate": 0.25,
-            "acceptance_histogram": [1, 0],
-            "num_spec_steps": 2,
-            "num_draft_tokens": 4,
-            "num_accepted_draft_tokens": 1,
-        },
-        "category": None,
-        "top_logprobs": [[[3, -0.1], [5, -2.5]], [[4, -0.01]]],
-        "latency_s": 0.5,
-        "ttft_s": 0.1,
-        "client": None,
-    }
-    rec.update(changes)
-    return rec
+from specdistill.formats.traffic import TrafficError, TrafficRecord, validate
+from specdistill.formats.traffic_shards import read_traffic
+from specdistill.serve.traffic import TrafficLog
+from tests.serve.helpers import record
 
 
 def test_the_model_writes_the_lines_the_dict_writer_wrote(tmp_path):

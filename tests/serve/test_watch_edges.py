@@ -48,7 +48,8 @@ def wait_for(predicate, seconds: float = 20.0) -> bool:
 
 
 @pytest.fixture
-def target(tiny_pair):
+def tiny_target_model(tiny_pair):
+    """The tiny target, loaded."""
     from transformers import AutoModelForCausalLM
 
     return AutoModelForCausalLM.from_pretrained(tiny_pair[0])
@@ -56,13 +57,13 @@ def target(tiny_pair):
 
 @pytest.mark.parametrize("how", ["not_utf8", "directory", "symlink_loop"])
 def test_an_unreadable_current_is_retried_and_never_stops_the_watcher(
-    tiny_pair, published, tmp_path, target, how, caplog
+    tiny_pair, published, tmp_path, tiny_target_model, how, caplog
 ):
     root = shutil.copytree(published, tmp_path / "published")
     installed = []
     watcher = DraftWatcher(
         root,
-        target,
+        tiny_target_model,
         load_tokenizer(str(tiny_pair[0])),
         lambda d, v: installed.append(v),
         poll_s=0.05,
@@ -87,10 +88,19 @@ def test_an_unreadable_current_is_retried_and_never_stops_the_watcher(
 def test_health_and_metrics_show_a_failing_watch(tiny_pair, published, tmp_path):
     from fastapi.testclient import TestClient
 
+    from specdistill.serve.options import ServeOptions
     from specdistill.serve.server import Server
 
     root = shutil.copytree(published, tmp_path / "published")
-    srv = Server(str(tiny_pair[0]), drafts_root=str(root), gamma=2, max_batch=2, model_name="m")
+    srv = Server(
+        ServeOptions(
+            target=str(tiny_pair[0]),
+            drafts=str(root),
+            gamma=2,
+            max_num_seqs=2,
+            served_model_name="m",
+        )
+    )
     http = TestClient(srv.app)
     assert http.get("/health").json()["status"] == "ok"
     unreadable(root, "not_utf8")
@@ -110,7 +120,7 @@ def test_health_and_metrics_show_a_failing_watch(tiny_pair, published, tmp_path)
 
 
 @pytest.mark.parametrize("how", ["absolute_draft_dir", "relative_draft_dir", "linked_version"])
-def test_only_the_roots_own_versions_load(tiny_pair, published, tmp_path, target, how):
+def test_only_the_roots_own_versions_load(tiny_pair, published, tmp_path, tiny_target_model, how):
     root = shutil.copytree(published, tmp_path / "published")
     outside = shutil.copytree(tiny_pair[1], tmp_path / "outside")
     version = root / "v000005"
@@ -121,7 +131,9 @@ def test_only_the_roots_own_versions_load(tiny_pair, published, tmp_path, target
         version.mkdir()
         draft_dir = str(outside) if how == "absolute_draft_dir" else "../../outside"
         (version / "manifest.json").write_text(json.dumps({"draft_dir": draft_dir}))
-    watcher = DraftWatcher(root, target, load_tokenizer(str(tiny_pair[0])), lambda d, v: None)
+    watcher = DraftWatcher(
+        root, tiny_target_model, load_tokenizer(str(tiny_pair[0])), lambda d, v: None
+    )
     assert watcher.poll()[1] == "v000001"
     atomic_write_text(root / "current", "v000005\n")
     assert watcher.poll() is None and watcher.loaded == "v000001"
@@ -130,9 +142,9 @@ def test_only_the_roots_own_versions_load(tiny_pair, published, tmp_path, target
 
 
 def test_a_config_of_other_shapes_is_refused_before_the_model_is_built(
-    tiny_pair, published, tmp_path, target, monkeypatch
+    tiny_pair, published, tmp_path, tiny_target_model, monkeypatch
 ):
-    import specdistill.serve.drafts as served
+    import specdistill.drafts.checked_load as served
 
     root = shutil.copytree(published, tmp_path / "published")
     version = shutil.copytree(tiny_pair[1], root / "v000006")
@@ -144,7 +156,9 @@ def test_a_config_of_other_shapes_is_refused_before_the_model_is_built(
     built = []
     real = served.load_draft
     monkeypatch.setattr(served, "load_draft", lambda *a, **k: built.append(a) or real(*a, **k))
-    watcher = DraftWatcher(root, target, load_tokenizer(str(tiny_pair[0])), lambda d, v: None)
+    watcher = DraftWatcher(
+        root, tiny_target_model, load_tokenizer(str(tiny_pair[0])), lambda d, v: None
+    )
     atomic_write_text(root / "current", "v000006\n")
     assert watcher.poll() is None
     why = watcher.failed["v000006"]

@@ -15,7 +15,7 @@ import stat
 from dataclasses import dataclass
 from pathlib import Path
 
-from specdistill.serve.traffic import shards
+from specdistill.formats.traffic_shards import shards
 
 SEAL_BYTES = 4096  # a shard's bytes hashed into the cursor: its first and the last consumed
 GONE = "gone"  # Cursor.check of a shard deleted under the cursor: read on after its name

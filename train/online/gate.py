@@ -16,11 +16,13 @@ import torch
 from specdistill import losses
 from specdistill.data.dataset import collate
 from specdistill.eval.stats import bootstrap_indices, percentile_interval
-from specdistill.train.online.traffic import to_tokens
+from specdistill.train.online.kept import KeptRecord
 
 
 @torch.no_grad()
-def sequence_alpha(kind, target, draft, items: list[dict], pad_token_id: int, *, batch: int = 8):
+def sequence_alpha(
+    kind, target, draft, items: list[KeptRecord], pad_token_id: int, *, batch: int = 8
+):
     """α per item (mean over its completion positions) at each item's temperature."""
     device = next(target.parameters()).device
     # An EAGLE-3 head maps its V_d logits with its own d2t (the incumbent is another version).
@@ -30,13 +32,13 @@ def sequence_alpha(kind, target, draft, items: list[dict], pad_token_id: int, *,
     out = np.zeros(len(items))
     by_temp = defaultdict(list)
     for i, it in enumerate(items):
-        by_temp[float(it["temperature"])].append(i)
+        by_temp[it.temperature].append(i)
     for temperature, idx in by_temp.items():
         for start in range(0, len(idx), batch):
             chunk = idx[start : start + batch]
             seqs = []
             for i in chunk:
-                t = to_tokens(items[i])
+                t = items[i].tokens()
                 seqs.append(
                     {
                         "input_ids": torch.from_numpy(t.ids).long(),

@@ -1,7 +1,8 @@
-"""The online job's input side: reading the traffic after the cursor, screening each line
-(train/online/traffic.py), filing the usable records into the store, and logging what was
-refused (OUT/rejects.jsonl), skipped by choice (counted only) or found wrong with the shards
-(a warning and a metric)."""
+"""The online job's input side: reading the traffic after the cursor (train/online/cursor.py),
+screening each line (train/online/screen.py), filing what the store keeps of the usable
+records (train/online/kept.py) into the store, and logging what was refused
+(OUT/rejects.jsonl), skipped by choice (counted only) or found wrong with the shards (a
+warning and a metric)."""
 
 import json
 import sys
@@ -20,7 +21,7 @@ class TrafficInput:
         with open(self.out / name, "a") as f:
             f.write(json.dumps(record) + "\n")
 
-    def _reject(self, reason: str, detail: str, shard, offset, raw, record=None) -> None:
+    def _reject(self, reason: str, detail: str, shard, offset, raw, line_id=None) -> None:
         self.counts[f"rejected/{reason}"] += 1
         self._log(
             "rejects.jsonl",
@@ -29,7 +30,7 @@ class TrafficInput:
                 "detail": detail,
                 "shard": shard,
                 "offset": offset,
-                "id": record.get("id") if isinstance(record, dict) else None,
+                "id": line_id,
                 "line": raw[:2000].decode("utf-8", "replace") if raw else None,
             },
         )
@@ -37,13 +38,7 @@ class TrafficInput:
     def read(self) -> int:
         """Consume the complete lines after the cursor, up to the point a refresh is due;
         returns the number of new records stored."""
-        from specdistill.train.online.traffic import (
-            SKIP_REASONS,
-            compact,
-            read_new,
-            record_key,
-            screen,
-        )
+        from specdistill.train.online.cursor import read_new
 
         added = 0
         for shard, offset, raw, reason in read_new(
@@ -59,37 +54,46 @@ class TrafficInput:
             if raw is None:
                 self._reject(reason, "", shard, offset, None)
             else:
-                record, reason, detail = screen(
-                    raw,
-                    self.identity,
-                    max_tokens=self.max_tokens,
-                    vocab_size=self.vocab_size,
-                    clients=self.clients,
-                )
-                if reason == "blank_line":
-                    self.counts["blank_lines"] += 1
-                elif reason in SKIP_REASONS:  # by choice, not a fault: counted, not logged
-                    self.counts[f"skipped/{reason}"] += 1
-                elif reason is not None:
-                    self._reject(reason, detail, shard, offset, raw, record)
-                else:
-                    self.counts["records_seen"] += 1
-                    metric = self.watch.add(record)
-                    if metric is not None:
-                        self._watch_metric(metric)
-                    item = compact(record, self.o.sparse_targets)
-                    refused = self.store.add(item, record_key(record))
-                    if refused is None:
-                        self.counts["records_accepted"] += 1
-                        added += 1
-                    else:  # "duplicate" (an exact repeat) or "prompt_cap"
-                        self.counts[refused] += 1
+                added += self._take(shard, offset, raw)
             self.faults("read:line")
             if len(self.store.new) >= self.o.refresh_records:
                 break  # refresh first: every refresh_records records, however many wait
         self.cursor.seal(self.o.traffic)
         self.records_since = len(self.store.new)
         return added
+
+    def _take(self, shard: str, offset: int, raw: bytes) -> int:
+        """Screen one line and file its record: 1 when the store took it, else 0."""
+        from specdistill.train.online.kept import KeptRecord
+        from specdistill.train.online.screen import SKIP_REASONS, screen
+
+        screened = screen(
+            raw,
+            self.identity,
+            max_tokens=self.max_tokens,
+            vocab_size=self.vocab_size,
+            clients=self.clients,
+        )
+        reason = screened.reason
+        if reason == "blank_line":
+            self.counts["blank_lines"] += 1
+            return 0
+        if reason in SKIP_REASONS:  # by choice, not a fault: counted, not logged
+            self.counts[f"skipped/{reason}"] += 1
+            return 0
+        if reason is not None:
+            self._reject(reason, screened.detail, shard, offset, raw, screened.id)
+            return 0
+        self.counts["records_seen"] += 1
+        metric = self.watch.add(screened.record)
+        if metric is not None:
+            self._watch_metric(metric)
+        refused = self.store.add(KeptRecord.of(screened.record, self.o.sparse_targets))
+        if refused is not None:  # "duplicate" (an exact repeat) or "prompt_cap"
+            self.counts[refused] += 1
+            return 0
+        self.counts["records_accepted"] += 1
+        return 1
 
     def _shard_event(self, what: str, shard: str) -> None:
         """A shard changed under the cursor: a warning naming it, a count and a metric."""

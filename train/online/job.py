@@ -5,14 +5,14 @@
     specdistill online demo --out DIR [--minutes M]           # serve + shift + learn + OSD
 
 The job reads `online.traffic` (the shards `specdistill serve --traffic` writes) after its
-committed cursor, screens each record (schema, the target identity as serve/traffic.py
-computes it, size, the range of every field that reaches the loss, the gate or the watch;
-the refused ones are counted by reason and written to OUT/rejects.jsonl; records of clients
-outside `online.clients` are counted and skipped), drops exact repeats and a prompt's
-records beyond `online.max_per_prompt`, and files the rest into the store
-(train/online/traffic.py): the newest `online.holdout_size` records are held
-out for the gate, older ones are trainable. Every `online.refresh_records` new trainable
-records (or `online.refresh_seconds`), a refresh (train/online/refresh.py) runs
+committed cursor (train/online/cursor.py), screens each record (train/online/screen.py:
+schema, the target identity as the server computes it, size, the range of every field that
+reaches the loss, the gate or the watch; the refused ones are counted by reason and written
+to OUT/rejects.jsonl; records of clients outside `online.clients` are counted and skipped),
+drops exact repeats and a prompt's records beyond `online.max_per_prompt`, and files the
+rest into the store (train/online/store.py): the newest `online.holdout_size` records are
+held out for the gate, older ones are trainable. Every `online.refresh_records` new
+trainable records (or `online.refresh_seconds`), a refresh (train/online/refresh.py) runs
 `online.refresh_steps` optimiser steps of the step core (train/step.py, the offline run's own
 step) on every new record once plus replay (recent store, reservoir, anchor), warm-started
 from the running draft and its optimiser state, against the frozen target with the recipe's
@@ -121,7 +121,9 @@ class OnlineJob(TrafficInput, ServedVersions, Refreshes):
         from specdistill.drafts import hub
         from specdistill.drafts.identity import model_identity
         from specdistill.train.batches import accumulation_steps
-        from specdistill.train.online.traffic import Cursor, Store, load_anchor
+        from specdistill.train.online.cursor import Cursor
+        from specdistill.train.online.screen import load_anchor
+        from specdistill.train.online.store import Store
         from specdistill.train.online.watch import Watch
         from specdistill.train.run_dir import RunDir
         from specdistill.train.step import DistillStep
@@ -178,10 +180,10 @@ class OnlineJob(TrafficInput, ServedVersions, Refreshes):
         completion tokens. None where nothing is needed (a standalone draft, a trained head,
         or V_d = V); a RecipeError where a V_d < V has nothing to be built from."""
         from specdistill.data.dataset import TokenDataset
-        from specdistill.train.online.traffic import to_tokens
+        from specdistill.drafts import planned
 
         d = self.recipe.draft
-        if d.type != "eagle3" or d.model is not None:
+        if not planned(d).capabilities.fresh or d.model is not None:
             return None
         if d.vocab_size is None or d.vocab_size >= self.vocab_size:
             return None
@@ -192,7 +194,7 @@ class OnlineJob(TrafficInput, ServedVersions, Refreshes):
                 "draft.vocab_size null (V_d = V) or an online.anchor set to build its draft "
                 "vocabulary from"
             )
-        return TokenDataset([to_tokens(it) for it in anchor], n_records=len(anchor), skipped={})
+        return TokenDataset([it.tokens() for it in anchor], n_records=len(anchor), skipped={})
 
     def _on_policy(self):
         """The generator of data.on_policy rows (train/on_policy.py), as the offline run's."""
@@ -209,11 +211,11 @@ class OnlineJob(TrafficInput, ServedVersions, Refreshes):
 
     # ----------------------------------------------------------------------------- state
     def _recover(self) -> None:
+        from specdistill.formats.published import read_current
         from specdistill.publish import atomic_write_text, remove_leftovers
-        from specdistill.serve.drafts import read_current
         from specdistill.train.online import dirs as online_dirs
         from specdistill.train.online import versions as online_versions
-        from specdistill.train.online.traffic import Cursor
+        from specdistill.train.online.cursor import Cursor
         from specdistill.train.run_dir import read_state
 
         remove_leftovers(self.root)

@@ -6,7 +6,7 @@ reported (an ALERT, once, and a metric) and never stops the job."""
 import sys
 import time
 
-from specdistill.serve.drafts import Manifest
+from specdistill.formats.published import Manifest, read_current, read_manifest, version_draft_dir
 
 
 def initial_manifest() -> Manifest:
@@ -23,7 +23,6 @@ class ServedVersions:
         published when the job died: finish that publish (or find it done) and commit, never
         train those records again."""
         from specdistill.publish import atomic_write_text
-        from specdistill.serve.drafts import read_current, read_manifest
 
         version = self.pending["version"]
         manifest = Manifest.from_dict(self.pending["manifest"])
@@ -43,7 +42,7 @@ class ServedVersions:
     # ----------------------------------------------------------------------------- versions
     def load_version(self, version: str):
         """The draft model of the published `version` (loaded and checked all or nothing)."""
-        from specdistill.serve.drafts import load_checked, version_draft_dir
+        from specdistill.drafts.checked_load import load_checked
 
         model_dir = version_draft_dir(self.root, version)  # inside ROOT, or refused
         return load_checked(
@@ -78,8 +77,6 @@ class ServedVersions:
 
     def incumbent(self):
         """(version, model) of what ROOT/current names now (model None: it does not load)."""
-        from specdistill.serve.drafts import read_current
-
         current = read_current(self.root)
         if current is not None and self._incumbent[0] != current:
             model = self._try_load_version(current)
@@ -89,8 +86,6 @@ class ServedVersions:
     def _follow_external_change(self) -> None:
         """A rollback (or another publisher) moved `current`: the running draft restarts
         from the version now served."""
-        from specdistill.serve.drafts import read_current
-
         current = read_current(self.root)
         if current is not None and current != self.known_current:
             model = self._try_load_version(current)

@@ -1,5 +1,5 @@
 """Published draft versions: ROOT/vNNNNNN/ (the draft as its type saves it, plus
-manifest.json) and ROOT/current, the layout the server follows (serve/drafts.py).
+manifest.json) and ROOT/current, the layout the server follows (formats/published.py).
 
 A version is written under ROOT/.tmp-vNNNNNN, flushed and renamed into place
 (specdistill.publish.publish_dir); only then is `current` replaced (atomic_write_text). A
@@ -15,8 +15,7 @@ import time
 from pathlib import Path
 
 from specdistill.errors import UserError
-from specdistill.publish import atomic_write_text, publish_dir, remove_leftovers
-from specdistill.serve.drafts import (
+from specdistill.formats.published import (
     VERSION,
     Manifest,
     read_current,
@@ -25,6 +24,7 @@ from specdistill.serve.drafts import (
     version_name,
     version_number,
 )
+from specdistill.publish import atomic_write_text, publish_dir, remove_leftovers
 from specdistill.train.run_dir import Faults, no_faults
 
 

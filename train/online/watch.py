@@ -9,6 +9,7 @@ a metric.
 from collections import defaultdict
 
 from specdistill.eval.stats import alpha_from_counts
+from specdistill.formats.traffic import TrafficRecord
 
 
 class Watch:
@@ -19,25 +20,24 @@ class Watch:
         self.cat_history: dict[str, list[float]] = defaultdict(list)
         self.windows = 0
 
-    def add(self, record: dict) -> dict | None:
+    def add(self, record: TrafficRecord) -> dict | None:
         """Count one served record; the window's metric record when it completes one."""
-        spec = record.get("speculative") or {}
-        drafted = spec.get("num_draft_tokens") or 0
-        if not isinstance(drafted, int | float) or drafted <= 0:
+        spec = record.speculative
+        drafted = spec.num_draft_tokens or 0
+        if drafted <= 0:
             return None  # decoded without a draft: nothing to measure
-        accepted = spec.get("num_accepted_draft_tokens")
-        if not isinstance(accepted, int | float):
-            rate = spec.get("draft_acceptance_rate") or 0.0
-            accepted = rate * drafted
-        steps = spec.get("num_spec_steps") or 0
-        if not isinstance(steps, int | float) or steps <= 0:
+        accepted = spec.num_accepted_draft_tokens
+        if accepted is None:
+            accepted = (spec.draft_acceptance_rate or 0.0) * drafted
+        steps = spec.num_spec_steps or 0
+        if steps <= 0:
             return None  # counters without steps: τ, hence α, is unknown
         self.buffer.append(
             [
                 float(accepted),
                 float(drafted),
-                record.get("category") or "(none)",
-                record.get("draft_version"),
+                record.category or "(none)",
+                record.draft_version,
                 float(steps),
             ]
         )

@@ -1,4 +1,5 @@
-"""Synthetic traffic (docs/traffic.md schema) and online recipes for the online job's tests."""
+"""Synthetic traffic (docs/traffic.md schema), online recipes, a quiet online job and the
+lines of a JSON-lines file, for the online job's tests."""
 
 import json
 from pathlib import Path
@@ -39,6 +40,14 @@ def make_record(
     }
 
 
+def kept(record: dict, top_logprobs: bool = False):
+    """What the online store keeps of a traffic record given as its JSON object."""
+    from specdistill.formats.traffic import TrafficRecord
+    from specdistill.train.online.kept import KeptRecord
+
+    return KeptRecord.of(TrafficRecord.model_validate(record), top_logprobs)
+
+
 def write_shard(directory: Path, index: int, records: list, extra_lines: list[bytes] = ()):
     directory.mkdir(parents=True, exist_ok=True)
     with open(directory / f"traffic-{index:06d}.jsonl", "ab") as f:
@@ -76,3 +85,17 @@ def online_recipe(tiny_pair, tmp: Path, **online):
         **{f"online.{k}": v for k, v in online.items()},
     }
     return load_recipe(None, [f"{k}={json.dumps(v)}" for k, v in overrides.items()])
+
+
+def quiet(*args, **kwargs):
+    pass
+
+
+def job(recipe, faults=None):
+    from specdistill.train.online.job import OnlineJob
+
+    return OnlineJob(recipe, print=quiet, **({"faults": faults} if faults else {}))
+
+
+def lines(path):
+    return [json.loads(x) for x in path.read_text().splitlines()] if path.exists() else []

@@ -5,21 +5,21 @@ import json
 from tests.train.online.helpers import online_recipe, write_shard
 
 
-def item(i: int, prompt: list[int], completion: list[int]) -> dict:
-    return {"id": f"r{i}", "prompt_token_ids": prompt, "completion_token_ids": completion}
+def item(i: int, prompt: list[int], completion: list[int]):
+    from specdistill.train.online.kept import KeptRecord
+
+    return KeptRecord(f"r{i}", 0.0, prompt, completion, temperature=0.0)
 
 
 def store(max_per_prompt: int, **sizes):
-    from specdistill.train.online.traffic import Store
+    from specdistill.train.online.store import Store
 
     s = dict(recent_size=8, reservoir_size=4, holdout_size=2, dedup_size=1000) | sizes
     return Store(**s, max_per_prompt=max_per_prompt)
 
 
 def add(st, it):
-    from specdistill.train.online.traffic import record_key
-
-    return st.add(it, record_key(it))
+    return st.add(it)
 
 
 def test_a_prompt_with_other_completions_is_kept_up_to_the_cap_an_exact_repeat_never():
@@ -32,13 +32,13 @@ def test_a_prompt_with_other_completions_is_kept_up_to_the_cap_an_exact_repeat_n
     assert add(st, item(4, prompt, [5])) == "prompt_cap"  # held 3 times already
     assert add(st, item(5, [9], [1, 2])) is None  # another prompt, the same completion
     held = [*st.holdout, *st.recent, *st.reservoir]
-    assert sorted(it["id"] for it in held) == ["r0", "r2", "r3", "r5"]
+    assert sorted(it.id for it in held) == ["r0", "r2", "r3", "r5"]
 
 
 def test_the_cap_counts_what_is_held_and_frees_with_eviction():
     """Records that leave the store (pushed out of recent, not kept by the reservoir) free
     their prompt's slots; a restored state counts the same."""
-    from specdistill.train.online.traffic import Store
+    from specdistill.train.online.store import Store
 
     st = store(max_per_prompt=2, recent_size=2, reservoir_size=0, holdout_size=0)
     prompt = [1, 2]

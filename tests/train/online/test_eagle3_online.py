@@ -6,8 +6,7 @@ import json
 import pytest
 import torch
 
-from tests.train.online.helpers import online_recipe, write_shard
-from tests.train.online.test_online import job, lines
+from tests.train.online.helpers import job, kept, lines, online_recipe, write_shard
 
 
 class Crash(Exception):
@@ -22,13 +21,12 @@ def trained_head(tiny_pair, traffic_pool, tmp_path_factory):
     from specdistill.drafts.eagle3 import token_counts
     from specdistill.drafts.eagle3_head import Eagle3Head, build_vocab_map
     from specdistill.drafts.hub import load_model, load_tokenizer
-    from specdistill.train.online.traffic import to_tokens
 
     _, pool = traffic_pool
     target = load_model(str(tiny_pair[0]))
     tok = load_tokenizer(str(tiny_pair[0]))
     head = Eagle3Head.from_target(target, draft_vocab_size=160, aux_layers=[0, 1])
-    data = TokenDataset([to_tokens(r) for r in pool], n_records=len(pool), skipped={})
+    data = TokenDataset([kept(r).tokens() for r in pool], n_records=len(pool), skipped={})
     d2t, t2d = build_vocab_map(token_counts(data, len(tok)), 160)
     head.set_vocab_map(d2t, t2d, target.get_output_embeddings().weight)
     head.ttt_steps = 2

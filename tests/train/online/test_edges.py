@@ -102,7 +102,8 @@ def test_random_mutations_of_a_record_never_escape_screen(tiny_pair, traffic_poo
     hypothesis = pytest.importorskip("hypothesis")
     from hypothesis import strategies as st
 
-    from specdistill.train.online.traffic import compact, screen, to_tokens
+    from specdistill.train.online.kept import KeptRecord
+    from specdistill.train.online.screen import screen
 
     identity, pool = traffic_pool
     base = pool[0]
@@ -144,12 +145,12 @@ def test_random_mutations_of_a_record_never_escape_screen(tiny_pair, traffic_poo
         for path, value in mutations:
             put(rec, path, value)
         raw = (json.dumps(rec, allow_nan=True) + "\n").encode()
-        record, reason, *_ = screen(raw, identity, max_tokens=64, vocab_size=vocab)
-        if reason is None:  # what is accepted is in range
-            item = compact(record, True)
-            t = item["temperature"]
+        screened = screen(raw, identity, max_tokens=64, vocab_size=vocab)
+        if screened.reason is None:  # what is accepted is in range
+            item = KeptRecord.of(screened.record, True)
+            t = item.temperature
             assert math.isfinite(t) and (t == 0 or 1e-4 <= t <= 100)
-            tokens = to_tokens(item)
+            tokens = item.tokens()
             assert 0 <= tokens.ids.min() and tokens.ids.max() < vocab
 
     check()
@@ -273,7 +274,7 @@ def test_a_shard_rewritten_under_the_cursor_is_read_again_not_skipped(
 
 def publish_two(tiny_pair, root):
     from specdistill.drafts.hub import load_draft, load_tokenizer
-    from specdistill.serve.drafts import Manifest
+    from specdistill.formats.published import Manifest
     from specdistill.train.online.versions import publish_version
 
     tok = load_tokenizer(str(tiny_pair[0]))
@@ -355,7 +356,7 @@ def test_a_drafts_root_inside_a_new_output_dir_is_not_a_used_dir(tiny_pair, traf
 
 
 def test_one_version_name_rule_and_the_manifest_round_trip(tmp_path):
-    from specdistill.serve.drafts import Manifest, read_manifest, version_name, version_number
+    from specdistill.formats.published import Manifest, read_manifest, version_name, version_number
     from specdistill.train.online.versions import next_version
 
     assert version_name(1) == "v000001" and version_number("v000012") == 12

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from tests.train.online.helpers import online_recipe, write_shard
+from tests.train.online.helpers import kept, online_recipe, write_shard
 
 
 def quiet(*args, **kwargs):
@@ -31,12 +31,11 @@ def scored(tiny_pair, traffic_pool):
     """(held-out items, kind, target, tokenizer, incumbent draft) of the tiny pair."""
     from specdistill.drafts import Standalone
     from specdistill.drafts.hub import load_draft, load_model, load_tokenizer
-    from specdistill.train.online.traffic import compact
 
     _, pool = traffic_pool
     tok = load_tokenizer(str(tiny_pair[0]))
-    held = [compact(r) for r in pool[:24]]
-    assert {h["temperature"] for h in held} == {0.0, 1.0}  # greedy and sampled traffic
+    held = [kept(r) for r in pool[:24]]
+    assert {h.temperature for h in held} == {0.0, 1.0}  # greedy and sampled traffic
     target, draft = load_model(str(tiny_pair[0])), load_draft(str(tiny_pair[1]))
     return held, Standalone(len(tok)), target, tok, draft
 
@@ -53,7 +52,7 @@ def test_the_gate_scores_a_nan_draft_zero_and_rejects_it(scored, tiny_pair, tmp_
     assert np.array_equal(a_nan, np.zeros(len(held)))  # at temperature 1 and greedy alike
     a_inc = sequence_alpha(kind, target, incumbent, held, tok.pad_token_id)
     cfg = online_recipe(tiny_pair, tmp_path, min_gain=-1.0).online  # promote any finite score
-    verdict = decide(a_nan, a_inc, [h["category"] for h in held], cfg)
+    verdict = decide(a_nan, a_inc, [h.category for h in held], cfg)
     assert not verdict["promote"] and verdict["alpha_candidate"] == 0.0
 
 

@@ -8,21 +8,7 @@ import sys
 import numpy as np
 import pytest
 
-from tests.train.online.helpers import online_recipe, write_shard
-
-
-def quiet(*args, **kwargs):
-    pass
-
-
-def job(recipe, faults=None):
-    from specdistill.train.online.job import OnlineJob
-
-    return OnlineJob(recipe, print=quiet, **({"faults": faults} if faults else {}))
-
-
-def lines(path):
-    return [json.loads(x) for x in path.read_text().splitlines()] if path.exists() else []
+from tests.train.online.helpers import job, kept, lines, online_recipe, quiet, write_shard
 
 
 def test_one_pass_screens_trains_gates_and_publishes(tiny_pair, traffic_pool, tmp_path):
@@ -180,7 +166,7 @@ def test_sigkill_mid_refresh_then_resume(tiny_pair, traffic_pool, tmp_path):
 @pytest.mark.parametrize("point", ["publish:saved", "publish:manifest", "publish:renamed"])
 def test_crashed_publish_never_exposes_a_partial_version(tiny_pair, tmp_path, point):
     from specdistill.drafts.hub import load_draft, load_tokenizer
-    from specdistill.serve.drafts import Manifest, read_current
+    from specdistill.formats.published import Manifest, read_current
     from specdistill.train.online import versions as ov
 
     root = tmp_path / "drafts"
@@ -218,9 +204,8 @@ def test_worse_candidate_is_rejected_and_a_promotion_rolled_back(tiny_pair, traf
     from specdistill.cli import main as cli
     from specdistill.drafts import Standalone
     from specdistill.drafts.hub import load_draft, load_model, load_tokenizer
-    from specdistill.serve.drafts import Manifest
+    from specdistill.formats.published import Manifest
     from specdistill.train.online.gate import decide, sequence_alpha
-    from specdistill.train.online.traffic import compact
     from specdistill.train.online.versions import publish_version
 
     _, pool = traffic_pool
@@ -232,13 +217,13 @@ def test_worse_candidate_is_rejected_and_a_promotion_rolled_back(tiny_pair, traf
     with torch.no_grad():
         for p in scrambled.parameters():
             p.copy_(p.flatten()[torch.randperm(p.numel(), generator=g)].view_as(p) * 3)
-    held = [compact(r) for r in pool[:40]]
+    held = [kept(r) for r in pool[:40]]
     kind = Standalone(len(tok))
     cfg = online_recipe(tiny_pair, tmp_path).online
     a_inc = sequence_alpha(kind, target, incumbent, held, tok.pad_token_id)
     a_bad = sequence_alpha(kind, target, scrambled, held, tok.pad_token_id)
     a_same = sequence_alpha(kind, target, target, held, tok.pad_token_id)  # the target itself
-    cats = [h["category"] for h in held]
+    cats = [h.category for h in held]
     bad = decide(a_bad, a_inc, cats, cfg)
     assert not bad["promote"] and bad["ci"][0] <= 0, bad
     good = decide(a_same, a_inc, cats, cfg)
@@ -288,6 +273,7 @@ def test_bootstrap_interval_has_its_coverage():
 
 def test_watch_alerts_when_served_alpha_drops(tiny_pair, traffic_pool, tmp_path):
     from specdistill.eval.stats import alpha_from_counts
+    from specdistill.formats.traffic import TrafficRecord
     from specdistill.train.online.watch import Watch
 
     _, pool = traffic_pool
@@ -304,7 +290,7 @@ def test_watch_alerts_when_served_alpha_drops(tiny_pair, traffic_pool, tmp_path)
                 num_accepted_draft_tokens=round(rate * 10),
             ),
         )
-        m = w.add(r)
+        m = w.add(TrafficRecord.model_validate(r))
         if m:
             metrics.append(m)
     assert [m["alert"] for m in metrics] == [False, False, False, False, True, True]
@@ -345,7 +331,7 @@ def test_follow_mode_tails_appended_lines_and_new_shards(tiny_pair, traffic_pool
     import threading
     import time
 
-    from specdistill.train.online.traffic import Cursor, read_new
+    from specdistill.train.online.cursor import Cursor, read_new
 
     _, pool = traffic_pool
     d = tmp_path / "traffic"

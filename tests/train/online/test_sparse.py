@@ -1,13 +1,12 @@
 """Refreshes that train on the records' own top_logprobs (sparse targets with a rest bin)
-instead of a forward of the target (train/online/traffic.py RecordTargets)."""
+instead of a forward of the target (train/online/sparse.py RecordTargets)."""
 
 import json
 
 import pytest
 import torch
 
-from tests.train.online.helpers import online_recipe, write_shard
-from tests.train.online.test_online import job, lines
+from tests.train.online.helpers import job, kept, lines, online_recipe, write_shard
 
 
 def with_top_logprobs(job_, records: list[dict], k: int | None) -> list[dict]:
@@ -47,7 +46,7 @@ def test_full_vocabulary_top_logprobs_equal_the_live_target(
     recipe = online_recipe(tiny_pair, tmp_path)
     recipe.loss.name = loss
     j = job(recipe)
-    items = with_top_logprobs(j, pool[:8], None)
+    items = [kept(r, top_logprobs=True) for r in with_top_logprobs(j, pool[:8], None)]
     live, live_grads = loss_and_grads(j, items, sparse=False)
     sparse, sparse_grads = loss_and_grads(j, items, sparse=True)
     torch.testing.assert_close(sparse, live, rtol=1e-4, atol=1e-6)

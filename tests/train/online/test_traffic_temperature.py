@@ -1,11 +1,11 @@
 """loss.temperature=traffic: each record trained at the temperature and top-p it was served
 with (train/temperatures.py TrafficShares, set by the online job's refreshes)."""
 
+import dataclasses
+
 import pytest
 
-from specdistill.train.online.traffic import compact
-from tests.train.online.helpers import online_recipe
-from tests.train.online.test_online import job
+from tests.train.online.helpers import job, kept, online_recipe
 
 
 def first_batch_loss(tiny_pair, tmp, loss, temperature, params, items) -> float:
@@ -18,14 +18,14 @@ def first_batch_loss(tiny_pair, tmp, loss, temperature, params, items) -> float:
 
 
 def served(items, temperature, top_p):
-    return [dict(it, temperature=temperature, top_p=top_p) for it in items]
+    return [dataclasses.replace(it, temperature=temperature, top_p=top_p) for it in items]
 
 
 @pytest.mark.parametrize("loss", ["tv", "tau"])
 def test_traffic_trains_each_record_at_its_served_sampling(tiny_pair, traffic_pool, tmp_path, loss):
     _, pool = traffic_pool
-    items = [compact(r) for r in pool[:8]]
-    assert "top_p" in items[0]
+    items = [kept(r) for r in pool[:8]]
+    assert items[0].top_p == 1.0
     own = {"gamma": 2, "prefixes": 2} if loss == "tau" else {}
     at_served = first_batch_loss(
         tiny_pair, tmp_path / "a", loss, "traffic", own, served(items, 0.5, 0.9)

@@ -49,9 +49,9 @@ when the lower bound of the drop's interval lies above X at any served temperatu
 mixture, for the mixture's drop Σ w_T · drop_T (one paired bootstrap over prompts for all
 temperatures); else 0. Errors in the input exit 2. DIR/gate.json (`GateReport`) holds every
 check. The mixture is --temperature-mix, or --traffic DIR: the share of completion tokens at
-each temperature in the traffic log (serve/traffic.py; `convert-traffic` writes one from vLLM
-or SGLang), each distinct temperature measured once. This command line sits in serve/ for
-that reader; the measurement is eval/drift.py.
+each temperature in the traffic log (formats/traffic_shards.py; `convert-traffic` writes one
+from vLLM or SGLang), each distinct temperature measured once. The measurement is
+eval/drift.py.
 
 Writes DIR/report.json, DIR/report.md, DIR/drift.png and DIR/responses_after.jsonl (the
 after-target's responses as training records: `data.train` of a repair run, recipes/repair.yaml)
@@ -67,8 +67,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from specdistill import threads
+from specdistill.eval.cli_args import DEFAULT_MAX_GAMMA, resolve_device
 from specdistill.eval.cli_args import at_least as _at_least
-from specdistill.eval.cli_args import resolve_device
 from specdistill.eval.cli_args import seed as _seed
 from specdistill.eval.cli_args import top_p as _top_p
 from specdistill.verb_parser import quiet_third_party, temperatures, verb_parser
@@ -88,7 +88,26 @@ def _mix(text: str) -> dict[float, float]:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = verb_parser("drift", __doc__)
-    positive = _at_least(1)
+    _add_inputs(parser)
+    _add_served_sampling(parser)
+    _add_generation(parser)
+    _add_statistics(parser)
+    parser.add_argument(
+        "--seed", type=_seed, default=0, help="sampling and bootstrap seed, in [0, 2**63 - 1]"
+    )
+    parser.add_argument("--device", default="auto", help="cuda, cpu, ...; auto: cuda if present")
+    threads.add_argument(parser)
+    parser.add_argument(
+        "--dtype",
+        default="float32",
+        choices=["float32", "bfloat16", "float16"],
+        help="the models' dtype",
+    )
+    return parser
+
+
+def _add_inputs(parser: argparse.ArgumentParser) -> None:
+    """The draft, the two targets, the prompts and the output directory."""
     parser.add_argument("--draft", required=True, help="the draft (standalone or EAGLE-3 dir)")
     parser.add_argument(
         "--target-before",
@@ -113,6 +132,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--overwrite", action="store_true", help="replace the reports in a used --out"
     )
+
+
+def _add_served_sampling(parser: argparse.ArgumentParser) -> None:
+    """The served temperatures (a list, a mixture or a traffic log's) and the gate."""
     served = parser.add_mutually_exclusive_group()
     served.add_argument(
         "--temperature",
@@ -144,6 +167,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="exit 1 when the lower bound of the drop of α lies above X (the gate); without "
         "it the command reports and exits 0",
     )
+
+
+def _add_generation(parser: argparse.ArgumentParser) -> None:
+    """How the targets' responses are generated and the draft scored on them."""
+    positive = _at_least(1)
     parser.add_argument(
         "--top-p", type=_top_p, default=None, help="in (0, 1], filters both targets; 1 = off"
     )
@@ -164,6 +192,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--depth", type=int, default=None, help="EAGLE-3 positions (default: ttt_steps)"
     )
+
+
+def _add_statistics(parser: argparse.ArgumentParser) -> None:
+    """The report's verdict, its cells, intervals and predicted τ."""
+    positive = _at_least(1)
     parser.add_argument(
         "--threshold",
         type=float,
@@ -177,19 +210,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--confidence", type=float, default=0.95, help="the intervals' confidence, in (0, 1)"
     )
-    parser.add_argument("--max-gamma", type=positive, default=8, help="predicted τ up to this γ")
     parser.add_argument(
-        "--seed", type=_seed, default=0, help="sampling and bootstrap seed, in [0, 2**63 - 1]"
+        "--max-gamma", type=positive, default=DEFAULT_MAX_GAMMA, help="predicted τ up to this γ"
     )
-    parser.add_argument("--device", default="auto", help="cuda, cpu, ...; auto: cuda if present")
-    threads.add_argument(parser)
-    parser.add_argument(
-        "--dtype",
-        default="float32",
-        choices=["float32", "bfloat16", "float16"],
-        help="the models' dtype",
-    )
-    return parser
 
 
 @dataclass
@@ -225,10 +248,11 @@ def run(argv: Sequence[str] | None = None) -> DriftRun:
 
 def temperature_mix(directory) -> dict[float, float]:
     """Each temperature's share of the completion tokens in a traffic log (the positions a
-    draft drafts at), from `serve.traffic.read_traffic`'s validated records."""
+    draft drafts at), from the log's validated records (`read_records`)."""
     from pathlib import Path
 
-    from specdistill.serve.traffic import TrafficError, read_traffic, shards
+    from specdistill.formats.traffic import TrafficError
+    from specdistill.formats.traffic_shards import read_records, shards
 
     if not Path(directory).is_dir():
         raise TrafficError(f"--traffic {directory}: no such directory")
@@ -236,7 +260,7 @@ def temperature_mix(directory) -> dict[float, float]:
         if not path.is_file():
             raise TrafficError(f"--traffic {directory}: {path.name} is not a regular file")
     try:
-        records = read_traffic(directory)
+        records = read_records(directory)
     except RecursionError:
         raise TrafficError(f"--traffic {directory}: a record is nested too deeply") from None
     except OSError as e:
@@ -245,8 +269,8 @@ def temperature_mix(directory) -> dict[float, float]:
         ) from None
     tokens: dict[float, int] = {}
     for record in records:
-        t = float(record["sampling"]["temperature"])
-        tokens[t] = tokens.get(t, 0) + len(record["completion_token_ids"])
+        t = float(record.sampling.temperature)
+        tokens[t] = tokens.get(t, 0) + len(record.completion_token_ids)
     total = sum(tokens.values())
     if not total:
         raise TrafficError(f"--traffic {directory}: no completion tokens in its records")
