@@ -38,7 +38,7 @@ from specdistill.drafts.confidence import acceptance_head, predicted_acceptance
 from specdistill.drafts.kv_cache import KVStream
 from specdistill.eval.calibration import calibration
 from specdistill.eval.engine import AutoGamma, generate
-from specdistill.eval.length_policy import CostRule
+from specdistill.eval.length_policy import CostRule, PerRowLength
 from specdistill.eval.sampling import Sampler
 from specdistill.eval.verify import verify_greedy, verify_sampled
 from specdistill.losses.acceptance_head import acceptance_label
@@ -47,7 +47,7 @@ from specdistill.losses.sampling import probabilities
 RAGGED = [1, 7, 2, 6, 3, 5, 4, 4]  # any even-length prefix has mean 4
 
 
-class RecordingAuto:
+class RecordingAuto(PerRowLength):
     """An `AutoGamma` that notes the cost model's c and fitted v(k) as each round is planned."""
 
     def __init__(self, inner: AutoGamma):
@@ -57,8 +57,8 @@ class RecordingAuto:
     def cost(self):
         return self.inner.cost
 
-    def start(self, target, vocab_size, batch_size):
-        self.inner.start(target, vocab_size, batch_size)
+    def prepare(self, target, draft, vocab_size, batch_size):
+        self.inner.prepare(target, draft, vocab_size, batch_size)
 
     def plan(self, limits, estimates):
         table = self.inner.cost.table(len(limits))
@@ -70,6 +70,9 @@ class RecordingAuto:
 
     def after_row(self, estimate, drafted, accepted, confidence):
         return self.inner.after_row(estimate, drafted, accepted, confidence)
+
+    def cost_summary(self):
+        return self.inner.cost_summary()
 
 
 def _rel(pred: float, real: float) -> float:
@@ -120,9 +123,7 @@ def part_a(target, draft, prompt_ids, args, temperature: float) -> tuple[dict, d
     generate(target, draft, prompt_ids[:1], gamma=2, max_new_tokens=4)  # warm-up
     base = generate(target, None, prompt_ids, **kw)
     step_s = fmean(r.verify_s for r in base.rounds)
-    auto = RecordingAuto(AutoGamma(args.max_gamma))
-    if hasattr(auto.inner, "for_draft"):  # the engine does this for an AutoGamma itself
-        auto.inner.for_draft(draft)
+    auto = RecordingAuto(AutoGamma(args.max_gamma))  # calibrated for the draft at its start
     g_auto = generate(target, draft, prompt_ids, gamma=auto, **kw)
     out = {"target_alone": {"tokens_per_s": base.tokens_per_s, "step_s": step_s}}
     out["auto"] = cost_error(g_auto, auto.plans, step_s)
@@ -404,10 +405,8 @@ def main(argv=None) -> dict:
     if "c" in parts:
         policy = AutoGamma(args.max_gamma)
         with torch.inference_mode():
-            policy.start(target, vocab_size, 1)
+            policy.prepare(target, draft, vocab_size, 1)
         policy.cost.observe_draft(1, 1e-4)
-        if hasattr(policy, "for_draft"):
-            policy.for_draft(draft)
         result["c"] = part_c(target, draft, vocab_size, prompt_ids[0], policy, args)
     print(summary(result))
     if args.json:

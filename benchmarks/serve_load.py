@@ -35,8 +35,9 @@ from dataclasses import asdict, dataclass, field
 
 from benchmarks import results as results_md
 from specdistill.eval.prompts import encode_prompts, load_prompts
+from specdistill.formats.traffic_shards import read_traffic
+from specdistill.serve.options import ServeOptions
 from specdistill.serve.server import Server
-from specdistill.serve.traffic import read_traffic
 
 
 @dataclass
@@ -71,15 +72,17 @@ class Served:
         self.gamma = gamma
         self.traffic = tempfile.mkdtemp(prefix=f"serve-load-{gamma}-")
         self.server = Server(
-            args.target,
-            "none" if gamma == "0" else args.draft,
-            gamma=None if gamma == "0" else gamma,
-            max_gamma=args.max_gamma,
-            max_batch=args.max_batch,
-            traffic=self.traffic,
-            dtype=args.dtype,
-            device=args.device,
-            model_name="m",
+            ServeOptions(
+                target=args.target,
+                draft="none" if gamma == "0" else args.draft,
+                gamma=None if gamma == "0" else gamma,
+                max_gamma=args.max_gamma,
+                max_num_seqs=args.max_batch,
+                traffic=self.traffic,
+                dtype=args.dtype,
+                device=args.device,
+                served_model_name="m",
+            )
         )
         self.url = self.server.start("127.0.0.1", 0)
         self.client = openai.OpenAI(
@@ -193,7 +196,7 @@ def results_section(setting: str, header: list[str], rows: list[list[str]]) -> r
     )
 
 
-def main(argv=None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -217,6 +220,13 @@ def main(argv=None) -> int:
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
     parser.add_argument("--json", default=None, help="also write the cells here")
     results_md.add_argument(parser)
+    return parser
+
+
+def parse_arguments(argv) -> tuple[argparse.Namespace, list[str]]:
+    """(the arguments, `args.concurrency` a list of ints; the servers' γ in order), a
+    usage error for a γ or a count out of range."""
+    parser = build_parser()
     args = parser.parse_args(argv)
     gammas = [g.strip() for g in args.gammas.split(",") if g.strip()]
     for g in gammas:
@@ -227,6 +237,11 @@ def main(argv=None) -> int:
     args.concurrency = [int(m) for m in args.concurrency.split(",")]
     if min(args.concurrency) < 1 or args.requests_per_client < 1 or args.repeats < 1:
         parser.error("--concurrency, --requests-per-client and --repeats must be >= 1")
+    return args, gammas
+
+
+def main(argv=None) -> int:
+    args, gammas = parse_arguments(argv)
     if args.threads:
         import torch
 
@@ -255,6 +270,24 @@ def main(argv=None) -> int:
     finally:
         for s in servers.values():
             s.server.stop()
+    setting = setting_line(args, total, calibration)
+    header, rows = table(cells, gammas, args.concurrency)
+    print(setting)
+    print(results_md.markdown_table(header, rows))
+    ok = checks_pass(servers, cells, args.concurrency)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump([asdict(c) | {"tokens_per_s": c.tokens_per_s} for c in cells.values()], f)
+    print("checks:", "ok" if ok else "FAILED")
+    if args.results and ok:
+        print(f"wrote {results_md.write(results_section(setting, header, rows), args.results)}")
+    elif args.results:
+        print(f"{args.results} not written: a check failed")
+    return 0 if ok else 1
+
+
+def setting_line(args, total: float, calibration: tuple[float, float] | None) -> str:
+    """What the table measured, over `total` seconds loaded, and auto's calibration."""
     setting = (
         f"goodput (completion tokens/s): target {args.target}, draft {args.draft}, "
         f"{args.requests_per_client} requests per client x {args.repeats} pass(es), "
@@ -267,27 +300,22 @@ def main(argv=None) -> int:
             f" auto: mean predicted acceptance {predicted:.3f} vs realised {realised:.3f} "
             "(the drafts verification reached; /metrics)."
         )
-    header, rows = table(cells, gammas, args.concurrency)
-    print(setting)
-    print(results_md.markdown_table(header, rows))
+    return setting
+
+
+def checks_pass(servers: dict, cells: dict, concurrency: list[int]) -> bool:
+    """No failed request, and a traffic record per request served, on every server; each
+    failed check printed."""
     ok = True
     for g, s in servers.items():
-        failures = [f for m in args.concurrency for f in cells[g, m].failures]
+        failures = [f for m in concurrency for f in cells[g, m].failures]
         if failures:
             ok = False
             print(f"gamma {g}: {len(failures)} failures, e.g.:", *failures[:3], sep="\n    ")
         if s.logged() != s.served:
             ok = False
             print(f"gamma {g}: records logged {s.logged()} != requests served {s.served}")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump([asdict(c) | {"tokens_per_s": c.tokens_per_s} for c in cells.values()], f)
-    print("checks:", "ok" if ok else "FAILED")
-    if args.results and ok:
-        print(f"wrote {results_md.write(results_section(setting, header, rows), args.results)}")
-    elif args.results:
-        print(f"{args.results} not written: a check failed")
-    return 0 if ok else 1
+    return ok
 
 
 if __name__ == "__main__":

@@ -8,11 +8,11 @@ next token, and both caches are rolled back to the committed tokens, row by row
 (drafts/kv_cache.py). Finished rows leave the batch and waiting requests take their place
 (continuous batching).
 
-γ is a number, an `AdaptiveGamma` (one γ per round for the batch) or a per-row
-`LengthPolicy` such as `AutoGamma` (eval/length_policy.py): then each row proposes its own
-number of drafts k_i ≤ γ (the round's draft steps), the target scores every row's γ slots,
-and row i accepts at most k_i of them (ragged verification); a round may also be a plain
-target step (γ = 0), after which the drafter takes the new token as pending.
+The draft length is a `LengthPolicy` (eval/length_policy.py), asked for each round's plan:
+one γ for every row (`FixedGamma`, `AdaptiveGamma`), or each row's own number of drafts
+k_i ≤ γ (`AutoGamma`: the round's draft steps γ; the target scores every row's γ slots, and
+row i accepts at most k_i of them: ragged verification). A round may also be a plain target
+step (γ = 0), after which the drafter takes the new token as pending.
 """
 
 import math
@@ -24,11 +24,11 @@ import torch
 
 from specdistill.drafts.kv_cache import KVStream, left_pad, sync
 from specdistill.drafts.types import Proposal
-from specdistill.eval.length_policy import AdaptiveGamma, LengthPolicy
+from specdistill.eval.length_policy import LengthPolicy
 from specdistill.eval.round_stats import Round, SpecStats, Update
 from specdistill.eval.sampling import Sampling, logprob_entries
 
-__all__ = ["AdaptiveGamma", "Batch", "Round", "RowState", "SpecStats", "Update"]
+__all__ = ["Batch", "Round", "RowState", "SpecStats", "Update"]
 
 
 @dataclass
@@ -98,7 +98,7 @@ class Batch:
         sampler,
         *,
         capacity: int,
-        gamma: int | AdaptiveGamma | LengthPolicy,
+        policy: LengthPolicy,
         eos_token_id: int | None,
         vocab_size: int,
         cap_gamma: bool = True,
@@ -109,9 +109,8 @@ class Batch:
         capture = drafter.capture(target) if drafter is not None else None
         self.t_stream = KVStream(target, vocab_size, self.device, capture)
         self.sampler = sampler
-        self.capacity, self.gamma = capacity, gamma
-        # A per-row policy, started (`LengthPolicy.start`) by the caller.
-        self.policy = gamma if drafter is not None and isinstance(gamma, LengthPolicy) else None
+        self.capacity = capacity
+        self.policy = policy  # prepared by the caller; γ = 0 without a drafter
         self.eos_token_id = eos_token_id
         self.cap_gamma, self.record = cap_gamma, record
         self.rows: dict[int, RowState] = {}
@@ -175,8 +174,7 @@ class Batch:
             n_accepted, host = self.verify(proposal, lengths)
             now = time.perf_counter()
             timing = (draft_s, now - verify_start, now - round_start)
-            if self.policy is not None:
-                self.policy.observe(len(self.requests), g, timing[1])
+            self.policy.observe(len(self.requests), g, timing[1])
             self.commit(proposal, lengths, capped, n_accepted, host, now, timing)
         return self.updates
 
@@ -237,44 +235,29 @@ class Batch:
         return update.finished
 
     # ------------------------------------------------------------------ one round
-    def round_gamma(self) -> tuple[int, bool]:
-        """(γ of this round, whether it was shortened: no row needs more than γ + 1 tokens).
-
-        Without `cap_gamma` γ is never shortened, so that each row's random draws do not
-        depend on the other rows (per-request seeds); the surplus is cut by `emit`.
-        """
-        if self.drafter is None:
-            g = 0
-        else:
-            g = self.gamma.gamma if isinstance(self.gamma, AdaptiveGamma) else self.gamma
-        if not self.cap_gamma:
-            return g, False
-        most = max(row.remaining for row in self.active_rows())
-        capped = g > most - 1
-        return (most - 1 if capped else g), capped
-
     def draft(self) -> tuple[Proposal, list[int] | None, bool, float]:
-        """The round's drafts: (proposal [B, g], drafts each row proposes (None: g each),
-        whether γ was shortened, seconds)."""
+        """The round's drafts, as the policy plans them: (proposal [B, g], drafts each row
+        proposes (None: g each), whether the policy's length was cut short, seconds).
+
+        Without `cap_gamma` no row's length is cut to the tokens it may still generate, so
+        that each row's random draws do not depend on the other rows (per-request seeds);
+        the surplus is cut by `emit`.
+        """
         rows = self.active_rows()
-        none = torch.zeros(len(rows), 0, dtype=torch.long, device=self.device)
-        control = None
-        if self.policy is not None:
-            most = self.policy.max_gamma
-            limits = [min(most, row.remaining - 1) if self.cap_gamma else most for row in rows]
-            control = self.policy.plan(limits, [row.acceptance_estimate for row in rows])
-            g, capped = (0, False) if control is None else (control.max_steps, False)
-        else:
-            g, capped = self.round_gamma()
-        if g == 0:
-            return Proposal(none, []), None if control is None else [0] * len(rows), False, 0.0
+        plan = self.policy.plan_round(
+            [row.remaining for row in rows],
+            [row.acceptance_estimate for row in rows],
+            self.cap_gamma,
+        )
+        if plan.steps == 0:
+            none = torch.zeros(len(rows), 0, dtype=torch.long, device=self.device)
+            return Proposal(none, []), plan.proposed(), False, 0.0
         start = time.perf_counter()
-        proposal = self.drafter.propose(g, lambda logits: self.sampler.draft(logits, rows), control)
+        proposal = self.drafter.propose(
+            plan.steps, lambda logits: self.sampler.draft(logits, rows), plan.control
+        )
         sync(self.device)
-        lengths = None
-        if control is not None:
-            lengths, capped = list(control.lengths), control.limited
-        return proposal, lengths, capped, time.perf_counter() - start
+        return proposal, plan.proposed(), plan.limited(), time.perf_counter() - start
 
     def verify(self, proposal: Proposal, lengths: list[int] | None) -> tuple[torch.Tensor, list]:
         """The target scores [pending, d_1..d_g] in one pass and verifies the drafts (row i
@@ -335,15 +318,12 @@ class Batch:
             finished.append(self.emit(row, drafts_i[:n_i] + [next_i], now))
             n_new = len(row.outputs) - before
             committed.append(n_new)
-            if g > 0 or self.policy is not None:
-                row.stats.record(proposed[i], n_i, None if confidence is None else confidence[i])
-            if self.policy is not None:
-                row.acceptance_estimate = self.policy.after_row(
-                    row.acceptance_estimate,
-                    proposed[i],
-                    n_i,
-                    None if confidence is None else confidence[i],
-                )
+            row_confidence = None if confidence is None else confidence[i]
+            if g > 0 or lengths is not None:  # a per-row policy counts target-only rounds
+                row.stats.record(proposed[i], n_i, row_confidence)
+            row.acceptance_estimate = self.policy.after_row(
+                row.acceptance_estimate, proposed[i], n_i, row_confidence
+            )
             if self.record:
                 self.token_latency.extend([round_s / n_new] * n_new)
             # The target cached [pending, d_1..d_n]; the new token is pending.
@@ -352,8 +332,7 @@ class Batch:
             self.rounds.append(
                 Round(g, capped, list(self.requests), starts, accepted, committed, *timing, lengths)
             )
-        if isinstance(self.gamma, AdaptiveGamma) and g > 0 and not capped:
-            self.gamma.update(accepted, g)
+        self.policy.after_round(accepted, g, capped)
 
         self.t_stream.drop_last(g - n_accepted)
         if self.drafter is not None:

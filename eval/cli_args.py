@@ -1,7 +1,8 @@
 """Argument types and checks shared by the command lines that decode with the target.
 
-`specdistill speculate`, `drift` and `regenerate` take the same kinds of option: counts,
-top-p / top-k filters, a sampling seed, a torch device and an output directory. The argparse
+`specdistill speculate`, `drift`, `regenerate` and `serve` take the same kinds of option:
+counts, top-p / top-k filters, a sampling seed, γ and its defaults (`parse_gamma`; the
+policy a γ names: eval/length_policy.py), a torch device and an output directory. The argparse
 types here refuse a bad value with a usage error (exit 2) naming the option, before anything
 loads; the device check imports torch, so it runs when the models are about to load. Imports
 no model library at import time.
@@ -11,6 +12,7 @@ import argparse
 import math
 import os
 from pathlib import Path
+from typing import Literal
 
 from specdistill.errors import UserError
 
@@ -18,6 +20,8 @@ from specdistill.errors import UserError
 # attempt); below 2**63 every such sum still fits the 64 bits a torch generator takes.
 MAX_SEED = 2**63 - 1
 DEVICE_TYPES = ("cpu", "cuda", "mps", "xpu")  # the devices the models can be put on
+DEFAULT_GAMMA = 4  # drafts per round when none is given (and for a draft without a head)
+DEFAULT_MAX_GAMMA = 8  # most drafts per row and round under "auto"
 
 
 def at_least(low: int):
@@ -57,6 +61,20 @@ def seed(text: str) -> int:
             f"needs an integer in [0, {MAX_SEED}] (2**63 - 1); got {text!r}"
         )
     return value
+
+
+def parse_gamma(value: int | str) -> int | Literal["auto"]:
+    """A γ as a command line gives it: an integer >= 1 (or its text) or "auto"; ValueError
+    naming the value otherwise."""
+    if value == "auto":
+        return "auto"
+    try:
+        gamma = int(value)
+    except (TypeError, ValueError):
+        gamma = 0
+    if isinstance(value, bool) or gamma < 1 or (isinstance(value, float) and value != gamma):
+        raise ValueError(f"must be an integer >= 1 or 'auto', got {value!r}")
+    return gamma
 
 
 def resolve_device(name: str | None) -> str:

@@ -19,9 +19,10 @@ type's drafter (drafts/standalone.py, drafts/eagle3.py) keeps the draft's cache;
 head's drafter asks the target to capture its features and to sample each prompt's first
 token (`capture`, `target_first_token`).
 
-γ is a number of drafts per round, an `AdaptiveGamma`, or "auto" (`AutoGamma`,
-eval/length_policy.py): each row's draft length from the drafts' predicted acceptance and
-the measured cost of a round, the verification ragged (docs/theory.md §2).
+γ is a number of drafts per round, "auto" or a `LengthPolicy` (eval/length_policy.py:
+`length_policy` builds the policy once, here; the batch only asks it for each round's plan):
+an `AdaptiveGamma`, or `AutoGamma`, each row's draft length from the drafts' predicted
+acceptance and the measured cost of a round, the verification ragged (docs/theory.md §2).
 
 Modules: eval/batch.py holds the batch (one `RowState` per request, the rounds),
 eval/sampling.py the samplers, eval/length_policy.py and eval/cost_model.py the draft-length
@@ -36,8 +37,15 @@ import torch
 
 from specdistill import drafts
 from specdistill.drafts.kv_cache import eval_mode, sync
-from specdistill.eval.batch import AdaptiveGamma, Batch, Round, RowState, SpecStats, Update
-from specdistill.eval.length_policy import AutoGamma, LengthPolicy, resolve_gamma
+from specdistill.eval.batch import Batch, Round, RowState, SpecStats, Update
+from specdistill.eval.cli_args import DEFAULT_GAMMA
+from specdistill.eval.length_policy import (
+    AdaptiveGamma,
+    AutoGamma,
+    FixedGamma,
+    LengthPolicy,
+    length_policy,
+)
 from specdistill.eval.sampling import RowSampler, Sampler, Sampling
 from specdistill.losses.sampling import check_filters
 
@@ -92,7 +100,7 @@ def generate(
     draft,
     input_ids,
     *,
-    gamma: int | str | AdaptiveGamma | LengthPolicy = 4,
+    gamma: int | str | LengthPolicy = DEFAULT_GAMMA,
     temperature: float = 0.0,
     top_p: float | None = None,
     top_k: int | None = None,
@@ -108,9 +116,9 @@ def generate(
     input_ids: [B, P] tensor (with `attention_mask` for padding) or a list of token lists.
     draft: a causal LM sharing the target's tokenizer, an EAGLE-3 head
     (drafts/eagle3_head.py), or None to decode with the target alone (the baseline).
-    gamma: draft tokens per round, an `AdaptiveGamma` policy (used for this call), or "auto"
-    / an `AutoGamma` (per-row lengths; its start-up cost measurement runs before the clock
-    starts, like a server's start-up).
+    gamma: draft tokens per round, "auto" (a fresh `AutoGamma`) or a `LengthPolicy` (used
+    for this call: an `AdaptiveGamma`, an `AutoGamma` whose start-up cost measurement runs
+    before the clock starts, like a server's start-up).
     temperature 0 is greedy (top_p / top_k then unused); top_p / top_k filter the target's
     distribution (None = off). batch_size: most rows decoded together (default: all); a
     finished row's place goes to the next waiting prompt (continuous batching; all requests
@@ -127,19 +135,15 @@ def generate(
     prompts = _as_lists(input_ids, attention_mask)
     if not prompts or min(len(p) for p in prompts) == 0:
         raise ValueError("every prompt needs at least one token")
-    gamma = resolve_gamma(gamma, draft is not None)
+    policy = length_policy(gamma) if draft is not None else FixedGamma(0)
     vocab_size = vocab_size or drafts.compared_vocab_size(target, draft=draft)
     device = target.device
     generator = torch.Generator(device=device).manual_seed(seed)
     sampler = Sampler(temperature, top_p, top_k, generator)
 
     capacity = batch_size or len(prompts)
-    per_row = draft is not None and isinstance(gamma, LengthPolicy)
     with eval_mode(target, draft):
-        if per_row:
-            if isinstance(gamma, AutoGamma):
-                gamma.for_draft(draft)
-            gamma.start(target, vocab_size, capacity)
+        policy.prepare(target, draft, vocab_size, capacity)
         sync(device)
         start = time.perf_counter()
         drafter = None if draft is None else drafts.drafter_for(draft, vocab_size, device)
@@ -148,7 +152,7 @@ def generate(
             drafter,
             sampler,
             capacity=capacity,
-            gamma=gamma,
+            policy=policy,
             eos_token_id=eos_token_id,
             vocab_size=vocab_size,
         )
@@ -158,7 +162,16 @@ def generate(
             batch.step()
         sync(device)
         wall = time.perf_counter() - start
-    ids, rows = range(len(prompts)), batch.rows
+    return _generation(batch, len(prompts), start, wall, policy)
+
+
+def _generation(
+    batch: Batch, n: int, start: float, wall: float, policy: LengthPolicy
+) -> Generation:
+    """`generate`'s result from its finished batch of `n` prompts (each request's output and
+    timings in prompt order); `start`: the clock's `time.perf_counter()`, `wall`: the seconds
+    since."""
+    ids, rows = range(n), batch.rows
     return Generation(
         [rows[r].outputs for r in ids],
         batch.rounds,
@@ -169,7 +182,7 @@ def generate(
         wall,
         batch.prefill_s,
         [rows[r].stats for r in ids],
-        gamma.cost.summary() if per_row and getattr(gamma, "cost", None) else None,
+        policy.cost_summary(),
     )
 
 
@@ -199,10 +212,11 @@ class Engine:
     Every row samples with its own parameters and generator (`Sampling`, `RowSampler`);
     γ is never shortened near the end (`cap_gamma=False`), so a seeded request's output does
     not depend on what else shares the batch. `generate` is the same loop over a list known
-    at its start, with one sampler for all rows. gamma="auto" (or a `LengthPolicy`) sets
-    each row's draft length per round (eval/length_policy.py; its costs are measured here,
-    at `capacity` rows): still lossless, but the lengths follow measured timings, so a
-    seeded request's draws may then depend on the batch and the machine.
+    at its start, with one sampler for all rows. gamma="auto" (or a per-row `LengthPolicy`
+    such as `AutoGamma`) sets each row's draft length per round (eval/length_policy.py; its
+    costs are measured here, at `capacity` rows): still lossless, but the lengths follow
+    measured timings, so a seeded request's draws may then depend on the batch and the
+    machine.
     """
 
     def __init__(
@@ -210,12 +224,12 @@ class Engine:
         target,
         draft,
         *,
-        gamma: int | str | LengthPolicy = 4,
+        gamma: int | str | LengthPolicy = DEFAULT_GAMMA,
         capacity: int = 8,
         eos_token_id: int | None = None,
         vocab_size: int | None = None,
     ):
-        gamma = resolve_gamma(gamma, draft is not None)
+        policy = length_policy(gamma) if draft is not None else FixedGamma(0)
         self.vocab_size = vocab_size or drafts.compared_vocab_size(target, draft=draft)
         self.target, self.draft = target, draft
         target.eval()
@@ -224,17 +238,14 @@ class Engine:
         device = target.device
         self.sampler = RowSampler(device)
         drafter = None if draft is None else drafts.drafter_for(draft, self.vocab_size, device)
-        if draft is not None and isinstance(gamma, LengthPolicy):
-            if isinstance(gamma, AutoGamma):
-                gamma.for_draft(draft)
-            with torch.inference_mode():
-                gamma.start(target, self.vocab_size, capacity)
+        with torch.inference_mode():
+            policy.prepare(target, draft, self.vocab_size, capacity)
         self.batch = Batch(
             target,
             drafter,
             self.sampler,
             capacity=capacity,
-            gamma=gamma if draft is not None else 0,
+            policy=policy,
             eos_token_id=eos_token_id,
             vocab_size=self.vocab_size,
             cap_gamma=False,

@@ -34,22 +34,21 @@ from pathlib import Path
 
 from specdistill import threads
 from specdistill.errors import UserError
+from specdistill.eval.cli_args import DEFAULT_MAX_GAMMA, parse_gamma, resolve_device
 from specdistill.eval.cli_args import at_least as _at_least
-from specdistill.eval.cli_args import resolve_device
 from specdistill.eval.cli_args import seed as _seed
 from specdistill.eval.cli_args import top_p as _top_p
 from specdistill.verb_parser import quiet_third_party, temperatures, verb_parser
 
 
 def _gammas(text: str) -> list[int | str]:
-    """argparse type: comma-separated integers >= 1 or "auto", at least one (γ values)."""
+    """argparse type: comma-separated integers >= 1 or "auto", at least one (γ values, each
+    read by `eval.cli_args.parse_gamma`)."""
     try:
-        values = [
-            x.strip() if x.strip() == "auto" else int(x) for x in text.split(",") if x.strip()
-        ]
+        values = [parse_gamma(x.strip()) for x in text.split(",") if x.strip()]
     except ValueError:
         values = []
-    if not values or any(v != "auto" and v < 1 for v in values):
+    if not values:
         raise argparse.ArgumentTypeError(
             f'needs at least one integer >= 1 or "auto", comma-separated; got {text!r}'
         )
@@ -129,7 +128,10 @@ def build_parser() -> argparse.ArgumentParser:
         "drafts' predicted acceptance and the measured round costs)",
     )
     parser.add_argument(
-        "--max-gamma", type=positive, default=8, help='most drafts per row and round for "auto"'
+        "--max-gamma",
+        type=positive,
+        default=DEFAULT_MAX_GAMMA,
+        help='most drafts per row and round for "auto"',
     )
     parser.add_argument(
         "--adaptive", action="store_true", help="add an adaptive-γ run in [min γ, max γ]"

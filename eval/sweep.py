@@ -26,7 +26,9 @@ from dataclasses import asdict, dataclass
 from specdistill import drafts
 from specdistill.drafts.progress import WorkProgress
 from specdistill.eval import stats
-from specdistill.eval.engine import AdaptiveGamma, AutoGamma, Generation, generate
+from specdistill.eval.cli_args import DEFAULT_MAX_GAMMA
+from specdistill.eval.engine import AdaptiveGamma, Generation, generate
+from specdistill.eval.length_policy import length_policy
 
 # |measured τ − predicted τ| / predicted τ within which the i.i.d. prediction agrees.
 TAU_TOLERANCE = 0.10
@@ -44,7 +46,7 @@ class Settings:
     eos_token_id: int | None = None
     seed: int = 0
     repeats: int = 1  # runs of every configuration, round-robin; the fastest counts
-    max_gamma: int = 8  # most drafts per row and round under "auto"
+    max_gamma: int = DEFAULT_MAX_GAMMA  # most drafts per row and round under "auto"
 
     def __post_init__(self):
         if self.repeats < 1:
@@ -89,27 +91,8 @@ def sweep(
     }
     runs: dict[str, Generation] = {}
     for temperature in settings.temperatures:
-        gammas: list = list(settings.gammas)
-        if settings.adaptive:
-            ordered = sorted(g for g in settings.gammas if isinstance(g, int)) or [1, 4]
-            gammas.append(
-                AdaptiveGamma(
-                    start=ordered[len(ordered) // 2], min_gamma=ordered[0], max_gamma=ordered[-1]
-                )
-            )
-        fastest: list[Generation | None] = [None] * (1 + len(gammas))  # baseline, then γs
-        for repeat in range(settings.repeats):
-            for i, gamma in enumerate([None, *gammas]):
-                if gamma is None:
-                    g = _run(target, None, prompt_ids, settings, temperature)
-                else:  # a fresh policy, so that every repeat starts alike
-                    policy = AutoGamma(settings.max_gamma) if gamma == "auto" else copy(gamma)
-                    g = _run(target, draft, prompt_ids, settings, temperature, gamma=policy)
-                if fastest[i] is None or g.wall_s < fastest[i].wall_s:
-                    fastest[i] = g
-                if progress is not None:
-                    line = _run_line(temperature, gamma, g, fastest[0], repeat, settings.repeats)
-                    progress.advance(1, line, keep=True)
+        gammas = _swept_gammas(settings)
+        fastest = _fastest_runs(target, draft, prompt_ids, settings, temperature, gammas, progress)
         baseline = fastest[0]
         base_name = f"T={temperature:g} target-only"
         result["baselines"][f"{temperature:g}"] = {"name": base_name, **_decode_stats(baseline)}
@@ -123,25 +106,73 @@ def sweep(
                 progress.advance(SCORING_UNITS, f"scored {entry['name']} (offline α)")
             if isinstance(entry["gamma"], int):
                 fixed.append(entry)
-        best = max(fixed, key=lambda e: e["tokens_per_s"])
-        # Among the swept γ, the one the round-boundary τ and the measured c predict fastest.
-        priced = [
-            e
-            for e in fixed
-            if not math.isnan(e["tau_pred_rounds"]) and not math.isnan(e["cost_ratio_c"])
-        ]
-        rounds_best = (
-            max(priced, key=lambda e: e["tau_pred_rounds"] / (e["gamma"] * e["cost_ratio_c"] + 1))
-            if priced
-            else None
-        )
-        result.setdefault("best_gamma", {})[f"{temperature:g}"] = {
-            "measured": best["gamma"],
-            "speedup": best["speedup"],
-            "predicted": best["best_gamma_predicted"],
-            "predicted_rounds": None if rounds_best is None else rounds_best["gamma"],
-        }
+        result.setdefault("best_gamma", {})[f"{temperature:g}"] = _best_gamma(fixed)
     return result, runs
+
+
+def _swept_gammas(settings: Settings) -> list:
+    """The γ of one temperature's configurations: the settings' own, then an `AdaptiveGamma`
+    over their range when `settings.adaptive`."""
+    gammas: list = list(settings.gammas)
+    if settings.adaptive:
+        ordered = sorted(g for g in settings.gammas if isinstance(g, int)) or [1, 4]
+        gammas.append(
+            AdaptiveGamma(
+                start=ordered[len(ordered) // 2], min_gamma=ordered[0], max_gamma=ordered[-1]
+            )
+        )
+    return gammas
+
+
+def _fastest_runs(
+    target,
+    draft,
+    prompt_ids: list[list[int]],
+    settings: Settings,
+    temperature: float,
+    gammas: list,
+    progress: WorkProgress | None,
+) -> list[Generation]:
+    """The target alone, then each γ, decoded `settings.repeats` times round-robin; each
+    configuration's fastest run (the baseline first)."""
+    fastest: list[Generation | None] = [None] * (1 + len(gammas))  # baseline, then γs
+    for repeat in range(settings.repeats):
+        for i, gamma in enumerate([None, *gammas]):
+            if gamma is None:
+                g = _run(target, None, prompt_ids, settings, temperature)
+            else:  # a fresh policy, so that every repeat starts alike
+                policy = (
+                    length_policy(gamma, settings.max_gamma) if gamma == "auto" else copy(gamma)
+                )
+                g = _run(target, draft, prompt_ids, settings, temperature, gamma=policy)
+            if fastest[i] is None or g.wall_s < fastest[i].wall_s:
+                fastest[i] = g
+            if progress is not None:
+                line = _run_line(temperature, gamma, g, fastest[0], repeat, settings.repeats)
+                progress.advance(1, line, keep=True)
+    return fastest
+
+
+def _best_gamma(fixed: list[dict]) -> dict:
+    """One temperature's best fixed γ: measured, and as the models predict it."""
+    best = max(fixed, key=lambda e: e["tokens_per_s"])
+    # Among the swept γ, the one the round-boundary τ and the measured c predict fastest.
+    priced = [
+        e
+        for e in fixed
+        if not math.isnan(e["tau_pred_rounds"]) and not math.isnan(e["cost_ratio_c"])
+    ]
+    rounds_best = (
+        max(priced, key=lambda e: e["tau_pred_rounds"] / (e["gamma"] * e["cost_ratio_c"] + 1))
+        if priced
+        else None
+    )
+    return {
+        "measured": best["gamma"],
+        "speedup": best["speedup"],
+        "predicted": best["best_gamma_predicted"],
+        "predicted_rounds": None if rounds_best is None else rounds_best["gamma"],
+    }
 
 
 def work_units(settings: Settings) -> float:
@@ -209,6 +240,38 @@ def _run(target, draft, prompt_ids, settings: Settings, temperature: float, **kw
 def _config(target, draft, prompt_ids, settings: Settings, temperature: float, gamma, g, baseline):
     """One configuration's entry from its run `g` and the target-only run `baseline`."""
     measured = _acceptance(g.rounds)
+    offline = _offline_alpha(target, draft, prompt_ids, settings, temperature, g)
+    adaptive = isinstance(gamma, AdaptiveGamma)
+    label = "adaptive" if adaptive else gamma
+    entry = {
+        "name": f"T={temperature:g} " + (label if isinstance(label, str) else f"gamma={gamma}"),
+        "temperature": temperature,
+        "gamma": label,
+        **_tau_predictions(measured, offline, g, gamma),
+        **_alpha_fields(measured, offline),
+        **_speed_fields(measured, offline, g, baseline, temperature),
+        **_decode_stats(g),
+    }
+    if gamma == "auto":
+        entry.update(_length_stats(g))
+    return entry
+
+
+@dataclass
+class _OfflineAlpha:
+    """Offline α of one run's texts: `alphas` per request (`stats.positional_alpha`), their
+    mean `alpha` (at depth 0 for drafts with per-depth α, `alpha_depth` then per depth), and
+    τ predicted from it over the γ the rows drafted."""
+
+    alphas: list
+    alpha: float
+    alpha_depth: list[float] | None
+    tau_pred: float
+
+
+def _offline_alpha(
+    target, draft, prompt_ids, settings: Settings, temperature: float, g: Generation
+) -> _OfflineAlpha:
     depth = max([r.gamma for r in g.rounds] + [1])
     alphas = [
         stats.positional_alpha(
@@ -245,30 +308,36 @@ def _config(target, draft, prompt_ids, settings: Settings, temperature: float, g
         )
         alpha_depth = None
         tau_pred = _mean(stats.tau_iid(alpha, gm) for gm in used)
-    adaptive = isinstance(gamma, AdaptiveGamma)
-    label = "adaptive" if adaptive else gamma
-    tau_rounds = stats.tau_rounds_pooled(alphas, gamma) if isinstance(gamma, int) else math.nan
-    c, v = stats.cost_ratios(g.rounds, baseline.rounds)
-    mean_gamma = measured["mean_gamma"]
-    ideal = measured["tau"] / (mean_gamma * c + 1.0)
-    speedup = g.tokens_per_s / baseline.tokens_per_s
-    draft_s = sum(r.draft_s for r in g.rounds)
-    entry = {
-        "name": f"T={temperature:g} " + (label if isinstance(label, str) else f"gamma={gamma}"),
-        "temperature": temperature,
-        "gamma": label,
-        "tau": measured["tau"],
+    return _OfflineAlpha(alphas, alpha, alpha_depth, tau_pred)
+
+
+def _tau_predictions(measured: dict, offline: _OfflineAlpha, g: Generation, gamma) -> dict:
+    """Measured τ and τ as each model predicts it, with their relative errors."""
+    tau, tau_pred = measured["tau"], offline.tau_pred
+    if isinstance(gamma, int):
+        tau_rounds = stats.tau_rounds_pooled(offline.alphas, gamma)
+    else:
+        tau_rounds = math.nan
+    return {
+        "tau": tau,
         "tau_pred": tau_pred,
-        "tau_pred_pathwise": stats.pathwise_tau(g.rounds, alphas),
+        "tau_pred_pathwise": stats.pathwise_tau(g.rounds, offline.alphas),
         # Round boundaries replayed along the text, without the measured round starts
         # (`stats.tau_rounds`; fixed γ only; exact at T=0 with batch size 1 and no EOS stop).
         "tau_pred_rounds": tau_rounds,
-        "tau_pred_rounds_error": (tau_rounds - measured["tau"]) / measured["tau"],
-        "tau_pred_iid_error": (tau_pred - measured["tau"]) / measured["tau"],
-        "tau_gap": (measured["tau"] - tau_pred) / tau_pred,
-        "tau_within_tolerance": abs(measured["tau"] - tau_pred) <= TAU_TOLERANCE * tau_pred,
-        "alpha_offline": alpha,
-        "alpha_offline_depth": alpha_depth,
+        "tau_pred_rounds_error": (tau_rounds - tau) / tau,
+        "tau_pred_iid_error": (tau_pred - tau) / tau,
+        "tau_gap": (tau - tau_pred) / tau_pred,
+        "tau_within_tolerance": abs(tau - tau_pred) <= TAU_TOLERANCE * tau_pred,
+    }
+
+
+def _alpha_fields(measured: dict, offline: _OfflineAlpha) -> dict:
+    """α offline and as measured, where rejections fall, and the mean drafted γ."""
+    mean_gamma = measured["mean_gamma"]
+    return {
+        "alpha_offline": offline.alpha,
+        "alpha_offline_depth": offline.alpha_depth,
         "alpha_measured": math.nan
         if math.isnan(mean_gamma)
         else stats.alpha_for_tau(measured["tau"], max(1, round(mean_gamma))),
@@ -277,6 +346,24 @@ def _config(target, draft, prompt_ids, settings: Settings, temperature: float, g
         "rejection_histogram": measured["rejection_histogram"],
         "no_rejection": measured["no_rejection"],
         "mean_gamma": mean_gamma,
+    }
+
+
+def _speed_fields(
+    measured: dict,
+    offline: _OfflineAlpha,
+    g: Generation,
+    baseline: Generation,
+    temperature: float,
+) -> dict:
+    """Draft / verify time, the cost ratios, the speedup against the ideal one, the γ the
+    cost model predicts best, and (at T=0) how many outputs are the target's own."""
+    c, v = stats.cost_ratios(g.rounds, baseline.rounds)
+    ideal = measured["tau"] / (measured["mean_gamma"] * c + 1.0)
+    speedup = g.tokens_per_s / baseline.tokens_per_s
+    draft_s = sum(r.draft_s for r in g.rounds)
+    alpha = offline.alpha
+    return {
         "draft_time_share": draft_s / sum(r.round_s for r in g.rounds),
         "draft_s": draft_s,
         "verify_s": sum(r.verify_s for r in g.rounds),
@@ -294,11 +381,7 @@ def _config(target, draft, prompt_ids, settings: Settings, temperature: float, g
         )
         if temperature == 0
         else None,
-        **_decode_stats(g),
     }
-    if gamma == "auto":
-        entry.update(_length_stats(g))
-    return entry
 
 
 def _acceptance(rounds) -> dict:

@@ -21,11 +21,13 @@ from fastapi.responses import Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel
 
+from specdistill.formats.traffic import SCHEMA_VERSION, SamplingRecord, Target, TrafficRecord
 from specdistill.serve import errors
 from specdistill.serve.auth import ApiKeys, AuthMiddleware
 from specdistill.serve.errors import APIError, error_body, error_response
 from specdistill.serve.intake import BodyReader
 from specdistill.serve.metrics import Metrics
+from specdistill.serve.options import Limits
 from specdistill.serve.responses import (
     Choice,
     Completion,
@@ -37,83 +39,27 @@ from specdistill.serve.responses import (
     Usage,
     body,
 )
-from specdistill.serve.schema import Limits, Parsed, parse, validate_body
-from specdistill.serve.traffic import (
-    SCHEMA_VERSION,
-    SamplingRecord,
-    Target,
-    TrafficLog,
-    TrafficRecord,
-)
+from specdistill.serve.schema import Parsed, parse, validate_body
+from specdistill.serve.text import TextTracker
+from specdistill.serve.traffic import TrafficLog
 from specdistill.serve.worker import EngineWorker, Failed, Job, LengthTally
 
 log = logging.getLogger("specdistill.serve")
 
 
-@dataclass
+@dataclass(frozen=True)
 class ServerConfig:
+    """What the routes read of the server's options (serve/options.py), resolved."""
+
     model_name: str  # what /v1/models lists and responses name; the only `model` accepted
     target_name: str
     target_identity: str
     limits: Limits
-    log_top_logprobs: int = 0  # top-k target logprobs per token in the traffic log
-    max_num_seqs: int = 8  # rows decoded together
-    max_queue: int = 64  # admitted requests beyond the rows (parsing or waiting for a row)
-    max_gamma: int = 8  # the top bucket of the drafted-length histogram in /metrics
-    body_timeout_s: float = 30.0  # seconds a request's body may take to arrive (408 past them)
-
-
-# ----------------------------------------------------------------------------- text
-
-
-class TextTracker:
-    """Incremental detokenisation with stop strings: the text safe to send so far.
-
-    Holds back a trailing partial character and any tail that could begin a stop string;
-    when a stop string appears the text is cut before it and `stopped` is set.
-    """
-
-    def __init__(self, tokenizer, stops: list[str]):
-        self.tokenizer, self.stops = tokenizer, [s for s in stops if s]
-        self.ids: list[int] = []
-        self.sent = 0
-        self.text = ""
-        self.stopped = False
-        self.n_tokens = 0  # tokens whose text is kept (all, unless a stop string cut them)
-
-    def _decode(self, ids) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=True)
-
-    def push(self, tokens: list[int], final: bool = False) -> str:
-        self.ids += tokens
-        self.n_tokens = len(self.ids)
-        text = self._decode(self.ids)
-        hits = [i for s in self.stops if (i := text.find(s)) >= 0]
-        if hits:
-            cut = min(hits)
-            self.stopped = True
-            n = len(self.ids)
-            while n > 0 and len(self._decode(self.ids[: n - 1])) >= cut:
-                n -= 1
-            self.n_tokens = n
-            self.text = text[:cut]
-            delta = text[self.sent : cut]
-            self.sent = max(self.sent, cut)
-            return delta
-        hold = 0
-        if not final:
-            if text.endswith("\ufffd"):
-                hold = 1
-            for s in self.stops:
-                for k in range(min(len(s) - 1, len(text)), hold, -1):
-                    if text.endswith(s[:k]):
-                        hold = k
-                        break
-        self.text = text
-        safe = len(text) - hold
-        delta = text[self.sent : safe] if safe > self.sent else ""
-        self.sent = max(self.sent, safe)
-        return delta
+    log_top_logprobs: int  # top-k target logprobs per token in the traffic log
+    max_num_seqs: int  # rows decoded together
+    max_queue: int  # admitted requests beyond the rows (parsing or waiting for a row)
+    max_gamma: int  # the top bucket of the drafted-length histogram in /metrics
+    body_timeout_s: float  # seconds a request's body may take to arrive (408 past them)
 
 
 # ----------------------------------------------------------------------------- one request
@@ -356,10 +302,19 @@ def _sse(obj: BaseModel) -> bytes:
 
 
 def build_app(state: AppState) -> FastAPI:
+    """The FastAPI app on `state`: errors in OpenAI's shape, API keys checked, the status
+    routes and the completion routes."""
     app = FastAPI(title="specdistill serve")
     app.state.serve = state
     errors.install(app)
     app.add_middleware(AuthMiddleware, keys=state.keys)
+    add_status_routes(app, state)
+    add_completion_routes(app, state)
+    return app
+
+
+def add_status_routes(app: FastAPI, state: AppState) -> None:
+    """GET /health, /v1/models and /metrics."""
 
     @app.get("/health")
     async def health():
@@ -376,94 +331,103 @@ def build_app(state: AppState) -> FastAPI:
     async def metrics():
         return Response(state.metrics.expose(state.worker.version), media_type=CONTENT_TYPE_LATEST)
 
+
+def add_completion_routes(app: FastAPI, state: AppState) -> None:
+    """POST /v1/completions and /v1/chat/completions."""
+
     @app.post("/v1/completions")
     async def completions(request: Request):
-        return await handle(request, chat=False)
+        return await handle(state, request, chat=False)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
-        return await handle(request, chat=True)
+        return await handle(state, request, chat=True)
 
-    async def handle(request: Request, chat: bool):
-        raw = await state.bodies.read(request)  # no slot is held while a body arrives
-        state.admit()
-        run = None
-        try:
-            run = await start(request, chat, raw)
-        finally:
-            del raw
-            if run is None:  # refused: the slot goes back
-                state.release()
-        if run.p.stream:
-            return StreamingResponse(stream(run), media_type="text/event-stream")
-        task = asyncio.ensure_future(collect(run))
-        try:
-            while True:
-                done, _ = await asyncio.wait({task}, timeout=0.5)
-                if done:
-                    break
-                if await request.is_disconnected():  # the client is gone: free its row
-                    return Response(status_code=499)
-            try:
-                return body(task.result())
-            except RuntimeError as e:
-                return error_response(500, str(e))
-        finally:  # gone, failed, or cancelled by a drain: the row is freed
-            if not task.done():
-                task.cancel()
-            run.cancel()
 
-    async def start(request: Request, chat: bool, raw: bytes) -> Run:
-        """Validate and tokenise the request's body within the limits; submit it."""
-        limits = state.config.limits
-        loop = asyncio.get_running_loop()  # parsing and tokenising: off the event loop
-        req = await loop.run_in_executor(state.parser, validate_body, raw, chat, limits)
+async def handle(state: AppState, request: Request, chat: bool):
+    """One completion request: its body read, an admission slot taken, the run started and
+    streamed or collected; its row freed however it ends."""
+    raw = await state.bodies.read(request)  # no slot is held while a body arrives
+    state.admit()
+    run = None
+    try:
+        run = await start(state, request, chat, raw)
+    finally:
         del raw
-        if req.model is not None and req.model != state.config.model_name:
-            raise APIError(404, f"The model `{req.model}` does not exist.", param="model")
-        parsed = await loop.run_in_executor(state.parser, parse, req, state.tokenizer, limits)
-        run = Run(state, parsed, getattr(request.state, "client", None))
-        run.submit()
-        return run
-
-    async def stream(run: Run):
-        p = run.p
-        obj = "chat.completion.chunk" if p.chat else "text_completion"
-        first = True
-        sent_ids = 0
-        offset = 0
+        if run is None:  # refused: the slot goes back
+            state.release()
+    if run.p.stream:
+        return StreamingResponse(stream(run), media_type="text/event-stream")
+    task = asyncio.ensure_future(collect(run))
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=0.5)
+            if done:
+                break
+            if await request.is_disconnected():  # the client is gone: free its row
+                return Response(status_code=499)
         try:
-            while not run.finished:
-                try:
-                    delta, lps = await run.next_delta()
-                except RuntimeError as e:
-                    yield _sse(error_body(500, str(e)))
-                    return
-                ids = run.completion_ids[sent_ids : sent_ids + len(lps)] if lps else []
-                sent_ids += len(lps)
-                if delta or (lps and p.logprobs is not None) or first or run.finished:
-                    lp_json = run.logprobs_json(lps, ids, offset) if lps else None
-                    offset += len(delta)
-                    finish = run.finish_reason if run.finished else None
-                    if p.chat:
-                        role = {"role": "assistant"} if first else {}
-                        text = {"delta": Delta(content=delta, **role)}
-                    else:
-                        text = {"text": delta}
-                    choice = Choice(logprobs=lp_json, finish_reason=finish, **text)
-                    fields = run.extras() if run.finished else {}
-                    if p.include_usage:
-                        fields["usage"] = None
-                    first = False
-                    yield _sse(run.body(obj, [choice], **fields))
-            await run.log()
-            if p.include_usage:
-                yield _sse(run.body(obj, [], usage=run.usage(), **run.extras()))
-            yield b"data: [DONE]\n\n"
-        finally:
-            run.cancel()  # a client gone mid-stream frees its row (no-op when finished)
+            return body(task.result())
+        except RuntimeError as e:
+            return error_response(500, str(e))
+    finally:  # gone, failed, or cancelled by a drain: the row is freed
+        if not task.done():
+            task.cancel()
+        run.cancel()
 
-    return app
+
+async def start(state: AppState, request: Request, chat: bool, raw: bytes) -> Run:
+    """Validate and tokenise the request's body within the limits; submit it."""
+    limits = state.config.limits
+    loop = asyncio.get_running_loop()  # parsing and tokenising: off the event loop
+    req = await loop.run_in_executor(state.parser, validate_body, raw, chat, limits)
+    del raw
+    if req.model is not None and req.model != state.config.model_name:
+        raise APIError(404, f"The model `{req.model}` does not exist.", param="model")
+    parsed = await loop.run_in_executor(state.parser, parse, req, state.tokenizer, limits)
+    run = Run(state, parsed, getattr(request.state, "client", None))
+    run.submit()
+    return run
+
+
+async def stream(run: Run):
+    """A run's server-sent events: a chunk per new text (or logprobs), the last one with
+    the run's statistics, then usage if asked and [DONE]."""
+    p = run.p
+    obj = "chat.completion.chunk" if p.chat else "text_completion"
+    first = True
+    sent_ids = 0
+    offset = 0
+    try:
+        while not run.finished:
+            try:
+                delta, lps = await run.next_delta()
+            except RuntimeError as e:
+                yield _sse(error_body(500, str(e)))
+                return
+            ids = run.completion_ids[sent_ids : sent_ids + len(lps)] if lps else []
+            sent_ids += len(lps)
+            if delta or (lps and p.logprobs is not None) or first or run.finished:
+                lp_json = run.logprobs_json(lps, ids, offset) if lps else None
+                offset += len(delta)
+                finish = run.finish_reason if run.finished else None
+                if p.chat:
+                    role = {"role": "assistant"} if first else {}
+                    text = {"delta": Delta(content=delta, **role)}
+                else:
+                    text = {"text": delta}
+                choice = Choice(logprobs=lp_json, finish_reason=finish, **text)
+                fields = run.extras() if run.finished else {}
+                if p.include_usage:
+                    fields["usage"] = None
+                first = False
+                yield _sse(run.body(obj, [choice], **fields))
+        await run.log()
+        if p.include_usage:
+            yield _sse(run.body(obj, [], usage=run.usage(), **run.extras()))
+        yield b"data: [DONE]\n\n"
+    finally:
+        run.cancel()  # a client gone mid-stream frees its row (no-op when finished)
 
 
 async def collect(run: Run) -> Completion:

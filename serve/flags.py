@@ -1,70 +1,60 @@
-"""Checks of `specdistill serve`'s options, made before anything loads.
+"""`specdistill serve`'s flags, generated from its options (serve/options.py `ServeOptions`).
 
-Each bad value is one `UserError` naming the flag and the value (one line and exit 2 on the
-command line), never a traceback from deep inside a library and never a server that starts
-with a setting it cannot keep: a negative size, a poll interval that spins, a port that does
-not exist, a file where a directory belongs (the device: eval/cli_args.py `resolve_device`).
+One flag per field, in the fields' order: its name from the field's (`--max-num-seqs`, with
+the aliases its `Cli` names), its type, default, choices and help from the field, and the
+fields of one `Cli.one_of` group in a required either-or group. `parse_options` checks what
+was parsed against the model: a value out of its bounds is a `UserError` naming the flag (one
+line and exit 2 on the command line), before anything loads. `check_traffic_dir` is the one
+check made on the disk (a server makes it before loading its models; the device:
+eval/cli_args.py `resolve_device`).
 """
 
-import math
+import argparse
 import os
+from collections.abc import Sequence
 from pathlib import Path
 
+from pydantic import BaseModel
+from pydantic.fields import FieldInfo
+
 from specdistill.errors import UserError
-
-MIN_POLL_S = 0.05  # --poll-s below this re-reads the drafts root in a busy loop
-MAX_PORT = 65535
+from specdistill.serve.options import ServeOptions, choices, cli_of, flag_name, value_type
 
 
-def at_least(flag: str, value: float, low: float) -> None:
-    """`value` must be a number >= `low` (NaN refused)."""
-    if not value >= low:
-        raise UserError(f"{flag} must be >= {low}, got {value}")
+def flag_arguments(name: str, field: FieldInfo) -> tuple[list[str], dict]:
+    """`add_argument`'s names and keywords for the field `name`."""
+    names = [flag_name(name), *cli_of(field).aliases]
+    keywords: dict = {"dest": name, "help": field.description}
+    kind = value_type(field)
+    if kind is bool:
+        keywords["action"] = "store_true"
+        return names, keywords
+    if field.is_required():
+        keywords["required"] = True
+    else:
+        keywords["default"] = field.default
+    if choices(field):
+        keywords["choices"] = list(choices(field))
+    elif kind in (int, float):
+        keywords["type"] = kind
+    return names, keywords
 
 
-def finite_at_least(flag: str, value: float, low: float) -> None:
-    """`value` must be a finite number >= `low`."""
-    if not math.isfinite(value) or value < low:
-        raise UserError(f"{flag} must be a finite number >= {low}, got {value}")
+def add_flags(parser: argparse.ArgumentParser, model: type[BaseModel] = ServeOptions) -> None:
+    """A flag on `parser` for every field of `model`."""
+    groups: dict = {}  # group name -> its mutually exclusive group
+    for name, field in model.model_fields.items():
+        names, keywords = flag_arguments(name, field)
+        group = cli_of(field).one_of
+        if group is not None and group not in groups:
+            groups[group] = parser.add_mutually_exclusive_group(required=True)
+        (groups[group] if group is not None else parser).add_argument(*names, **keywords)
 
 
-def check_limits(
-    *,
-    max_num_seqs: int,
-    max_queue: int,
-    max_body_bytes: int,
-    max_messages: int,
-    default_max_tokens: int,
-    max_prompt_chars: int | None,
-    max_model_len: int | None,
-    max_gamma: int,
-    log_top_logprobs: int,
-    drain_s: float,
-    poll_s: float,
-    body_timeout_s: float,
-    shard_bytes: int | None,
-) -> None:
-    """The server's numeric settings (a `Server`'s keywords, the flags of the same names)."""
-    for flag, value, low in (
-        ("--max-num-seqs", max_num_seqs, 1),
-        ("--max-queue", max_queue, 0),
-        ("--max-body-bytes", max_body_bytes, 1024),
-        ("--max-messages", max_messages, 1),
-        ("--max-tokens", default_max_tokens, 1),
-        ("--max-gamma", max_gamma, 1),
-    ):
-        at_least(flag, value, low)
-    if max_prompt_chars is not None:
-        at_least("--max-prompt-chars", max_prompt_chars, 1)
-    if max_model_len is not None:
-        at_least("--max-model-len", max_model_len, 2)
-    if shard_bytes is not None:
-        at_least("--traffic-shard-mb (in bytes)", shard_bytes, 1)
-    if not 0 <= log_top_logprobs <= 20:
-        raise UserError(f"--log-top-logprobs must be in [0, 20], got {log_top_logprobs}")
-    finite_at_least("--drain-s", drain_s, 0)
-    finite_at_least("--poll-s", poll_s, MIN_POLL_S)
-    finite_at_least("--body-timeout-s", body_timeout_s, 0.1)
+def parse_options(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> ServeOptions:
+    """The command line's `ServeOptions`: what argparse cannot parse is its usage error; a
+    value the model refuses, a `UserError` naming the flag."""
+    return ServeOptions(**vars(parser.parse_args(argv)))
 
 
 def check_traffic_dir(path: str | None) -> None:
@@ -82,30 +72,3 @@ def check_traffic_dir(path: str | None) -> None:
         raise UserError(f"--traffic {path}: {existing} is not a directory")
     if not os.access(existing, os.W_OK | os.X_OK):
         raise UserError(f"--traffic {path}: {existing} is not writable")
-
-
-def check_cli(args) -> None:
-    """The options only the command line has: the port, threads, the shard size."""
-    if not 0 <= args.port <= MAX_PORT:
-        raise UserError(f"--port must be in [0, {MAX_PORT}], got {args.port}")
-    if args.threads is not None:
-        at_least("--threads", args.threads, 1)
-    finite_at_least("--traffic-shard-mb", args.traffic_shard_mb, 1 / 1024)
-
-
-def shard_bytes(traffic_shard_mb: float) -> int:
-    """--traffic-shard-mb in bytes."""
-    return int(traffic_shard_mb * 1024 * 1024)
-
-
-def parse_gamma(value: int | str | None) -> int | str | None:
-    """--gamma: a number of drafts per round (>= 1), "auto", or None (the default)."""
-    if value is None or value == "auto":
-        return value
-    try:
-        gamma = int(value)
-    except (TypeError, ValueError):
-        raise UserError(f"--gamma must be an integer >= 1 or 'auto', got {value!r}") from None
-    if isinstance(value, bool) or gamma < 1 or (isinstance(value, float) and value != gamma):
-        raise UserError(f"--gamma must be an integer >= 1 or 'auto', got {value!r}")
-    return gamma

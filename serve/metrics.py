@@ -26,7 +26,7 @@ LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120
 class Metrics:
     """Prometheus metrics with vLLM's meanings, in a registry of their own (one per app)."""
 
-    def __init__(self, max_gamma: int = 8):
+    def __init__(self, max_gamma: int):
         disable_created_metrics()  # no `_created` series next to each counter
         r = self.registry = CollectorRegistry()
         self.num_drafts = Counter(

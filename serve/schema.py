@@ -1,10 +1,11 @@
 """Requests: the body read within limits, validated by pydantic models, then tokenised.
 
-Order of the checks, cheapest first, so that no request costs more than its limits allow:
+The limits (`Limits`) come from the server's options (serve/options.py). Order of the checks,
+cheapest first, so that no request costs more than its limits allow:
 
 1. body size (`Limits.max_body_bytes`), 413, and the time it takes to arrive, 408, while it
    is read (serve/intake.py), before the request takes an admission slot;
-2. JSON nesting depth (`MAX_JSON_DEPTH`), counted on the raw bytes before parsing, 400;
+2. JSON nesting depth (`Limits.max_json_depth`), counted on the raw bytes before parsing, 400;
 3. JSON parsing and the pydantic model (`CompletionRequest`, `ChatCompletionRequest`):
    every field typed and range-checked, NaN and Infinity refused, booleans only as JSON
    `true` / `false`, unknown fields refused (400 naming the field), a lone UTF-16 surrogate
@@ -32,26 +33,7 @@ from specdistill.data.records import lone_surrogate
 from specdistill.eval.engine import Sampling
 from specdistill.eval.sampling import GREEDY_BELOW
 from specdistill.serve.errors import APIError
-
-MAX_TOP_LOGPROBS = 20
-MAX_JSON_DEPTH = 32
-MAX_STOPS = 16
-MAX_STOP_CHARS = 256
-
-
-@dataclass(frozen=True)
-class Limits:
-    """What one request may ask for (serve/server.py documents the flags)."""
-
-    max_model_len: int
-    default_max_tokens: int = 16
-    max_body_bytes: int = 1 << 20
-    max_prompt_chars: int = 1 << 20
-    max_messages: int = 1024
-    max_stops: int = MAX_STOPS
-    max_stop_chars: int = MAX_STOP_CHARS
-    max_json_depth: int = MAX_JSON_DEPTH
-
+from specdistill.serve.options import MAX_TOP_LOGPROBS, Limits
 
 # ----------------------------------------------------------------------------- the models
 

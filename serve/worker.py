@@ -10,13 +10,14 @@ Hot swap: a new draft version (serve/drafts.py) gets an engine of its own; new j
 it while the previous engine finishes the jobs it has (then is dropped). A job is decoded
 by one draft version from start to end, and names it.
 
-Draft length (`gamma`): a fixed number of drafts per round, "auto", or None (the default:
-"auto" for a draft that carries an acceptance head, `DEFAULT_GAMMA` otherwise, decided per
-draft version). Under "auto" each engine has its own `AutoGamma` (eval/length_policy.py),
-whose cost model is kept per batch size: the busier the server, the dearer a drafted token
-against the verification it saves, so rows draft less, and a round where no row's drafting
-can pay is a plain target step. Its costs are measured at start-up (and for each new
-version) at the server's row count and at the powers of two below it.
+Draft length: the server's `GammaSetting` (eval/length_policy.py; --gamma and --max-gamma)
+gives each engine its own policy for its draft version: a fixed number of drafts per round,
+or "auto" (also the default for a draft that carries an acceptance head). Under "auto" each
+engine has its own `AutoGamma`, whose cost model is kept per batch size: the busier the
+server, the dearer a drafted token against the verification it saves, so rows draft less,
+and a round where no row's drafting can pay is a plain target step. Its costs are measured
+at start-up (and for each new version) at the server's row count and at the powers of two
+below it.
 """
 
 import logging
@@ -27,28 +28,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from specdistill.eval.engine import Engine, Sampling, SpecStats
-from specdistill.eval.length_policy import AutoGamma
+from specdistill.eval.length_policy import GammaSetting
 from specdistill.threads import ThreadPolicy
 
 log = logging.getLogger("specdistill.serve")
-
-DEFAULT_GAMMA = 4  # drafts per round for a draft without an acceptance head
-
-
-def has_acceptance_head(draft) -> bool:
-    """Whether a loaded draft carries a trained acceptance head."""
-    return draft is not None and getattr(draft, "acceptance_head", None) is not None
-
-
-def gamma_for(gamma: int | str | None, draft, max_gamma: int, capacity: int = 1) -> int | AutoGamma:
-    """The engine's draft-length setting for `draft`: an `AutoGamma` for "auto" (and for the
-    default, None, when the draft has an acceptance head), else a number of drafts. The
-    policy measures its costs at start-up at `capacity` rows and at every power of two below
-    it, the batch sizes a server goes through as its load changes."""
-    if draft is not None and (gamma == "auto" or (gamma is None and has_acceptance_head(draft))):
-        sizes = tuple(1 << i for i in range(capacity.bit_length()) if 1 << i < capacity)
-        return AutoGamma(max_gamma=max_gamma, batch_sizes=sizes)
-    return DEFAULT_GAMMA if gamma in (None, "auto") else gamma
 
 
 @dataclass(frozen=True)
@@ -108,7 +91,8 @@ class Job:
 
 
 class EngineWorker(threading.Thread):
-    """Decodes jobs with the current draft version; `swap` installs a new one between rounds."""
+    """Decodes jobs with the current draft version; `swap` installs a new one between rounds.
+    `length` gives each version's engine its draft-length policy."""
 
     def __init__(
         self,
@@ -116,17 +100,16 @@ class EngineWorker(threading.Thread):
         draft,
         version,
         *,
-        gamma: int | str | None,
-        capacity,
+        length: GammaSetting,
+        capacity: int,
         eos_token_id,
         vocab_size,
-        max_gamma: int = 8,
         threads: ThreadPolicy | None = None,
     ):
         super().__init__(name="specdistill-engine", daemon=True)
         self.threads = threads  # re-checked between rounds (specdistill/threads.py)
         self.target = target
-        self.gamma, self.max_gamma, self.capacity = gamma, max_gamma, capacity
+        self.length, self.capacity = length, capacity
         self.eos_token_id, self.vocab_size = eos_token_id, vocab_size
         self.inbox: queue.Queue = queue.Queue()
         self.stopping = threading.Event()
@@ -139,7 +122,7 @@ class EngineWorker(threading.Thread):
         engine = Engine(
             self.target,
             draft,
-            gamma=gamma_for(self.gamma, draft, self.max_gamma, self.capacity),
+            gamma=self.length.policy(draft, self.capacity),
             capacity=self.capacity,
             eos_token_id=self.eos_token_id,
             vocab_size=self.vocab_size,

@@ -10,7 +10,8 @@
     specdistill online --recipe recipes/online.yaml      # and: online rollback --drafts ROOT
 
 Each verb is a module with a `main(argv)` and a `build_parser()` (`specdistill online`'s
-subcommands: its `SUBVERBS`) that imports no model library, so `specdistill <verb> --help`
+subcommands: its `SUBVERBS`, and `SUBCOMMANDS` here for one that lives in a layer above the
+verb's) that imports no model library, so `specdistill <verb> --help`
 answers at once and docs/cli.md is generated from the parsers (specdistill/cli_docs.py).
 The parsers come from specdistill/verb_parser.py: the usage line names the verb, examples
 keep their line breaks, defaults are shown. The script paths (`train/distill.py`,
@@ -34,7 +35,7 @@ VERBS = {
         "run lossless speculative decoding; measure tau, speedup and the best gamma",
     ),
     "drift": (
-        "specdistill.serve.drift_cli",
+        "specdistill.eval.drift_cli",
         "measure the draft's α drift after a target fine-tune; exit 1 when it fails a deploy",
     ),
     "export": ("specdistill.train.export_cli", "export a trained draft for vLLM, SGLang or HF"),
@@ -55,7 +56,7 @@ VERBS = {
         "learn from served traffic: refresh, gate, publish drafts; `online rollback|demo`",
     ),
     "serve": (
-        "specdistill.serve.server",
+        "specdistill.serve.serve_cli",
         "serve an OpenAI-compatible API with speculative decoding (hot-swapped drafts)",
     ),
     "convert-traffic": (
@@ -63,6 +64,11 @@ VERBS = {
         "turn vLLM responses or SGLang request dumps into the traffic log",
     ),
 }
+
+
+# (verb, subcommand) -> module with main(argv) and build_parser(): a subcommand that composes
+# layers the verb's own module may not import (`online demo` runs a server beside the job)
+SUBCOMMANDS = {("online", "demo"): "specdistill.online_demo.cli"}
 
 
 def usage() -> str:
@@ -92,6 +98,9 @@ def main(argv: list[str] | None = None) -> int:
         hint = f"; did you mean '{close[0]}'?" if close else ""
         print(f"specdistill: unknown verb '{verb}'{hint}\n\n{usage()}", file=sys.stderr)
         return 2
+    if rest and (verb, rest[0]) in SUBCOMMANDS:
+        module = importlib.import_module(SUBCOMMANDS[verb, rest[0]])
+        return run_guarded(module.main, rest[1:])
     module = importlib.import_module(VERBS[verb][0])
     return run_guarded(module.main, rest)
 

@@ -3,7 +3,8 @@
     python -m specdistill.cli_docs > docs/cli.md
 
 Each verb module (specdistill/cli.py `VERBS`) builds its parser in `build_parser()`, and
-`specdistill online`'s subcommands in `SUBVERBS`; none of them imports a model library, so
+`specdistill online`'s subcommands in `SUBVERBS` (or in a module of their own:
+specdistill/cli.py `SUBCOMMANDS`); none of them imports a model library, so
 this runs in a fraction of a second. tests/test_cli.py fails when docs/cli.md is not this
 module's output.
 """
@@ -13,7 +14,7 @@ import importlib
 import os
 import sys
 
-from specdistill.cli import VERBS
+from specdistill.cli import SUBCOMMANDS, VERBS
 
 DOC = "docs/cli.md"
 COMMAND = "python -m specdistill.cli_docs > docs/cli.md"
@@ -26,7 +27,11 @@ def parsers() -> list[tuple[str, str, argparse.ArgumentParser]]:
     for verb, (module_name, line) in VERBS.items():
         module = importlib.import_module(module_name)
         found.append((verb, line, module.build_parser()))
-        for sub, build in getattr(module, "SUBVERBS", {}).items():
+        builders = dict(getattr(module, "SUBVERBS", {}))
+        for (owner, sub), name in SUBCOMMANDS.items():
+            if owner == verb:
+                builders[sub] = importlib.import_module(name).build_parser
+        for sub, build in builders.items():
             found.append((f"{verb} {sub}", build().description.split("\n\n")[0], build()))
     return found
 

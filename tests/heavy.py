@@ -23,7 +23,7 @@ HEAVY = {
     "tests/train/test_acceptance_head_training.py::test_two_processes_train_the_head_as_one_process",
     # kill tests and servers in subprocesses
     "tests/train/online/test_online.py::test_sigkill_mid_refresh_then_resume",
-    "tests/train/online/test_demo.py::test_demo_runs_serves_learns_and_reports",
+    "tests/online_demo/test_demo.py::test_demo_runs_serves_learns_and_reports",
     "tests/serve/test_hostile.py::test_sigterm_drains_and_exits_zero",
     # whole runs: the embedded target built, a shipped recipe trained, CLIs in a fresh interpreter
     "tests/train/test_eagle3.py::test_shipped_eagle3_recipe_runs_on_the_embedded_tiny_target",

@@ -4,7 +4,7 @@ and seeds, cancellation."""
 import torch
 
 from specdistill.eval.engine import Engine, Sampling
-from tests.eval.test_speculative import perturbed, reference_greedy, tiny_llama
+from tests.eval.helpers import perturbed, reference_greedy, tiny_llama
 
 
 def _pair():

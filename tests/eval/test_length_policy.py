@@ -9,11 +9,16 @@ from specdistill.drafts.confidence import predicted_acceptance
 from specdistill.drafts.eagle3_head import Eagle3Head
 from specdistill.drafts.standalone import StandaloneDrafter
 from specdistill.eval import engine, verify
+from specdistill.eval.cli_args import parse_gamma
 from specdistill.eval.cost_model import CostModel, CostTable
 from specdistill.eval.length_policy import (
     AutoGamma,
     CostRule,
+    FixedGamma,
     LengthPolicy,
+    PerRowLength,
+    RoundPlan,
+    length_policy,
     update_estimate,
     worth_drafting,
 )
@@ -22,17 +27,7 @@ from specdistill.eval.report import SpeculateReport
 from specdistill.eval.round_stats import SpecStats
 from specdistill.eval.speculative import _gammas
 from specdistill.eval.sweep import Settings, sweep
-from tests.eval.test_speculative import (
-    N_NEW,
-    N_SAMPLES,
-    PREFIX,
-    chi_square_pvalue,
-    joint_first_two,
-    pair,  # noqa: F401  (fixture)
-    prompts,  # noqa: F401  (fixture)
-    references,  # noqa: F401  (fixture)
-    small_pair,  # noqa: F401  (fixture)
-)
+from tests.eval.helpers import N_NEW, N_SAMPLES, PREFIX, chi_square_pvalue, joint_first_two
 
 # ----------------------------------------------------------------------------- a stub policy
 
@@ -51,7 +46,7 @@ class FixedRound:
         return step < self.max_steps
 
 
-class FixedLengths:
+class FixedLengths(PerRowLength):
     """A `LengthPolicy` whose rows propose pattern[row % len] drafts (within their limits);
     every `off`-th round (when set) is a target-only round."""
 
@@ -60,7 +55,7 @@ class FixedLengths:
     def __init__(self, pattern: list[int], off: int | None = None):
         self.pattern, self.off, self.rounds = pattern, off, 0
 
-    def start(self, target, vocab_size, batch_size):
+    def prepare(self, target, draft, vocab_size, batch_size):
         pass
 
     def plan(self, limits, estimates):
@@ -77,10 +72,37 @@ class FixedLengths:
         return estimate
 
 
-def test_the_stub_and_auto_are_length_policies():
-    assert isinstance(FixedLengths([1]), LengthPolicy)
-    assert isinstance(AutoGamma(), LengthPolicy)
-    assert not isinstance(engine.AdaptiveGamma(), LengthPolicy)
+def test_every_policy_is_a_length_policy():
+    for policy in (FixedLengths([1]), AutoGamma(), engine.AdaptiveGamma(), FixedGamma(3)):
+        assert isinstance(policy, LengthPolicy)
+    assert not isinstance(3, LengthPolicy)
+
+
+def test_one_construction_of_a_policy():
+    assert length_policy(3) == FixedGamma(3)
+    auto = length_policy("auto", max_gamma=5, batch_sizes=(1, 2))
+    assert isinstance(auto, AutoGamma) and auto.max_gamma == 5 and auto.batch_sizes == (1, 2)
+    stub = FixedLengths([1])
+    assert length_policy(stub) is stub
+    for bad in (0, -1, True, 2.5, "fast"):
+        with pytest.raises(ValueError, match="gamma must be"):
+            length_policy(bad)
+    assert parse_gamma("3") == 3 and parse_gamma("auto") == "auto" and parse_gamma(2.0) == 2
+    for bad in ("0", "2.5", 2.5, True, None):
+        with pytest.raises(ValueError, match="integer >= 1 or 'auto'"):
+            parse_gamma(bad)
+
+
+def test_round_plans():
+    """One γ for all rows: shortened only when asked and no row needs γ + 1 tokens; a
+    per-row policy's target-only round proposes 0 drafts in every row."""
+    assert FixedGamma(4).plan_round([3, 2], [1.0, 1.0], shorten=True) == RoundPlan(2, True)
+    assert FixedGamma(4).plan_round([3, 2], [1.0, 1.0], shorten=False) == RoundPlan(4)
+    assert FixedGamma(2).plan_round([9], [1.0], shorten=True) == RoundPlan(2)
+    idle = FixedLengths([0]).plan_round([5, 5], [1.0, 1.0], shorten=True)
+    assert idle.steps == 0 and idle.proposed() == [0, 0] and not idle.limited()
+    ragged = FixedLengths([3, 1]).plan_round([9, 9], [1.0, 1.0], shorten=True)
+    assert ragged.steps == 3 and ragged.proposed() == [3, 1]
 
 
 # ----------------------------------------------------------------------------- lossless
@@ -88,9 +110,13 @@ def test_the_stub_and_auto_are_length_policies():
 
 @pytest.mark.parametrize("batch_size", [1, 2, 5])
 @pytest.mark.parametrize("pattern, off", [([3, 1, 0, 2, 5], None), ([2, 4, 1], 3)])
-def test_greedy_equals_target_with_ragged_rows(pair, prompts, references, batch_size, pattern, off):  # noqa: F811
+def test_greedy_equals_target_with_ragged_rows(
+    perturbed_pair, prompts, references, batch_size, pattern, off
+):
     policy = FixedLengths(pattern, off)
-    out = engine.generate(*pair, prompts, gamma=policy, max_new_tokens=N_NEW, batch_size=batch_size)
+    out = engine.generate(
+        *perturbed_pair, prompts, gamma=policy, max_new_tokens=N_NEW, batch_size=batch_size
+    )
     assert out.sequences == references
     spec = [r for r in out.rounds if r.gamma > 0]
     assert all(n <= k for r in spec for n, k in zip(r.accepted, r.drafted, strict=True))
@@ -100,16 +126,18 @@ def test_greedy_equals_target_with_ragged_rows(pair, prompts, references, batch_
         assert any(r.gamma == 0 and len(r.requests) > 0 for r in out.rounds)
 
 
-def test_auto_greedy_equals_target(pair, prompts, references):  # noqa: F811
-    out = engine.generate(*pair, prompts, gamma="auto", max_new_tokens=N_NEW, batch_size=2)
+def test_auto_greedy_equals_target(perturbed_pair, prompts, references):
+    out = engine.generate(
+        *perturbed_pair, prompts, gamma="auto", max_new_tokens=N_NEW, batch_size=2
+    )
     assert out.sequences == references
     assert "2" in out.cost and out.cost["2"]["draft_s"] > 0
     histogram = out.stats[0].length_dict()["drafted_length_histogram"]
     assert sum(histogram) > 0
 
 
-def test_engine_with_ragged_rows_and_target_only_rounds(pair, prompts, references):  # noqa: F811
-    e = engine.Engine(*pair, gamma=FixedLengths([2, 0, 3], off=4), capacity=3)
+def test_engine_with_ragged_rows_and_target_only_rounds(perturbed_pair, prompts, references):
+    e = engine.Engine(*perturbed_pair, gamma=FixedLengths([2, 0, 3], off=4), capacity=3)
     ids = [e.add(p, max_new_tokens=N_NEW) for p in prompts]
     got: dict[int, list[int]] = {}
     while e.busy:
@@ -118,8 +146,8 @@ def test_engine_with_ragged_rows_and_target_only_rounds(pair, prompts, reference
     assert [got[r] for r in ids] == references
 
 
-def test_eagle3_head_through_target_only_rounds(pair, prompts):  # noqa: F811
-    target = pair[0]
+def test_eagle3_head_through_target_only_rounds(perturbed_pair, prompts):
+    target = perturbed_pair[0]
     head = Eagle3Head.from_target(target, aux_layers=[0, 1], draft_vocab_size=96).eval()
     expected = engine.generate(target, None, prompts, max_new_tokens=12).sequences
     for policy in (FixedLengths([2, 1, 0], off=2), "auto"):
@@ -127,10 +155,10 @@ def test_eagle3_head_through_target_only_rounds(pair, prompts):  # noqa: F811
         assert out.sequences == expected
 
 
-def test_sampling_with_ragged_rows_is_lossless(small_pair):  # noqa: F811
+def test_sampling_with_ragged_rows_is_lossless(small_perturbed_pair):
     """Rows of one batch propose 0..3 drafts: each row's output is still the target's."""
     out = engine.generate(
-        *small_pair,
+        *small_perturbed_pair,
         [PREFIX] * N_SAMPLES,
         gamma=FixedLengths([0, 1, 2, 3]),
         temperature=1.0,
@@ -141,14 +169,14 @@ def test_sampling_with_ragged_rows_is_lossless(small_pair):  # noqa: F811
     for k in (1, 3):  # rejections (residual) and full acceptance (bonus) both happen
         accepted = [n for n, d in zip(first.accepted, first.drafted, strict=True) if d == k]
         assert 0.1 < sum(n < k for n in accepted) / len(accepted) < 0.9
-    expected = joint_first_two(small_pair[0], 1.0, None, None)
+    expected = joint_first_two(small_perturbed_pair[0], 1.0, None, None)
     assert chi_square_pvalue(out.sequences, expected) > 1e-3
 
 
-def test_per_request_sampling_with_ragged_rows_is_lossless(small_pair):  # noqa: F811
+def test_per_request_sampling_with_ragged_rows_is_lossless(small_perturbed_pair):
     """The server's engine: each row samples with its own generator, verified on its own
     proposed drafts only."""
-    e = engine.Engine(*small_pair, gamma=FixedLengths([0, 1, 2, 3]), capacity=3000)
+    e = engine.Engine(*small_perturbed_pair, gamma=FixedLengths([0, 1, 2, 3]), capacity=3000)
     ids = [
         e.add(PREFIX, max_new_tokens=4, sampling=engine.Sampling(1.0, seed=i)) for i in range(6000)
     ]
@@ -156,11 +184,11 @@ def test_per_request_sampling_with_ragged_rows_is_lossless(small_pair):  # noqa:
     while e.busy:
         for u in e.step():
             got.setdefault(u.request, []).extend(u.tokens)
-    expected = joint_first_two(small_pair[0], 1.0, None, None)
+    expected = joint_first_two(small_perturbed_pair[0], 1.0, None, None)
     assert chi_square_pvalue([got[r] for r in ids], expected) > 1e-3
 
 
-def test_chi_square_catches_a_residual_past_a_rows_last_draft(small_pair, monkeypatch):  # noqa: F811
+def test_chi_square_catches_a_residual_past_a_rows_last_draft(small_perturbed_pair, monkeypatch):
     """A row that proposed all of its k drafts must take its next token from p, not from the
     residual against the draft it did not propose."""
 
@@ -178,13 +206,16 @@ def test_chi_square_catches_a_residual_past_a_rows_last_draft(small_pair, monkey
 
     monkeypatch.setattr(verify, "verify_sampled", no_bonus)
     out = engine.generate(
-        *small_pair,
+        *small_perturbed_pair,
         [PREFIX] * N_SAMPLES,
         gamma=FixedLengths([1, 3]),
         temperature=1.0,
         max_new_tokens=4,
     )
-    assert chi_square_pvalue(out.sequences, joint_first_two(small_pair[0], 1.0, None, None)) < 1e-6
+    assert (
+        chi_square_pvalue(out.sequences, joint_first_two(small_perturbed_pair[0], 1.0, None, None))
+        < 1e-6
+    )
 
 
 def test_verify_with_lengths():
@@ -286,8 +317,8 @@ def test_confidence_proxy():
     assert ((mixed >= 0) & (mixed <= 1)).all()
 
 
-def test_drafter_gives_confidences_and_uses_an_acceptance_head(pair):  # noqa: F811
-    draft = pair[1]
+def test_drafter_gives_confidences_and_uses_an_acceptance_head(perturbed_pair):
+    draft = perturbed_pair[1]
     drafter = StandaloneDrafter(draft, 96, torch.device("cpu"))
     drafter.admit([[1, 2, 3], [4, 5]])
 
@@ -329,9 +360,9 @@ def test_spec_stats_lengths():
     assert s.as_dict()["num_spec_steps"] == 2 and s.as_dict()["num_draft_tokens"] == 5
 
 
-def test_auto_in_a_sweep(pair, prompts):  # noqa: F811
+def test_auto_in_a_sweep(perturbed_pair, prompts):
     settings = Settings(gammas=[2, "auto"], temperatures=(0.0,), max_new_tokens=8, max_gamma=3)
-    result, runs = sweep(*pair, prompts[:2], settings)
+    result, runs = sweep(*perturbed_pair, prompts[:2], settings)
     auto = [e for e in result["configs"] if e["gamma"] == "auto"]
     assert len(auto) == 1 and auto[0]["name"] == "T=0 auto"
     assert result["best_gamma"]["0"]["measured"] == 2  # auto is not a fixed γ

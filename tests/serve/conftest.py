@@ -1,4 +1,5 @@
-"""A server on the tiny pair (tests/conftest.py), started on 127.0.0.1 in a thread."""
+"""A server on the tiny pair (tests/conftest.py), started on 127.0.0.1 in a thread; a published
+root of drafts; the tiny target as traffic records name it."""
 
 import pytest
 
@@ -32,19 +33,22 @@ def published(tiny_pair, tmp_path_factory):
 @pytest.fixture(scope="module")
 def server(tiny_pair, tmp_path_factory):
     """(base URL, Server) with the tiny draft, a traffic log and top-3 logprobs logged."""
+    from specdistill.serve.options import ServeOptions
     from specdistill.serve.server import Server
 
     target, draft, _ = tiny_pair
     traffic = tmp_path_factory.mktemp("traffic")
     srv = Server(
-        str(target),
-        str(draft),
-        gamma=3,
-        max_batch=4,
-        traffic=str(traffic),
-        log_top_logprobs=3,
-        model_name="tiny",
-        max_model_len=4096,  # beyond the tiny target's 128 positions: long streams in tests
+        ServeOptions(
+            target=str(target),
+            draft=str(draft),
+            gamma=3,
+            max_num_seqs=4,
+            traffic=str(traffic),
+            log_top_logprobs=3,
+            served_model_name="tiny",
+            max_model_len=4096,
+        )
     )
     url = srv.start()
     yield url, srv
@@ -56,3 +60,13 @@ def client(server):
     import openai
 
     return openai.OpenAI(base_url=server[0] + "/v1", api_key="none", max_retries=0, timeout=60)
+
+
+@pytest.fixture
+def traffic_target(tiny_pair):
+    """(path, tokenizer, the records' `target` field) of the tiny target, for conversion."""
+    from specdistill.drafts.hub import load_tokenizer
+    from specdistill.drafts.identity import model_identity
+
+    path = str(tiny_pair[0])
+    return path, load_tokenizer(path), {"name": path, "identity": model_identity(path)}

@@ -6,7 +6,7 @@ from transformers import AutoTokenizer
 
 from specdistill.drafts import hub
 from specdistill.drafts.identity import model_identity
-from specdistill.serve.traffic import read_traffic
+from specdistill.formats.traffic_shards import read_traffic
 from tests.helpers import hf_greedy
 
 PROMPTS = ["def add(a, b):", "class Point:\n    def", "for i in range(10):"]
@@ -14,18 +14,21 @@ PROMPTS = ["def add(a, b):", "class Point:\n    def", "for i in range(10):"]
 
 @pytest.fixture(scope="module")
 def adapter_server(tiny_pair, tiny_adapter, tmp_path_factory):
+    from specdistill.serve.options import ServeOptions
     from specdistill.serve.server import Server
 
     target, draft, _ = tiny_pair
     traffic = tmp_path_factory.mktemp("traffic_adapter")
     srv = Server(
-        str(target),
-        str(draft),
-        gamma=3,
-        max_batch=4,
-        traffic=str(traffic),
-        model_name="tiny",
-        target_adapter=str(tiny_adapter),
+        ServeOptions(
+            target=str(target),
+            draft=str(draft),
+            gamma=3,
+            max_num_seqs=4,
+            traffic=str(traffic),
+            served_model_name="tiny",
+            target_adapter=str(tiny_adapter),
+        )
     )
     url = srv.start()
     yield url, srv
@@ -82,19 +85,21 @@ def test_identity_covers_the_adapter_files(tiny_pair, tiny_adapter, tmp_path):
 
 def test_cli_flag(tiny_pair, tiny_adapter, monkeypatch):
     """`specdistill serve --target-adapter A` hands A to the server."""
+    from specdistill.serve import serve_cli
     from specdistill.serve import server as server_module
 
     seen = {}
 
     class Fake:
-        def __init__(self, target, draft, **kwargs):
-            seen.update(kwargs, target=target)
+        def __init__(self, options, *, threads=None):
+            seen["options"] = options
 
         def serve(self, host, port):
             pass
 
     monkeypatch.setattr(server_module, "Server", Fake)
-    server_module.main(
+    serve_cli.main(
         ["--target", str(tiny_pair[0]), "--target-adapter", str(tiny_adapter), "--draft", "none"]
     )
-    assert seen["target_adapter"] == str(tiny_adapter)
+    assert seen["options"].target_adapter == str(tiny_adapter)
+    assert seen["options"].target == str(tiny_pair[0]) and seen["options"].draft == "none"

@@ -12,7 +12,8 @@ import time
 import httpx
 import pytest
 
-from specdistill.serve.traffic import read_traffic, validate
+from specdistill.formats.traffic import validate
+from specdistill.formats.traffic_shards import read_traffic
 from tests.processes import free_port
 
 KEYS = ("key-one", "key-two")
@@ -22,17 +23,20 @@ PROMPT = "def add(a, b):"
 @pytest.fixture(scope="module")
 def hostile(tiny_pair, tmp_path_factory):
     """(base URL, Server): two API keys, a traffic log, max-model-len the target's (128)."""
+    from specdistill.serve.options import ServeOptions
     from specdistill.serve.server import Server
 
     target, draft, _ = tiny_pair
     srv = Server(
-        str(target),
-        str(draft),
-        gamma=2,
-        max_num_seqs=2,
-        traffic=str(tmp_path_factory.mktemp("traffic_hostile")),
-        model_name="tiny",
-        api_key=",".join(KEYS),
+        ServeOptions(
+            target=str(target),
+            draft=str(draft),
+            gamma=2,
+            max_num_seqs=2,
+            traffic=str(tmp_path_factory.mktemp("traffic_hostile")),
+            served_model_name="tiny",
+            api_key=",".join(KEYS),
+        )
     )
     url = srv.start()
     yield url, srv
@@ -40,7 +44,8 @@ def hostile(tiny_pair, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def http(hostile):
+def hostile_client(hostile):
+    """A client of the `hostile` server, sending the second of its two API keys."""
     with httpx.Client(
         base_url=hostile[0], headers={"Authorization": f"Bearer {KEYS[1]}"}, timeout=60
     ) as client:
@@ -57,8 +62,8 @@ def error_of(response, status: int) -> dict:
     return body["error"]
 
 
-def post_raw(http, path: str, raw: bytes):
-    return http.post(path, content=raw, headers={"Content-Type": "application/json"})
+def post_raw(client, path: str, raw: bytes):
+    return client.post(path, content=raw, headers={"Content-Type": "application/json"})
 
 
 class CountingTokenizer:
@@ -94,34 +99,36 @@ def counting(hostile):
 # ----------------------------------------------------------------------------- limits
 
 
-def test_body_over_the_cap_is_413_with_content_length(http, counting):
+def test_body_over_the_cap_is_413_with_content_length(hostile_client, counting):
     raw = json.dumps({"prompt": "x" * (2 << 20), "max_tokens": 1}).encode()
-    e = error_of(post_raw(http, "/v1/completions", raw), 413)
+    e = error_of(post_raw(hostile_client, "/v1/completions", raw), 413)
     assert str(1 << 20) in e["message"]
     assert counting.calls == 0
 
 
-def test_chunked_body_over_the_cap_is_413(http, counting):
+def test_chunked_body_over_the_cap_is_413(hostile_client, counting):
     def chunks():  # no Content-Length: sent chunked
         yield b'{"prompt": "'
         for _ in range(64):
             yield b"x" * 65536
         yield b'"}'
 
-    r = http.post("/v1/completions", content=chunks(), headers={"Content-Type": "application/json"})
+    r = hostile_client.post(
+        "/v1/completions", content=chunks(), headers={"Content-Type": "application/json"}
+    )
     assert "content-length" not in r.request.headers
     error_of(r, 413)
     assert counting.calls == 0
 
 
-def test_prompt_chars_refused_before_tokenising(http, hostile, counting):
+def test_prompt_chars_refused_before_tokenising(hostile_client, hostile, counting):
     """A prompt far beyond the context (but within the body cap) is refused by its length in
     characters: the tokenizer never sees it, so one request's memory and CPU stay bounded."""
     cap = hostile[1].limits.max_prompt_chars
-    r = http.post("/v1/completions", json={"prompt": "x" * (cap + 1), "max_tokens": 1})
+    r = hostile_client.post("/v1/completions", json={"prompt": "x" * (cap + 1), "max_tokens": 1})
     e = error_of(r, 400)
     assert e["param"] == "prompt" and str(cap) in e["message"]
-    r = http.post(
+    r = hostile_client.post(
         "/v1/chat/completions",
         json={"messages": [{"role": "user", "content": "y" * (cap // 2 + 1)}] * 2},
     )
@@ -129,37 +136,37 @@ def test_prompt_chars_refused_before_tokenising(http, hostile, counting):
     assert counting.calls == 0
 
 
-def test_prompt_beyond_max_model_len_names_both_numbers(http, hostile):
+def test_prompt_beyond_max_model_len_names_both_numbers(hostile_client, hostile):
     tok = hostile[1].tokenizer
     prompt = PROMPT * 40
     n = len(tok(prompt)["input_ids"])
     assert 128 < n < hostile[1].limits.max_prompt_chars
-    e = error_of(http.post("/v1/completions", json={"prompt": prompt}), 400)
+    e = error_of(hostile_client.post("/v1/completions", json={"prompt": prompt}), 400)
     assert "maximum context length is 128 tokens" in e["message"] and str(n) in e["message"]
     n_short = len(tok(PROMPT)["input_ids"])
-    r = http.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 128})
+    r = hostile_client.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 128})
     e = error_of(r, 400)
     assert e["param"] == "max_tokens"
     assert f"you requested {n_short + 128} tokens ({n_short} in the prompt, 128" in e["message"]
 
 
-def test_max_tokens_1e9_is_400(http):
+def test_max_tokens_1e9_is_400(hostile_client):
     for path, body in (
         ("/v1/completions", {"prompt": PROMPT}),
         ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}),
     ):
-        e = error_of(http.post(path, json={**body, "max_tokens": 10**9}), 400)
+        e = error_of(hostile_client.post(path, json={**body, "max_tokens": 10**9}), 400)
         assert "128" in e["message"] and str(10**9) in e["message"]
 
 
-def test_no_max_tokens_gets_the_room_left(http, hostile):
+def test_no_max_tokens_gets_the_room_left(hostile_client, hostile):
     tok = hostile[1].tokenizer
     prompt = PROMPT
     while len(tok(prompt + PROMPT)["input_ids"]) < 128:
         prompt += PROMPT
     n = len(tok(prompt)["input_ids"])
     assert 128 - 16 < n < 128  # less room than the default 16 tokens
-    r = http.post("/v1/completions", json={"prompt": prompt, "temperature": 0})
+    r = hostile_client.post("/v1/completions", json={"prompt": prompt, "temperature": 0})
     assert r.status_code == 200, r.text
     assert r.json()["usage"]["completion_tokens"] <= 128 - n
 
@@ -178,57 +185,61 @@ def test_no_max_tokens_gets_the_room_left(http, hostile):
         b'{"prompt": "x", "seed": 1e400}',
     ],
 )
-def test_non_finite_numbers_are_400_naming_the_field(http, raw):
+def test_non_finite_numbers_are_400_naming_the_field(hostile_client, raw):
     field = raw.split(b'"')[5].decode()
-    e = error_of(post_raw(http, "/v1/completions", raw), 400)
+    e = error_of(post_raw(hostile_client, "/v1/completions", raw), 400)
     assert e["param"] == field and field in e["message"]
 
 
-def test_deep_nesting_is_400(http, counting):
+def test_deep_nesting_is_400(hostile_client, counting):
     raw = b'{"prompt": "x", "metadata": {"a": ' + b"[" * 100_000 + b"]" * 100_000 + b"}}"
-    e = error_of(post_raw(http, "/v1/completions", raw), 400)
+    e = error_of(post_raw(hostile_client, "/v1/completions", raw), 400)
     assert "nests deeper" in e["message"]
     raw = b"[" * 100_000  # not even JSON
-    error_of(post_raw(http, "/v1/completions", raw), 400)
+    error_of(post_raw(hostile_client, "/v1/completions", raw), 400)
     assert counting.calls == 0
 
 
-def test_twenty_thousand_messages_are_400_before_tokenising(http, counting):
+def test_twenty_thousand_messages_are_400_before_tokenising(hostile_client, counting):
     messages = [{"role": "user", "content": "hello there"}] * 20_000
-    r = http.post("/v1/chat/completions", json={"messages": messages, "max_tokens": 1})
+    r = hostile_client.post("/v1/chat/completions", json={"messages": messages, "max_tokens": 1})
     e = error_of(r, 400)
     assert e["param"] == "messages" and "20000" in e["message"]
     assert counting.calls == 0
 
 
-def test_too_many_or_too_long_stop_strings_are_400(http):
+def test_too_many_or_too_long_stop_strings_are_400(hostile_client):
     for stop in (["a"] * 17, ["b" * 257]):
-        r = http.post("/v1/completions", json={"prompt": PROMPT, "stop": stop})
+        r = hostile_client.post("/v1/completions", json={"prompt": PROMPT, "stop": stop})
         assert error_of(r, 400)["param"] == "stop"
 
 
 # ----------------------------------------------------------------------------- shape
 
 
-def test_wrong_method_and_unknown_path_are_openai_shaped(http, hostile):
-    e = error_of(http.get("/v1/completions"), 405)
+def test_wrong_method_and_unknown_path_are_openai_shaped(hostile_client, hostile):
+    e = error_of(hostile_client.get("/v1/completions"), 405)
     assert "GET" in e["message"]
-    e = error_of(http.post("/v1/nothing", json={}), 404)
+    e = error_of(hostile_client.post("/v1/nothing", json={}), 404)
     assert "/v1/nothing" in e["message"]
     error_of(httpx.get(hostile[0] + "/nowhere"), 404)
-    e = error_of(post_raw(http, "/v1/completions", b"{not json"), 400)
-    e = error_of(post_raw(http, "/v1/completions", b'["a list"]'), 400)
-    e = error_of(http.post("/v1/completions", json={"max_tokens": 2}), 400)
+    e = error_of(post_raw(hostile_client, "/v1/completions", b"{not json"), 400)
+    e = error_of(post_raw(hostile_client, "/v1/completions", b'["a list"]'), 400)
+    e = error_of(hostile_client.post("/v1/completions", json={"max_tokens": 2}), 400)
     assert e["param"] == "prompt"
-    e = error_of(http.post("/v1/completions", json={"prompt": "x", "temperature": "hot"}), 400)
+    e = error_of(
+        hostile_client.post("/v1/completions", json={"prompt": "x", "temperature": "hot"}), 400
+    )
     assert e["param"] == "temperature"
 
 
-def test_unknown_model_is_404_and_absent_model_is_the_served_one(http):
-    e = error_of(http.post("/v1/completions", json={"model": "gpt-4", "prompt": PROMPT}), 404)
+def test_unknown_model_is_404_and_absent_model_is_the_served_one(hostile_client):
+    e = error_of(
+        hostile_client.post("/v1/completions", json={"model": "gpt-4", "prompt": PROMPT}), 404
+    )
     assert e["message"] == "The model `gpt-4` does not exist." and e["param"] == "model"
     for body in ({"model": "tiny"}, {}):
-        r = http.post("/v1/completions", json={**body, "prompt": PROMPT, "max_tokens": 2})
+        r = hostile_client.post("/v1/completions", json={**body, "prompt": PROMPT, "max_tokens": 2})
         assert r.status_code == 200 and r.json()["model"] == "tiny"
 
 
@@ -250,15 +261,15 @@ def test_unknown_model_is_404_and_absent_model_is_the_served_one(http):
         ("/v1/chat/completions", "logit_bias", {"5": 10}),
     ],
 )
-def test_unsupported_fields_are_400_naming_the_field(http, path, field, value):
+def test_unsupported_fields_are_400_naming_the_field(hostile_client, path, field, value):
     chat = {"messages": [{"role": "user", "content": "hi"}]}
     body = {"prompt": PROMPT} if path == "/v1/completions" else chat
-    e = error_of(http.post(path, json={**body, field: value, "max_tokens": 2}), 400)
+    e = error_of(hostile_client.post(path, json={**body, field: value, "max_tokens": 2}), 400)
     assert e["param"] == field and e["message"].startswith(field)
 
 
-def test_neutral_values_of_unsupported_fields_are_accepted(http):
-    r = http.post(
+def test_neutral_values_of_unsupported_fields_are_accepted(hostile_client):
+    r = hostile_client.post(
         "/v1/chat/completions",
         json={
             "messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}],
@@ -274,7 +285,7 @@ def test_neutral_values_of_unsupported_fields_are_accepted(http):
         },
     )
     assert r.status_code == 200, r.text
-    r = http.post(
+    r = hostile_client.post(
         "/v1/completions", json={"prompt": PROMPT, "max_tokens": 2, "echo": False, "best_of": 1}
     )
     assert r.status_code == 200, r.text
@@ -302,8 +313,8 @@ def test_keys_guard_v1_and_health_metrics_stay_open(hostile):
     assert httpx.get(url + "/metrics").status_code == 200
 
 
-def test_records_name_the_client_key(http, hostile, server):
-    r = http.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 2})
+def test_records_name_the_client_key(hostile_client, hostile, server):
+    r = hostile_client.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 2})
     records = {x["id"]: x for x in read_traffic(hostile[1].traffic.dir)}
     expected = "key-" + hashlib.sha256(KEYS[1].encode()).hexdigest()[:12]
     assert records[r.json()["id"]]["client"] == expected
@@ -317,7 +328,7 @@ def test_records_name_the_client_key(http, hostile, server):
 
 def test_non_loopback_bind_without_key_is_refused(tiny_pair, server, capsys):
     from specdistill.errors import run_guarded
-    from specdistill.serve.server import main
+    from specdistill.serve.serve_cli import main
 
     target, draft, _ = tiny_pair
     argv = ["--target", str(target), "--draft", str(draft), "--host", "0.0.0.0", "--port", "1"]
@@ -339,17 +350,20 @@ def test_non_loopback_bind_without_key_is_refused(tiny_pair, server, capsys):
 @pytest.fixture(scope="module")
 def small(tiny_pair):
     """One row, one queued request; long contexts so requests outlast the test's steps."""
+    from specdistill.serve.options import ServeOptions
     from specdistill.serve.server import Server
 
     target, draft, _ = tiny_pair
     srv = Server(
-        str(target),
-        str(draft),
-        gamma=2,
-        max_num_seqs=1,
-        max_queue=1,
-        max_model_len=100_000,
-        model_name="tiny",
+        ServeOptions(
+            target=str(target),
+            draft=str(draft),
+            gamma=2,
+            max_num_seqs=1,
+            max_queue=1,
+            max_model_len=100_000,
+            served_model_name="tiny",
+        )
     )
     url = srv.start()
     yield url, srv

@@ -11,7 +11,7 @@ import httpx
 import pytest
 import torch
 
-from specdistill.serve.traffic import read_traffic
+from specdistill.formats.traffic_shards import read_traffic
 
 KEY = "key-more"
 PROMPT = "def add(a, b):"
@@ -22,19 +22,22 @@ BODY_TIMEOUT_S = 1.5
 @pytest.fixture(scope="module")
 def keyed(tiny_pair, tmp_path_factory):
     """(base URL, Server): one key, a traffic log, two admission slots, a short body timeout."""
+    from specdistill.serve.options import ServeOptions
     from specdistill.serve.server import Server
 
     target, draft, _ = tiny_pair
     srv = Server(
-        str(target),
-        str(draft),
-        gamma=2,
-        max_num_seqs=1,
-        max_queue=1,
-        traffic=str(tmp_path_factory.mktemp("traffic_more")),
-        model_name="tiny",
-        api_key=KEY,
-        body_timeout_s=BODY_TIMEOUT_S,
+        ServeOptions(
+            target=str(target),
+            draft=str(draft),
+            gamma=2,
+            max_num_seqs=1,
+            max_queue=1,
+            traffic=str(tmp_path_factory.mktemp("traffic_more")),
+            served_model_name="tiny",
+            api_key=KEY,
+            body_timeout_s=BODY_TIMEOUT_S,
+        )
     )
     url = srv.start()
     yield url, srv
@@ -42,7 +45,8 @@ def keyed(tiny_pair, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def http(keyed):
+def keyed_client(keyed):
+    """A client of the `keyed` server, sending its API key."""
     with httpx.Client(base_url=keyed[0], headers=AUTH, timeout=60) as client:
         yield client
 
@@ -56,8 +60,8 @@ def error_of(response, status: int) -> dict:
     return body["error"]
 
 
-def post_raw(http, path: str, raw: bytes):
-    return http.post(path, content=raw, headers={"Content-Type": "application/json"})
+def post_raw(client, path: str, raw: bytes):
+    return client.post(path, content=raw, headers={"Content-Type": "application/json"})
 
 
 def record_count(srv) -> int:
@@ -88,21 +92,21 @@ def record_count(srv) -> int:
         ),
     ],
 )
-def test_lone_surrogates_are_400_naming_the_field(http, keyed, path, raw, param):
+def test_lone_surrogates_are_400_naming_the_field(keyed_client, keyed, path, raw, param):
     before = record_count(keyed[1])
-    e = error_of(post_raw(http, path, raw), 400)
+    e = error_of(post_raw(keyed_client, path, raw), 400)
     assert e["type"] == "invalid_request_error"
     assert e["param"] == param and "surrogate" in e["message"]
     assert record_count(keyed[1]) == before
 
 
-def test_a_surrogate_pair_and_an_escaped_backslash_u_are_text(http, keyed):
+def test_a_surrogate_pair_and_an_escaped_backslash_u_are_text(keyed_client, keyed):
     before = record_count(keyed[1])
     for raw in (
         rb'{"prompt": "\ud83d\ude00 hi", "stop": ["\ud83d\ude00"], "max_tokens": 2}',
         rb'{"prompt": "\\ud800 is six characters", "max_tokens": 2}',
     ):
-        r = post_raw(http, "/v1/completions", raw)
+        r = post_raw(keyed_client, "/v1/completions", raw)
         assert r.status_code == 200, r.text
     assert record_count(keyed[1]) == before + 2  # both written to the traffic log
 
@@ -127,10 +131,10 @@ def test_a_surrogate_pair_and_an_escaped_backslash_u_are_text(http, keyed):
         ("/v1/chat/completions", {"stream": "on"}, "stream"),
     ],
 )
-def test_booleans_must_be_json_booleans(http, path, fields, param):
+def test_booleans_must_be_json_booleans(keyed_client, path, fields, param):
     chat = {"messages": [{"role": "user", "content": "hi"}]}
     body = {"prompt": PROMPT} if path == "/v1/completions" else chat
-    e = error_of(http.post(path, json={**body, **fields, "max_tokens": 2}), 400)
+    e = error_of(keyed_client.post(path, json={**body, **fields, "max_tokens": 2}), 400)
     assert e["param"] == param and "boolean" in e["message"]
 
 
@@ -138,10 +142,10 @@ def test_booleans_must_be_json_booleans(http, path, fields, param):
 
 
 @pytest.mark.parametrize("temperature", [1e-45, 5e-324, 1e-6])
-def test_a_tiny_temperature_decodes_greedily(http, keyed, temperature):
+def test_a_tiny_temperature_decodes_greedily(keyed_client, keyed, temperature):
     body = {"prompt": PROMPT, "max_tokens": 12, "seed": 3}
-    greedy = http.post("/v1/completions", json={**body, "temperature": 0})
-    tiny = http.post("/v1/completions", json={**body, "temperature": temperature})
+    greedy = keyed_client.post("/v1/completions", json={**body, "temperature": 0})
+    tiny = keyed_client.post("/v1/completions", json={**body, "temperature": temperature})
     assert tiny.status_code == 200, tiny.text
     assert tiny.json()["choices"][0]["text"] == greedy.json()["choices"][0]["text"]
     records = {r["id"]: r for r in read_traffic(keyed[1].traffic.dir)}
@@ -181,7 +185,7 @@ def _half_sender(host: str, port: int) -> socket.socket:
     return sock
 
 
-def test_slow_bodies_hold_no_slot_and_time_out_with_408(http, keyed):
+def test_slow_bodies_hold_no_slot_and_time_out_with_408(keyed_client, keyed):
     """More half-sent bodies than admission slots: others are still served at once, and each
     slow sender gets a 408 once --body-timeout-s has passed."""
     url, srv = keyed
@@ -190,7 +194,7 @@ def test_slow_bodies_hold_no_slot_and_time_out_with_408(http, keyed):
     try:
         time.sleep(0.3)  # the server has read every header and the halves
         start = time.monotonic()
-        r = http.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 2})
+        r = keyed_client.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 2})
         assert r.status_code == 200, r.text
         assert time.monotonic() - start < BODY_TIMEOUT_S
         for sock in senders:
@@ -271,7 +275,7 @@ def no_loading(monkeypatch):
 
 def run_serve(tiny_pair, extra: list[str], capsys) -> tuple[int, str]:
     from specdistill.errors import run_guarded
-    from specdistill.serve.server import main
+    from specdistill.serve.serve_cli import main
 
     target, draft, _ = tiny_pair
     rc = run_guarded(main, ["--target", str(target), "--draft", str(draft), *extra])
@@ -289,13 +293,14 @@ def test_an_empty_api_key_in_the_environment_or_the_api_is_refused(
     tiny_pair, no_loading, capsys, monkeypatch
 ):
     from specdistill.errors import UserError
+    from specdistill.serve.options import ServeOptions
     from specdistill.serve.server import Server
 
     monkeypatch.setenv("SPECDISTILL_API_KEY", "")
     rc, err = run_serve(tiny_pair, [], capsys)
     assert rc == 2 and len(err.splitlines()) == 1 and "SPECDISTILL_API_KEY" in err
     with pytest.raises(UserError, match="empty API key"):
-        Server(str(tiny_pair[0]), "none", api_key=",")
+        Server(ServeOptions(target=str(tiny_pair[0]), draft="none", api_key=","))
 
 
 @pytest.mark.parametrize(

@@ -12,7 +12,9 @@ import torch
 from prometheus_client.parser import text_string_to_metric_families
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from specdistill.serve.traffic import TrafficError, TrafficLog, read_traffic
+from specdistill.formats.traffic import TrafficError
+from specdistill.formats.traffic_shards import read_traffic
+from specdistill.serve.traffic import TrafficLog
 from tests.helpers import hf_greedy
 
 PROMPTS = ["def add(a, b):", "class Point:\n    def", "for i in range(10):"]
@@ -287,18 +289,21 @@ def test_hot_swap_under_load(tiny_pair, published, tmp_path):
     """Versions switch while concurrent clients stream requests: no failures, both versions
     named, a broken version skipped with the old one still serving."""
     from specdistill.publish import atomic_write_text
+    from specdistill.serve.options import ServeOptions
     from specdistill.serve.server import Server
 
     root = tmp_path / "published"
     shutil.copytree(published, root)
     srv = Server(
-        str(tiny_pair[0]),
-        drafts_root=str(root),
-        gamma=2,
-        max_batch=4,
-        traffic=str(tmp_path / "traffic"),
-        poll_s=0.1,
-        model_name="m",
+        ServeOptions(
+            target=str(tiny_pair[0]),
+            drafts=str(root),
+            gamma=2,
+            max_num_seqs=4,
+            traffic=str(tmp_path / "traffic"),
+            poll_s=0.1,
+            served_model_name="m",
+        )
     )
     url = srv.start()
     client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=60)

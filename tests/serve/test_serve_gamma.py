@@ -11,11 +11,12 @@ from prometheus_client.parser import text_string_to_metric_families
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from specdistill.errors import UserError
+from specdistill.eval import length_policy
+from specdistill.eval.cli_args import DEFAULT_GAMMA
 from specdistill.eval.cost_model import CostModel
-from specdistill.eval.length_policy import AutoGamma
-from specdistill.serve import worker
-from specdistill.serve.server import Server, parse_gamma
-from specdistill.serve.worker import DEFAULT_GAMMA, gamma_for
+from specdistill.eval.length_policy import AutoGamma, FixedGamma, GammaSetting
+from specdistill.serve.options import ServeOptions
+from specdistill.serve.server import Server
 from tests.helpers import hf_greedy
 
 PROMPTS = ["def add(a, b):", "class Point:\n    def", "for i in range(10):", "import os\n"]
@@ -26,7 +27,7 @@ class CheapDrafts(AutoGamma):
     """`AutoGamma` with costs fixed so that drafting always pays (draft steps free, a flat
     verification): the tiny pair's measured costs make the rule draft little or nothing."""
 
-    def start(self, target, vocab_size: int, batch_size: int) -> None:
+    def measure(self, target, vocab_size: int, batch_size: int) -> None:
         self.cost = CostModel(self.max_gamma, lambda b: [1.0] * (self.max_gamma + 1), weight=1e-9)
         self.cost.measured(batch_size).draft_s = 1e-9
 
@@ -38,14 +39,16 @@ def auto_server(request, tiny_pair):
     target, draft, _ = tiny_pair
     with pytest.MonkeyPatch.context() as mp:
         if request.param == "always-drafting":
-            mp.setattr(worker, "AutoGamma", CheapDrafts)
+            mp.setattr(length_policy, "AutoGamma", CheapDrafts)
         srv = Server(
-            str(target),
-            str(draft),
-            gamma="auto",
-            max_gamma=MAX_GAMMA,
-            max_batch=4,
-            model_name="tiny",
+            ServeOptions(
+                target=str(target),
+                draft=str(draft),
+                gamma="auto",
+                max_gamma=MAX_GAMMA,
+                max_num_seqs=4,
+                served_model_name="tiny",
+            )
         )
     url = srv.start()
     yield url, srv, request.param
@@ -56,8 +59,9 @@ def test_auto_greedy_equals_target_and_reports_lengths(auto_server, tiny_pair):
     """Concurrent greedy requests under --gamma auto give the target's own greedy output,
     and each response's statistics carry the drafted-length histogram beside vLLM's keys."""
     url, srv, costs = auto_server
-    policy = srv.worker.current.batch.gamma
+    policy = srv.worker.current.batch.policy
     assert isinstance(policy, AutoGamma)
+    assert isinstance(policy, CheapDrafts) == (costs == "always-drafting")
     if costs == "measured":  # every batch size up to the 4 rows has costs of its own
         assert set(policy.cost.tables) >= {1, 2, 4}
     client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=60)
@@ -167,28 +171,32 @@ def test_default_gamma_follows_the_acceptance_head(tiny_pair, tmp_path):
     save_acceptance_head(AcceptanceHead(AcceptanceHeadConfig.for_draft(plain)), headed_dir)
     headed = load_draft(str(headed_dir))
     assert getattr(headed, "acceptance_head", None) is not None
-    auto = gamma_for(None, headed, 6)
+    default = GammaSetting(None, max_gamma=6)
+    auto = default.policy(headed)
     assert isinstance(auto, AutoGamma) and auto.max_gamma == 6
-    assert gamma_for(None, headed, 6, capacity=16).batch_sizes == (1, 2, 4, 8)
-    assert gamma_for(None, headed, 6, capacity=6).batch_sizes == (1, 2, 4)
-    assert gamma_for(None, plain, 6) == DEFAULT_GAMMA
-    assert gamma_for(3, headed, 6) == 3
-    assert isinstance(gamma_for("auto", plain, 6), AutoGamma)
-    assert gamma_for("auto", None, 6) == DEFAULT_GAMMA  # no draft: no policy to run
+    assert default.policy(headed, capacity=16).batch_sizes == (1, 2, 4, 8)
+    assert default.policy(headed, capacity=6).batch_sizes == (1, 2, 4)
+    assert default.policy(plain) == FixedGamma(DEFAULT_GAMMA)
+    assert GammaSetting(3, 6).policy(headed) == FixedGamma(3)
+    assert isinstance(GammaSetting("auto", 6).policy(plain), AutoGamma)
+    assert GammaSetting("auto", 6).policy(None) == FixedGamma(0)  # no draft: the target alone
+    assert GammaSetting(9, 6).most_drafts == 9 and GammaSetting("auto", 6).most_drafts == 6
 
 
 @pytest.mark.parametrize("bad", ["0", "-1", "fast", "2.5", 0, 2.5, True])
 def test_bad_gamma_is_a_user_error(bad):
     with pytest.raises(UserError, match="--gamma must be an integer >= 1 or 'auto'"):
-        parse_gamma(bad)
+        ServeOptions(target="t", draft="d", gamma=bad)
 
 
 def test_gamma_flag_values():
-    assert parse_gamma("auto") == "auto"
-    assert parse_gamma(None) is None
-    assert parse_gamma("3") == 3 and parse_gamma(2) == 2
+    def gamma(value):
+        return ServeOptions(target="t", draft="d", gamma=value).gamma
+
+    assert gamma("auto") == "auto" and gamma(None) is None
+    assert gamma("3") == 3 and gamma(2) == 2
 
 
-def test_bad_max_gamma_is_a_user_error(tiny_pair):
-    with pytest.raises(UserError, match="--max-gamma must be >= 1, got 0"):
-        Server(str(tiny_pair[0]), str(tiny_pair[1]), gamma="auto", max_gamma=0)
+def test_bad_max_gamma_is_a_user_error():
+    with pytest.raises(UserError, match="--max-gamma must be an integer >= 1, got 0"):
+        ServeOptions(target="t", draft="d", gamma="auto", max_gamma=0)

@@ -6,10 +6,11 @@ import threading
 import httpx
 
 from specdistill.eval import engine as engine_module
-from specdistill.serve import server as server_module
+from specdistill.serve import serve_cli
 
 
 def test_one_generation_runs_before_the_server_answers(tiny_pair, tmp_path, monkeypatch):
+    from specdistill.serve.options import ServeOptions
     from specdistill.serve.server import Server
 
     steps = []
@@ -21,7 +22,11 @@ def test_one_generation_runs_before_the_server_answers(tiny_pair, tmp_path, monk
 
     monkeypatch.setattr(engine_module.Engine, "step", step)
     target, draft, _ = tiny_pair
-    srv = Server(str(target), str(draft), gamma=2, traffic=str(tmp_path / "traffic"))
+    srv = Server(
+        ServeOptions(
+            target=str(target), draft=str(draft), gamma=2, traffic=str(tmp_path / "traffic")
+        )
+    )
     try:
         # The warm-up decoded in the constructor, before the engine thread or HTTP existed.
         assert steps and set(steps) == {threading.main_thread().name}
@@ -51,9 +56,9 @@ def test_serve_sets_threads_as_asked_or_from_the_free_cores(monkeypatch, caplog)
     monkeypatch.setattr(torch, "set_num_threads", calls.append)
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)  # else a forced count
     with caplog.at_level(logging.INFO, logger="specdistill.serve"):
-        forced = server_module.set_threads(3, "cpu")  # --threads
-        chosen = server_module.set_threads(None, "cpu")
-        assert server_module.set_threads(None, "cuda") is None
+        forced = serve_cli.set_threads(3, "cpu")  # --threads
+        chosen = serve_cli.set_threads(None, "cpu")
+        assert serve_cli.set_threads(None, "cuda") is None
     assert forced.threads == 3 and calls[0] == 3 and calls[1] == chosen.threads >= 1
     said = [r.getMessage() for r in caplog.records]
     assert said[0] == "threads: 3 (--threads)" and said[1].startswith(
@@ -62,6 +67,7 @@ def test_serve_sets_threads_as_asked_or_from_the_free_cores(monkeypatch, caplog)
 
 
 def test_the_engine_worker_rechecks_the_threads_between_rounds(tiny_pair, tmp_path):
+    from specdistill.serve.options import ServeOptions
     from specdistill.serve.server import Server
 
     class Policy:
@@ -71,7 +77,7 @@ def test_the_engine_worker_rechecks_the_threads_between_rounds(tiny_pair, tmp_pa
             Policy.rechecks += 1
 
     target, draft, _ = tiny_pair
-    srv = Server(str(target), str(draft), gamma=2, threads=Policy())
+    srv = Server(ServeOptions(target=str(target), draft=str(draft), gamma=2), threads=Policy())
     try:
         url = srv.start()
         body = {"model": str(target), "prompt": "def", "max_tokens": 4, "temperature": 0}

@@ -1,8 +1,10 @@
-"""`specdistill online [rollback | demo] ...`: routes the verb's subcommands.
+"""`specdistill online [rollback] ...`: routes the verb's subcommands.
 
 specdistill online --recipe R [--follow | --once]   -> train/online/job.py (the job)
 specdistill online rollback [VERSION] --drafts ROOT -> train/online/dirs.py
-specdistill online demo --out DIR [--minutes M]     -> train/online/demo.py
+
+(`specdistill online demo` runs a server beside the job, a layer above this one:
+specdistill/online_demo/, dispatched by specdistill/cli.py.)
 
 Each command's arguments are parsed first with its parser (train/online/args.py), which
 imports nothing heavy: --help and a bad argument answer before the job loads torch.
@@ -11,10 +13,10 @@ imports nothing heavy: --help and a bad argument answer before the job loads tor
 import argparse
 import sys
 
-from specdistill.train.online.args import demo_parser, job_parser, rollback_parser
+from specdistill.train.online.args import job_parser, rollback_parser
 from specdistill.verb_parser import quiet_third_party
 
-SUBVERBS = {"rollback": rollback_parser, "demo": demo_parser}
+SUBVERBS = {"rollback": rollback_parser}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -24,12 +26,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv and argv[0] == "demo":
-        demo_parser().parse_args(argv[1:])
-        quiet_third_party()
-        from specdistill.train.online.demo import main as demo_main
-
-        return demo_main(argv[1:])
     if argv and argv[0] == "rollback":
         rollback_parser().parse_args(argv[1:])
     else:

@@ -9,13 +9,15 @@ from tests.train.online.helpers import online_recipe
 
 
 def serve_some(tiny_pair, traffic, adapter, prompts):
+    from specdistill.serve.options import ServeOptions
     from specdistill.serve.server import Server
 
     target, draft, _ = tiny_pair
-    srv = Server(
-        str(target), str(draft), gamma=2, max_batch=2, traffic=str(traffic),
+    options = ServeOptions(
+        target=str(target), draft=str(draft), gamma=2, max_num_seqs=2, traffic=str(traffic),
         target_adapter=None if adapter is None else str(adapter),
     )  # fmt: skip
+    srv = Server(options)
     url = srv.start()
     try:
         client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=60)

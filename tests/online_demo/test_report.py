@@ -38,7 +38,7 @@ def stream(segments, seed: int = 0):
 
 
 def figures(records, starts, promotions, decisions, size=60):
-    from specdistill.train.online.demo_report import Bootstrap, shift_figures
+    from specdistill.online_demo.report import Bootstrap, shift_figures
 
     return shift_figures(records, starts, promotions, decisions, size, Bootstrap(400, 0.95, 0))
 
@@ -106,7 +106,7 @@ def test_a_request_in_flight_at_the_shift_keeps_its_domain():
 
 
 def test_the_plot_marks_the_windows(tmp_path):
-    from specdistill.train.online.demo_report import plot
+    from specdistill.online_demo.report import plot
 
     records = stream([(80, "code", "v000001", 0.8), (80, "prose", "v000001", 0.4)])
     f = figures(records, [0.0, 80.0, 1e9], [], [], size=40)
@@ -115,7 +115,7 @@ def test_the_plot_marks_the_windows(tmp_path):
 
 
 def test_the_prompt_pool_cuts_several_prompts_per_text_interleaved():
-    from specdistill.train.online.loadgen import prompts_of
+    from specdistill.online_demo.loadgen import prompts_of
 
     def tokenizer(text):
         return {"input_ids": [int(w) for w in text.split()]}

@@ -4,12 +4,12 @@ import json
 
 
 def test_demo_runs_serves_learns_and_reports(tiny_pair, tmp_path, monkeypatch):
-    from specdistill.train.online import demo as online_demo
+    from specdistill.online_demo import cli, demo
 
     target, draft, data = tiny_pair
     texts = [p.read_text() * 4 for p in sorted(data.glob("*.py"))]
     # the tiny pair's own small files instead of the held-out stdlib split
-    monkeypatch.setattr(online_demo, "code_texts", lambda max_files=None: texts)
+    monkeypatch.setattr(demo, "code_texts", lambda max_files=None: texts)
     out = tmp_path / "demo"
     argv = [
         "--out", str(out), "--target", str(target), "--draft", str(draft),
@@ -21,7 +21,7 @@ def test_demo_runs_serves_learns_and_reports(tiny_pair, tmp_path, monkeypatch):
         "--shift", "target", "--ft-steps", "2", "--ft-rank", "2", "--ft-code-files", "2",
         "--fit-steps", "2",
     ]  # fmt: skip
-    rc = online_demo.main(argv)
+    rc = cli.main(argv)
     summary = json.loads((out / "summary.json").read_text())
     for key in (
         "alpha_before_shift", "alpha_after_shift", "alpha_after_refresh",
@@ -50,7 +50,7 @@ def test_demo_runs_serves_learns_and_reports(tiny_pair, tmp_path, monkeypatch):
     assert summary["shift"]["fit"]["steps"] == 2
     adapter = str(out / "target-adapter")
     assert summary["settings"]["target_adapter"] == adapter
-    from specdistill.serve.traffic import read_traffic
+    from specdistill.formats.traffic_shards import read_traffic
 
     records = read_traffic(out / "traffic")
     assert records and all("+adapter:sha256:" in r["target"]["identity"] for r in records)

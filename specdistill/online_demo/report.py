@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 
 from specdistill.eval.stats import alpha_from_counts, bootstrap_indices, percentile_interval
-from specdistill.train.online.loadgen import PHASES
+from specdistill.online_demo.loadgen import PHASES
 
 
 def served_alpha(records) -> float | None:
