@@ -11,7 +11,11 @@ saves a trained draft (`save`), and knows its own directories (`detect`). Both g
 logits of the offline α along generated text (eval/stats.py).
 
 The interface is written down as `drafts.types.DraftType` (and the engine's proposer as
-`drafts.types.Drafter`); both types satisfy it (tests/eval/test_draft_contracts.py).
+`drafts.types.Drafter`); every type satisfies it (tests/eval/test_draft_contracts.py). What a
+type can do (a chunked loss, the target cache, the accepted-length objective, its export
+formats, ...) it declares as its `capabilities` (`drafts.types.Capabilities`); the recipe
+checks, the online job and the export ask those, of the type a recipe's `draft` section
+trains (`planned`), and never the type's name.
 `compared_vocab_size` is the one rule for the logit columns a target and a loaded draft are
 compared over (the engine, the offline α, drift).
 
@@ -22,7 +26,9 @@ the `ReducedStandalone` variant of the standalone type (drafts/standalone.py): i
 reduced output vocabulary is likewise `ReducedParallel` (drafts/parallel.py).
 
 Adding a type (an MTP or DFlash-style head): a module here with a class that satisfies
-`DraftType`, one entry in `TYPES` and one in `DETECTED` (before `Standalone`, the fallback).
+`DraftType` and declares its `capabilities`, one entry in `TYPES` (the recipe's `draft.type`
+takes its keys) and one in `DETECTED` (before `Standalone`, the fallback); the export writes
+it by its `capabilities.export_as` (train/export/: a new row only for a new way of writing).
 """
 
 from pathlib import Path
@@ -33,7 +39,7 @@ from specdistill.drafts.eagle3 import Eagle3, SGLangEagle3
 from specdistill.drafts.parallel import Parallel, ReducedParallel, mask_token
 from specdistill.drafts.reduced_vocab import is_reduced
 from specdistill.drafts.standalone import ReducedStandalone, Standalone
-from specdistill.drafts.types import Drafter, DraftType
+from specdistill.drafts.types import Capabilities, Drafter, DraftType
 from specdistill.errors import UserError
 
 TYPES: dict[str, type[DraftType]] = {
@@ -56,6 +62,13 @@ def build(cfg, target, tokenizer, train_data, *, print=print):
     """(draft module, draft type instance) for a recipe's `draft` section (`cfg.type` names
     the type), built or loaded for `target`; `train_data` gives an EAGLE-3 head its V_d."""
     return TYPES[cfg.type].build(cfg, target, tokenizer, train_data, print=print)
+
+
+def planned(cfg) -> type[DraftType]:
+    """The draft type class a recipe's `draft` section trains, as far as the section tells
+    (`DraftType.planned`: e.g. a reduced-vocabulary variant): whose `capabilities` the recipe
+    checks and the online job ask."""
+    return TYPES[cfg.type].planned(cfg)
 
 
 def detect(draft) -> type[DraftType]:
@@ -112,6 +125,7 @@ def compared_vocab_size(*targets, draft=None) -> int:
 __all__ = [
     "DETECTED",
     "TYPES",
+    "Capabilities",
     "DraftType",
     "Drafter",
     "Eagle3",
@@ -123,5 +137,6 @@ __all__ = [
     "compared_vocab_size",
     "detect",
     "drafter_for",
+    "planned",
     "type_of",
 ]

@@ -24,7 +24,7 @@ from specdistill.drafts.eagle3_head import (
 from specdistill.drafts.eagle3_vocab import token_counts
 from specdistill.drafts.kv_cache import left_pad, left_pad_rows
 from specdistill.drafts.standalone import StandaloneDrafter
-from specdistill.drafts.types import Depths
+from specdistill.drafts.types import Capabilities, Depths
 
 
 class Eagle3:
@@ -33,13 +33,38 @@ class Eagle3:
     when it is smaller (else None). Built from a head, and not changed after."""
 
     name = "eagle3"
-    formats = ("vllm", "sglang", "hf")  # export formats (train/export/)
+    capabilities = Capabilities(
+        fresh=True,  # draft.model null: a new head on the target, its V_d from the data
+        lora=False,
+        chunked_loss=False,
+        sparse_targets=False,
+        writes_text=False,
+        eagle3_keys=True,
+        formats=("vllm", "sglang", "hf"),
+        export_as="eagle3_head",
+        refusals={
+            "lora": "draft.lora applies to a standalone draft; an eagle3 head is trained in full",
+            "chunked_loss": "loss.chunk_size is not supported for draft.type=eagle3 (its V_d "
+            "logits are small); set loss.chunk_size=null",
+            "sparse_targets": "target.cache holds the target's top-N probabilities only; an "
+            "eagle3 head also needs the target's hidden states at every position, so it "
+            "trains on the live target: unset target.cache",
+            "writes_text": "data.on_policy.source=draft needs a standalone draft: an eagle3 "
+            "head drafts from the target's features and cannot write a text alone; use "
+            "data.on_policy.source=target (speculative decoding with the head)",
+        },
+    )
     layout = "vllm"  # a saved head is in the speculators layout (`Eagle3Head.save_pretrained`)
 
     @staticmethod
     def detect(path) -> bool:
         """A head in the speculators layout: config.json with speculators_model_type eagle3."""
         return is_eagle3_dir(path)
+
+    @classmethod
+    def planned(cls, cfg):
+        """This type: a head's V_d (`draft.vocab_size`) is its own."""
+        return cls
 
     def __init__(self, head: Eagle3Head, steps: int, vocab_size: int):
         if steps < 1:

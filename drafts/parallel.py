@@ -22,7 +22,7 @@ are dropped after verification and the accepted drafts become the next round's p
 which is what verification receives, so speculative sampling stays lossless.
 """
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -44,7 +44,7 @@ from specdistill.drafts.standalone import (
     load_or_init,
     reduced_head,
 )
-from specdistill.drafts.types import Depths, DraftControl, Proposal
+from specdistill.drafts.types import Capabilities, Depths, DraftControl, Proposal
 from specdistill.errors import UserError
 
 MASK_FIELD = "pard_token"  # config.json's mask token id; vLLM's parallel drafting reads it
@@ -149,7 +149,24 @@ class Parallel:
 
     name = "parallel"
     d2t = None
-    formats = ("vllm", "hf")  # vLLM's parallel drafting loads a causal LM with `pard_token`
+    capabilities = Capabilities(
+        lora=False,
+        chunked_loss=False,
+        sparse_targets=False,
+        # a block is proposed in one forward: the sequential chains do not describe it
+        accepted_length=False,
+        formats=("vllm", "hf"),  # vLLM's parallel drafting loads a causal LM with `pard_token`
+        export_as="parallel_lm",
+        refusals={
+            "lora": "draft.lora with draft.type=parallel: the mask token's embedding must "
+            "train; set draft.lora.r=0 (full fine-tuning)",
+            "chunked_loss": "loss.chunk_size is not supported for draft.type=parallel (its "
+            "depths come from one forward over the block's copies): set loss.chunk_size=null",
+            "sparse_targets": "target.cache holds the target's top-N at each position for a "
+            "standalone draft; a parallel draft's depths compare the target at shifted "
+            "positions: unset target.cache",
+        },
+    )
     layout = "hf"  # a saved parallel draft is a plain HF directory (with `pard_token`)
 
     @staticmethod
@@ -159,6 +176,11 @@ class Parallel:
 
         config = Path(path) / "config.json"
         return config.is_file() and json.loads(config.read_text()).get(MASK_FIELD) is not None
+
+    @classmethod
+    def planned(cls, cfg):
+        """`ReducedParallel` for a `draft` section with `draft.vocab_size`, else this type."""
+        return ReducedParallel if cfg.vocab_size is not None else cls
 
     @classmethod
     def build(cls, cfg, target, tokenizer, train_data, *, print=print):
@@ -171,10 +193,7 @@ class Parallel:
         from specdistill.drafts import hub
 
         if cfg.lora.r > 0:
-            raise UserError(
-                "draft.lora with draft.type=parallel: the mask token's embedding must train; "
-                "set draft.lora.r=0 (full fine-tuning)"
-            )
+            raise UserError(cls.capabilities.refusals["lora"])
         draft = load_or_init(cfg, target, tokenizer)
         # a reduced head's rows are V_d: its ids are checked by `ReducedStandalone.reduce`
         full_head = None if is_reduced(draft) else draft
@@ -288,10 +307,14 @@ class ReducedParallel(Parallel):
         """The draft's d2t map: draft id i is target id i + d2t[i]."""
         return self.head.d2t
 
-    formats = ("hf",)
-    format_note = (
-        "a parallel draft with a reduced output vocabulary (draft.vocab_size) is not a draft "
-        "model vLLM loads; export it as hf (specdistill serve / speculate load that directory)"
+    capabilities = replace(
+        Parallel.capabilities,
+        formats=("hf",),
+        format_note=(
+            "a parallel draft with a reduced output vocabulary (draft.vocab_size) is not a "
+            "draft model vLLM loads; export it as hf (specdistill serve / speculate load that "
+            "directory)"
+        ),
     )
 
     @staticmethod

@@ -24,7 +24,7 @@ for any draft (tests/eval/test_reduced_vocab_engine.py). What differs:
 """
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -43,7 +43,7 @@ from specdistill.drafts.reduced_vocab import (
     is_reduced_dir,
     reduce_for_data,
 )
-from specdistill.drafts.types import Depths, DraftControl, Proposal
+from specdistill.drafts.types import Capabilities, Depths, DraftControl, Proposal
 
 
 @dataclass(frozen=True)
@@ -55,13 +55,19 @@ class Standalone:
 
     name = "standalone"
     d2t = None
-    formats = ("vllm", "sglang", "hf")  # export formats (train/export/): a plain HF directory
+    # every capability; exported as a plain HF directory, which every format holds
+    capabilities = Capabilities(formats=("vllm", "sglang", "hf"))
     layout = "hf"  # the export format whose layout a saved standalone draft has
 
     @staticmethod
     def detect(path) -> bool:
         """Any Hugging Face model directory: the fallback after the other types (`detect`)."""
         return (Path(path) / "config.json").is_file()
+
+    @classmethod
+    def planned(cls, cfg):
+        """`ReducedStandalone` for a `draft` section with `draft.vocab_size`, else this type."""
+        return ReducedStandalone if cfg.vocab_size is not None else cls
 
     @classmethod
     def build(cls, cfg, target, tokenizer, train_data, *, print=print):
@@ -152,11 +158,24 @@ class ReducedStandalone(Standalone):
         """The draft's d2t map: draft id i is target id i + d2t[i]."""
         return self.head.d2t
 
-    formats = ("hf",)  # export formats: vLLM / SGLang cannot load a V_d output head
-    format_note = (
-        "a standalone draft with a reduced output vocabulary (draft.vocab_size) is not a "
-        "draft model vLLM or SGLang load; export it as hf (specdistill serve / speculate "
-        "load that directory)"
+    # training compares V_d columns; export: vLLM / SGLang cannot load a V_d output head
+    capabilities = replace(
+        Standalone.capabilities,
+        chunked_loss=False,
+        sparse_targets=False,
+        formats=("hf",),
+        format_note=(
+            "a standalone draft with a reduced output vocabulary (draft.vocab_size) is not a "
+            "draft model vLLM or SGLang load; export it as hf (specdistill serve / speculate "
+            "load that directory)"
+        ),
+        refusals={
+            "chunked_loss": "loss.chunk_size is not supported with draft.vocab_size (the "
+            "draft's V_d logits are small): set loss.chunk_size=null",
+            "sparse_targets": "target.cache gives a sparse top-N target with a rest bin, "
+            "which a reduced output vocabulary (draft.vocab_size) cannot be compared with: "
+            "unset target.cache",
+        },
     )
 
     @staticmethod

@@ -2,15 +2,17 @@
 
 The trainer, the offline evaluation, the engine, the server and the export call a draft type
 through these members only and never branch on which type it is. A type's class
-(drafts/standalone.py `Standalone`, drafts/eagle3.py `Eagle3`) answers the questions about a
-loaded draft module (`vocab_size_of`, `drafter`, `path_logits`, `per_depth_alpha`,
-`own_tokenizer`) and about directories (`detect`, `layout`, `formats`); an instance, built
-with the draft for training (`build`), answers the training-time ones (`depths`,
-`count_mask`, `save`, `vocab_size`, `d2t`). Instances are never mutated after `build`.
+(drafts/standalone.py `Standalone`, drafts/eagle3.py `Eagle3`) declares what it can do
+(`capabilities`: what the recipe checks, the online job and the export ask) and answers the
+questions about a recipe's `draft` section (`planned`), about a loaded draft module
+(`vocab_size_of`, `drafter`, `path_logits`, `per_depth_alpha`, `own_tokenizer`) and about
+directories (`detect`, `layout`); an instance, built with the draft for training (`build`),
+answers the training-time ones (`depths`, `count_mask`, `save`, `vocab_size`, `d2t`).
+Instances are never mutated after `build`.
 """
 
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, ClassVar, Protocol, runtime_checkable
 
@@ -37,6 +39,42 @@ class Proposal:
     tokens: Tensor
     q: list
     confidence: Tensor | None = None
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """What a draft type can do, declared on its class (`DraftType.capabilities`): the
+    recipe checks, the online job and the export ask it, never the type's name. A recipe
+    that asks for a capability its type lacks is refused with the type's own one-line error
+    for it (`refusals`), else a generic one naming the type (train/recipe_checks.py)."""
+
+    fresh: bool = False  # draft.model may be null: a new draft built on the target
+    lora: bool = True  # draft.lora: a LoRA adapter trained instead of the whole draft
+    chunked_loss: bool = True  # loss.chunk_size: the loss from hidden states, chunk by chunk
+    # a top-N target with a rest bin: target.cache, or the online records' top_logprobs
+    sparse_targets: bool = True
+    accepted_length: bool = True  # loss tau: the accepted length of the draft's own chains
+    writes_text: bool = True  # data.on_policy.source=draft: it drafts a text on its own
+    eagle3_keys: bool = False  # the recipe's EAGLE-3 head keys (draft.ttt_steps, ...)
+    formats: tuple[str, ...] = ("hf",)  # export formats (train/export/)
+    format_note: str | None = None  # why the formats are fewer, for the export's refusal
+    # the export tables' row (train/export/): how a saved draft is written and read back
+    export_as: str = "causal_lm"
+    # capability -> the one-line error of a recipe that asks for it
+    refusals: Mapping[str, str] = field(default_factory=dict)
+
+    def __post_init__(self):
+        names = {f.name for f in fields(self) if isinstance(f.default, bool)}
+        unknown = sorted(set(self.refusals) - names)
+        if unknown:
+            raise ValueError(f"refusals of unknown capabilities {unknown}; known: {sorted(names)}")
+
+    def refusal(self, capability: str, generic: str) -> str | None:
+        """None when the type has `capability`; else the one-line error of a recipe that
+        asks for it: the type's own, or `generic`."""
+        if getattr(self, capability):
+            return None
+        return self.refusals.get(capability, generic)
 
 
 @runtime_checkable
@@ -84,7 +122,7 @@ class DraftType(Protocol):
     """Everything that differs between draft types, as the rest of the project calls it."""
 
     name: ClassVar[str]  # "standalone", "eagle3": the recipe's draft.type
-    formats: ClassVar[tuple[str, ...]]  # export formats (train/export/)
+    capabilities: ClassVar[Capabilities]  # what it can do (the recipe checks, the export)
     layout: ClassVar[str]  # the export format whose layout a saved draft of this type has
     per_depth_alpha: ClassVar[bool]  # offline α depends on the drafting depth
     own_tokenizer: ClassVar[bool]  # ships its own tokenizer (which must match the target's)
@@ -95,6 +133,13 @@ class DraftType(Protocol):
     @staticmethod
     def detect(path) -> bool:
         """Whether a directory holds a draft of this type (in this layout)."""
+        ...
+
+    @classmethod
+    def planned(cls, cfg) -> type["DraftType"]:
+        """The type class `build` makes for a recipe's `draft` section, as far as the section
+        tells (e.g. its reduced-vocabulary variant for `draft.vocab_size`): whose
+        `capabilities` the recipe checks ask."""
         ...
 
     @classmethod

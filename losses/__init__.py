@@ -5,8 +5,10 @@ Every loss entry point returns ``(loss_sum, n_valid)`` (multi_depth_loss adds pe
 divide once by the global number of valid positions. See :mod:`losses.api` for the target
 forms (logits, probabilities as log-probs, SparseTarget, truncated draft vocabulary via
 d2t) and the sampling parameters (temperature, top_p, top_k), and :mod:`losses.sampling`
-for the one sampling filter (`filter_logits`, `probabilities`) the engine uses too, and
-:mod:`losses.acceptance_head` for the acceptance head's label (α) and loss.
+for the one sampling filter (`filter_logits`, `probabilities`) the engine uses too,
+:mod:`losses.acceptance_head` for the acceptance head's label (α) and loss, and
+:mod:`losses.resolved` for a loss resolved once (a name's parts, its chain part, its
+sampling settings), which a training step evaluates without checking it again.
 """
 
 from specdistill.losses.acceptance_head import acceptance_head_loss, acceptance_label

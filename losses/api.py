@@ -19,11 +19,10 @@ from specdistill.losses.divergences import (
     LOG_P_FLOOR,
     NAMES,
     LossParam,
-    check_params,
     keyword_params,
     log_acceptance,
-    params_of,
 )
+from specdistill.losses.resolved import TokenLoss, token_loss
 from specdistill.losses.sampling import check_filters, filter_logits
 
 
@@ -69,11 +68,6 @@ class Prepared(NamedTuple):
     rest_bin: bool = False
 
 
-# Losses that read the target only through its ranking of tokens (its argmax, its top k): on
-# a rest bin they rank the N known tokens, the rest bin being no token.
-RANKING_LOSSES = ("ce", "topk_ce")
-
-
 def compute_loss(
     name: str,
     draft_logits: Tensor,
@@ -111,7 +105,7 @@ def compute_loss(
         n_valid: 0-dim int64 tensor, the number of valid positions (after
             mask_out_of_vocab). Divide once by the global count: loss_sum / n_valid.
     """
-    check_params(name, params)
+    loss = token_loss(name, params, mask_out_of_vocab)
     _check_sampling(temperature, top_p, top_k)
     prepared = prepare(
         draft_logits,
@@ -123,7 +117,7 @@ def compute_loss(
         d2t=d2t,
         mask_out_of_vocab=mask_out_of_vocab,
     )
-    return masked_loss(name, prepared, params).sum(), prepared.mask.sum()
+    return masked_loss(loss, prepared).sum(), prepared.mask.sum()
 
 
 # compute_loss keywords that the caller (the trainer) sets itself, not loss parameters
@@ -199,43 +193,19 @@ def _diverged_rows(draft_logits: Tensor) -> Tensor:
     return ~torch.isfinite(draft_logits.detach().amax(-1))
 
 
-def masked_loss(name: str, prepared: Prepared, params: dict) -> Tensor:
+def masked_loss(loss: TokenLoss, prepared: Prepared, alpha_bar: Tensor | None = None) -> Tensor:
     """Per-position loss [...] with exactly 0 at masked positions.
 
-    For lk_lambda in batch mode without an ``alpha_bar``, ᾱ is the mean α over the valid
-    positions given here (0 when none are valid).
+    A part that takes the batch's mean α (lk_lambda in batch mode without its own
+    ``alpha_bar``) gets `alpha_bar`, else the mean α over the valid positions given here (0
+    when none are valid).
     """
-    if needs_alpha_bar(name, params):
-        alpha_sum = alpha_sum_of(prepared)
-        params = {**params, "alpha_bar": alpha_sum / prepared.mask.sum().clamp_min(1)}
-    loss = _divergence(name, prepared, params)
-    return torch.where(prepared.mask, loss, 0.0)
-
-
-def _divergence(name: str, prepared: Prepared, params: dict) -> Tensor:
-    """``LOSSES[name]`` on the prepared pair; on a rest bin, the ranking losses (also as
-    parts of a mix) see the rest bin's target as −inf, so that it never ranks."""
-    if prepared.rest_bin:
-        if name == "mix":
-            return sum(
-                weight * _divergence(part, prepared, params_of(part, params))
-                for part, weight in params["parts"].items()
-            )
-        if name in RANKING_LOSSES:
-            target = prepared.target_logp.clone()
-            target[..., -1] = float("-inf")
-            return NAMES[name](prepared.draft_logp, target, **params)
-    return NAMES[name](prepared.draft_logp, prepared.target_logp, **params)
-
-
-def needs_alpha_bar(name: str, params: dict) -> bool:
-    """Whether the loss uses lk_lambda's batch-mean ᾱ and it is not given yet."""
-    uses_lk_lambda = name == "lk_lambda" or (name == "mix" and "lk_lambda" in params["parts"])
-    return (
-        uses_lk_lambda
-        and params.get("lambda_mode", "batch") == "batch"
-        and params.get("alpha_bar") is None
+    if loss.batch_alpha and alpha_bar is None:
+        alpha_bar = alpha_sum_of(prepared) / prepared.mask.sum().clamp_min(1)
+    value = loss.per_position(
+        prepared.draft_logp, prepared.target_logp, prepared.rest_bin, alpha_bar
     )
+    return torch.where(prepared.mask, value, 0.0)
 
 
 def alpha_sum_of(prepared: Prepared) -> Tensor:

@@ -20,10 +20,9 @@ from specdistill.losses.api import (
     _check_sampling,
     alpha_sum_of,
     masked_loss,
-    needs_alpha_bar,
     prepare,
 )
-from specdistill.losses.divergences import check_params
+from specdistill.losses.resolved import Sampling, TokenLoss, token_loss
 
 
 def chunked_loss(
@@ -65,51 +64,63 @@ def chunked_loss(
         (loss_sum, n_valid) as compute_loss: 0-dim fp32 (grad to draft_hidden and
         draft_head_weight), 0-dim int64; with return_alpha, (loss_sum, n_valid, alpha_sum).
     """
-    check_params(name, params)
+    loss = token_loss(name, params, mask_out_of_vocab)
     _check_sampling(temperature, top_p, top_k)
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
-    lead = draft_hidden.shape[:-1]
-    hidden = draft_hidden.reshape(-1, draft_hidden.shape[-1])
-    if mask is not None:
-        if mask.shape != lead:
-            raise ValueError(f"mask shape {list(mask.shape)} must equal {list(lead)}")
-        mask = mask.reshape(-1)
-    target = _flat_target(target_logits, lead)
-    if mask is not None and not mask.all():
-        # Masked rows add exactly 0 to the loss and its gradients: drop them before any
-        # logits exist (prompt and padding tokens: often half of a chat batch).
-        hidden, target, mask = hidden[mask], _keep_rows(target, mask), None
+    return chunked_sums(
+        loss,
+        draft_hidden,
+        draft_head_weight,
+        target_logits,
+        mask,
+        chunk_size=chunk_size,
+        temperature=temperature,
+        sampling=Sampling(top_p, top_k),
+        d2t=d2t,
+        return_alpha=return_alpha,
+    )
+
+
+def chunked_sums(
+    loss: TokenLoss,
+    draft_hidden: Tensor,
+    draft_head_weight: Tensor,
+    target_logits: Target | tuple[Tensor, Tensor],
+    mask: Tensor | None,
+    *,
+    chunk_size: int,
+    temperature: float,
+    sampling: Sampling,
+    d2t: Tensor | None,
+    return_alpha: bool,
+) -> tuple[Tensor, Tensor] | tuple[Tensor, Tensor, Tensor]:
+    """`chunked_loss` of a resolved loss, nothing checked again."""
+    hidden, flat_target, mask = _flat_rows(draft_hidden, target_logits, mask)
 
     def prepare_chunk(rows: slice, draft_logits: Tensor):
         return prepare(
             draft_logits,
-            _target_rows(target, rows),
+            _target_rows(flat_target, rows),
             None if mask is None else mask[rows],
             temperature=temperature,
-            top_p=top_p,
-            top_k=top_k,
+            top_p=sampling.top_p,
+            top_k=sampling.top_k,
             d2t=d2t,
-            mask_out_of_vocab=mask_out_of_vocab,
+            mask_out_of_vocab=loss.mask_out_of_vocab,
         )
 
     chunks = [slice(s, s + chunk_size) for s in range(0, hidden.shape[0], chunk_size)]
-    if needs_alpha_bar(name, params):
-        alpha_sum, count = 0.0, 0
-        with torch.no_grad():
-            for rows in chunks:
-                prepared = prepare_chunk(rows, hidden[rows] @ draft_head_weight.T)
-                alpha_sum = alpha_sum + alpha_sum_of(prepared)
-                count = count + prepared.mask.sum()
-        params = {**params, "alpha_bar": alpha_sum / max(int(count), 1)}
-
+    alpha_bar = None
+    if loss.batch_alpha:
+        alpha_bar = _alpha_bar(hidden, draft_head_weight, chunks, prepare_chunk)
     alphas = []
 
     def chunk_loss(rows: slice, draft_logits: Tensor) -> tuple[Tensor, Tensor]:
         prepared = prepare_chunk(rows, draft_logits)
         if return_alpha:
             alphas.append(alpha_sum_of(prepared))
-        return masked_loss(name, prepared, params).sum(), prepared.mask.sum()
+        return masked_loss(loss, prepared, alpha_bar).sum(), prepared.mask.sum()
 
     needs_grad = torch.is_grad_enabled() and (
         hidden.requires_grad or draft_head_weight.requires_grad
@@ -121,6 +132,33 @@ def chunked_loss(
         return loss_sum, n_valid
     alpha_sum = torch.stack(alphas).sum() if alphas else torch.zeros((), device=hidden.device)
     return loss_sum, n_valid, alpha_sum
+
+
+def _flat_rows(draft_hidden: Tensor, target: Target | tuple[Tensor, Tensor], mask):
+    """(hidden [N, H], target, mask [N] or None) with the leading dims flattened into rows
+    and the masked rows dropped: they add exactly 0 to the loss and its gradients, so they
+    go before any logits exist (prompt and padding tokens: often half of a chat batch)."""
+    lead = draft_hidden.shape[:-1]
+    hidden = draft_hidden.reshape(-1, draft_hidden.shape[-1])
+    if mask is not None:
+        if mask.shape != lead:
+            raise ValueError(f"mask shape {list(mask.shape)} must equal {list(lead)}")
+        mask = mask.reshape(-1)
+    target = _flat_target(target, lead)
+    if mask is not None and not mask.all():
+        return hidden[mask], _keep_rows(target, mask), None
+    return hidden, target, mask
+
+
+def _alpha_bar(hidden: Tensor, head: Tensor, chunks: list[slice], prepare_chunk) -> Tensor:
+    """lk_lambda's batch ᾱ over every valid row, from a first no-grad pass over the chunks."""
+    alpha_sum, count = 0.0, 0
+    with torch.no_grad():
+        for rows in chunks:
+            prepared = prepare_chunk(rows, hidden[rows] @ head.T)
+            alpha_sum = alpha_sum + alpha_sum_of(prepared)
+            count = count + prepared.mask.sum()
+    return alpha_sum / max(int(count), 1)
 
 
 def chunked_rows_loss(hidden: Tensor, weight: Tensor, chunk_size: int, chunk_loss) -> Tensor:

@@ -156,8 +156,8 @@ def mix(draft_logp: Tensor, target_logp: Tensor, *, parts: dict[str, float], **p
     """
     check_params("mix", {"parts": parts, **params})
     return sum(
-        weight * NAMES[name](draft_logp, target_logp, **params_of(name, params))
-        for name, weight in parts.items()
+        weight * NAMES[name](draft_logp, target_logp, **own)
+        for name, weight, own in mix_parts(parts, params)
     )
 
 
@@ -236,8 +236,14 @@ def param_names(name: str) -> set[str]:
 
 
 def params_of(name: str, params: dict) -> dict:
+    """The parameters among `params` that loss ``name``'s own function takes."""
     names = param_names(name)
     return {key: value for key, value in params.items() if key in names}
+
+
+def mix_parts(parts: dict[str, float], params: dict) -> list[tuple[str, float, dict]]:
+    """A mix's parts in order: (loss name, weight, the parameters of `params` it takes)."""
+    return [(name, weight, params_of(name, params)) for name, weight in parts.items()]
 
 
 def check_params(name: str, params: dict) -> None:
@@ -279,11 +285,14 @@ PARAM_CHECKS: dict[str, tuple[Callable[[Any], bool], str]] = {
 }
 
 
+# compute_loss's keywords that a caller gives beside a loss's own parameters (a recipe's loss
+# section writes them among them): the target's sampling filter and the vocabulary mask.
+SETTINGS = ("top_p", "top_k", "mask_out_of_vocab")
+
+
 def check_param_values(name: str, params: dict) -> None:
     """Raise ValueError for an unknown parameter or a value outside its declared set."""
-    check_params(
-        name, {k: v for k, v in params.items() if k not in ("top_p", "top_k", "mask_out_of_vocab")}
-    )
+    check_params(name, {k: v for k, v in params.items() if k not in SETTINGS})
     for key, value in params.items():
         ok, allowed = PARAM_CHECKS.get(key, (lambda v: True, ""))
         if not ok(value):

@@ -11,15 +11,21 @@ import torch
 from torch import Tensor
 
 from specdistill.losses.api import (
+    Prepared,
     SparseTarget,
     Target,
     _check_sampling,
     masked_loss,
     prepare,
 )
-from specdistill.losses.divergences import check_params, log_acceptance
-
-WEIGHTINGS = ("geometric", "expected_length", "end_to_end")
+from specdistill.losses.divergences import log_acceptance
+from specdistill.losses.resolved import (
+    DepthWeights,
+    Sampling,
+    TokenLoss,
+    depth_weights,
+    token_loss,
+)
 
 
 def multi_depth_loss(
@@ -62,16 +68,19 @@ def multi_depth_loss(
             less, in line with the chance of reaching them.
         alpha: [K] detached mean α per depth over that depth's valid positions (for logs).
     """
-    if weighting not in WEIGHTINGS:
-        raise ValueError(f"weighting must be one of {WEIGHTINGS}, got {weighting!r}")
-    if weighting == "end_to_end" and name != "tv":
-        raise ValueError(
-            f"weighting='end_to_end' is the multi-depth TV loss; use name='tv', got {name!r}"
-        )
-    if decay is not None and weighting != "geometric":
-        raise ValueError(f"decay is only used with weighting='geometric', got {weighting!r}")
-    check_params(name, params)
+    weights = depth_weights(name, weighting, decay)
+    loss = token_loss(name, params, mask_out_of_vocab)
     _check_sampling(temperature, top_p, top_k)
+    depths = aligned_depths(draft_logits, target_logits, masks)
+    return depth_sums(loss, depths, weights, temperature, Sampling(top_p, top_k), d2t)
+
+
+def aligned_depths(
+    draft_logits: Sequence[Tensor] | Tensor,
+    target_logits: Sequence[Target] | Tensor | SparseTarget,
+    masks: Sequence[Tensor] | Tensor | None,
+) -> tuple[list, list, list]:
+    """K (draft logits, target, mask) depths as lists, checked to be as many (>= 1)."""
     drafts, targets = list(draft_logits), _per_depth(target_logits)
     masks = [None] * len(drafts) if masks is None else list(masks)
     if not len(drafts) == len(targets) == len(masks) > 0:
@@ -79,8 +88,20 @@ def multi_depth_loss(
             f"need the same number (>= 1) of depths for drafts, targets and masks, got "
             f"{len(drafts)}, {len(targets)}, {len(masks)}"
         )
-    drafts, targets, masks = _valid_positions(drafts, targets, masks)
+    return drafts, targets, masks
 
+
+def depth_sums(
+    loss: TokenLoss,
+    depths: tuple[list, list, list],
+    weights: DepthWeights,
+    temperature: float,
+    sampling: Sampling,
+    d2t: Tensor | None,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """`multi_depth_loss` of a resolved loss on `aligned_depths`, nothing checked again."""
+    drafts, targets, masks = _valid_positions(*depths)
+    end_to_end = weights.weighting == "end_to_end"
     log_alphas, losses, valid = [], [], []
     for draft, target, mask in zip(drafts, targets, masks, strict=True):
         prepared = prepare(
@@ -88,38 +109,45 @@ def multi_depth_loss(
             target,
             mask,
             temperature=temperature,
-            top_p=top_p,
-            top_k=top_k,
+            top_p=sampling.top_p,
+            top_k=sampling.top_k,
             d2t=d2t,
-            mask_out_of_vocab=mask_out_of_vocab,
+            mask_out_of_vocab=loss.mask_out_of_vocab,
         )
-        # α carries gradient only in the end-to-end loss; elsewhere it weights or logs, and
-        # the same value comes from one elementwise min instead of a compare and a select.
-        if torch.is_grad_enabled() and weighting == "end_to_end":
-            log_alpha = log_acceptance(prepared.draft_logp, prepared.target_logp)
-        else:
-            with torch.no_grad():
-                log_alpha = torch.minimum(prepared.draft_logp, prepared.target_logp).logsumexp(-1)
-        log_alphas.append(torch.where(prepared.mask, log_alpha, float("-inf")))
+        log_alphas.append(_log_alpha(prepared, with_grad=end_to_end))
         valid.append(prepared.mask)
-        if weighting != "end_to_end":
-            losses.append(masked_loss(name, prepared, params))
-
+        if not end_to_end:
+            losses.append(masked_loss(loss, prepared))
     chain = torch.stack(log_alphas).cumsum(0).exp()  # [K, ...]: Π_{i<=j} α_i
-    if weighting == "geometric":
-        decay = 0.8 if decay is None else decay
-        loss = sum(decay**k * loss_k for k, loss_k in enumerate(losses))
-    elif weighting == "expected_length":
-        weights = chain.detach().flip(0).cumsum(0).flip(0)  # [K, ...]: Σ_{j>=k} Π_{i<=j} α_i
-        loss = sum(w_k * loss_k for w_k, loss_k in zip(weights, losses, strict=True))
-    else:
-        loss = torch.where(valid[0], 1.0 - chain.mean(0), 0.0)
-
+    total = _weighted(weights, losses, chain, valid[0])
     with torch.no_grad():
         alpha = torch.stack(
             [la.exp().sum() / v.sum().clamp_min(1) for la, v in zip(log_alphas, valid, strict=True)]
         )
-    return loss.sum(), valid[0].sum(), alpha
+    return total.sum(), valid[0].sum(), alpha
+
+
+def _log_alpha(prepared: Prepared, with_grad: bool) -> Tensor:
+    """log α per position, −inf where masked. α carries gradient only in the end-to-end
+    loss; elsewhere it weighs or logs, and the same value comes from one elementwise min
+    instead of a compare and a select."""
+    if torch.is_grad_enabled() and with_grad:
+        log_alpha = log_acceptance(prepared.draft_logp, prepared.target_logp)
+    else:
+        with torch.no_grad():
+            log_alpha = torch.minimum(prepared.draft_logp, prepared.target_logp).logsumexp(-1)
+    return torch.where(prepared.mask, log_alpha, float("-inf"))
+
+
+def _weighted(weights: DepthWeights, losses: list, chain: Tensor, valid: Tensor) -> Tensor:
+    """The depths' per-position losses (or, end to end, their chain of α) weighed into one
+    loss per position."""
+    if weights.weighting == "geometric":
+        return sum(weights.decay**k * loss_k for k, loss_k in enumerate(losses))
+    if weights.weighting == "expected_length":
+        w = chain.detach().flip(0).cumsum(0).flip(0)  # [K, ...]: Σ_{j>=k} Π_{i<=j} α_i
+        return sum(w_k * loss_k for w_k, loss_k in zip(w, losses, strict=True))
+    return torch.where(valid, 1.0 - chain.mean(0), 0.0)
 
 
 def _valid_positions(drafts: list, targets: list, masks: list) -> tuple[list, list, list]:

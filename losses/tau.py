@@ -9,6 +9,7 @@ the draft's samples at ``temperature`` and ``mask: [N]``. Both functions return
 Σ L and Σ α at the chains' first positions (detached, for logs).
 """
 
+from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
@@ -93,53 +94,20 @@ def chunked_tau_loss(
             f"tau: tokens must be [chains, gamma - 1] = [{n}, {gamma - 1}], got "
             f"{list(tokens.shape)}"
         )
+    rows = _ChainRows.of(draft_hidden, target, tokens, mask, (temperature, top_p, top_k))
     hidden = draft_hidden.reshape(n * gamma, -1)
-    flat_tokens = torch.cat([tokens, tokens.new_zeros(n, 1)], 1).reshape(-1).long()
-    rows_mask = _row_mask(mask, (n, gamma), hidden.device).reshape(-1)
-    if isinstance(target, tuple):
-        t_hidden, t_head = target[0].detach().reshape(n * gamma, -1), target[1].detach()
-    else:
-        flat_target = target.detach().reshape(n * gamma, -1)
-
-    def prepared(rows: slice, logits: Tensor):
-        if isinstance(target, tuple):
-            t_logits = t_hidden[rows] @ t_head.T
-        else:
-            t_logits = flat_target[rows]
-        return prepare(
-            logits,
-            t_logits,
-            rows_mask[rows],
-            temperature=temperature,
-            top_p=top_p,
-            top_k=top_k,
-            d2t=None,
-            mask_out_of_vocab=False,
-        )
-
-    def flat_terms(rows: slice, logits: Tensor) -> TauSums:
-        p = prepared(rows, logits)
-        index = flat_tokens[rows, None]
-        log_q = p.draft_logp.gather(-1, index).squeeze(-1)
-        log_r = torch.clamp_max(p.target_logp.gather(-1, index).squeeze(-1) - log_q, 0.0)
-        return log_alpha_of(p.draft_logp, p.target_logp), log_r, log_q
-
     chunks = [slice(s, s + chunk_size) for s in range(0, n * gamma, max(chunk_size, 1))]
     with torch.no_grad():
-        values = [flat_terms(rows, hidden[rows] @ draft_head_weight.T) for rows in chunks]
+        values = [rows.terms(r, hidden[r] @ draft_head_weight.T) for r in chunks]
     log_alpha, log_r, log_q = (torch.cat(v).reshape(n, gamma) for v in zip(*values, strict=True))
     terms = RowTerms(log_alpha, log_r[:, :-1], log_q[:, :-1])
     weights = chain_weights(terms.log_r, terms.log_alpha, mask, estimator)
-    pad = torch.zeros_like(weights.alpha[:, :1])
-    w_alpha = weights.alpha.reshape(-1)
-    w_r = torch.cat([weights.r, pad], 1).reshape(-1)
-    w_q = torch.cat([weights.q, pad], 1).reshape(-1)
+    flat = _flat_weights(weights)
 
-    def chunk_loss(rows: slice, logits: Tensor) -> Tensor:
-        la, lr, lq = flat_terms(rows, logits)
-        flat = RowTerms(la[:, None], lr[:, None], lq[:, None])
-        w = type(weights)(w_alpha[rows, None], w_r[rows, None], w_q[rows, None], None)
-        return -weighted_terms(flat, w).sum() / gamma
+    def chunk_loss(r: slice, logits: Tensor) -> Tensor:
+        la, lr, lq = rows.terms(r, logits)
+        w = type(weights)(*(weight[r, None] for weight in flat), None)
+        return -weighted_terms(RowTerms(la[:, None], lr[:, None], lq[:, None]), w).sum() / gamma
 
     surrogate = chunked_rows_loss(hidden, draft_head_weight, chunk_size, chunk_loss)
     valid = _valid(mask, n, hidden.device)
@@ -149,6 +117,63 @@ def chunked_tau_loss(
         valid.sum(),
         weights.length.sum(),
         weights.alpha[:, 0].sum(),
+    )
+
+
+@dataclass(frozen=True)
+class _ChainRows:
+    """N chains of γ positions as N·γ rows: each row's sampled token (0 at a chain's last
+    position, whose token is never needed), its chain's mask, the target's rows, and the
+    target's processing (temperature, top_p, top_k)."""
+
+    tokens: Tensor
+    mask: Tensor
+    target: Tensor | tuple[Tensor, Tensor]
+    sampling: tuple[float, float | None, int | None]
+
+    @classmethod
+    def of(cls, draft_hidden, target, tokens, mask, sampling) -> "_ChainRows":
+        n, gamma = draft_hidden.shape[:2]
+        flat_tokens = torch.cat([tokens, tokens.new_zeros(n, 1)], 1).reshape(-1).long()
+        rows_mask = _row_mask(mask, (n, gamma), draft_hidden.device).reshape(-1)
+        if isinstance(target, tuple):
+            flat_target = (target[0].detach().reshape(n * gamma, -1), target[1].detach())
+        else:
+            flat_target = target.detach().reshape(n * gamma, -1)
+        return cls(flat_tokens, rows_mask, flat_target, sampling)
+
+    def terms(self, rows: slice, logits: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """(log α, log r, log q) of `rows` from the draft's logits there: [n] each."""
+        if isinstance(self.target, tuple):
+            t_hidden, t_head = self.target
+            t_logits = t_hidden[rows] @ t_head.T
+        else:
+            t_logits = self.target[rows]
+        temperature, top_p, top_k = self.sampling
+        p = prepare(
+            logits,
+            t_logits,
+            self.mask[rows],
+            temperature=temperature,
+            top_p=top_p,
+            top_k=top_k,
+            d2t=None,
+            mask_out_of_vocab=False,
+        )
+        index = self.tokens[rows, None]
+        log_q = p.draft_logp.gather(-1, index).squeeze(-1)
+        log_r = torch.clamp_max(p.target_logp.gather(-1, index).squeeze(-1) - log_q, 0.0)
+        return log_alpha_of(p.draft_logp, p.target_logp), log_r, log_q
+
+
+def _flat_weights(weights) -> tuple[Tensor, Tensor, Tensor]:
+    """The chain weights of α, r and q as one weight per row [N·γ] (0 where a chain's last
+    position has no r or q term)."""
+    pad = torch.zeros_like(weights.alpha[:, :1])
+    return (
+        weights.alpha.reshape(-1),
+        torch.cat([weights.r, pad], 1).reshape(-1),
+        torch.cat([weights.q, pad], 1).reshape(-1),
     )
 
 

@@ -91,10 +91,12 @@ def recipe_from_dict(raw: dict) -> Recipe:
 
 
 def recipe_to_dict(recipe: Recipe) -> dict:
-    """The recipe as plain data, loadable again: a standalone draft leaves out the EAGLE-3
-    keys (setting them is an error there); the loss parameters are written flat."""
+    """The recipe as plain data, loadable again: a draft type without the EAGLE-3 head keys
+    leaves them out (setting them is an error there); the loss parameters are written flat."""
+    from specdistill import drafts
+
     d = recipe.model_dump()
-    if recipe.draft.type != "eagle3":
+    if not drafts.planned(recipe.draft).capabilities.eagle3_keys:
         for key in EAGLE3_KEYS:
             d["draft"].pop(key.removeprefix("draft."))
     d["loss"] = {**{k: v for k, v in d["loss"].items() if k != "params"}, **d["loss"]["params"]}

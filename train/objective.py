@@ -1,28 +1,27 @@
-"""The draft's loss of one micro-batch, as the recipe's `loss` section asks: the per-token
-part (a loss of the loss library on the target source's depths, direct or chunked) and the
-accepted-length part (`tau`, on the draft's own chains: drafts/chains.py, losses/tau.py),
-each summed over the served-sampling shares (train/temperatures.py).
+"""The draft's loss of one micro-batch, as the recipe's resolved loss asks
+(`losses.resolved.ResolvedLoss`, resolved once by train/recipe_loss.py and never checked
+again here): the per-token part (its parts on the target source's depths, direct or chunked)
+and the accepted-length part (`tau`, on the draft's own chains: drafts/chains.py,
+losses/tau.py), each summed over the served-sampling shares (train/temperatures.py).
 
-`loss.name: tau` is the chain part alone; `loss.name: mix` with a `tau` part mixes it with
-the other parts' per-token loss. Every part is a sum over valid positions, divided by the
-step once: the chain part's Σ over chains is scaled by (valid positions / chains) of its
-share, an unbiased estimate of its sum had every valid position started a chain. With no
-per-token part, the step's logged α is the teacher-forced α at the chains' starts (their
-first position), scaled the same way.
+Every part is a sum over valid positions, divided by the step once: the chain part's Σ over
+chains is scaled by (valid positions / chains) of its share, an unbiased estimate of its sum
+had every valid position started a chain. With no per-token part, the step's logged α is
+the teacher-forced α at the chains' starts (their first position), scaled the same way.
 """
 
+from dataclasses import asdict
 from typing import NamedTuple
 
 import torch
 from torch import Tensor
 
-from specdistill import losses
 from specdistill.drafts.align import target_mask
-from specdistill.losses.divergences import params_of
+from specdistill.losses.chunked import chunked_sums
+from specdistill.losses.multi_depth import aligned_depths, depth_sums
+from specdistill.losses.resolved import ResolvedLoss, Sampling, TokenLoss
 from specdistill.losses.tau import chunked_tau_loss, tau_loss
 from specdistill.train.temperatures import Share
-
-TAU = "tau"
 
 
 class Sums(NamedTuple):
@@ -33,51 +32,39 @@ class Sums(NamedTuple):
 
 
 class Objective:
-    """The recipe's loss split into its per-token and chain parts."""
+    """A resolved loss evaluated on micro-batches, its per-token and chain parts."""
 
-    def __init__(self, recipe, seed: int = 0):
-        lo = recipe.loss
-        params = dict(lo.params)
-        self.tau_weight = 0.0
-        self.token: tuple[str, dict] | None = (lo.name, params)
-        if lo.name == TAU or (lo.name == "mix" and TAU in params["parts"]):
-            own = params_of(TAU, params)
-            rest = {k: v for k, v in params.items() if k not in own}
-            if lo.name == TAU:
-                self.tau_weight, self.token = 1.0, None
-            else:
-                parts = dict(rest.pop("parts"))
-                self.tau_weight = parts.pop(TAU)
-                self.token = ("mix", {**rest, "parts": parts}) if parts else None
-            sampling = {k: rest[k] for k in ("top_p", "top_k") if k in rest}
-            self.sampling = sampling
-            self.gamma = own.get("gamma") or max(recipe.eval.speculative.gammas)
-            self.prefixes = own.get("prefixes", 32)
-            self.estimator = own.get("estimator", "score")
-        self.seed = seed
+    def __init__(self, loss: ResolvedLoss, seed: int = 0):
+        self.loss, self.seed = loss, seed
+
+    @property
+    def token(self) -> TokenLoss | None:
+        """The per-token part (None: the loss is the chain part alone)."""
+        return self.loss.token
 
     @property
     def chains(self) -> bool:
-        return self.tau_weight > 0
+        """Whether the loss samples the draft's own chains (a chain part of weight > 0)."""
+        return self.loss.chain is not None and self.loss.chain.weight > 0
+
+    def sampling(self, share: Share) -> Sampling:
+        """The target's sampling filter of the loss at `share`'s served top-p."""
+        return Sampling(**share.params(asdict(self.loss.sampling)))
 
     # --------------------------------------------------------------- per-token part
-    def token_sums(self, lo, depths, shares: list[Share], d2t) -> Sums:
+    def token_sums(self, depths, shares: list[Share], d2t) -> Sums:
         """The per-token loss on teacher-forced depths (d_logits, t_logits, masks)."""
-        name, params = self.token
         d_logits, t_logits, masks = depths
         loss_sum = alpha_sum = 0.0
         for share in shares:
-            share_masks = [share.mask(m) for m in masks]
-            loss, n_valid, alpha = losses.multi_depth_loss(
-                name,
-                d_logits,
-                t_logits,
-                share_masks,
-                weighting=lo.depth_weighting,
-                decay=lo.depth_decay,
-                temperature=share.loss_temperature,
-                d2t=d2t,
-                **share.params(params),
+            aligned = aligned_depths(d_logits, t_logits, [share.mask(m) for m in masks])
+            loss, n_valid, alpha = depth_sums(
+                self.loss.token,
+                aligned,
+                self.loss.depths,
+                share.loss_temperature,
+                self.sampling(share),
+                d2t,
             )
             loss_sum = loss_sum + share.weight * loss
             alpha_sum = alpha_sum + share.weight * alpha[0] * n_valid
@@ -87,19 +74,19 @@ class Objective:
         self, d_hidden, d_head, target, mask, shares: list[Share], chunk_size: int
     ) -> Sums:
         """The per-token loss from hidden states, chunk by chunk (losses/chunked.py)."""
-        name, params = self.token
         loss_sum = alpha_sum = 0.0
         for share in shares:
-            loss, _, alpha = losses.chunked_loss(
-                name,
+            loss, _, alpha = chunked_sums(
+                self.loss.token,
                 d_hidden,
                 d_head,
                 target,
                 share.mask(mask),
                 chunk_size=chunk_size,
                 temperature=share.loss_temperature,
+                sampling=self.sampling(share),
+                d2t=None,
                 return_alpha=True,
-                **share.params(params),
             )
             loss_sum = loss_sum + share.weight * loss
             alpha_sum = alpha_sum + share.weight * alpha
@@ -111,61 +98,60 @@ class Objective:
         valid = target_mask(batch)
         chunk = core.loss_cfg.chunk_size
         heads = core.heads() if chunk is not None else None
+        chain = self.loss.chain
         loss_sum = alpha_sum = 0.0
         for i, share in enumerate(shares):
             rows = share.mask(valid)
-            n_positions = rows.sum()
             columns = rows.any(0).nonzero()[:, 0]
             if len(columns) == 0:
                 continue
             g = torch.Generator().manual_seed(
                 (self.seed * 1_000_003 + core.step) * 1_009 + call * 31 + i
             )
-            pick = torch.randperm(len(columns), generator=g)[: self.prefixes]
+            pick = torch.randperm(len(columns), generator=g)[: chain.prefixes]
             starts = sorted(int(columns[j]) for j in pick)
             device_seed = int(torch.randint(2**62, (1,), generator=g))
-            device_g = torch.Generator(device=valid.device).manual_seed(device_seed)
             chains = core.kind.chains(
                 core.draft,
                 core.target,
                 batch,
                 starts,
-                gamma=self.gamma,
+                gamma=chain.gamma,
                 temperature=share.loss_temperature,
-                generator=device_g,
+                generator=torch.Generator(device=valid.device).manual_seed(device_seed),
                 hidden=heads is not None,
             )
             chain_rows = share.mask(torch.ones_like(valid[:, 0])).repeat(len(starts))
-            mask = chains.mask & chain_rows
-            sampling = share.params(self.sampling)
-            if heads is None:
-                sums = tau_loss(
-                    chains.draft,
-                    chains.target,
-                    chains.tokens,
-                    mask,
-                    temperature=share.loss_temperature,
-                    estimator=self.estimator,
-                    d2t=core.vocab_map(),
-                    **sampling,
-                )
-            else:
-                t_head, d_head = heads
-                sums = chunked_tau_loss(
-                    chains.draft,
-                    d_head,
-                    (chains.target, t_head),
-                    chains.tokens,
-                    mask,
-                    chunk_size=chunk,
-                    temperature=share.loss_temperature,
-                    estimator=self.estimator,
-                    **sampling,
-                )
-            scale = n_positions / sums.n_chains.clamp_min(1)
-            loss_sum = loss_sum + share.weight * self.tau_weight * scale * sums.loss_sum
+            sums = self._tau_sums(core, chains, chains.mask & chain_rows, share, heads)
+            scale = rows.sum() / sums.n_chains.clamp_min(1)
+            loss_sum = loss_sum + share.weight * chain.weight * scale * sums.loss_sum
             alpha_sum = alpha_sum + share.weight * scale * sums.alpha_sum
         return Sums(loss_sum, alpha_sum)
+
+    def _tau_sums(self, core, chains, mask, share: Share, heads):
+        """`losses.tau` on a share's chains: from their logits, or chunk by chunk from their
+        hidden states and the output heads (`heads`: target's, draft's)."""
+        sampling = self.sampling(share)
+        common = {
+            "temperature": share.loss_temperature,
+            "estimator": self.loss.chain.estimator,
+            "top_p": sampling.top_p,
+            "top_k": sampling.top_k,
+        }
+        if heads is None:
+            return tau_loss(
+                chains.draft, chains.target, chains.tokens, mask, d2t=core.vocab_map(), **common
+            )
+        t_head, d_head = heads
+        return chunked_tau_loss(
+            chains.draft,
+            d_head,
+            (chains.target, t_head),
+            chains.tokens,
+            mask,
+            chunk_size=core.loss_cfg.chunk_size,
+            **common,
+        )
 
     def sums(self, core, batch: dict, shares: list[Share], token: Sums | None, call: int) -> Sums:
         """The micro-batch's total: the per-token sums (None: no per-token part) plus the

@@ -3,8 +3,10 @@ default, allowed values or range, description, and whether it applies to EAGLE-3
 only or may change when a run resumes.
 
 Loading a YAML file and the `key.sub=value` overrides is train/config.py; the checks that
-relate several keys are train/recipe_checks.py; the reference of all keys in docs/ is
-generated from these models by train/recipe_docs.py.
+relate several keys are train/recipe_checks.py (what the recipe asks of its draft type,
+against the type's declared capabilities), the loss parameters and the loss resolved for the
+step train/recipe_loss.py; the reference of all keys in docs/ is generated from these models
+by train/recipe_docs.py.
 """
 
 from typing import Any

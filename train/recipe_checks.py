@@ -1,21 +1,22 @@
-"""The recipe checks that relate several keys, and the loss parameters, whose names and
-types depend on `loss.name` (read from the loss library, `losses.api.loss_params`).
+"""The recipe checks that relate several keys: what the recipe asks of its draft type,
+against the capabilities the type declares (`drafts.types.Capabilities`, of the type the
+`draft` section trains: `drafts.planned`), and the checks across sections. The loss section
+is checked and resolved by train/recipe_loss.py, in the middle: the checks of its chain part
+need it resolved.
 
 Each key's own type and range is the schema's (train/recipe.py); what is here cannot be said
 of one key alone. Every message names the keys and what to do.
 """
 
-import functools
-import operator
-import types
-import typing
-from typing import Any
+from typing import TYPE_CHECKING
 
-from pydantic import ConfigDict, TypeAdapter, ValidationError
+from specdistill.train.recipe import EAGLE3_KEYS, Recipe, Section
+from specdistill.train.recipe_errors import RecipeError
+from specdistill.train.recipe_loss import resolved_loss
 
-from specdistill.train.recipe import EAGLE3_KEYS, LossConfig, Recipe, Section
-from specdistill.train.recipe_errors import RecipeError, did_you_mean, translate
-from specdistill.train.recipe_types import Float
+if TYPE_CHECKING:
+    from specdistill.drafts.types import Capabilities
+    from specdistill.losses.resolved import ResolvedLoss
 
 Check = tuple[bool, str]
 
@@ -31,59 +32,89 @@ def explicit_keys(section: Section, prefix: str = "") -> set[str]:
     return keys
 
 
-def validate(recipe: Recipe, explicit: set[str] | None = None) -> None:
-    """The checks across keys, then the loss parameters (coerced in place: `eta: 3` -> 3.0).
+def validate(recipe: Recipe, explicit: set[str] | None = None) -> "ResolvedLoss":
+    """The checks across keys, then the loss parameters (coerced in place: `eta: 3` -> 3.0),
+    then the checks of the loss's chain part; returns the loss resolved.
 
     explicit: the dotted keys the recipe file and overrides set (default: the ones the
     recipe's sections were given)."""
+    from specdistill.drafts import planned
+
     if explicit is None:
         explicit = explicit_keys(recipe)
-    t = recipe.train
-    checks = [
-        (
-            t.global_batch_size % t.micro_batch_size == 0,
-            f"train.global_batch_size ({t.global_batch_size}) must be a multiple of "
-            f"train.micro_batch_size ({t.micro_batch_size})",
-        ),
-        *_draft_checks(recipe, explicit),
-        *_on_policy_checks(recipe),
-        *_head_checks(recipe),
-        *_prepare_checks(recipe),
-    ]
+    t, can = recipe.train, planned(recipe.draft).capabilities
+    _first_failure(
+        [
+            (
+                t.global_batch_size % t.micro_batch_size == 0,
+                f"train.global_batch_size ({t.global_batch_size}) must be a multiple of "
+                f"train.micro_batch_size ({t.micro_batch_size})",
+            ),
+            *_draft_checks(recipe, can, explicit),
+            *_cache_checks(recipe),
+            *_depth_checks(recipe),
+            *_on_policy_checks(recipe, can),
+            *_head_checks(recipe),
+            *_prepare_checks(recipe),
+        ]
+    )
+    loss = resolved_loss(recipe)
+    _first_failure(_chain_checks(recipe, can, loss))
+    return loss
+
+
+def _first_failure(checks: list[Check]) -> None:
     for ok, message in checks:
         if not ok:
             raise RecipeError(message)
-    validate_loss(recipe.loss)
 
 
-def _draft_checks(recipe: Recipe, explicit: set[str]) -> list[Check]:
-    d, lo, cache = recipe.draft, recipe.loss, recipe.target.cache
-    eagle = d.type == "eagle3"
+def _asks(can: "Capabilities", capability: str, asked: bool, generic: str) -> Check:
+    """A recipe that asks (`asked`) for `capability` of a type with capabilities `can`: refused
+    with the type's own message for it, else `generic`."""
+    refusal = can.refusal(capability, generic)
+    return not asked or refusal is None, refusal or ""
+
+
+def _draft_checks(recipe: Recipe, can: "Capabilities", explicit: set[str]) -> list[Check]:
+    """What the recipe asks of its draft type."""
+    d, kind = recipe.draft, f"draft.type={recipe.draft.type}"
+    head_keys = sorted(explicit & EAGLE3_KEYS)
     return [
-        (
-            eagle or d.model is not None,
+        _asks(
+            can,
+            "fresh",
+            d.model is None,
             "draft.model must name the draft (HF id, directory or embedded:<name>)",
         ),
-        (
-            not eagle or d.lora.r == 0,
-            "draft.lora applies to a standalone draft; an eagle3 head is trained in full",
+        _asks(
+            can, "lora", d.lora.r > 0, f"draft.lora is not supported for {kind}: set draft.lora.r=0"
         ),
-        (
-            not eagle or lo.chunk_size is None,
-            "loss.chunk_size is not supported for draft.type=eagle3 (its V_d logits are small); "
-            "set loss.chunk_size=null",
+        _asks(
+            can,
+            "chunked_loss",
+            recipe.loss.chunk_size is not None,
+            f"loss.chunk_size is not supported for {kind}: set loss.chunk_size=null",
         ),
-        (
-            d.type != "parallel" or lo.chunk_size is None,
-            "loss.chunk_size is not supported for draft.type=parallel (its depths come from "
-            "one forward over the block's copies): set loss.chunk_size=null",
+        _asks(
+            can,
+            "sparse_targets",
+            recipe.target.cache is not None,
+            f"target.cache gives a sparse top-N target, which {kind} does not train on: "
+            "unset target.cache",
         ),
-        (
-            not eagle or cache is None,
-            "target.cache holds the target's top-N probabilities only; an eagle3 head also "
-            "needs the target's hidden states at every position, so it trains on the live "
-            "target: unset target.cache",
+        _asks(
+            can,
+            "eagle3_keys",
+            bool(head_keys),
+            f"{', '.join(head_keys)} apply to draft.type=eagle3 only",
         ),
+    ]
+
+
+def _cache_checks(recipe: Recipe) -> list[Check]:
+    lo, cache = recipe.loss, recipe.target.cache
+    return [
         (
             cache is None or lo.chunk_size is None,
             "target.cache gives a sparse top-N target, which needs no chunking: set "
@@ -101,35 +132,12 @@ def _draft_checks(recipe: Recipe, explicit: set[str]) -> list[Check]:
             "under loss top_p / top_k is unknown: use loss.temperature=1 without top_p / top_k, "
             "or the live target",
         ),
-        (
-            d.type != "parallel" or cache is None,
-            "target.cache holds the target's top-N at each position for a standalone draft; a "
-            "parallel draft's depths compare the target at shifted positions: unset target.cache",
-        ),
-        (
-            d.vocab_size is None or d.type != "standalone" or lo.chunk_size is None,
-            "loss.chunk_size is not supported with draft.vocab_size (the draft's V_d logits "
-            "are small): set loss.chunk_size=null",
-        ),
-        (
-            d.vocab_size is None or d.type != "standalone" or cache is None,
-            "target.cache gives a sparse top-N target with a rest bin, which a reduced output "
-            "vocabulary (draft.vocab_size) cannot be compared with: unset target.cache",
-        ),
-        (
-            eagle or not (explicit & EAGLE3_KEYS),
-            f"{', '.join(sorted(explicit & EAGLE3_KEYS))} apply to draft.type=eagle3 only",
-        ),
-        (
-            not _uses_tau(lo) or d.type in ("standalone", "eagle3"),
-            "loss tau (the draft's own chains) is implemented for standalone drafts and "
-            f"EAGLE-3 heads; for draft.type={d.type} use a per-token loss (e.g. lk_lambda)",
-        ),
-        (
-            not _uses_tau(lo) or cache is None,
-            "loss tau scores the draft's own chains with the live target; target.cache only "
-            "holds the target on the training text: unset target.cache",
-        ),
+    ]
+
+
+def _depth_checks(recipe: Recipe) -> list[Check]:
+    lo = recipe.loss
+    return [
         (
             lo.depth_weighting != "end_to_end" or lo.name == "tv",
             "loss.depth_weighting=end_to_end is the multi-depth TV loss; set loss.name=tv",
@@ -141,13 +149,26 @@ def _draft_checks(recipe: Recipe, explicit: set[str]) -> list[Check]:
     ]
 
 
-def _uses_tau(lo) -> bool:
-    """Whether the loss has an accepted-length part (loss.name tau, or a tau part of mix)."""
-    parts = lo.params.get("parts")
-    return lo.name == "tau" or (lo.name == "mix" and isinstance(parts, dict) and "tau" in parts)
+def _chain_checks(recipe: Recipe, can: "Capabilities", loss: "ResolvedLoss") -> list[Check]:
+    """The loss's accepted-length part (tau: the draft's own chains), where it has one."""
+    d, cache = recipe.draft, recipe.target.cache
+    return [
+        _asks(
+            can,
+            "accepted_length",
+            loss.chain is not None,
+            "loss tau (the draft's own chains) is implemented for standalone drafts and "
+            f"EAGLE-3 heads; for draft.type={d.type} use a per-token loss (e.g. lk_lambda)",
+        ),
+        (
+            loss.chain is None or cache is None,
+            "loss tau scores the draft's own chains with the live target; target.cache only "
+            "holds the target on the training text: unset target.cache",
+        ),
+    ]
 
 
-def _on_policy_checks(recipe: Recipe) -> list[Check]:
+def _on_policy_checks(recipe: Recipe, can: "Capabilities") -> list[Check]:
     o, d, t = recipe.data.on_policy, recipe.data, recipe.train
     on = o.fraction > 0
     return [
@@ -168,11 +189,12 @@ def _on_policy_checks(recipe: Recipe) -> list[Check]:
             f"data.on_policy.prompt_tokens ({o.prompt_tokens}) must be below data.max_length "
             f"({d.max_length}): the rest of each sequence is generated",
         ),
-        (
-            not on or o.source != "draft" or recipe.draft.type != "eagle3",
-            "data.on_policy.source=draft needs a standalone draft: an eagle3 head drafts from "
-            "the target's features and cannot write a text alone; use "
-            "data.on_policy.source=target (speculative decoding with the head)",
+        _asks(
+            can,
+            "writes_text",
+            on and o.source == "draft",
+            f"data.on_policy.source=draft needs a draft that writes a text alone, which "
+            f"draft.type={recipe.draft.type} does not: use data.on_policy.source=target",
         ),
         (
             not on or recipe.target.cache is None,
@@ -239,84 +261,3 @@ def _head_checks(recipe: Recipe) -> list[Check]:
             "acceptance_head.stop_gradient=true",
         ),
     ]
-
-
-def validate_loss(lo: LossConfig) -> None:
-    """Check the loss name and the type of each parameter against the loss library's
-    declaration (coercing e.g. `eta: 3` to 3.0), then ask the library for the value checks:
-    it knows each loss's ranges."""
-    from specdistill.losses.api import loss_params
-    from specdistill.losses.divergences import NAMES, check_param_values
-
-    if lo.name not in NAMES:
-        hint = _hint(lo.name, list(NAMES))
-        raise RecipeError(f"loss: unknown loss {lo.name!r}; {hint}", key="loss.name")
-    params = dict(lo.params)
-    parts: dict = {}
-    if lo.name == "mix" and "parts" in params:  # the parts decide which parameters exist
-        params["parts"] = parts = _coerce(params["parts"], dict[str, float], "loss.parts")
-        names = sorted(set(NAMES) - {"mix"})
-        for part in parts:
-            if part not in names:
-                raise RecipeError(
-                    f"loss: mix: unknown part {part!r}; {_hint(part, names)}", key="loss.parts"
-                )
-    declared = loss_params(lo.name, parts)
-    own_keys = sorted(set(LossConfig.model_fields) - {"params"})
-    for key, value in params.items():
-        if key not in declared:
-            valid = sorted(declared) or ["(none)"]
-            close = did_you_mean(key, sorted(declared) + own_keys)
-            hint = f"did you mean 'loss.{close}'? " if close else ""
-            raise RecipeError(
-                f"loss: {lo.name} takes no parameter 'loss.{key}'; {hint}"
-                f"its parameters: {', '.join(valid)}",
-                key=f"loss.{key}",
-            )
-        params[key] = _coerce(value, declared[key].type, f"loss.{key}")
-    lo.params = params
-    try:  # the values each parameter may take, as the loss library declares them
-        check_param_values(lo.name, lo.params)
-    except ValueError as e:
-        raise RecipeError(f"loss: {e}") from None
-
-
-def _hint(name: str, valid: list[str]) -> str:
-    close = did_you_mean(name, valid)
-    return (f"did you mean {close!r}? " if close else "") + f"valid: {', '.join(sorted(valid))}"
-
-
-def _coerce(value: Any, annotation: Any, key: str) -> Any:
-    """`value` validated as a recipe value of `annotation` (strict, numbers from YAML)."""
-    tp = recipe_type(annotation)
-    try:
-        return _adapter(tp).validate_python(value)
-    except ValidationError as e:
-        raise translate(e, tp, key) from None
-
-
-@functools.cache
-def _adapter(tp: Any) -> TypeAdapter:
-    return TypeAdapter(tp, config=ConfigDict(strict=True))
-
-
-_RECIPE_TYPES = (bool, int, str, type(None))
-
-
-def recipe_type(tp: Any) -> Any:
-    """The annotation of a loss parameter as a recipe reads it: the parts a recipe cannot
-    write (tensors) dropped, float as the recipe's number (Any if nothing is left)."""
-    origin = typing.get_origin(tp)
-    if origin in (types.UnionType, typing.Union):
-        kept = [recipe_type(arg) for arg in typing.get_args(tp)]
-        kept = [arg for arg in kept if arg is not Any]
-        return functools.reduce(operator.or_, kept) if kept else Any
-    if tp is float:
-        return Float
-    if origin is list:
-        (item,) = typing.get_args(tp)
-        return list[recipe_type(item)]
-    if origin is dict:
-        key, item = typing.get_args(tp)
-        return dict[key, recipe_type(item)]
-    return tp if tp in _RECIPE_TYPES else Any

@@ -13,6 +13,7 @@ from typing import Annotated, Any, Literal
 
 from specdistill.train.recipe import EAGLE3_ONLY, RESUME, Recipe, Section
 from specdistill.train.recipe_errors import bounds_of, nullable, range_text, strip_optional
+from specdistill.train.recipe_types import OneOf
 
 DOC = "docs/recipe-keys.md"
 COMMAND = "python -m specdistill.train.recipe_docs > docs/recipe-keys.md"
@@ -105,6 +106,9 @@ def type_text(annotation: Any) -> str:
 
 
 def _allowed(field) -> str:
+    for item in field.metadata:  # a value checked against a registry (`OneOf`)
+        if isinstance(getattr(item, "func", None), OneOf):
+            return ", ".join(f"`{v}`" for v in item.func.names())
     base = strip_optional(field.annotation)
     while typing.get_origin(base) is Annotated:
         base = typing.get_args(base)[0]
@@ -139,7 +143,7 @@ def _loss_params() -> str:
     from specdistill.losses.api import loss_params
     from specdistill.losses.divergences import NAMES as LOSSES
     from specdistill.losses.divergences import PARAM_CHECKS, REQUIRED
-    from specdistill.train.recipe_checks import recipe_type
+    from specdistill.train.recipe_loss import recipe_type
 
     takers: dict[str, list[str]] = {}
     declared = {}

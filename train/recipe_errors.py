@@ -23,6 +23,16 @@ class RecipeError(UserError):
         self.key = key
 
 
+class NotOneOf(ValueError):
+    """A value outside a set of names read when the recipe is checked
+    (`recipe_types.OneOf`): translated as a Literal's error is, naming the key, the value
+    and the names."""
+
+    def __init__(self, allowed: tuple):
+        super().__init__(f"must be one of {', '.join(map(str, allowed))}")
+        self.allowed = allowed
+
+
 # pydantic error types -> what the value must be
 _TYPE_WORDS = {
     "int_type": "an integer",
@@ -81,6 +91,8 @@ def translate(error: ValidationError, root: Any, prefix: str = "") -> RecipeErro
         return unknown_key(key, valid)
     if kind in ("value_error", "assertion_error"):
         cause = (first.get("ctx") or {}).get("error")
+        if isinstance(cause, NotOneOf):
+            return RecipeError(literal_message(key, value, cause.allowed), key=key)
         if isinstance(cause, RecipeError):
             return RecipeError(str(cause), key=cause.key or key)
         return RecipeError(f"{key}: {cause or first['msg']}", key=key)

@@ -4,11 +4,13 @@ as the recipe means it."""
 
 import math
 import re
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field
 
-from specdistill.train.recipe_errors import RecipeError
+from specdistill.train.recipe_errors import NotOneOf, RecipeError
 
 # Field metadata (json_schema_extra): EAGLE3_ONLY marks the keys of an EAGLE-3 head; setting
 # one on a standalone draft is refused. RESUME says what a resumed run may do with the key:
@@ -135,6 +137,35 @@ def _loss_temperature(value: Any) -> Any:
     )
 
 
+@dataclass(frozen=True)
+class OneOf:
+    """A recipe value that must be one of the names `names()` gives when the recipe is
+    checked: the keys of a registry in a layer this schema does not import (the drafts
+    layer's types, the loss library's depth weightings), so that the schema loads no model
+    library and a type registered later is a valid value. The reference of the keys
+    (train/recipe_docs.py) lists the names as a Literal's."""
+
+    names: Callable[[], tuple[str, ...]]
+
+    def __call__(self, value: Any) -> Any:
+        allowed = self.names()
+        if value not in allowed:
+            raise NotOneOf(allowed)
+        return value
+
+
+def _draft_types() -> tuple[str, ...]:
+    from specdistill.drafts import TYPES
+
+    return tuple(TYPES)
+
+
+def _depth_weightings() -> tuple[str, ...]:
+    from specdistill.losses.resolved import WEIGHTINGS
+
+    return WEIGHTINGS
+
+
 Float = Annotated[float, BeforeValidator(_number), AfterValidator(_finite)]
 LossTemperature = Annotated[
     float | dict[float, float] | Literal["traffic"], BeforeValidator(_loss_temperature)
@@ -148,9 +179,9 @@ ClientIds = Annotated[
 Resume = Annotated[str, BeforeValidator(_resume_value)]
 
 Dtype = Literal["float32", "bfloat16", "float16"]
-# the types of the drafts layer (drafts.TYPES)
-DraftType = Literal["standalone", "eagle3", "parallel"]
-DepthWeighting = Literal["geometric", "expected_length", "end_to_end"]
+DraftType = Annotated[str, BeforeValidator(OneOf(_draft_types))]  # a key of drafts.TYPES
+# losses.resolved.DepthWeighting: how a multi-depth loss weighs its depths
+DepthWeighting = Annotated[str, BeforeValidator(OneOf(_depth_weightings))]
 MixedPrecision = Literal["no", "bf16", "fp16"]
 WandbMode = Literal["offline", "online", "disabled"]
 OnPolicySource = Literal["draft", "target"]

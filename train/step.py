@@ -35,6 +35,7 @@ from specdistill.train.distributed import (
 )
 from specdistill.train.head_training import HeadTraining, saved_head
 from specdistill.train.objective import Objective
+from specdistill.train.recipe_loss import resolved_loss
 from specdistill.train.run_plan import check_checkpoint_weights, quiet_tied_head_warning
 from specdistill.train.targets import LiveTarget, TargetSource
 from specdistill.train.temperatures import SamplingSource, sampling_source
@@ -193,9 +194,10 @@ class DistillStep:
             if loaded is not None:
                 attach_head(self.draft_module(), loaded)
         self.targets: TargetSource = targets or LiveTarget(kind, self.target)
-        # The loss's parts (per-token, the draft's own chains) and the served sampling it
-        # is taken at (loss.temperature; `traffic`: set per refresh by the online job).
-        self.objective = Objective(r, seed=r.train.seed)
+        # The loss, resolved once (its per-token part, the draft's own chains), and the
+        # served sampling it is taken at (loss.temperature; `traffic`: set per refresh by
+        # the online job).
+        self.objective = Objective(resolved_loss(r), seed=r.train.seed)
         self.default_sampling: SamplingSource | None = sampling_source(r)
         self.sampling = self.default_sampling
         self._calls = 0  # micro-batches of this step so far (seeds the chains' sampling)
@@ -333,7 +335,7 @@ class DistillStep:
         return self.sampling.shares(batch)
 
     def _direct(self, batch: dict) -> "StepLosses":
-        lo, head, objective = self.loss_cfg, self.head_training, self.objective
+        head, objective = self.head_training, self.objective
         shares = self._shares(batch)
         token = head_part = None
         if objective.token is not None or head is not None:
@@ -341,7 +343,7 @@ class DistillStep:
             with record:
                 depths = self.targets.depths(self.draft, batch)
             if objective.token is not None:
-                token = objective.token_sums(lo, depths, shares, self.vocab_map())
+                token = objective.token_sums(depths, shares, self.vocab_map())
             if head is not None:
                 with torch.enable_grad():
                     head_part = head.loss(record, *depths, self.vocab_map())

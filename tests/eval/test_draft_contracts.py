@@ -17,12 +17,12 @@ from specdistill.drafts.types import Drafter, DraftType
 from specdistill.eval.drift_report import DriftReport
 from specdistill.eval.engine import Engine, RowState, Sampling
 from specdistill.eval.report import SpeculateReport
-from tests.eval.test_speculative import perturbed, tiny_llama
+from tests.eval.helpers import perturbed, tiny_llama
 
 # What the trainer, the engine, the server, the offline α and the export call on a type.
 DRAFT_TYPE_MEMBERS = {
     "name",
-    "formats",
+    "capabilities",
     "layout",
     "per_depth_alpha",
     "own_tokenizer",
@@ -30,6 +30,7 @@ DRAFT_TYPE_MEMBERS = {
     "d2t",
     "detect",
     "chains",
+    "planned",
     "build",
     "count_mask",
     "depths",
@@ -89,7 +90,8 @@ def test_the_reduced_vocabulary_variant_is_the_standalone_type(models):
     reduced = with_reduced_head(draft, d2t, t2d)
     kind = ReducedStandalone(96, reduced.lm_head)
     assert isinstance(kind, DraftType) and isinstance(kind, Standalone)
-    assert kind.name == "standalone" and kind.d2t is reduced.d2t and kind.formats == ("hf",)
+    assert kind.name == "standalone" and kind.d2t is reduced.d2t
+    assert kind.capabilities.formats == ("hf",)
     assert drafts.type_of(reduced) is ReducedStandalone
     assert isinstance(drafts.drafter_for(reduced, 96, torch.device("cpu")), Drafter)
     assert drafts.compared_vocab_size(target, draft=reduced) == 96  # its V, not its V_d

@@ -18,13 +18,13 @@ from transformers import (
     Qwen2ForCausalLM,
 )
 
-from specdistill.drafts.eagle3_head import Eagle3Head, VocabMapError, build_vocab_map
+from specdistill.drafts.eagle3_head import Eagle3Head, VocabMapError
 from specdistill.train.export import FORMATS, ExportError, export, load_export
 from specdistill.train.export_cli import main
+from tests.eagle3_heads import DRAFT_VOCAB, HIDDEN, VOCAB, tiny_config, trained_head
 from tests.helpers import make_tokenizer
 
 ROOT = Path(__file__).resolve().parents[2]
-VOCAB, DRAFT_VOCAB, HIDDEN = 64, 40, 32
 LAYER_WEIGHTS = (
     "self_attn.q_proj.weight",
     "self_attn.k_proj.weight",
@@ -38,32 +38,6 @@ LAYER_WEIGHTS = (
     "post_attention_layernorm.weight",
 )
 TOP_WEIGHTS = ("d2t", "t2d", "embed_tokens.weight", "fc.weight", "norm.weight", "lm_head.weight")
-
-
-def tiny_config(cls):
-    return cls(
-        vocab_size=VOCAB,
-        hidden_size=HIDDEN,
-        intermediate_size=48,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=128,
-    )
-
-
-def trained_head(target, seed: int = 0, **kwargs) -> Eagle3Head:
-    """A head with a non-trivial vocab map and every weight randomly moved off its init."""
-    torch.manual_seed(seed)
-    head = Eagle3Head.from_target(target, draft_vocab_size=DRAFT_VOCAB, **kwargs)
-    counts = torch.randint(0, 1000, (VOCAB,))
-    d2t, t2d = build_vocab_map(counts, DRAFT_VOCAB)
-    assert d2t.any() and not torch.equal(t2d, torch.arange(VOCAB) < DRAFT_VOCAB)
-    head.set_vocab_map(d2t, t2d, target.get_output_embeddings().weight)
-    with torch.no_grad():
-        for p in head.parameters():
-            p.add_(torch.randn_like(p) * 0.2)
-    return head.eval()
 
 
 @pytest.fixture(scope="module")
@@ -624,14 +598,16 @@ def test_draft_types_detect_their_directories(head_dir, standalone_dir, tmp_path
 
 
 def test_a_third_draft_type_plugs_in(standalone_dir, tmp_path, monkeypatch):
-    """A new type: a class in drafts/ (name, formats, layout, detect) and, per format it
-    supports, a writer, a hint and (in its layout's module) a reader keyed by its name."""
+    """A new type written unlike the others: a class in drafts/ (name, capabilities with its
+    formats and export_as, layout, detect) and, per format it supports, a writer, a hint and
+    (in its layout's module) a reader keyed by its export_as."""
     from specdistill import drafts
     from specdistill.train.export import vllm
     from specdistill.train.export.common import Plan
 
     class Toy:
-        name, formats, layout = "toy", ("vllm",), "vllm"
+        name, layout = "toy", "vllm"
+        capabilities = drafts.Capabilities(formats=("vllm",), export_as="toy")
 
         @staticmethod
         def detect(path) -> bool:

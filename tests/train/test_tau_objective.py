@@ -2,6 +2,7 @@
 mixtures, end to end on the tiny pair (train/objective.py, train/temperatures.py)."""
 
 import json
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -9,8 +10,7 @@ import torch
 from specdistill.train.config import RecipeError, load_recipe
 from specdistill.train.temperatures import FixedShares, Share, TrafficShares
 from specdistill.train.trainer import Trainer
-from tests.train.test_eagle3 import sharp_target  # noqa: F401 (a fixture)
-from tests.train.test_trainer import metrics, overrides
+from tests.train.helpers import metrics, overrides
 
 
 def test_tau_distillation_raises_alpha(tiny_pair, tmp_path):
@@ -46,13 +46,13 @@ def test_tau_mixed_with_a_per_token_loss_and_chunked(tiny_pair, tmp_path):
 
 
 def test_gamma_defaults_to_the_largest_evaluated_gamma(tiny_pair, tmp_path):
-    from specdistill.train.objective import Objective
+    from specdistill.train.recipe_loss import resolved_loss
 
     recipe = load_recipe(
         None,
         overrides(tiny_pair, tmp_path, **{"loss.name": "tau", "eval.speculative.gammas": "[2, 5]"}),
     )
-    assert Objective(recipe).gamma == 5
+    assert resolved_loss(recipe).chain.gamma == 5
 
 
 @pytest.mark.parametrize(
@@ -84,12 +84,8 @@ def test_a_single_temperature_is_one_share_of_every_row():
 
 
 def test_traffic_shares_group_rows_by_their_served_sampling():
-    items = [
-        {"temperature": 0.0},
-        {"temperature": 0.7, "top_p": 0.9},
-        {"temperature": 0.7, "top_p": 0.9},
-        {"temperature": 1.0, "top_p": 1.0},
-    ]
+    served = [(0.0, None), (0.7, 0.9), (0.7, 0.9), (1.0, 1.0)]  # (temperature, top_p)
+    items = [SimpleNamespace(temperature=t, top_p=p) for t, p in served]
     shares = TrafficShares(items).shares({"sequence": torch.tensor([1, 0, 2, 3])})
     by_key = {(s.temperature, s.top_p): s.rows.tolist() for s in shares}
     assert by_key == {
@@ -122,9 +118,9 @@ def test_a_temperature_mixture_is_the_weighted_sum_of_its_losses(tiny_pair, tmp_
     assert mix["alpha"] == pytest.approx(0.25 * per["0.5"] + 0.75 * per["1"])
 
 
-def test_tau_trains_an_eagle3_head(tiny_pair, sharp_target, tmp_path):  # noqa: F811
+def test_tau_trains_an_eagle3_head(tiny_pair, sharp_target, tmp_path):
     """loss.name=tau on an EAGLE-3 head: its own chains (reduced vocabulary, d2t) raise α."""
-    from tests.train.test_eagle3 import eagle_overrides
+    from tests.train.helpers import eagle_overrides
 
     out = tmp_path / "run"
     extra = {"train.max_steps": 20, "loss.name": "tau", "loss.gamma": 3, "loss.prefixes": 8}

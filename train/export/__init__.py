@@ -7,9 +7,10 @@
 
 (`python -m specdistill.train.export ...` is the same command; train/export_cli.py parses
 it.) The draft's type is detected by the drafts layer (`drafts.detect`: an EAGLE-3 head in
-the speculators or SGLang layout, else a Hugging Face causal LM). Each format is one module,
-which maps a type's `name` to its writer, reader and serve hint (train/export/common.py
-describes the interface; docs/theory.md §5):
+the speculators or SGLang layout, else a Hugging Face causal LM), which declares its export
+formats and how it is written (`capabilities.formats`, `capabilities.export_as`). Each format
+is one module, which maps an `export_as` to its writer, reader and serve hint
+(train/export/common.py describes the interface; docs/theory.md §5):
 
   vllm.py    an EAGLE-3 head in the `speculators` layout; a standalone draft as a plain causal
              LM directory (config.json, model.safetensors, generation config), for every format
@@ -39,9 +40,10 @@ beside --out, re-read and checked, then renamed into place (`specdistill.publish
 `load_export(out, fmt)` re-loads any export as a module giving logits (an `Eagle3Head`, or the
 causal LM).
 
-A new draft type (drafts/) plugs in with a `formats` tuple, a `layout` (the format whose
-directory layout its saved drafts have) and `detect`; each format module it supports gets
-`WRITERS[name]`, `HINTS[name]`, and its layout module `READERS[name]`.
+A new draft type (drafts/) plugs in with its `capabilities` (`formats`, `export_as`), a
+`layout` (the format whose directory layout its saved drafts have) and `detect`; one written
+unlike every existing type (a new `export_as`) gets, in each format module it supports,
+`WRITERS[export_as]`, `HINTS[export_as]`, and in its layout module `READERS[export_as]`.
 """
 
 import shutil
@@ -104,7 +106,7 @@ def _read(directory: Path) -> tuple[type, nn.Module]:
     except ValueError as e:  # no config.json, bad JSON: not a draft directory
         raise ExportError(str(e)) from e
     check_weight_files(directory)  # BrokenWeightsError naming a cut-short file
-    return kind, MODULES[kind.layout].READERS[kind.name](directory)
+    return kind, MODULES[kind.layout].READERS[kind.capabilities.export_as](directory)
 
 
 def load_draft(draft) -> tuple[type, nn.Module]:
@@ -210,13 +212,13 @@ def export_with_plan(
     out = Path(out)
     _prepare_out(out, overwrite, draft)
     kind, model = load_draft(draft)
-    if fmt not in kind.formats:
-        note = getattr(kind, "format_note", None)  # why a type's formats are fewer
+    can = kind.capabilities
+    if fmt not in can.formats:
         raise ExportError(
-            f"a {kind.name} draft cannot be exported as {fmt}; formats: {', '.join(kind.formats)}"
-            + (f" ({note})" if note else "")
+            f"a {kind.name} draft cannot be exported as {fmt}; formats: {', '.join(can.formats)}"
+            + (f" ({can.format_note})" if can.format_note else "")
         )
-    plan = module.WRITERS[kind.name](model, options)  # checks; nothing is written yet
+    plan = module.WRITERS[can.export_as](model, options)  # checks; nothing is written yet
     tokenizer = _tokenizer_source(kind, options)
 
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -259,10 +261,11 @@ def export(
 def serve_hint(fmt: str, kind, out, plan: Plan) -> str:
     """How the inference engine of `fmt` serves an export (`export_with_plan`'s result)."""
     tokens = plan.speculative_tokens
-    if "vllm" not in kind.formats:  # e.g. a reduced output vocabulary: only this project loads it
+    can = kind.capabilities
+    if "vllm" not in can.formats:  # e.g. a reduced output vocabulary: only this project loads it
         return f"specdistill serve --target {plan.verifier or 'TARGET'} --draft {out}"
     return (
         MODULES[fmt]
-        .HINTS[kind.name]
+        .HINTS[can.export_as]
         .format(out=out, target=plan.verifier or "TARGET", tokens=tokens, draft_tokens=tokens + 1)
     )

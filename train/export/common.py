@@ -1,11 +1,12 @@
 """What every export format shares: the error, the options and plan, a draft directory's
 files, the number of speculative tokens, and the re-read of a written EAGLE-3 head.
 
-A format module (vllm.py, sglang.py, hf.py) maps a draft type's `name` (drafts/) to
-  WRITERS[name](model, options) -> Plan   checks the draft and decides what is written; no I/O
-                                          to --out: `Plan.write(directory)` does the writing
-  READERS[name](directory) -> nn.Module   reads a directory in that format's layout back
-  HINTS[name]                             the serve command printed after an export
+A format module (vllm.py, sglang.py, hf.py) maps how a draft type is written (its
+`capabilities.export_as`, drafts/types.py: causal_lm, eagle3_head, parallel_lm) to
+  WRITERS[export_as](model, options) -> Plan   checks the draft and decides what is written;
+                                               no I/O to --out: `Plan.write(directory)` writes
+  READERS[export_as](directory) -> nn.Module   reads a directory in that format's layout back
+  HINTS[export_as]                             the serve command printed after an export
 """
 
 import sys

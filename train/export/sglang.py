@@ -163,14 +163,15 @@ def read_head(directory: Path) -> Eagle3Head:
     return head.to(dtype) if dtype is not None else head
 
 
-WRITERS = {"eagle3": write_head, "standalone": vllm.write_causal_lm}
-READERS = {"eagle3": read_head}
+# keyed by a draft type's `capabilities.export_as`
+WRITERS = {"eagle3_head": write_head, "causal_lm": vllm.write_causal_lm}
+READERS = {"eagle3_head": read_head}
 HINTS = {
-    "eagle3": "python -m sglang.launch_server --model-path {target} "
+    "eagle3_head": "python -m sglang.launch_server --model-path {target} "
     "--speculative-algorithm EAGLE3 --speculative-draft-model-path {out} "
     "--speculative-num-steps {tokens} --speculative-eagle-topk 1 "
     "--speculative-num-draft-tokens {draft_tokens}",
-    "standalone": "python -m sglang.launch_server --model-path {target} "
+    "causal_lm": "python -m sglang.launch_server --model-path {target} "
     "--speculative-algorithm STANDALONE --speculative-draft-model-path {out} "
     "--speculative-num-steps {tokens} --speculative-eagle-topk 1 "
     "--speculative-num-draft-tokens {draft_tokens}",

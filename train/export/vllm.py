@@ -101,14 +101,19 @@ def write_parallel_lm(model: nn.Module, options: Options) -> Plan:
     return Plan(plan.write, plan.verifier, options.speculative_tokens or trained)
 
 
-WRITERS = {"eagle3": write_head, "standalone": write_causal_lm, "parallel": write_parallel_lm}
-READERS = {"eagle3": read_head, "standalone": read_causal_lm, "parallel": read_causal_lm}
+# keyed by a draft type's `capabilities.export_as`
+WRITERS = {
+    "eagle3_head": write_head,
+    "causal_lm": write_causal_lm,
+    "parallel_lm": write_parallel_lm,
+}
+READERS = {"eagle3_head": read_head, "causal_lm": read_causal_lm, "parallel_lm": read_causal_lm}
 HINTS = {
-    "eagle3": "vllm serve {target} --speculative-config "
+    "eagle3_head": "vllm serve {target} --speculative-config "
     '\'{{"model": "{out}", "num_speculative_tokens": {tokens}, "method": "eagle3"}}\'',
-    "standalone": "vllm serve {target} --speculative-config "
+    "causal_lm": "vllm serve {target} --speculative-config "
     '\'{{"model": "{out}", "num_speculative_tokens": {tokens}}}\'',
-    "parallel": "vllm serve {target} --speculative-config "
+    "parallel_lm": "vllm serve {target} --speculative-config "
     '\'{{"model": "{out}", "num_speculative_tokens": {tokens}, "method": "draft_model", '
     '"parallel_drafting": true}}\'',
 }
