@@ -125,7 +125,7 @@ def decompose(recipe_path: str, out: Path, overrides: list[str], runs: list[str]
     }
 
 
-def main() -> None:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -145,7 +145,11 @@ def main() -> None:
         help="only add the α decomposition of the runs already in OUT to its JSON",
     )
     parser.add_argument("overrides", nargs="*", help="recipe overrides, key.sub=value")
-    args = parser.parse_args()
+    return parser
+
+
+def main() -> None:
+    args = build_parser().parse_args()
     out = Path(args.out)
     if args.train_records:
         args.overrides = [*args.overrides, f"data.train={subset(out, args.train_records)}"]
@@ -169,29 +173,42 @@ def main() -> None:
         }
     )
     for n in top_ns:
-        cache = out / f"cache-top{n}"
-        recipe = load_recipe(args.recipe, [*args.overrides, f"train.output_dir={out / 'unused'}"])
-        start = time.perf_counter()
-        manifest = build_cache(recipe, cache, top_n=n, splits=("train",), overwrite=True)
-        build_s = time.perf_counter() - start
-        result, seconds = train(
-            args.recipe, out / f"top{n}", [*args.overrides, f"target.cache={cache}"]
-        )
-        rows.append(
-            {
-                "run": f"cache top-{n}",
-                "alpha": result["alpha"],
-                "alpha_greedy": result["alpha_greedy"],
-                "alpha_before": result["alpha_before"],
-                "train_s": seconds,
-                "build_s": build_s,
-                "bytes_per_token": manifest["bytes_per_token"],
-                "kept_mass_mean_median": kept_mass(cache),
-                "positions": manifest["positions"],
-                "total_bytes": manifest["total_bytes"],
-            }
-        )
+        result, row = cached_run(args.recipe, out, args.overrides, n)
+        rows.append(row)
     steps = result["steps"]
+    print_runs(steps, rows)
+    runs = ["live", *(f"top{n}" for n in top_ns)]
+    decomposition = decompose(args.recipe, out, args.overrides, runs, top_ns)
+    print_decomposition(decomposition)
+    report = {"steps": steps, "runs": rows, "decomposition": decomposition}
+    (out / "cache_vs_live.json").write_text(json.dumps(report, indent=1))
+
+
+def cached_run(recipe_path: str, out: Path, overrides: list[str], n: int) -> tuple[dict, dict]:
+    """Build the top-`n` cache of the training split in OUT/cache-topN and train on it in
+    OUT/topN: (the trainer's result, the run's row)."""
+    cache = out / f"cache-top{n}"
+    recipe = load_recipe(recipe_path, [*overrides, f"train.output_dir={out / 'unused'}"])
+    start = time.perf_counter()
+    manifest = build_cache(recipe, cache, top_n=n, splits=("train",), overwrite=True)
+    build_s = time.perf_counter() - start
+    result, seconds = train(recipe_path, out / f"top{n}", [*overrides, f"target.cache={cache}"])
+    row = {
+        "run": f"cache top-{n}",
+        "alpha": result["alpha"],
+        "alpha_greedy": result["alpha_greedy"],
+        "alpha_before": result["alpha_before"],
+        "train_s": seconds,
+        "build_s": build_s,
+        "bytes_per_token": manifest["bytes_per_token"],
+        "kept_mass_mean_median": kept_mass(cache),
+        "positions": manifest["positions"],
+        "total_bytes": manifest["total_bytes"],
+    }
+    return result, row
+
+
+def print_runs(steps: int, rows: list[dict]) -> None:
     print(
         f"\n{steps} steps; held-out α against the live target (hidden-state cache of "
         f"Llama-3.1-8B for scale: {HIDDEN_CACHE} bytes/token)"
@@ -203,11 +220,6 @@ def main() -> None:
             f"{row['run']:<14} {row['alpha']:7.4f} {row['alpha_greedy']:7.4f} "
             f"{row['train_s']:8.1f} {size:>12}"
         )
-    runs = ["live", *(f"top{n}" for n in top_ns)]
-    decomposition = decompose(args.recipe, out, args.overrides, runs, top_ns)
-    print_decomposition(decomposition)
-    report = {"steps": steps, "runs": rows, "decomposition": decomposition}
-    (out / "cache_vs_live.json").write_text(json.dumps(report, indent=1))
 
 
 def print_decomposition(decomposition: dict) -> None:

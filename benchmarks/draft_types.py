@@ -156,7 +156,7 @@ def results_section(setting: str, target: str, cells: list[list[str]]) -> result
     return results_md.Section(key="draft_types", title="Draft types at equal steps", body=body)
 
 
-def main() -> None:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -179,7 +179,11 @@ def main() -> None:
         "--set", action="append", default=[], help="KIND:KEY=VALUE, a recipe override for one kind"
     )
     parser.add_argument("overrides", nargs="*", help="recipe overrides for every run")
-    args = parser.parse_args()
+    return parser
+
+
+def main() -> None:
+    args = build_parser().parse_args()
     out = Path(args.out)
     kinds, names = args.kinds.split(","), args.losses.split(",")
     for pick in args.recipe:
@@ -187,15 +191,7 @@ def main() -> None:
         RECIPES[kind] = name
 
     per_kind = kind_overrides(args.set, kinds)
-    targets = {
-        kind: load_recipe(
-            REPO / "recipes" / RECIPES[kind], [*args.overrides, *per_kind[kind]]
-        ).target.model
-        for kind in kinds
-    }
-    if len(set(targets.values())) != 1:
-        raise SystemExit(f"the kinds' recipes name different targets {targets}: override one")
-    target_name = targets[kinds[0]]
+    target_name = shared_target(kinds, args.overrides, per_kind)
     trained = {}
     for kind in kinds:
         overrides = [*args.overrides, *per_kind[kind]]
@@ -213,18 +209,7 @@ def main() -> None:
         temperatures=tuple(float(t) for t in args.temperatures.split(",")),
         max_new_tokens=args.max_new_tokens,
     )
-    rows, summary = [], {}
-    for (kind, loss), (run_dir, result) in trained.items():
-        draft = load_draft(str(run_dir / "final"))
-        params = result.get("trainable_params") or sum(p.numel() for p in draft.parameters())
-        evaluation, _ = sweep(target, draft, prompt_ids, settings)
-        summary[f"{kind}-{loss}"] = {
-            "trainable_params": params,
-            "train_eval": {k: result[k] for k in ("alpha", "alpha_greedy", "steps")},
-            "configs": evaluation["configs"],
-        }
-        for c in evaluation["configs"]:
-            rows.append((kind, loss, params, result["alpha"], c))
+    rows, summary = evaluate(trained, target, prompt_ids, settings)
     setting = (
         f"{args.steps} steps each; {len(prompt_ids)} prompts from {Path(args.prompts).name}, "
         f"{args.max_new_tokens} new tokens; speedup = tokens/s ÷ target-only tokens/s "
@@ -238,6 +223,36 @@ def main() -> None:
         print(f"wrote {results_md.write(section, args.results)}")
     out.mkdir(parents=True, exist_ok=True)
     (out / "summary.json").write_text(json.dumps(summary, indent=1, default=str))
+
+
+def shared_target(kinds: list[str], overrides: list[str], per_kind: dict[str, list[str]]) -> str:
+    """The target model every kind's recipe names; SystemExit when they differ."""
+    targets = {
+        kind: load_recipe(
+            REPO / "recipes" / RECIPES[kind], [*overrides, *per_kind[kind]]
+        ).target.model
+        for kind in kinds
+    }
+    if len(set(targets.values())) != 1:
+        raise SystemExit(f"the kinds' recipes name different targets {targets}: override one")
+    return targets[kinds[0]]
+
+
+def evaluate(trained: dict, target, prompt_ids: list[list[int]], settings: Settings):
+    """Sweep each trained draft: (the table's rows, summary.json's content)."""
+    rows, summary = [], {}
+    for (kind, loss), (run_dir, result) in trained.items():
+        draft = load_draft(str(run_dir / "final"))
+        params = result.get("trainable_params") or sum(p.numel() for p in draft.parameters())
+        evaluation, _ = sweep(target, draft, prompt_ids, settings)
+        summary[f"{kind}-{loss}"] = {
+            "trainable_params": params,
+            "train_eval": {k: result[k] for k in ("alpha", "alpha_greedy", "steps")},
+            "configs": evaluation["configs"],
+        }
+        for c in evaluation["configs"]:
+            rows.append((kind, loss, params, result["alpha"], c))
+    return rows, summary
 
 
 if __name__ == "__main__":

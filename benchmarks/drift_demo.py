@@ -25,6 +25,7 @@ import json
 import random
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -110,7 +111,7 @@ def demo_meta(args, out: Path, eval_file: Path, target) -> dict:
     }
 
 
-def main(argv=None) -> dict:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -131,26 +132,23 @@ def main(argv=None) -> dict:
         "initialisation of the draft's architecture) or 'auto' (the draft.model of the run "
         "that produced --draft, else fresh)",
     )
-    args = p.parse_args(argv)
+    return p
+
+
+def main(argv=None) -> dict:
+    args = build_parser().parse_args(argv)
     torch.set_num_threads(1)
     t0 = time.time()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
 
-    from benchmarks.drift_repair import compare
     from specdistill.drafts import hub
     from specdistill.eval import drift
     from specdistill.eval.prompts import load_prompts
 
     ft = finetune_adapter(args.base, out / "adapter", [(help_topics()[0], 8)], args.ft_steps)
     print(f"fine-tune: {ft} ({time.time() - t0:.0f}s)", flush=True)
-
-    _, heldout_topics = help_topics()
-    n_eval, n_train = args.eval_prompts, args.train_prompts
-    code = code_openings(n_eval + n_train, seed=1)
-    prose = prose_openings(heldout_topics, n_eval + n_train, seed=1)
-    eval_file = prompts_file(out / "prompts_eval.jsonl", code[:n_eval], prose[:n_eval])
-    train_file = prompts_file(out / "prompts_train.jsonl", code[n_eval:], prose[n_eval:])
+    eval_file, train_file = write_prompt_files(out, args.eval_prompts, args.train_prompts)
 
     tokenizer = hub.load_tokenizer(args.base)
     before = hub.load_target(args.base)
@@ -165,17 +163,55 @@ def main(argv=None) -> dict:
     print(f"drift measured ({time.time() - t0:.0f}s): α {report['alpha_before']:.4f} -> "
           f"{report['alpha_after']:.4f}, TV {report['target_tv']:.4f}", flush=True)  # fmt: skip
 
-    # Repair data: the after-target's responses to the train prompts (and to the eval
-    # prompts, as the trainer's held-out set).
+    write_repair_data(args, out, after, tokenizer, train_file, eval_prompts, responses["after"])
+    print(f"repair data written ({time.time() - t0:.0f}s)", flush=True)
+    start, repair = run_repair(args, out)
+    print(f"repair done ({time.time() - t0:.0f}s)", flush=True)
+
+    repaired = hub.load_draft(repair["refit_draft"])
+    scratch = hub.load_draft(str(out / "repair" / "from-start" / "final"))
+    after_repair, _ = drift.measure(before, after, repaired, tokenizer, eval_prompts, **settings)
+    from_start, _ = drift.measure(before, after, scratch, tokenizer, eval_prompts, **settings)
+    measured = Measured(report, after_repair, from_start)
+    result = demo_result(args, start, ft, measured, repair, t0)
+    (out / "demo.json").write_text(json.dumps(result, indent=1))
+    lines = alpha_markdown(args.temperature, result["alpha"], result["alpha_greedy"])
+    (out / "demo.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    print(json.dumps({k: v for k, v in result.items() if k not in ("alpha", "refit_curve",
+                      "from_start_curve")}, indent=1))  # fmt: skip
+    return result
+
+
+def write_prompt_files(out: Path, n_eval: int, n_train: int) -> tuple[Path, Path]:
+    """OUT/prompts_eval.jsonl (`n_eval` prompts per category) and OUT/prompts_train.jsonl
+    (`n_train` per category, the repair data's prompts), code and prose alike."""
+    _, heldout_topics = help_topics()
+    code = code_openings(n_eval + n_train, seed=1)
+    prose = prose_openings(heldout_topics, n_eval + n_train, seed=1)
+    eval_file = prompts_file(out / "prompts_eval.jsonl", code[:n_eval], prose[:n_eval])
+    train_file = prompts_file(out / "prompts_train.jsonl", code[n_eval:], prose[n_eval:])
+    return eval_file, train_file
+
+
+def write_repair_data(args, out: Path, after, tokenizer, train_file, eval_prompts, eval_out):
+    """Repair data: the after-target's responses to the train prompts (and to the eval
+    prompts, `eval_out`, as the trainer's held-out set)."""
+    from specdistill.eval import drift
+    from specdistill.eval.prompts import encode_prompts, load_prompts
+
     train_prompts = load_prompts(train_file)
     gen = dict(temperature=args.temperature, max_new_tokens=args.max_new_tokens,
                eos_token_id=tokenizer.eos_token_id, batch_size=16)  # fmt: skip
-    from specdistill.eval.prompts import encode_prompts
-
     train_out = drift.generate_responses(after, encode_prompts(train_prompts, tokenizer), **gen)
     drift.save_responses(out / "repair_train.jsonl", train_prompts, train_out, tokenizer)
-    drift.save_responses(out / "repair_eval.jsonl", eval_prompts, responses["after"], tokenizer)
-    print(f"repair data written ({time.time() - t0:.0f}s)", flush=True)
+    drift.save_responses(out / "repair_eval.jsonl", eval_prompts, eval_out, tokenizer)
+
+
+def run_repair(args, out: Path) -> tuple[str | None, dict]:
+    """(the from-start run's starting point, None for fresh; benchmarks/drift_repair.py's
+    comparison of the refit against it, in OUT/repair)."""
+    from benchmarks.drift_repair import compare
 
     start = default_start(args.draft) if args.start == "auto" else args.start
     start = None if start in (None, "fresh") else start
@@ -185,32 +221,41 @@ def main(argv=None) -> dict:
         out=out / "repair", refit_steps=args.refit_steps, full_steps=args.full_steps,
         start=start,
     )  # fmt: skip
-    print(f"repair done ({time.time() - t0:.0f}s)", flush=True)
+    return start, repair
 
-    repaired = hub.load_draft(repair["refit_draft"])
-    scratch = hub.load_draft(str(out / "repair" / "from-start" / "final"))
-    after_repair, _ = drift.measure(before, after, repaired, tokenizer, eval_prompts, **settings)
-    from_start, _ = drift.measure(before, after, scratch, tokenizer, eval_prompts, **settings)
-    table = {
-        "before (old draft, old target)": cell(report, "before"),
-        "after fine-tune (old draft, new target)": cell(report, "after"),
-        f"after repair ({args.refit_steps} steps)": cell(after_repair, "after"),
-        f"from start ({args.full_steps} steps)": cell(from_start, "after"),
-    }
-    greedy = {
-        "before (old draft, old target)": cell(report, "before", greedy=True),
-        "after fine-tune (old draft, new target)": cell(report, "after", greedy=True),
-        f"after repair ({args.refit_steps} steps)": cell(after_repair, "after", greedy=True),
-        f"from start ({args.full_steps} steps)": cell(from_start, "after", greedy=True),
-    }
+
+@dataclass
+class Measured:
+    """The demo's drift reports on the eval prompts: the old draft's (`report`, before and
+    after the fine-tune), the refit draft's and the from-start draft's."""
+
+    report: dict
+    after_repair: dict
+    from_start: dict
+
+    def alpha_table(self, args, greedy: bool = False) -> dict:
+        """Row name -> `cell`: α at the serving temperature, or at T=0 (`greedy`)."""
+        return {
+            "before (old draft, old target)": cell(self.report, "before", greedy=greedy),
+            "after fine-tune (old draft, new target)": cell(self.report, "after", greedy=greedy),
+            f"after repair ({args.refit_steps} steps)": cell(
+                self.after_repair, "after", greedy=greedy
+            ),
+            f"from start ({args.full_steps} steps)": cell(self.from_start, "after", greedy=greedy),
+        }
+
+
+def demo_result(args, start: str | None, ft, measured: Measured, repair: dict, t0: float) -> dict:
+    """OUT/demo.json: the α tables, the drift's split, the verdicts and the repair curves."""
+    report, after_repair, from_start = measured.report, measured.after_repair, measured.from_start
     gap = report["alpha_before"] - report["alpha_after"]
-    result = {
+    return {
         "draft": args.draft,
         "start": start or "fresh",
         "settings": vars(args),
         "fine_tune": ft,
-        "alpha": table,
-        "alpha_greedy": greedy,
+        "alpha": measured.alpha_table(args),
+        "alpha_greedy": measured.alpha_table(args, greedy=True),
         "target_tv": report["target_tv"],
         "drop_from_text": report["drop_from_text"],
         "drop_from_target": report["drop_from_target"],
@@ -225,20 +270,18 @@ def main(argv=None) -> dict:
         "from_start_curve": repair["from_start"]["curve"],
         "seconds": time.time() - t0,
     }
-    (out / "demo.json").write_text(json.dumps(result, indent=1))
+
+
+def alpha_markdown(temperature: float, table: dict, greedy: dict) -> list[str]:
+    """OUT/demo.md's lines: the α tables at the serving temperature and at T=0."""
     lines = []
-    for title, rows in ((f"α at T={args.temperature:g}", table), ("α at T=0", greedy)):
+    for title, rows in ((f"α at T={temperature:g}", table), ("α at T=0", greedy)):
         lines += ["", f"{title}:", "", "| | all | code | prose |", "|---|---|---|---|"]
         for name, cells in rows.items():
             row = [f"{v[0]:.4f} [{v[1][0]:.4f}, {v[1][1]:.4f}]" if v else "n/a"
                    for v in (cells.get("all"), cells.get("code"), cells.get("prose"))]  # fmt: skip
             lines.append(f"| {name} | " + " | ".join(row) + " |")
-    lines = lines[1:]
-    (out / "demo.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
-    print(json.dumps({k: v for k, v in result.items() if k not in ("alpha", "refit_curve",
-                      "from_start_curve")}, indent=1))  # fmt: skip
-    return result
+    return lines[1:]
 
 
 if __name__ == "__main__":

@@ -23,6 +23,7 @@ recovers ≥ 90% of the gap, as a share of the from-start run's steps.
 import argparse
 import json
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -80,53 +81,29 @@ def compare(
         "train.overwrite=true",
         *extra,
     ]
-    refit = train_curve(
-        [
-            *common,
-            f"draft.model={draft}",
-            f"train.max_steps={refit_steps}",
-            f"train.warmup_steps={max(1, refit_steps // 5)}",
-            f"eval.every={max(1, refit_steps // 5)}",
-            f"train.output_dir={out / 'refit'}",
-        ]
-    )
-    full = full_steps and train_curve(
-        [
-            *common,
-            f"draft.model={start or fresh_start(draft, out / 'start')}",
-            f"train.max_steps={full_steps}",
-            f"train.warmup_steps={max(1, full_steps // 10)}",
-            f"eval.every={max(1, full_steps // 10)}",
-            f"train.output_dir={out / 'from-start'}",
-        ]
+    refit = repair_run(common, draft, refit_steps, 5, out / "refit")
+    full = full_steps and repair_run(
+        common, start or fresh_start(draft, out / "start"), full_steps, 10, out / "from-start"
     )
     alpha_0 = refit["alpha_before"]
     ref = alpha_ref if alpha_ref is not None else full["alpha"]
-    gap = ref - alpha_0
-
-    def recovered(alpha):
-        return (alpha - alpha_0) / gap if gap > 0 else float("nan")
-
-    def points(run):
-        steps = [{"step": 0, "alpha": run["alpha_before"]}, *run["history"]]
-        return [{**h, "recovered": recovered(h["alpha"])} for h in steps]
-
-    curve = points(refit)
+    recovery = Recovery(alpha_0, ref - alpha_0)
+    curve = recovery.curve(refit)
     first_90 = next((h["step"] for h in curve if h["recovered"] >= 0.9), None)
     result = {
         "alpha_drifted": alpha_0,
         "alpha_ref": ref,
         "alpha_ref_kind": "given" if alpha_ref is not None else "from-start final",
-        "gap": gap,
+        "gap": recovery.gap,
         "refit": {"steps": refit_steps, "final_alpha": refit["alpha"], "curve": curve},
         "from_start": full
         and {
             "steps": full_steps,
             "alpha_start": full["alpha_before"],
             "final_alpha": full["alpha"],
-            "curve": points(full),
+            "curve": recovery.curve(full),
         },
-        "refit_recovered": recovered(refit["alpha"]),
+        "refit_recovered": recovery.recovered(refit["alpha"]),
         "first_step_90pct": first_90,
         "steps_share_90pct": None if first_90 is None or not full_steps else first_90 / full_steps,
         "target": f"{base} + {adapter}",
@@ -135,6 +112,39 @@ def compare(
     }
     (out / "repair.json").write_text(json.dumps(result, indent=1))
     return result
+
+
+def repair_run(common: list[str], model: str, steps: int, evals: int, output_dir: Path) -> dict:
+    """recipes/repair.yaml from `model` for `steps` steps into `output_dir`, warming up over
+    and evaluating every `steps // evals` steps (at least 1); the trainer's result."""
+    every = max(1, steps // evals)
+    return train_curve(
+        [
+            *common,
+            f"draft.model={model}",
+            f"train.max_steps={steps}",
+            f"train.warmup_steps={every}",
+            f"eval.every={every}",
+            f"train.output_dir={output_dir}",
+        ]
+    )
+
+
+@dataclass
+class Recovery:
+    """The share of the gap between the drifted α (`alpha_0`) and the reference α that a
+    run's α closes (NaN when the reference is not above the drifted level)."""
+
+    alpha_0: float
+    gap: float
+
+    def recovered(self, alpha: float) -> float:
+        return (alpha - self.alpha_0) / self.gap if self.gap > 0 else float("nan")
+
+    def curve(self, run: dict) -> list[dict]:
+        """The run's α at step 0 and at each evaluation, each with its share recovered."""
+        steps = [{"step": 0, "alpha": run["alpha_before"]}, *run["history"]]
+        return [{**h, "recovered": self.recovered(h["alpha"])} for h in steps]
 
 
 def main(argv=None) -> dict:

@@ -137,7 +137,7 @@ def results_section(
     return results_md.Section(key="loss_compare", title="Losses at equal steps", body=body)
 
 
-def main(argv: list[str] | None = None) -> dict:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -173,41 +173,19 @@ def main(argv: list[str] | None = None) -> dict:
     )
     results_md.add_argument(parser)
     parser.add_argument("overrides", nargs="*", help="recipe overrides, key.sub=value")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = build_parser()
     args = parser.parse_args(argv)
     out = Path(args.out)
     seeds = [int(s) for s in args.seeds.split(",")]
     g = args.gamma
-    common = list(args.overrides)
-    if args.steps is not None:
-        common.append(f"train.max_steps={args.steps}")
-    if args.target:
-        common.append(f"target.model={args.target}")
-    if args.draft:
-        common.append(f"draft.model={args.draft}")
-    if args.data:
-        common.append(f"data.train={json.dumps(args.data.split(','))}")
-    if args.spec_prompts:
-        common += [
-            "eval.speculative.every=1000000000",  # only at the end of training
-            f"eval.speculative.gammas=[{g}]",
-            f"eval.speculative.prompts={args.spec_prompts}",
-        ]
+    common = common_overrides(args)
     variants = [parse_variant(text) for text in split_losses(args.losses)]
     if args.on_policy > 0:
-        on = [
-            f"data.on_policy.fraction={args.on_policy}",
-            f"data.on_policy.source={args.on_policy_source}",
-        ]
-        chosen = args.on_policy_losses.split(",") if args.on_policy_losses else None
-        labels = [label for label, _, _ in variants]
-        unknown = [c for c in chosen or [] if c not in labels]
-        if unknown:
-            parser.error(f"--on-policy-losses {unknown} are not among --losses {labels}")
-        variants += [
-            (f"{label}+op", loss, extra + on)
-            for label, loss, extra in list(variants)
-            if chosen is None or label in chosen
-        ]
+        variants += on_policy_variants(args, variants, parser)
     results: dict[str, list[dict]] = {label: [] for label, _, _ in variants}
     for seed in seeds:
         for label, loss, extra in variants:
@@ -226,7 +204,70 @@ def main(argv: list[str] | None = None) -> dict:
             "tau_pred": [r["tau_pred"][g] for r in rs],
             "tau_measured": [measured_tau(r, g) for r in rs],
         }
+    add_ratios_vs_fkl(summary)
+    print_table(summary, first, seeds, g)
+    out.mkdir(parents=True, exist_ok=True)
+    report = {"seeds": seeds, "gamma": g, "steps": first["steps"], "results": summary}
+    (out / "summary.json").write_text(json.dumps(report, indent=1))
+    if args.results:
+        section = results_section(summary, first, seeds, g, args.report_only)
+        print(f"wrote {results_md.write(section, args.results)}")
+    return report
+
+
+def common_overrides(args) -> list[str]:
+    """The recipe overrides every run shares: the command line's own, then the flags'."""
+    common = list(args.overrides)
+    if args.steps is not None:
+        common.append(f"train.max_steps={args.steps}")
+    if args.target:
+        common.append(f"target.model={args.target}")
+    if args.draft:
+        common.append(f"draft.model={args.draft}")
+    if args.data:
+        common.append(f"data.train={json.dumps(args.data.split(','))}")
+    if args.spec_prompts:
+        common += [
+            "eval.speculative.every=1000000000",  # only at the end of training
+            f"eval.speculative.gammas=[{args.gamma}]",
+            f"eval.speculative.prompts={args.spec_prompts}",
+        ]
+    return common
+
+
+def on_policy_variants(args, variants: list, parser: argparse.ArgumentParser) -> list:
+    """The `--on-policy-losses` variants (all by default) again, on-policy, labelled
+    `LABEL+op`; a label not among `variants` is a usage error."""
+    on = [
+        f"data.on_policy.fraction={args.on_policy}",
+        f"data.on_policy.source={args.on_policy_source}",
+    ]
+    chosen = args.on_policy_losses.split(",") if args.on_policy_losses else None
+    labels = [label for label, _, _ in variants]
+    unknown = [c for c in chosen or [] if c not in labels]
+    if unknown:
+        parser.error(f"--on-policy-losses {unknown} are not among --losses {labels}")
+    return [
+        (f"{label}+op", loss, extra + on)
+        for label, loss, extra in list(variants)
+        if chosen is None or label in chosen
+    ]
+
+
+def add_ratios_vs_fkl(summary: dict) -> None:
+    """Each row's mean τ (predicted, measured) over fkl's, as `KEY_ratio_vs_fkl` (None
+    without fkl or values)."""
     base = summary.get("fkl")
+    for row in summary.values():
+        for key in ("tau_pred", "tau_measured"):
+            mine = [v for v in row[key] if v is not None]
+            ref = [v for v in (base or {}).get(key, []) if v is not None]
+            ratio = statistics.mean(mine) / statistics.mean(ref) if mine and ref else None
+            row[f"{key}_ratio_vs_fkl"] = ratio
+
+
+def print_table(summary: dict, first: dict, seeds: list[int], g: int) -> None:
+    """The runs' table on stdout, with the starting point and the best run by τ_pred."""
     print(f"\n{len(seeds)} seed(s), {first['steps']} steps each, γ = {g}")
     print(
         f"before: alpha {first['alpha_before']:.4f}, greedy {first['alpha_greedy_before']:.4f}, "
@@ -242,24 +283,12 @@ def main(argv: list[str] | None = None) -> dict:
     )
     print(f"{'run':<14} " + " ".join(f"{c:>18}" for c in columns))
     for label, row in summary.items():
-        ratios = []
-        for key in ("tau_pred", "tau_measured"):
-            mine = [v for v in row[key] if v is not None]
-            ref = [v for v in (base or {}).get(key, []) if v is not None]
-            ratio = statistics.mean(mine) / statistics.mean(ref) if mine and ref else None
-            row[f"{key}_ratio_vs_fkl"] = ratio
-            ratios.append("-" if ratio is None else f"{ratio:.3f}")
+        ratios = [row[f"{key}_ratio_vs_fkl"] for key in ("tau_pred", "tau_measured")]
+        ratios = ["-" if ratio is None else f"{ratio:.3f}" for ratio in ratios]
         cells = [fmt(row[k]) for k in ("alpha", "alpha_greedy", "tau_pred", "tau_measured")]
         print(f"{label:<14} " + " ".join(f"{c:>18}" for c in cells + ratios))
     best = max(summary, key=lambda n: statistics.mean(summary[n]["tau_pred"]))
     print(f"best tau_pred({g}): {best}")
-    out.mkdir(parents=True, exist_ok=True)
-    report = {"seeds": seeds, "gamma": g, "steps": first["steps"], "results": summary}
-    (out / "summary.json").write_text(json.dumps(report, indent=1))
-    if args.results:
-        section = results_section(summary, first, seeds, g, args.report_only)
-        print(f"wrote {results_md.write(section, args.results)}")
-    return report
 
 
 if __name__ == "__main__":

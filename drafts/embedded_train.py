@@ -8,6 +8,7 @@ import math
 import shutil
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import tokenizers
@@ -204,49 +205,85 @@ def train_model(
     record's fields about the run (drafts/embedded.py writes the record). `threads`, when
     given, is re-checked between steps (specdistill/threads.py)."""
     start = time.perf_counter()
-    tokenizer = tokenizers.Tokenizer.from_file(str(tokenizer_dir / "tokenizer.json"))
-    eos_id = tokenizer.token_to_id(EOS)
-    vocab_size = tokenizer.get_vocab_size()
-    train = _token_stream(tokenizer, corpus_texts(spec.corpus, "train"), eos_id)
-    heldout = _token_stream(tokenizer, corpus_texts(spec.corpus, "heldout"), eos_id)
-    train_blocks = _blocks(train, spec.seq_len)
-    heldout_blocks = _blocks(heldout, spec.seq_len)
-    pick = torch.linspace(0, len(heldout_blocks) - 1, min(spec.eval_blocks, len(heldout_blocks)))
-    eval_blocks = heldout_blocks[pick.long()]
-
-    def config(num_layers: int) -> LlamaConfig:
-        return LlamaConfig(
-            vocab_size=vocab_size,
-            hidden_size=spec.hidden_size,
-            intermediate_size=spec.intermediate_size,
-            num_hidden_layers=num_layers,
-            num_attention_heads=spec.num_heads,
-            num_key_value_heads=spec.num_heads,
-            max_position_embeddings=spec.max_position_embeddings,
-            tie_word_embeddings=True,
-            bos_token_id=eos_id,
-            eos_token_id=eos_id,
-            pad_token_id=eos_id,
-        )
-
+    corpus = _TokenCorpus.load(spec, tokenizer_dir)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(spec.seed)
         with model_lock():
-            model = LlamaForCausalLM(config(spec.grow_from_layers or spec.num_layers))
+            model = LlamaForCausalLM(
+                _llama_config(spec, corpus, spec.grow_from_layers or spec.num_layers)
+            )
     stages = ""
     if spec.grow_from_layers:
         stages = f" (the first {spec.grow_at_step} at {spec.grow_from_layers} layers)"
     log(
         f"building '{name}' (once, then cached): {spec.num_layers}-layer Llama, "
         f"{spec.steps} steps x {spec.batch_size}x{spec.seq_len} tokens{stages} "
-        f"from {len(train):,} training tokens, on {_threads()}"
+        f"from {len(corpus.train):,} training tokens, on {_threads()}"
     )
+    model = _pretrain(name, spec, corpus, model, threads)
+    return _save_and_describe(name, spec, corpus, model, tokenizer_dir, out, start)
+
+
+@dataclass
+class _TokenCorpus:
+    """The spec's corpus as token ids: the training stream and its blocks, the held-out
+    blocks evaluated at the end, and the tokenizer's EOS id and vocabulary size."""
+
+    eos_id: int
+    vocab_size: int
+    train: torch.Tensor  # [n_tokens]
+    train_blocks: torch.Tensor  # [n_blocks, seq_len]
+    eval_blocks: torch.Tensor  # [eval_blocks, seq_len], evenly spread over the held-out ones
+
+    @classmethod
+    def load(cls, spec: EmbeddedSpec, tokenizer_dir: Path) -> "_TokenCorpus":
+        tokenizer = tokenizers.Tokenizer.from_file(str(tokenizer_dir / "tokenizer.json"))
+        eos_id = tokenizer.token_to_id(EOS)
+        vocab_size = tokenizer.get_vocab_size()
+        train = _token_stream(tokenizer, corpus_texts(spec.corpus, "train"), eos_id)
+        heldout = _token_stream(tokenizer, corpus_texts(spec.corpus, "heldout"), eos_id)
+        train_blocks = _blocks(train, spec.seq_len)
+        heldout_blocks = _blocks(heldout, spec.seq_len)
+        pick = torch.linspace(
+            0, len(heldout_blocks) - 1, min(spec.eval_blocks, len(heldout_blocks))
+        )
+        eval_blocks = heldout_blocks[pick.long()]
+        return cls(eos_id, vocab_size, train, train_blocks, eval_blocks)
+
+
+def _llama_config(spec: EmbeddedSpec, corpus: _TokenCorpus, num_layers: int) -> LlamaConfig:
+    eos_id = corpus.eos_id
+    return LlamaConfig(
+        vocab_size=corpus.vocab_size,
+        hidden_size=spec.hidden_size,
+        intermediate_size=spec.intermediate_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=spec.num_heads,
+        num_key_value_heads=spec.num_heads,
+        max_position_embeddings=spec.max_position_embeddings,
+        tie_word_embeddings=True,
+        bos_token_id=eos_id,
+        eos_token_id=eos_id,
+        pad_token_id=eos_id,
+    )
+
+
+def _pretrain(
+    name: str,
+    spec: EmbeddedSpec,
+    corpus: _TokenCorpus,
+    model,
+    threads: ThreadPolicy | None,
+):
+    """`spec.steps` steps over shuffled training blocks, growing the model at
+    `spec.grow_at_step` when the spec grows it, with a progress line; the trained model."""
 
     def layers_at(step: int) -> int:
         if spec.grow_from_layers and step < spec.grow_at_step:
             return spec.grow_from_layers
         return spec.num_layers
 
+    train_blocks = corpus.train_blocks
     costs = [step_cost(spec, layers_at(step)) for step in range(spec.steps)]
     progress = WorkProgress(f"building '{name}'", sum(costs), prefix=PREFIX)
     optimizer, scheduler = _optimizer(model, spec, 0)
@@ -257,7 +294,7 @@ def train_model(
     with progress:
         for step in range(spec.steps):
             if spec.grow_from_layers and step == spec.grow_at_step:
-                model = grown(model, config(spec.num_layers))
+                model = grown(model, _llama_config(spec, corpus, spec.num_layers))
                 model.train()
                 optimizer, scheduler = _optimizer(model, spec, step)
                 progress.note(f"'{name}' step {step}: grown to {spec.num_layers} layers")
@@ -269,10 +306,24 @@ def train_model(
             progress.advance(costs[step], f"step {step + 1}/{spec.steps}, loss {loss:.3f}")
             if threads is not None:
                 threads.recheck(say=progress.note)
+    return model
 
+
+def _save_and_describe(
+    name: str,
+    spec: EmbeddedSpec,
+    corpus: _TokenCorpus,
+    model,
+    tokenizer_dir: Path,
+    out: Path,
+    start: float,
+) -> dict:
+    """Evaluate the held-out loss, save model and tokenizer into `out`; the build record's
+    fields about the run (`start`: the build's `time.perf_counter()`)."""
+    eos_id, eval_blocks = corpus.eos_id, corpus.eval_blocks
     n_params = sum(p.numel() for p in model.parameters())
     heldout_loss = _eval_loss(model, eval_blocks, spec.batch_size)
-    unigram_loss = _unigram_loss(train, eval_blocks, vocab_size)
+    unigram_loss = _unigram_loss(corpus.train, eval_blocks, corpus.vocab_size)
     model.generation_config = GenerationConfig(
         bos_token_id=eos_id, eos_token_id=eos_id, pad_token_id=eos_id, do_sample=False
     )

@@ -12,6 +12,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from specdistill.errors import UserError
+from specdistill.eval.cli_args import DEFAULT_MAX_GAMMA
 from specdistill.eval.drift_report import (
     DriftReport,
     markdown,
@@ -136,7 +137,7 @@ def summarise(
     samples: int = 1000,
     confidence: float = 0.95,
     seed: int = 0,
-    max_gamma: int = 8,
+    max_gamma: int = DEFAULT_MAX_GAMMA,
     top: int = 20,
 ) -> dict:
     """The drift report's numbers (the module docstring says what each one is)."""
@@ -151,34 +152,9 @@ def summarise(
     pairs_0 = (before[:, 0][:, [1, 2]], after[:, 0][:, [1, 2]])
     boot = dict(samples=samples, confidence=confidence, seed=seed)
     serving, greedy = paired_bootstrap(*pairs_t, **boot), paired_bootstrap(*pairs_0, **boot)
-    depth_b = [_ratio(before[:, i][:, [0, 2]]) for i in range(k)]
-    depth_a = [_ratio(after[:, i][:, [0, 2]]) for i in range(k)]
-    depth_b0 = [_ratio(before[:, i][:, [1, 2]]) for i in range(k)]
-    depth_a0 = [_ratio(after[:, i][:, [1, 2]]) for i in range(k)]
+    depths = _depth_alphas(before, after)
     categories = [s.category for s in scores]
-    cats = per_category(categories, *pairs_t, min_samples=min_samples, **boot)
-    cats_0 = per_category(categories, *pairs_0, min_samples=min_samples, **boot)
-    for name, cell in cats.items():
-        if not cell["insufficient"]:
-            cell["greedy"] = {
-                key: cats_0[name][key]
-                for key in ("before", "after", "drop", "before_ci", "after_ci", "drop_ci")
-            }
-    lo, hi = serving["drop_ci"]
-    refit = bool(lo > threshold)
-    verdict = {
-        "refit_recommended": refit,
-        "threshold": threshold,
-        "drop": serving["drop"],
-        "drop_ci": serving["drop_ci"],
-        "reason": (
-            f"the drop of α ({serving['drop']:.4f}, {confidence:.0%} interval "
-            f"[{lo:.4f}, {hi:.4f}]) lies entirely above the threshold {threshold}"
-            if refit
-            else f"the {confidence:.0%} interval of the drop of α [{lo:.4f}, {hi:.4f}] does not "
-            f"lie entirely above the threshold {threshold}"
-        ),
-    }
+    cats = _categories(categories, pairs_t, pairs_0, min_samples=min_samples, boot=boot)
     n_pos = tv[:, 2].sum()
     report = {
         "alpha_before": serving["before"],
@@ -197,39 +173,84 @@ def summarise(
         "alpha_greedy_before_on_after_text": _ratio(cross[:, 0][:, [1, 2]]),
         "target_tv": float(tv[:, 0].sum() / n_pos) if n_pos else math.nan,
         "target_argmax_disagreement": float(tv[:, 1].sum() / n_pos) if n_pos else math.nan,
-        "tau_before": _taus(depth_b, max_gamma),
-        "tau_after": _taus(depth_a, max_gamma),
-        "tau_greedy_before": _taus(depth_b0, max_gamma),
-        "tau_greedy_after": _taus(depth_a0, max_gamma),
+        "tau_before": _taus(depths["alpha_before"], max_gamma),
+        "tau_after": _taus(depths["alpha_after"], max_gamma),
+        "tau_greedy_before": _taus(depths["alpha_greedy_before"], max_gamma),
+        "tau_greedy_after": _taus(depths["alpha_greedy_after"], max_gamma),
         "per_category": cats,
         "n_prompts": len(scores),
         "n_positions_before": int(before[:, 0, 2].sum()),
         "n_positions_after": int(after[:, 0, 2].sum()),
-        "verdict": verdict,
+        "verdict": _verdict(serving, threshold, confidence),
     }
     report["drop_from_text"] = report["alpha_before"] - report["alpha_before_on_after_text"]
     report["drop_from_target"] = report["alpha_before_on_after_text"] - report["alpha_after"]
     if k > 1:
-        report["per_depth"] = {
-            "alpha_before": depth_b,
-            "alpha_after": depth_a,
-            "alpha_greedy_before": depth_b0,
-            "alpha_greedy_after": depth_a0,
-        }
+        report["per_depth"] = depths
     if token_loss:
-        total = sum(count for _, count in token_loss.values())
-        ranked = sorted(token_loss.items(), key=lambda item: -item[1][0])[:top]
-        report["top_tokens"] = [
-            {
-                "token_id": int(tok),
-                "token": tokenizer.decode([tok]) if tokenizer is not None else str(tok),
-                "alpha_mass_lost": loss / total,
-                "count": count,
-                "mean_alpha_drop": loss / count,
-            }
-            for tok, (loss, count) in ranked
-        ]
+        report["top_tokens"] = _top_tokens(token_loss, tokenizer, top)
     return report
+
+
+def _depth_alphas(before: np.ndarray, after: np.ndarray) -> dict[str, list[float]]:
+    """α at each draft depth, at the serving temperature and greedy, before and after
+    (before, after: [N, K, 3] per prompt and depth)."""
+    k = before.shape[1]
+    return {
+        "alpha_before": [_ratio(before[:, i][:, [0, 2]]) for i in range(k)],
+        "alpha_after": [_ratio(after[:, i][:, [0, 2]]) for i in range(k)],
+        "alpha_greedy_before": [_ratio(before[:, i][:, [1, 2]]) for i in range(k)],
+        "alpha_greedy_after": [_ratio(after[:, i][:, [1, 2]]) for i in range(k)],
+    }
+
+
+def _categories(categories, pairs_t, pairs_0, *, min_samples: int, boot: dict) -> dict:
+    """`per_category` at the serving temperature, each sufficient cell with its greedy
+    numbers under "greedy"."""
+    cats = per_category(categories, *pairs_t, min_samples=min_samples, **boot)
+    cats_0 = per_category(categories, *pairs_0, min_samples=min_samples, **boot)
+    for name, cell in cats.items():
+        if not cell["insufficient"]:
+            cell["greedy"] = {
+                key: cats_0[name][key]
+                for key in ("before", "after", "drop", "before_ci", "after_ci", "drop_ci")
+            }
+    return cats
+
+
+def _verdict(serving: dict, threshold: float, confidence: float) -> dict:
+    """Refit when the whole interval of the serving α's drop lies above `threshold`."""
+    lo, hi = serving["drop_ci"]
+    refit = bool(lo > threshold)
+    return {
+        "refit_recommended": refit,
+        "threshold": threshold,
+        "drop": serving["drop"],
+        "drop_ci": serving["drop_ci"],
+        "reason": (
+            f"the drop of α ({serving['drop']:.4f}, {confidence:.0%} interval "
+            f"[{lo:.4f}, {hi:.4f}]) lies entirely above the threshold {threshold}"
+            if refit
+            else f"the {confidence:.0%} interval of the drop of α [{lo:.4f}, {hi:.4f}] does not "
+            f"lie entirely above the threshold {threshold}"
+        ),
+    }
+
+
+def _top_tokens(token_loss: dict, tokenizer, top: int) -> list[dict]:
+    """The `top` tokens that lost the most α mass (token id -> (α lost, count))."""
+    total = sum(count for _, count in token_loss.values())
+    ranked = sorted(token_loss.items(), key=lambda item: -item[1][0])[:top]
+    return [
+        {
+            "token_id": int(tok),
+            "token": tokenizer.decode([tok]) if tokenizer is not None else str(tok),
+            "alpha_mass_lost": loss / total,
+            "count": count,
+            "mean_alpha_drop": loss / count,
+        }
+        for tok, (loss, count) in ranked
+    ]
 
 
 # ----------------------------------------------------------------------------- pipeline
@@ -262,7 +283,7 @@ def measure_scores(
     min_samples: int = 10,
     bootstrap: int = 1000,
     confidence: float = 0.95,
-    max_gamma: int = 8,
+    max_gamma: int = DEFAULT_MAX_GAMMA,
 ) -> tuple[dict, dict, list[PromptScore]]:
     """`measure`'s (report, responses) and the per-prompt scores the report summarises (the
     drift gate bootstraps them jointly over temperatures, eval/drift_gate.py)."""

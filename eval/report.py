@@ -272,9 +272,30 @@ def summary_table(result: dict) -> str:
 
 
 def _markdown(result: dict) -> str:
+    lines = _heading_lines(result)
+    lines += _best_gamma_lines(result["best_gamma"])
+    lines += _length_lines(result["configs"])
+    lines += _baseline_lines(result["baselines"])
+    lines += _tau_lines(result)
+    lines += _slot_lines(result["configs"])
+    lines += [
+        "",
+        "## Plots",
+        "",
+        "![per-position acceptance](acceptance_per_position.png)",
+        "![tau and speedup vs gamma](tau_speedup_vs_gamma.png)",
+        "![rejection positions](rejection_positions.png)",
+        "![latency CDF](latency_cdf.png)",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def _heading_lines(result: dict) -> list[str]:
+    """report.md's title, what was measured and how, the summary table and the definitions."""
     meta = result.get("meta", {})
     s = result["settings"]
-    lines = [
+    return [
         "# Speculative decoding report",
         "",
         f"target `{meta.get('target')}`, draft `{meta.get('draft')}`, "
@@ -289,31 +310,47 @@ def _markdown(result: dict) -> str:
         "",
         DEFINITIONS,
         "",
+    ]
+
+
+def _best_gamma_lines(best_gamma: dict) -> list[str]:
+    """report.md's best γ per temperature, measured and as the models predict it."""
+    lines = [
         "## Best γ",
         "",
         "| temperature | best γ (measured tok/s) | speedup | best γ (model: α offline, c) "
         "| best swept γ (model: τ pred (rounds), c) |",
         "|---|---|---|---|---|",
     ]
-    for t, b in result["best_gamma"].items():
+    for t, b in best_gamma.items():
         lines.append(
             f"| {t} | {b['measured']} | {_fmt(b['speedup'])} | {_fmt(b['predicted'])} "
             f"| {_fmt(b.get('predicted_rounds'))} |"
         )
-    lines += _length_lines(result["configs"])
-    lines += [
+    return lines
+
+
+def _baseline_lines(baselines: dict) -> list[str]:
+    """report.md's target-only speed and latency per temperature."""
+    lines = [
         "",
         "## Target-only baselines",
         "",
         "| temperature | tok/s | TTFT P50/P95/P99 ms | per-token P50/P95/P99 ms |",
         "|---|---|---|---|",
     ]
-    for t, b in result["baselines"].items():
+    for t, b in baselines.items():
         lines.append(
             f"| {t} | {_fmt(b['tokens_per_s'], 1)} | {_ms(b['ttft_s'])} "
             f"| {_ms(b['token_latency_s'], 2)} |"
         )
-    lines += ["", "## Measured vs predicted τ", ""]
+    return lines
+
+
+def _tau_lines(result: dict) -> list[str]:
+    """report.md's measured against predicted τ: the configurations outside the tolerance,
+    the round-boundary prediction's errors, and why the i.i.d. prediction is off."""
+    lines = ["", "## Measured vs predicted τ", ""]
     off = [e for e in result["configs"] if not e["tau_within_tolerance"]]
     verdict = (
         "Every configuration is within it."
@@ -337,25 +374,20 @@ def _markdown(result: dict) -> str:
         ]
     if off:
         lines += ["", gap_explanation(off)]
-    lines += ["", "## Per-slot conditional acceptance and rejection positions", ""]
-    for e in result["configs"]:
+    return lines
+
+
+def _slot_lines(configs: list[dict]) -> list[str]:
+    """report.md's per-slot acceptance and first-rejection positions of each configuration."""
+    lines = ["", "## Per-slot conditional acceptance and rejection positions", ""]
+    for e in configs:
         slots = ", ".join(_fmt(a) for a in e["slot_acceptance"])
         hist = ", ".join(f"{i + 1}: {n}" for i, n in enumerate(e["rejection_histogram"]))
         lines.append(
             f"- {e['name']}: acceptance by slot [{slots}]; first rejection at slot "
             f"{{{hist}}}, none: {e['no_rejection']}"
         )
-    lines += [
-        "",
-        "## Plots",
-        "",
-        "![per-position acceptance](acceptance_per_position.png)",
-        "![tau and speedup vs gamma](tau_speedup_vs_gamma.png)",
-        "![rejection positions](rejection_positions.png)",
-        "![latency CDF](latency_cdf.png)",
-        "",
-    ]
-    return "\n".join(lines)
+    return lines
 
 
 def _length_lines(configs: list[dict]) -> list[str]:

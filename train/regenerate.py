@@ -44,19 +44,23 @@ import hashlib
 import json
 import math
 import os
-import re
 import sys
 import time
-from dataclasses import asdict, dataclass
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from specdistill.errors import UserError
 from specdistill.eval.cli_args import MAX_SEED, make_dir
+from specdistill.train.regenerate_output import (
+    FAILURES,
+    MANIFEST,
+    ShardWriter,
+    answered,
+    read_failures,
+    write_failures,
+)
 from specdistill.verb_parser import quiet_third_party, verb_parser
-
-SHARD = re.compile(r"^regen-(\d{6})\.jsonl$")
-MANIFEST = "manifest.json"
-FAILURES = "failures.jsonl"
 
 
 class RegenerateError(UserError):
@@ -148,58 +152,6 @@ def jobs_from_records(records, tokenizer, text_prompt_tokens: int) -> tuple[list
     return jobs, duplicates
 
 
-def answered(out: Path) -> set[str]:
-    """Prompt hashes already written in OUT's shards (a torn final line skipped)."""
-    done = set()
-    for path in sorted(p for p in out.iterdir() if SHARD.match(p.name)):
-        lines = path.read_bytes().split(b"\n")
-        for raw in lines[:-1]:  # lines[-1]: after the last newline (empty, or torn)
-            if raw.strip():
-                try:
-                    done.add(json.loads(raw)["prompt_hash"])
-                except (ValueError, KeyError):
-                    continue
-    return done
-
-
-class ShardWriter:
-    """Appends whole lines to OUT/regen-NNNNNN.jsonl: one write and an fsync per record, a
-    new shard each run and past `max_records`."""
-
-    def __init__(self, out: Path, max_records: int):
-        self.out, self.max_records = out, max_records
-        existing = [int(m[1]) for p in out.iterdir() if (m := SHARD.match(p.name))]
-        self.index = max(existing, default=0)
-        for index in existing:  # a kill mid-write: cut the torn final line off
-            path = out / f"regen-{index:06d}.jsonl"
-            data = path.read_bytes()
-            if data and not data.endswith(b"\n"):
-                os.truncate(path, data.rfind(b"\n") + 1)
-        self.fd = None
-        self.count = 0
-
-    def append(self, record: dict) -> None:
-        if self.fd is None or self.count >= self.max_records:
-            self._next()
-        line = (json.dumps(record, ensure_ascii=False) + "\n").encode()
-        if os.write(self.fd, line) != len(line):
-            raise OSError(f"short write to {self.out}")
-        os.fsync(self.fd)
-        self.count += 1
-
-    def _next(self) -> None:
-        self.close()
-        self.index += 1
-        path = self.out / f"regen-{self.index:06d}.jsonl"
-        self.fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-        self.count = 0
-
-    def close(self) -> None:
-        if self.fd is not None:
-            os.close(self.fd)
-            self.fd = None
-
-
 def _record(job: Job, answer: str, n_tokens: int) -> dict:
     if isinstance(job.prompt, list):
         body = {"messages": [*job.prompt, {"role": "assistant", "content": answer}]}
@@ -237,10 +189,7 @@ def regenerate(
 ) -> dict:
     """Answer the recipe's prompts not yet answered in `out`; return the manifest.
     `generate` defaults to `eval.engine.generate` (tests pass a wrapper)."""
-    from specdistill import threads
     from specdistill.data.sources import read_records
-    from specdistill.drafts import hub
-    from specdistill.drafts.progress import WorkProgress
     from specdistill.eval import engine
     from specdistill.publish import atomic_write_text
     from specdistill.train.target_cache import target_identity
@@ -256,34 +205,9 @@ def regenerate(
     generate = generate or engine.generate
     r = recipe
     out = make_dir(out)
-    if tokenizer is None:
-        tokenizer = hub.load_tokenizer(r.target.model, r.target.revision)
-    if target is None:
-        target = hub.load_target(
-            r.target.model,
-            getattr(r.target, "adapter", None),
-            dtype=r.target.dtype,
-            revision=r.target.revision,
-        )
-        threads.start(r.train.threads, name="train.threads")  # on stderr, once it loads
-        if hasattr(target, "to"):
-            import torch
-
-            target = target.to("cuda" if torch.cuda.is_available() else "cpu")
+    target, tokenizer = _load_target(r, target, tokenizer)
     identity = target_identity(r.target, target)
-    previous = None
-    if (out / MANIFEST).is_file():
-        previous = json.loads((out / MANIFEST).read_text())
-        if previous["target"]["identity"] != identity["identity"]:
-            raise RegenerateError(
-                f"{out} holds answers of another target ({previous['target']['model']}, "
-                f"{previous['target']['identity'][:19]}…); use another --out"
-            )
-        if previous["sampling"] != asdict(sampling):
-            raise RegenerateError(
-                f"{out} was generated with sampling {previous['sampling']}, this run asks for "
-                f"{asdict(sampling)}; use the same parameters or another --out"
-            )
+    previous = _previous_manifest(out, identity, sampling)
     records, skipped = _valid_records(read_records(list(r.data.train)), print)
     jobs, duplicates = jobs_from_records(records, tokenizer, text_prompt_tokens)
     if limit:
@@ -305,83 +229,184 @@ def regenerate(
     }
     atomic_write_text(out / MANIFEST, json.dumps({**manifest, "complete": False}, indent=1))
     print(f"regenerate: {len(jobs)} prompts, {len(jobs) - len(todo)} already answered")
-    eos = tokenizer.eos_token_id
-    im_end = (
-        tokenizer.convert_tokens_to_ids("<|im_end|>")
-        if "<|im_end|>" in tokenizer.get_vocab()
-        else None
+    answering = _Answering(
+        target=target,
+        tokenizer=tokenizer,
+        generate=generate,
+        sampling=sampling,
+        batch_size=batch_size,
+        retries=retries,
+        writer=ShardWriter(out, shard_records),
+        failures_path=out / FAILURES,
+        failed=read_failures(out / FAILURES),
+        print=print,
     )
-    writer = ShardWriter(out, shard_records)
-    failures: list[dict] = []
-    failed = _read_failures(out / FAILURES)  # prompt hash -> its failure, over all runs
+    _answer_all(answering, todo, f"regenerate {out.name}")
+    return _finish(out, manifest, jobs, answering, print)
 
-    def run(batch: list[Job], seed: int) -> list:
-        gen = generate(
-            target,
+
+def _load_target(r, target, tokenizer) -> tuple:
+    """(target, tokenizer): the recipe's, each loaded unless given; a loaded target starts the
+    recipe's threads and moves to the GPU when there is one."""
+    from specdistill import threads
+    from specdistill.drafts import hub
+
+    if tokenizer is None:
+        tokenizer = hub.load_tokenizer(r.target.model, r.target.revision)
+    if target is None:
+        target = hub.load_target(
+            r.target.model,
+            getattr(r.target, "adapter", None),
+            dtype=r.target.dtype,
+            revision=r.target.revision,
+        )
+        threads.start(r.train.threads, name="train.threads")  # on stderr, once it loads
+        if hasattr(target, "to"):
+            import torch
+
+            target = target.to("cuda" if torch.cuda.is_available() else "cpu")
+    return target, tokenizer
+
+
+def _previous_manifest(out: Path, identity: dict, sampling: Sampling) -> dict | None:
+    """OUT's manifest from an earlier run (None on a first run); RegenerateError when it was
+    written for another target or other sampling parameters."""
+    if not (out / MANIFEST).is_file():
+        return None
+    previous = json.loads((out / MANIFEST).read_text())
+    if previous["target"]["identity"] != identity["identity"]:
+        raise RegenerateError(
+            f"{out} holds answers of another target ({previous['target']['model']}, "
+            f"{previous['target']['identity'][:19]}…); use another --out"
+        )
+    if previous["sampling"] != asdict(sampling):
+        raise RegenerateError(
+            f"{out} was generated with sampling {previous['sampling']}, this run asks for "
+            f"{asdict(sampling)}; use the same parameters or another --out"
+        )
+    return previous
+
+
+@dataclass
+class _Answering:
+    """One run's answering: the target and its sampling, the shard the answers go to, and the
+    failures (`failed`: prompt hash -> its failure over all runs; `failures`: this run's)."""
+
+    target: object
+    tokenizer: object
+    generate: Callable
+    sampling: Sampling
+    batch_size: int
+    retries: int
+    writer: ShardWriter
+    failures_path: Path
+    failed: dict[str, dict]
+    print: Callable
+    failures: list[dict] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        tokenizer = self.tokenizer
+        self.eos = tokenizer.eos_token_id
+        self.im_end = (
+            tokenizer.convert_tokens_to_ids("<|im_end|>")
+            if "<|im_end|>" in tokenizer.get_vocab()
+            else None
+        )
+
+    def run(self, batch: list[Job], seed: int) -> list:
+        sampling = self.sampling
+        gen = self.generate(
+            self.target,
             None,
-            _encode(batch, tokenizer),
+            _encode(batch, self.tokenizer),
             temperature=sampling.temperature,
             top_p=sampling.top_p,
             top_k=sampling.top_k,
             max_new_tokens=sampling.max_new_tokens,
             seed=seed,
-            batch_size=batch_size,
-            eos_token_id=eos,
+            batch_size=self.batch_size,
+            eos_token_id=self.eos,
         )
         return gen.sequences
 
-    def write(job: Job, ids: list[int]) -> None:
-        stop = [t for t in (eos, im_end) if t is not None]
+    def write(self, job: Job, ids: list[int]) -> None:
+        stop = [t for t in (self.eos, self.im_end) if t is not None]
         for t in stop:  # the answer ends before the end-of-turn / end-of-text token
             if t in ids:
                 ids = ids[: ids.index(t)]
-        writer.append(_record(job, tokenizer.decode(ids, skip_special_tokens=True), len(ids)))
+        answer = self.tokenizer.decode(ids, skip_special_tokens=True)
+        self.writer.append(_record(job, answer, len(ids)))
 
-    progress = WorkProgress(f"regenerate {out.name}", len(todo)) if todo else None
+    def answer(self, batch: list[Job]) -> None:
+        """Answer `batch` together; when that fails, each prompt on its own, with retries."""
+        seed = self.sampling.seed + int(batch[0].hash[:8], 16)
+        try:
+            for job, ids in zip(batch, self.run(batch, seed), strict=True):
+                self.write(job, ids)
+            return
+        except Exception as e:  # the batch failed: each prompt on its own, with retries
+            self.print(f"regenerate: a batch failed ({type(e).__name__}: {e}); retrying singly")
+        for job in batch:
+            error = self.answer_alone(job)
+            if error is not None:
+                self.record_failure(job, error)
+
+    def answer_alone(self, job: Job) -> str | None:
+        """None once `job` is answered, else the last of its `retries + 1` attempts' error."""
+        error = None
+        for attempt in range(1, self.retries + 2):
+            try:
+                (ids,) = self.run([job], self.sampling.seed + int(job.hash[:8], 16) + attempt)
+                self.write(job, ids)
+                return None
+            except Exception as e:
+                error = f"{type(e).__name__}: {e}"
+        return error
+
+    def record_failure(self, job: Job, error: str) -> None:
+        """Count `job`'s failed attempts and runs on top of earlier runs'; rewrite the file."""
+        before = self.failed.get(job.hash, {})
+        failure = {
+            "prompt_hash": job.hash,
+            "origin": job.origin,
+            "error": error,
+            "attempts": before.get("attempts", 0) + self.retries + 1,
+            "runs": before.get("runs", 0) + 1,
+            "time": time.time(),
+        }
+        self.failures.append(failure)
+        self.failed[job.hash] = failure
+        write_failures(self.failures_path, self.failed)
+
+
+def _answer_all(answering: _Answering, todo: list[Job], name: str) -> None:
+    """Answer `todo` batch by batch, with a progress line; the shard is closed after."""
+    from specdistill.drafts.progress import WorkProgress
+
+    batch_size = answering.batch_size
+    progress = WorkProgress(name, len(todo)) if todo else None
     try:
         for start in range(0, len(todo), batch_size):
             batch = todo[start : start + batch_size]
             if progress is not None and start:  # the batch before this one is done
                 progress.advance(batch_size, f"{start}/{len(todo)} prompts")
-            seed = sampling.seed + int(batch[0].hash[:8], 16)
-            try:
-                for job, ids in zip(batch, run(batch, seed), strict=True):
-                    write(job, ids)
-                continue
-            except Exception as e:  # the batch failed: each prompt on its own, with retries
-                print(f"regenerate: a batch failed ({type(e).__name__}: {e}); retrying singly")
-            for job in batch:
-                error = None
-                for attempt in range(1, retries + 2):
-                    try:
-                        (ids,) = run([job], sampling.seed + int(job.hash[:8], 16) + attempt)
-                        write(job, ids)
-                        error = None
-                        break
-                    except Exception as e:
-                        error = f"{type(e).__name__}: {e}"
-                if error is not None:
-                    before = failed.get(job.hash, {})
-                    failure = {
-                        "prompt_hash": job.hash,
-                        "origin": job.origin,
-                        "error": error,
-                        "attempts": before.get("attempts", 0) + retries + 1,
-                        "runs": before.get("runs", 0) + 1,
-                        "time": time.time(),
-                    }
-                    failures.append(failure)
-                    failed[job.hash] = failure
-                    _write_failures(out / FAILURES, failed)
+            answering.answer(batch)
         if progress is not None:
             progress.advance(len(todo) - progress.done, f"{len(todo)}/{len(todo)} prompts")
     finally:
-        writer.close()
+        answering.writer.close()
         if progress is not None:
             progress.close()
+
+
+def _finish(out: Path, manifest: dict, jobs: list[Job], answering: _Answering, print) -> dict:
+    """Drop the failures answered since from the failures file; complete the manifest."""
+    from specdistill.publish import atomic_write_text
+
     done = answered(out)
+    failed, failures = answering.failed, answering.failures
     if any(h in done for h in failed):  # answered since: no longer a failure
-        _write_failures(out / FAILURES, {h: f for h, f in failed.items() if h not in done})
+        write_failures(out / FAILURES, {h: f for h, f in failed.items() if h not in done})
     manifest.update(
         answered=sum(j.hash in done for j in jobs),
         failed_this_run=len(failures),
@@ -412,25 +437,6 @@ def _valid_records(items, print) -> tuple[list, dict[str, int]]:
         if len(errors) > 10:
             print(f"regenerate: ... and {len(errors) - 10} more")
     return records, by_reason
-
-
-def _read_failures(path: Path) -> dict[str, dict]:
-    """prompt hash -> its latest failure (a file of earlier runs may repeat a hash)."""
-    failed: dict[str, dict] = {}
-    if path.is_file():
-        for raw in path.read_bytes().split(b"\n"):
-            try:
-                failure = json.loads(raw)
-                failed[failure["prompt_hash"]] = failure
-            except (ValueError, KeyError, TypeError):
-                continue
-    return failed
-
-
-def _write_failures(path: Path, failed: dict[str, dict]) -> None:
-    from specdistill.publish import atomic_write_text
-
-    atomic_write_text(path, "".join(json.dumps(f) + "\n" for f in failed.values()))
 
 
 def build_parser() -> argparse.ArgumentParser:

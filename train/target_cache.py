@@ -37,6 +37,7 @@ import json
 import os
 import shutil
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -141,13 +142,62 @@ def build_cache(
 
     The models and datasets are loaded as `Trainer.from_recipe` loads them unless given.
     `out` must not exist (or be empty) unless `overwrite`."""
-    from specdistill.data import collate
     from specdistill.drafts import hub
     from specdistill.publish import atomic_write_text, publish_dir
-    from specdistill.train.config import recipe_datasets
 
     r = recipe
     out = Path(out)
+    _check_build_arguments(out, top_n, values_dtype, batch_size, shard_bytes, overwrite)
+    target, tokenizer, train_data, eval_data = _build_inputs(
+        r, target, tokenizer, train_data, eval_data
+    )
+    vocab_size = hub.shared_vocab_size(target, None, tokenizer)
+    if top_n > vocab_size:
+        raise CacheError(f"--top-n {top_n} exceeds the vocabulary ({vocab_size} tokens)")
+    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    target = target.eval().requires_grad_(False).to(device)
+    dtype = VALUE_DTYPES[values_dtype]
+    row_bytes = top_n * (4 + dtype.itemsize) + dtype.itemsize
+    build = _Build(
+        target=target,
+        tokenizer=tokenizer,
+        device=device,
+        vocab_size=vocab_size,
+        top_n=top_n,
+        batch_size=batch_size or r.train.micro_batch_size,
+        dtype=dtype,
+        max_rows=max(1, shard_bytes // row_bytes),
+    )
+
+    tmp = out.parent / f".tmp-{out.name}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    datasets = {"train": train_data, "eval": eval_data}
+    start = time.perf_counter()
+    try:
+        manifest_splits = {
+            split: build.write_split(tmp, split, datasets[split], print) for split in splits
+        }
+        manifest = _build_manifest(r, build, values_dtype, row_bytes, manifest_splits, start)
+        atomic_write_text(tmp / MANIFEST, json.dumps(manifest, indent=1))
+        if out.exists():
+            if not overwrite and any(out.iterdir()):
+                raise CacheError(f"{out} appeared during the build; not replacing it")
+        publish_dir(tmp, out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return manifest
+
+
+def _check_build_arguments(
+    out: Path,
+    top_n: int,
+    values_dtype: str,
+    batch_size: int | None,
+    shard_bytes: int,
+    overwrite: bool,
+) -> None:
+    """Raise CacheError naming the first argument out of range, before anything loads."""
     if top_n < 1:
         raise CacheError(f"--top-n must be >= 1, got {top_n}")
     if values_dtype not in VALUE_DTYPES:
@@ -160,6 +210,14 @@ def build_cache(
         raise CacheError(f"--out {out} exists and is not a directory")
     if out.exists() and any(out.iterdir()) and not overwrite:
         raise CacheError(f"{out} exists and is not empty; pass --overwrite to replace it")
+
+
+def _build_inputs(r, target, tokenizer, train_data, eval_data) -> tuple:
+    """(target, tokenizer, train_data, eval_data): each loaded from the recipe unless given,
+    as `Trainer.from_recipe` loads them; the tokenizer pads with its eos token if unset."""
+    from specdistill.drafts import hub
+    from specdistill.train.config import recipe_datasets
+
     if tokenizer is None:
         tokenizer = hub.load_tokenizer(r.target.model, r.target.revision)
     if target is None:
@@ -173,78 +231,82 @@ def build_cache(
         train_data, eval_data = recipe_datasets(r, tokenizer)
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
-    vocab_size = hub.shared_vocab_size(target, None, tokenizer)
-    if top_n > vocab_size:
-        raise CacheError(f"--top-n {top_n} exceeds the vocabulary ({vocab_size} tokens)")
-    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    target = target.eval().requires_grad_(False).to(device)
-    batch_size = batch_size or r.train.micro_batch_size
-    dtype = VALUE_DTYPES[values_dtype]
-    row_bytes = top_n * (4 + dtype.itemsize) + dtype.itemsize
-    max_rows = max(1, shard_bytes // row_bytes)
+    return target, tokenizer, train_data, eval_data
 
-    tmp = out.parent / f".tmp-{out.name}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    datasets = {"train": train_data, "eval": eval_data}
-    manifest_splits = {}
-    start = time.perf_counter()
-    try:
-        for split in splits:
-            data = datasets[split]
-            writer = ShardWriter(tmp, split, max_rows, dtype)
-            for first in range(0, len(data), batch_size):
-                items = [data[i] for i in range(first, min(first + batch_size, len(data)))]
-                batch = {k: v.to(device) for k, v in collate(items, tokenizer.pad_token_id).items()}
-                writer.add(*top_n_rows(target, batch, vocab_size, top_n))
-            writer.flush()
-            rows = sum(s["rows"] for s in writer.shards)
-            manifest_splits[split] = {
-                "sequences": len(data),
-                "positions": rows,
-                "data_hash": data_hash(data),
-                "shards": writer.shards,
-            }
-            print(f"cache: {split}: {len(data)} sequences, {rows} positions")
-        total_bytes = sum(s["bytes"] for m in manifest_splits.values() for s in m["shards"])
-        positions = sum(m["positions"] for m in manifest_splits.values())
-        manifest = {
-            "format": FORMAT,
-            "version": VERSION,
-            "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-            "build_seconds": round(time.perf_counter() - start, 3),
-            "tokenizer_hash": tokenizer_hash(tokenizer),
-            "target": target_identity(r.target, target),
-            "data": {
-                "train": list(r.data.train),
-                "eval": None if r.data.eval is None else list(r.data.eval),
-                "max_length": r.data.max_length,
-                "pack": r.data.pack,
-                "eval_fraction": r.data.eval_fraction,
-                "seed": r.train.seed,
-            },
-            "top_n": top_n,
-            "temperature": 1.0,  # raw log-softmax; the loss temperature is applied at read
-            "vocab_size": vocab_size,
-            "indices_dtype": "int32",
-            "values_dtype": values_dtype,
-            "rest_dtype": values_dtype,
-            # per stored position: N indices + N values + the remaining mass
-            "bytes_per_position": row_bytes,
-            # on disk, shard headers and offsets included, per stored position
-            "bytes_per_token": total_bytes / max(positions, 1),
-            "total_bytes": total_bytes,
-            "positions": positions,
-            "splits": manifest_splits,
+
+@dataclass
+class _Build:
+    """What each split's pass over the target needs: the target on its device, the
+    tokenizer (its pad id), the stored columns and the batch and shard sizes."""
+
+    target: object
+    tokenizer: object
+    device: torch.device
+    vocab_size: int
+    top_n: int
+    batch_size: int
+    dtype: torch.dtype
+    max_rows: int
+
+    def write_split(self, tmp: Path, split: str, data, print) -> dict:
+        """Run the target over `data` and write `split`'s shards into `tmp`; return the
+        split's manifest entry."""
+        from specdistill.data import collate
+
+        writer = ShardWriter(tmp, split, self.max_rows, self.dtype)
+        pad = self.tokenizer.pad_token_id
+        for first in range(0, len(data), self.batch_size):
+            items = [data[i] for i in range(first, min(first + self.batch_size, len(data)))]
+            batch = {k: v.to(self.device) for k, v in collate(items, pad).items()}
+            writer.add(*top_n_rows(self.target, batch, self.vocab_size, self.top_n))
+        writer.flush()
+        rows = sum(s["rows"] for s in writer.shards)
+        entry = {
+            "sequences": len(data),
+            "positions": rows,
+            "data_hash": data_hash(data),
+            "shards": writer.shards,
         }
-        atomic_write_text(tmp / MANIFEST, json.dumps(manifest, indent=1))
-        if out.exists():
-            if not overwrite and any(out.iterdir()):
-                raise CacheError(f"{out} appeared during the build; not replacing it")
-        publish_dir(tmp, out)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return manifest
+        print(f"cache: {split}: {len(data)} sequences, {rows} positions")
+        return entry
+
+
+def _build_manifest(
+    r, build: _Build, values_dtype: str, row_bytes: int, manifest_splits: dict, start: float
+) -> dict:
+    """The cache's manifest.json: what it was built from (tokenizer, target, data) and its
+    sizes; `start`: the build's `time.perf_counter()`."""
+    total_bytes = sum(s["bytes"] for m in manifest_splits.values() for s in m["shards"])
+    positions = sum(m["positions"] for m in manifest_splits.values())
+    return {
+        "format": FORMAT,
+        "version": VERSION,
+        "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "build_seconds": round(time.perf_counter() - start, 3),
+        "tokenizer_hash": tokenizer_hash(build.tokenizer),
+        "target": target_identity(r.target, build.target),
+        "data": {
+            "train": list(r.data.train),
+            "eval": None if r.data.eval is None else list(r.data.eval),
+            "max_length": r.data.max_length,
+            "pack": r.data.pack,
+            "eval_fraction": r.data.eval_fraction,
+            "seed": r.train.seed,
+        },
+        "top_n": build.top_n,
+        "temperature": 1.0,  # raw log-softmax; the loss temperature is applied at read
+        "vocab_size": build.vocab_size,
+        "indices_dtype": "int32",
+        "values_dtype": values_dtype,
+        "rest_dtype": values_dtype,
+        # per stored position: N indices + N values + the remaining mass
+        "bytes_per_position": row_bytes,
+        # on disk, shard headers and offsets included, per stored position
+        "bytes_per_token": total_bytes / max(positions, 1),
+        "total_bytes": total_bytes,
+        "positions": positions,
+        "splits": manifest_splits,
+    }
 
 
 # ----------------------------------------------------------------------------- reading

@@ -9,15 +9,9 @@ from specdistill.data import build_datasets
 from specdistill.drafts.hub import load_tokenizer
 from specdistill.eval import engine
 from specdistill.train.config import load_recipe
-from specdistill.train.regenerate import (
-    FAILURES,
-    RegenerateError,
-    Sampling,
-    answered,
-    regenerate,
-)
-
-from .test_trainer import overrides
+from specdistill.train.regenerate import RegenerateError, Sampling, regenerate
+from specdistill.train.regenerate_output import FAILURES, answered
+from tests.train.helpers import overrides
 
 
 class Killed(BaseException):  # as a SIGKILL: not caught by the per-prompt retry

@@ -8,9 +8,9 @@ import pytest
 from specdistill import cli
 from specdistill.eval import engine
 from specdistill.train.config import load_recipe
-from specdistill.train.regenerate import FAILURES, RegenerateError, Sampling, regenerate
-
-from .test_trainer import overrides
+from specdistill.train.regenerate import RegenerateError, Sampling, regenerate
+from specdistill.train.regenerate_output import FAILURES
+from tests.train.helpers import overrides
 
 
 def _row(i: int) -> str:

@@ -8,8 +8,7 @@ import pytest
 
 from specdistill import cli
 from specdistill.eval import engine
-
-from .test_trainer import overrides
+from tests.train.helpers import overrides
 
 
 def _argv(tiny_pair, tmp_path, out, *extra, data=None) -> list[str]:
