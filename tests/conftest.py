@@ -1,6 +1,7 @@
 """Session fixtures shared by every test folder: a tiny target/draft pair saved as ordinary
 Hugging Face directories (loaded through the same `from_pretrained` path as real models), a
-draft of another tokenizer, a peft adapter on the tiny target; and one intra-op thread.
+draft of another tokenizer, a peft adapter on the tiny target, an EAGLE-3 head on it (one
+per module); and one intra-op thread.
 
 Plain helpers (`make_tokenizer`, `make_model`, ...) are in tests/helpers.py. Marked here: the
 heavy tests (tests/heavy.py), and the engine's tests, which run with deprecation warnings as
@@ -88,3 +89,21 @@ def tiny_adapter(tiny_pair, tmp_path_factory):
     return make_lora_adapter(
         tiny_pair[0], tmp_path_factory.mktemp("tiny_adapter") / "adapter", scale=3.0
     )
+
+
+@pytest.fixture(scope="module")
+def tiny_head_dir(tiny_pair, tmp_path_factory):
+    """An EAGLE-3 head on the tiny target (V_d 100 of the target's vocabulary), saved."""
+    from transformers import LlamaForCausalLM
+
+    from specdistill.drafts.eagle3_head import Eagle3Head, build_vocab_map
+
+    target = LlamaForCausalLM.from_pretrained(tiny_pair[0])
+    torch.manual_seed(0)
+    head = Eagle3Head.from_target(target, draft_vocab_size=100, aux_layers=[0, 1])
+    vocab = target.config.vocab_size
+    d2t, t2d = build_vocab_map(torch.randint(0, 1000, (vocab,)), 100)
+    head.set_vocab_map(d2t, t2d, target.get_output_embeddings().weight)
+    path = tmp_path_factory.mktemp("head")
+    head.save_pretrained(path, verifier=str(tiny_pair[0]), verifier_arch=["LlamaForCausalLM"])
+    return path

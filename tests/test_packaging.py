@@ -9,7 +9,7 @@ import subprocess
 import sys
 import tomllib
 
-from tests.test_layout import REPO, modules
+from tests.package_modules import REPO, modules
 
 # import name -> why the library may import it without declaring it
 UNDECLARED = {

@@ -11,7 +11,7 @@ import pytest
 
 from specdistill.errors import ANTICIPATED, UserError, UserFileError, run_guarded
 from specdistill.publish import OutputDirError
-from tests.test_layout import REPO, modules
+from tests.package_modules import REPO, modules
 
 # Error classes that never reach a command line, with the reason.
 NOT_USER_ERRORS = {

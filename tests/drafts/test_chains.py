@@ -10,7 +10,8 @@ from tests.helpers import make_model, make_tokenizer
 
 
 @pytest.fixture(scope="module")
-def pair():
+def tokenizer_draft_target():
+    """(tokenizer, draft, target): two tiny random models of one tokenizer."""
     tok = make_tokenizer()
     draft = make_model(tok, hidden=32, layers=1, seed=1).eval()
     target = make_model(tok, hidden=48, layers=2, seed=2).eval()
@@ -29,8 +30,8 @@ def _batch(vocab: int, lengths: list[int]) -> dict:
 
 
 @pytest.mark.parametrize("hidden, attention", [(False, "sdpa"), (True, "sdpa"), (False, "eager")])
-def test_each_chain_position_matches_its_own_sequence(pair, hidden, attention):
-    tok, draft, target = pair
+def test_each_chain_position_matches_its_own_sequence(tokenizer_draft_target, hidden, attention):
+    tok, draft, target = tokenizer_draft_target
     for model in (draft, target):
         model.set_attn_implementation(attention)
     vocab = len(tok)
@@ -69,10 +70,10 @@ def test_each_chain_position_matches_its_own_sequence(pair, hidden, attention):
                 torch.testing.assert_close(got.detach(), want, atol=2e-4, rtol=2e-4)
 
 
-def test_the_draft_samples_from_its_own_distribution_at_each_step(pair):
+def test_the_draft_samples_from_its_own_distribution_at_each_step(tokenizer_draft_target):
     """Token k of a chain follows the draft's distribution after prefix + chain[:k]: at a
     low temperature it is the argmax of that sequence's logits."""
-    tok, draft, target = pair
+    tok, draft, target = tokenizer_draft_target
     vocab = len(tok)
     batch = _batch(vocab, [12, 12])
     chains = sample_chains(
@@ -89,8 +90,8 @@ def test_the_draft_samples_from_its_own_distribution_at_each_step(pair):
     assert torch.equal(chains.tokens, argmax)
 
 
-def test_the_gradient_reaches_the_draft_only(pair):
-    tok, draft, target = pair
+def test_the_gradient_reaches_the_draft_only(tokenizer_draft_target):
+    tok, draft, target = tokenizer_draft_target
     batch = _batch(len(tok), [10])
     chains = sample_chains(
         draft,
@@ -104,8 +105,8 @@ def test_the_gradient_reaches_the_draft_only(pair):
     assert chains.draft.requires_grad and not chains.target.requires_grad
 
 
-def test_flash_attention_is_refused_by_name(pair):
-    tok, draft, target = pair
+def test_flash_attention_is_refused_by_name(tokenizer_draft_target):
+    tok, draft, target = tokenizer_draft_target
     original = draft.config._attn_implementation
     draft.config._attn_implementation = "flash_attention_2"
     try:
@@ -123,11 +124,11 @@ def test_flash_attention_is_refused_by_name(pair):
         draft.config._attn_implementation = original
 
 
-def test_chains_from_a_repeated_start_share_their_prefix_and_draw_apart(pair):
+def test_chains_from_a_repeated_start_share_their_prefix_and_draw_apart(tokenizer_draft_target):
     """A start repeated in `starts` gives independent draws from the same prefix, in the
     order `prefix_groups` names them (benchmarks/tau_variance.py's several chains per
     start)."""
-    tok, draft, target = pair
+    tok, draft, target = tokenizer_draft_target
     vocab = len(tok)
     batch = _batch(vocab, [12, 12])
     starts = [3, 3, 3, 7, 7, 7]

@@ -6,7 +6,7 @@ import torch
 
 from specdistill.drafts.eagle3_chains import sample_head_chains
 from specdistill.drafts.eagle3_head import FeatureCapture
-from tests.train.test_eagle3 import V, head_for, tiny_target
+from tests.eagle3_heads import VOCAB, head_for, tiny_target
 
 
 def _setup(lengths=(16, 11)):
@@ -14,7 +14,7 @@ def _setup(lengths=(16, 11)):
     head = head_for(target, draft_vocab_size=40, aux_layers=[0, 1])
     g = torch.Generator().manual_seed(0)
     n = max(lengths)
-    ids = torch.randint(1, V, (len(lengths), n), generator=g)
+    ids = torch.randint(1, VOCAB, (len(lengths), n), generator=g)
     attention = torch.zeros(len(lengths), n, dtype=torch.long)
     for row, length in enumerate(lengths):
         attention[row, :length] = 1
@@ -40,7 +40,7 @@ def test_chain_logits_equal_the_head_and_target_on_the_continued_text():
         starts,
         gamma=gamma,
         temperature=1.0,
-        vocab_size=V,
+        vocab_size=VOCAB,
         d2t=head.d2t,
         generator=torch.Generator().manual_seed(1),
     )
@@ -75,7 +75,7 @@ def test_tokens_are_the_heads_own_samples_and_start_zero_is_masked():
         [0, 4, 8],
         gamma=3,
         temperature=1e-4,
-        vocab_size=V,
+        vocab_size=VOCAB,
         d2t=head.d2t,
         generator=torch.Generator().manual_seed(0),
     )

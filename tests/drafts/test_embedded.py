@@ -28,13 +28,14 @@ def tiny_cache(tmp_path_factory):
 
 
 @pytest.fixture
-def cache(tmp_path, monkeypatch):
+def tmp_cache_root(tmp_path, monkeypatch):
+    """SPECDISTILL_CACHE pointed at an empty temporary directory (returned)."""
     monkeypatch.setenv("SPECDISTILL_CACHE", str(tmp_path))
     return tmp_path
 
 
-def test_cache_root_follows_env(cache, monkeypatch):
-    assert embedded.cache_root() == cache
+def test_cache_root_follows_env(tmp_cache_root, monkeypatch):
+    assert embedded.cache_root() == tmp_cache_root
     monkeypatch.delenv("SPECDISTILL_CACHE")
     assert embedded.cache_root() == Path.home() / ".cache" / "specdistill"
 
@@ -84,7 +85,7 @@ def test_second_resolve_does_not_rebuild(tiny_cache, monkeypatch):
     assert os.stat(Path(paths["tiny"]) / "model.safetensors").st_mtime_ns == before
 
 
-def test_outdated_build_is_rebuilt(cache, monkeypatch):
+def test_outdated_build_is_rebuilt(tmp_cache_root, monkeypatch):
     path = embedded.build("tiny-draft")
     monkeypatch.setattr(embedded, "BUILD_VERSION", embedded.BUILD_VERSION + 1)
     built = []
@@ -94,7 +95,7 @@ def test_outdated_build_is_rebuilt(cache, monkeypatch):
     assert built == ["tiny-draft"]
     record = json.loads((path / embedded.BUILD_RECORD).read_text())
     assert record["build_version"] == embedded.BUILD_VERSION
-    assert not list((cache / "embedded").glob(".*-*"))  # no temp or replaced dirs left
+    assert not list((tmp_cache_root / "embedded").glob(".*-*"))  # no temp or replaced dirs left
 
 
 def test_target_and_draft_share_the_tokenizer(tiny_cache):
@@ -128,7 +129,7 @@ def test_byte_level_round_trip_on_stdlib_source(tiny_cache):
     assert tokenizer.decode(ids) == source
 
 
-def test_builds_are_deterministic(cache, tmp_path_factory, monkeypatch):
+def test_builds_are_deterministic(tmp_cache_root, tmp_path_factory, monkeypatch):
     """Two forced builds, and a build in a fresh cache (tokenizer retrained): same bytes."""
     first = load_file(embedded.build("tiny", force=True) / "model.safetensors")
     second = load_file(embedded.build("tiny", force=True) / "model.safetensors")
@@ -139,13 +140,13 @@ def test_builds_are_deterministic(cache, tmp_path_factory, monkeypatch):
     for key in first:
         assert torch.equal(first[key], second[key]), key
         assert torch.equal(first[key], fresh[key]), key
-    tokenizer_json = (cache / "embedded" / "tiny" / "tokenizer.json").read_bytes()
+    tokenizer_json = (tmp_cache_root / "embedded" / "tiny" / "tokenizer.json").read_bytes()
     assert (fresh_dir / "tokenizer.json").read_bytes() == tokenizer_json
     norm = first["model.norm.weight"]
     assert not torch.equal(norm, torch.ones_like(norm))  # it trained away from the init
 
 
-def test_interrupted_build_leaves_no_final_dir(cache, monkeypatch):
+def test_interrupted_build_leaves_no_final_dir(tmp_cache_root, monkeypatch):
     calls = []
 
     def crash(*args):
@@ -157,16 +158,16 @@ def test_interrupted_build_leaves_no_final_dir(cache, monkeypatch):
     monkeypatch.setattr(embedded_train, "train_step", crash)
     with pytest.raises(KeyboardInterrupt):
         embedded.resolve_model("embedded:tiny-draft")
-    assert not (cache / "embedded" / "tiny-draft").exists()
-    assert not list((cache / "embedded").glob(".tmp-*"))
+    assert not (tmp_cache_root / "embedded" / "tiny-draft").exists()
+    assert not list((tmp_cache_root / "embedded").glob(".tmp-*"))
     monkeypatch.undo()
-    monkeypatch.setenv("SPECDISTILL_CACHE", str(cache))
+    monkeypatch.setenv("SPECDISTILL_CACHE", str(tmp_cache_root))
     path = embedded.resolve_model("embedded:tiny-draft")
     AutoModelForCausalLM.from_pretrained(path)
 
 
-def test_leftovers_of_a_killed_build_are_removed(cache):
-    stale = cache / "embedded" / ".tmp-tiny-draft-killed"
+def test_leftovers_of_a_killed_build_are_removed(tmp_cache_root):
+    stale = tmp_cache_root / "embedded" / ".tmp-tiny-draft-killed"
     stale.mkdir(parents=True)
     (stale / "model.safetensors").write_bytes(b"partial")
     embedded.build("tiny-draft")
@@ -185,7 +186,7 @@ def _resolve_in_child(name, barrier, results):
     results.put((built, path, float(model.model.norm.weight.sum())))
 
 
-def test_concurrent_processes_build_once(cache):
+def test_concurrent_processes_build_once(tmp_cache_root):
     context = multiprocessing.get_context("spawn")
     barrier, results = context.Barrier(2), context.Queue()
     children = [
@@ -199,11 +200,11 @@ def test_concurrent_processes_build_once(cache):
         child.join(timeout=60)
         assert child.exitcode == 0
     assert sorted(len(built) for built, _, _ in outcomes) == [0, 1]
-    assert {path for _, path, _ in outcomes} == {str(cache / "embedded" / "tiny-draft")}
+    assert {path for _, path, _ in outcomes} == {str(tmp_cache_root / "embedded" / "tiny-draft")}
     assert outcomes[0][2] == outcomes[1][2]
 
 
-def test_unknown_embedded_name(cache):
+def test_unknown_embedded_name(tmp_cache_root):
     with pytest.raises(ValueError, match="embedded:code-draft"):
         embedded.resolve_model("embedded:nope")
     with pytest.raises(ValueError, match="unknown embedded model 'embedded:nope'"):
@@ -211,9 +212,9 @@ def test_unknown_embedded_name(cache):
 
 
 @pytest.mark.parametrize("name", ["Qwen/Qwen2.5-0.5B", "/models/target", "./embedded:code"])
-def test_other_names_pass_through(cache, name):
+def test_other_names_pass_through(tmp_cache_root, name):
     assert embedded.resolve_model(name) == name
-    assert not (cache / "embedded").exists()
+    assert not (tmp_cache_root / "embedded").exists()
 
 
 def test_the_prose_family_is_keyed_by_its_text_and_code_records_stay_as_they_were():
@@ -260,7 +261,7 @@ def test_growth_repeats_each_layer_and_divides_its_residual_outputs():
     assert (p_shallow - p_deep).abs().sum(-1).max() < 0.2
 
 
-def test_a_grown_build_trains_both_stages_and_records_them(cache, monkeypatch):
+def test_a_grown_build_trains_both_stages_and_records_them(tmp_cache_root, monkeypatch):
     grown = dataclasses.replace(
         embedded.EMBEDDED["tiny"], num_layers=4, grow_from_layers=2, grow_at_step=12
     )
@@ -291,11 +292,12 @@ def test_growth_needs_a_layer_count_that_divides_and_a_step_inside_the_run():
         dataclasses.replace(base, num_layers=4, grow_from_layers=2, grow_at_step=base.steps)
 
 
-def test_a_build_follows_the_free_cores_between_steps(cache, monkeypatch):
+def test_a_build_follows_the_free_cores_between_steps(tmp_cache_root, monkeypatch):
     """A spec without a thread count builds on the cores free at its start and re-checks
     them after every step (specdistill/threads.py); a spec's own count is kept."""
     from specdistill import threads
 
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)  # else a forced count
     chosen, rechecks = [], []
 
     class Policy(threads.ThreadPolicy):

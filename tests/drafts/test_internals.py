@@ -9,84 +9,12 @@ import warnings
 import pytest
 import torch
 from transformers.cache_utils import DynamicLayer
-from transformers.models.llama.modeling_llama import LlamaAttention
 
 from specdistill.drafts import kv_cache, lean
 from specdistill.drafts.kv_cache import GrowingLayer, KVStream, cache_keyword
-from tests.drafts.test_lean import VOCAB, build, run_stream
+from tests.drafts.helpers import CHANGES, VOCAB, build, run_stream
 
 CPU = torch.device("cpu")
-
-
-class RenamedNorm(torch.nn.Module):
-    """An RMSNorm whose epsilon is called `eps` (the same math as LlamaRMSNorm)."""
-
-    def __init__(self, norm):
-        super().__init__()
-        self.weight, self.eps = norm.weight, norm.variance_epsilon
-
-    def forward(self, x):
-        h = x.float()
-        return self.weight * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)).to(
-            x.dtype
-        )
-
-
-class RenamedScaling(LlamaAttention):
-    """An attention module that keeps its softmax scale as `softmax_scale`."""
-
-    def forward(self, *args, **kwargs):
-        self.scaling = self.softmax_scale
-        try:
-            return super().forward(*args, **kwargs)
-        finally:
-            del self.scaling
-
-
-class KeywordRotary(torch.nn.Module):
-    """The model's rotary module, called with `position_ids` as a keyword only."""
-
-    def __init__(self, rotary):
-        super().__init__()
-        self.inner = rotary
-
-    def forward(self, x, *, position_ids):
-        return self.inner(x, position_ids)
-
-
-def rename_norms(model, monkeypatch):
-    base = model.model
-    base.norm = RenamedNorm(base.norm)
-    for layer in base.layers:
-        layer.input_layernorm = RenamedNorm(layer.input_layernorm)
-        layer.post_attention_layernorm = RenamedNorm(layer.post_attention_layernorm)
-
-
-def rename_scaling(model, monkeypatch):
-    for layer in model.model.layers:
-        a = layer.self_attn
-        a.softmax_scale = a.scaling
-        del a.scaling
-        a.__class__ = RenamedScaling
-
-
-def keyword_rotary(model, monkeypatch):
-    model.model.rotary_emb = KeywordRotary(model.model.rotary_emb)
-
-
-def no_version_counter(model, monkeypatch):
-    def missing(self):
-        raise AttributeError("_version")
-
-    monkeypatch.setattr(torch.nn.Parameter, "_version", property(missing), raising=False)
-
-
-CHANGES = {
-    "variance_epsilon": rename_norms,
-    "scaling": rename_scaling,
-    "rotary": keyword_rotary,
-    "_version": no_version_counter,
-}
 
 
 def lean_warnings(caplog) -> list[str]:

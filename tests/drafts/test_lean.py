@@ -4,84 +4,12 @@ when transformers' forward is kept; weights changed in place; EAGLE-3 feature ca
 
 import pytest
 import torch
-from transformers import (
-    GPT2Config,
-    GPT2LMHeadModel,
-    LlamaConfig,
-    LlamaForCausalLM,
-    MistralConfig,
-    MistralForCausalLM,
-    Qwen2Config,
-    Qwen2ForCausalLM,
-    Qwen3Config,
-    Qwen3ForCausalLM,
-)
+from transformers import GPT2Config, GPT2LMHeadModel, MistralConfig, MistralForCausalLM
 
 from specdistill.drafts import lean
 from specdistill.drafts.eagle3_head import FeatureCapture
 from specdistill.drafts.kv_cache import KVStream
-
-VOCAB = 96
-SIZES = dict(
-    vocab_size=VOCAB,
-    hidden_size=64,
-    intermediate_size=96,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=256,
-    initializer_range=0.2,
-)
-LLAMA3_ROPE = {
-    "rope_type": "llama3",
-    "factor": 8.0,
-    "low_freq_factor": 1.0,
-    "high_freq_factor": 4.0,
-    "original_max_position_embeddings": 16,
-    "rope_theta": 10000.0,
-}
-FAMILIES = {
-    "llama": lambda: LlamaForCausalLM(LlamaConfig(**SIZES)),
-    "llama-mha-tied": lambda: LlamaForCausalLM(
-        LlamaConfig(**SIZES | {"num_key_value_heads": 4}, tie_word_embeddings=True)
-    ),
-    # SmolLM2-135M's shape, narrowed: 9 query heads over 3 KV heads, tied embeddings.
-    "llama-smollm2-shape": lambda: LlamaForCausalLM(
-        LlamaConfig(
-            **SIZES | {"num_attention_heads": 9, "num_key_value_heads": 3, "hidden_size": 72},
-            tie_word_embeddings=True,
-        )
-    ),
-    "llama3-rope-biases": lambda: LlamaForCausalLM(
-        LlamaConfig(**SIZES, rope_parameters=LLAMA3_ROPE, attention_bias=True, mlp_bias=True)
-    ),
-    "mistral": lambda: MistralForCausalLM(MistralConfig(**SIZES, sliding_window=None)),
-    "qwen2": lambda: Qwen2ForCausalLM(Qwen2Config(**SIZES)),
-    "qwen3": lambda: Qwen3ForCausalLM(Qwen3Config(**SIZES, head_dim=24)),
-}
-
-
-def build(family: str):
-    torch.manual_seed(0)
-    model = FAMILIES[family]().eval()
-    with torch.no_grad():  # random biases and norm weights, so that they are exercised
-        for name, p in model.named_parameters():
-            if name.endswith("bias") or "norm" in name:
-                p.add_(0.3 * torch.randn_like(p))
-    return model
-
-
-def run_stream(stream: KVStream, seed: int = 0) -> list[torch.Tensor]:
-    """Ragged prefill, then chunks with a padded token and rolled-back tails (holes)."""
-    out = [stream.admit([[5, 6, 7, 9], [8]])[0]]
-    g = torch.Generator().manual_seed(seed)
-    for k, valid_first in [(4, True), (1, True), (3, False), (5, True), (1, False)]:
-        tokens = torch.randint(0, VOCAB, (2, k), generator=g)
-        valid = torch.ones(2, k, dtype=torch.bool)
-        valid[1, 0] = valid_first
-        out.append(stream.forward(tokens, valid, keep=k)[valid])
-        stream.drop_last(torch.tensor([k - 1, 0]))
-    return out
+from tests.drafts.helpers import FAMILIES, SIZES, VOCAB, build, run_stream
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))

@@ -10,8 +10,7 @@ import torch
 from specdistill.drafts import lean
 from specdistill.drafts.acceptance_head import AcceptanceHead, AcceptanceHeadConfig, attach_head
 from specdistill.drafts.standalone import StandaloneDrafter
-from tests.drafts.test_internals import CHANGES
-from tests.drafts.test_lean import VOCAB, build
+from tests.drafts.helpers import CHANGES, VOCAB, build
 
 CPU = torch.device("cpu")
 PROMPTS = [[5, 6, 7, 9, 11], [8, 3]]

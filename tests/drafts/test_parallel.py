@@ -17,7 +17,7 @@ from specdistill.drafts.parallel import (
 )
 from specdistill.drafts.types import Drafter, DraftType
 from specdistill.eval import engine
-from tests.eval.test_speculative import (
+from tests.eval.helpers import (
     N_NEW,
     PREFIX,
     V_SMALL,
@@ -44,19 +44,21 @@ def parallel_copy(model, seed: int = 5, scale: float = 0.0):
 
 
 @pytest.fixture(scope="module")
-def pair():
+def parallel_pair():
+    """(target, draft): a tiny random Llama and a parallel draft made from a perturbed copy."""
     target = tiny_llama(0, vocab=VOCAB, hidden=32, layers=2, init=0.2)
     return target, parallel_copy(target, scale=0.02)
 
 
 @pytest.fixture(scope="module")
-def prompts():
+def parallel_prompts():
+    """Five random prompts of the parallel pair's vocabulary (VOCAB tokens)."""
     g = torch.Generator().manual_seed(3)
     return [torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in (3, 11, 6, 1, 8)]
 
 
-def test_a_mask_token_is_one_more_row_named_in_the_config(pair):
-    target, draft = pair
+def test_a_mask_token_is_one_more_row_named_in_the_config(parallel_pair):
+    target, draft = parallel_pair
     assert mask_token(target) is None and mask_token(draft) == VOCAB
     assert draft.get_input_embeddings().weight.shape[0] == VOCAB + 1
     assert add_mask_token(draft) == VOCAB  # idempotent
@@ -70,10 +72,10 @@ def test_a_mask_token_is_one_more_row_named_in_the_config(pair):
 
 
 @torch.no_grad()
-def test_block_forward_matches_the_inference_input(pair):
+def test_block_forward_matches_the_inference_input(parallel_pair):
     """Depth k at anchor t of the training forward equals the draft run on tokens ≤ t and k
     mask tokens, which is what a round feeds it (right padding included)."""
-    _, draft = pair
+    _, draft = parallel_pair
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, VOCAB, (2, 9), generator=g)
     attention = torch.ones_like(ids)
@@ -88,8 +90,8 @@ def test_block_forward_matches_the_inference_input(pair):
                 torch.testing.assert_close(blocks[k][row, t], plain, atol=1e-4, rtol=1e-4)
 
 
-def test_depths_align_with_the_target_and_feed_the_loss(pair):
-    target, draft = pair
+def test_depths_align_with_the_target_and_feed_the_loss(parallel_pair):
+    target, draft = parallel_pair
     kind = Parallel(VOCAB, 3, VOCAB)
     g = torch.Generator().manual_seed(1)
     ids = torch.randint(0, VOCAB, (2, 8), generator=g)
@@ -118,12 +120,12 @@ def test_depths_align_with_the_target_and_feed_the_loss(pair):
 
 
 @pytest.mark.parametrize("gamma, batch_size", [(1, 5), (3, 2), (5, 5), (4, 1)])
-def test_greedy_equals_target_greedy(pair, prompts, gamma, batch_size):
-    target, draft = pair
+def test_greedy_equals_target_greedy(parallel_pair, parallel_prompts, gamma, batch_size):
+    target, draft = parallel_pair
     out = engine.generate(
-        target, draft, prompts, gamma=gamma, batch_size=batch_size, max_new_tokens=N_NEW
+        target, draft, parallel_prompts, gamma=gamma, batch_size=batch_size, max_new_tokens=N_NEW
     )
-    assert out.sequences == [reference_greedy(target, p, N_NEW) for p in prompts]
+    assert out.sequences == [reference_greedy(target, p, N_NEW) for p in parallel_prompts]
     accepted = [n for r in out.rounds for n in r.accepted]
     # Rejected sometimes and accepted past a mask position sometimes, or neither the
     # rollback nor the masks' drafts are exercised.
@@ -133,8 +135,8 @@ def test_greedy_equals_target_greedy(pair, prompts, gamma, batch_size):
         assert any(n >= 2 for n in accepted)
 
 
-def test_the_drafter_proposes_with_one_forward(pair, prompts, monkeypatch):
-    target, draft = pair
+def test_the_drafter_proposes_with_one_forward(parallel_pair, parallel_prompts, monkeypatch):
+    target, draft = parallel_pair
     calls = []
     drafter = ParallelDrafter(draft, VOCAB, torch.device("cpu"))
     original = drafter.stream.forward
@@ -144,22 +146,23 @@ def test_the_drafter_proposes_with_one_forward(pair, prompts, monkeypatch):
         return original(tokens, valid, keep, **kwargs)
 
     drafter.stream.forward = spy
-    drafter.admit(prompts[:2])
+    drafter.admit(parallel_prompts[:2])
     proposal = drafter.propose(4, lambda logits: (logits.argmax(-1), None))
     assert proposal.tokens.shape == (2, 4) and len(calls) == 1 and calls[0][1] == 4
     assert (proposal.tokens < VOCAB).all()
 
 
 @pytest.fixture(scope="module")
-def small_pair():
+def small_parallel_pair():
+    """(target, parallel draft) over V_SMALL tokens, for the χ² test of sampling."""
     target = tiny_llama(0, vocab=V_SMALL, hidden=32, layers=1, init=0.2)
     return target, parallel_copy(target, scale=0.04)
 
 
 @pytest.mark.parametrize("gamma, temperature", [(2, 1.0), (3, 0.8)])
-def test_sampling_is_lossless(small_pair, gamma, temperature):
+def test_sampling_is_lossless(small_parallel_pair, gamma, temperature):
     out = engine.generate(
-        *small_pair,
+        *small_parallel_pair,
         [PREFIX] * 20_000,
         gamma=gamma,
         temperature=temperature,
@@ -169,18 +172,20 @@ def test_sampling_is_lossless(small_pair, gamma, temperature):
     first = [n for r in out.rounds for n, s in zip(r.accepted, r.starts, strict=True) if s == 0]
     assert 0.1 < sum(n < gamma for n in first) / len(first) < 0.9
     assert any(n >= 2 for n in first)  # the mask position's draft takes part
-    p = chi_square_pvalue(out.sequences, joint_first_two(small_pair[0], temperature, None, None))
+    p = chi_square_pvalue(
+        out.sequences, joint_first_two(small_parallel_pair[0], temperature, None, None)
+    )
     assert p > 1e-3
 
 
 # ----------------------------------------------------------------------------- on disk
 
 
-def test_save_detect_load_round_trip(pair, tmp_path):
+def test_save_detect_load_round_trip(parallel_pair, tmp_path):
     from specdistill.drafts import hub
     from tests.helpers import make_tokenizer
 
-    target, draft = pair
+    target, draft = parallel_pair
     kind = Parallel(VOCAB, 3, VOCAB)
     kind.save(draft, tmp_path / "d", make_tokenizer(), "target")
     assert drafts.detect(tmp_path / "d") is Parallel
@@ -198,7 +203,7 @@ def test_the_trainer_adapts_a_standalone_draft(tiny_pair, tmp_path):
     saved draft has a mask token, is detected as parallel, and its held-out α is per depth."""
     from specdistill.train.config import load_recipe
     from specdistill.train.trainer import Trainer
-    from tests.train.test_trainer import overrides
+    from tests.train.helpers import overrides
 
     out = tmp_path / "run"
     extra = {
@@ -218,7 +223,7 @@ def test_the_trainer_adapts_a_standalone_draft(tiny_pair, tmp_path):
 
 def test_chunked_losses_are_refused_by_name(tiny_pair, tmp_path):
     from specdistill.train.config import RecipeError, load_recipe
-    from tests.train.test_trainer import overrides
+    from tests.train.helpers import overrides
 
     extra = {"draft.type": "parallel", "loss.chunk_size": 16}
     with pytest.raises(RecipeError, match="chunk_size is not supported for draft.type=parallel"):
@@ -226,10 +231,10 @@ def test_chunked_losses_are_refused_by_name(tiny_pair, tmp_path):
 
 
 @torch.no_grad()
-def test_each_proposal_is_the_drafts_own_prediction_through_its_masks(pair):
+def test_each_proposal_is_the_drafts_own_prediction_through_its_masks(parallel_pair):
     """Round after round (with partial acceptance and rollback), the drafter's greedy block
     equals the draft run from scratch on the committed tokens plus k mask tokens."""
-    _, draft = pair
+    _, draft = parallel_pair
     drafter = ParallelDrafter(draft, VOCAB, torch.device("cpu"))
     contexts = [[1, 2, 3, 4, 5], [7, 8]]
     drafter.admit([list(c) for c in contexts])
@@ -252,12 +257,12 @@ def test_each_proposal_is_the_drafts_own_prediction_through_its_masks(pair):
         drafter.commit(4, torch.tensor([2, 0]), host)
 
 
-def test_the_acceptance_heads_inputs_are_each_depths_hidden_states(pair):
+def test_the_acceptance_heads_inputs_are_each_depths_hidden_states(parallel_pair):
     """`Parallel.head_hidden` splits the block forward's one recording into its copies: the
     output head on depth k's hidden states gives depth k's logits."""
     from specdistill.drafts.acceptance_head import HeadInputs
 
-    target, draft = pair
+    target, draft = parallel_pair
     kind = Parallel(vocab_size=VOCAB, steps=3, mask_id=mask_token(draft))
     ids = torch.randint(1, kind.vocab_size, (2, 10), generator=torch.Generator().manual_seed(0))
     batch = {

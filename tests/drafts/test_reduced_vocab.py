@@ -24,7 +24,7 @@ from specdistill.drafts.kv_cache import KVStream
 from specdistill.drafts.reduced_vocab import ReducedVocabError, with_reduced_head
 from specdistill.drafts.weights import IncompleteDraftError
 from specdistill.train.config import RecipeError, load_recipe
-from tests.drafts.test_lean import SIZES, VOCAB, run_stream
+from tests.drafts.helpers import SIZES, VOCAB, run_stream
 
 K = 40
 
@@ -178,7 +178,7 @@ def test_lean_forward_with_the_k_row_head_equals_the_plain_forward():
 
 
 def recipe_for(tiny_pair, tmp_path, **extra):
-    from tests.train.test_trainer import overrides
+    from tests.train.helpers import overrides
 
     return load_recipe(None, overrides(tiny_pair, tmp_path / "run", **extra))
 

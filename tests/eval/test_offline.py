@@ -61,7 +61,7 @@ def test_tau_rounds_pred_equals_greedy_engine():
     from specdistill.eval import engine
     from specdistill.eval.offline import held_out_texts, tau_rounds_pred
     from specdistill.eval.stats import acceptance_stats
-    from tests.eval.test_speculative import perturbed, tiny_llama
+    from tests.eval.helpers import perturbed, tiny_llama
 
     target = tiny_llama(0, vocab=96, hidden=64, layers=2, init=0.2)
     draft = perturbed(target, 0.015, seed=1)

@@ -12,7 +12,7 @@ from specdistill.drafts.eagle3_vocab import build_vocab_map
 from specdistill.drafts.parallel import add_mask_token
 from specdistill.drafts.reduced_vocab import with_reduced_head
 from specdistill.eval import engine
-from tests.eval.test_speculative import (
+from tests.eval.helpers import (
     N_NEW,
     V_SMALL,
     chi_square_pvalue,

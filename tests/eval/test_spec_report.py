@@ -13,7 +13,7 @@ from transformers import PreTrainedTokenizerFast
 from specdistill.eval import speculative as spec
 from specdistill.eval.prompts import encode_prompts, load_prompts, prompt_text
 from specdistill.eval.report import SpeculateReport
-from tests.eval.test_speculative import perturbed, tiny_llama
+from tests.eval.helpers import perturbed, tiny_llama
 
 WORDS = ["<pad>", "<eos>", "<unk>", "user", "assistant", ":", *"abcdefghijklmnopqrstuvwxyz"]
 PROMPTS = Path(__file__).resolve().parents[2] / "benchmarks" / "prompts"  # shipped prompt sets

@@ -1,13 +1,10 @@
 """Speculative decoding engine: greedy equality with the target, lossless sampling (chi-square),
 cache rollback in batched mode, adaptive γ, and the acceptance metrics."""
 
-import copy
 import math
 
 import pytest
 import torch
-from scipy import stats
-from transformers import LlamaConfig, LlamaForCausalLM
 
 from specdistill import losses
 from specdistill.drafts import kv_cache as cache
@@ -17,70 +14,26 @@ from specdistill.eval import stats as metrics
 from specdistill.eval.stats import tau_iid
 from specdistill.eval.sweep import Settings, sweep
 from specdistill.losses import sampling
-
-
-def tiny_llama(seed: int, *, vocab: int, hidden: int, layers: int, init: float) -> LlamaForCausalLM:
-    torch.manual_seed(seed)
-    config = LlamaConfig(
-        vocab_size=vocab,
-        hidden_size=hidden,
-        intermediate_size=2 * hidden,
-        num_hidden_layers=layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        initializer_range=init,  # large enough that logits are far from ties
-        max_position_embeddings=256,
-    )
-    return LlamaForCausalLM(config).eval()
-
-
-def perturbed(model: LlamaForCausalLM, scale: float, seed: int) -> LlamaForCausalLM:
-    """A draft that agrees with `model` often but not always."""
-    draft = copy.deepcopy(model)
-    generator = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in draft.parameters():
-            p.add_(scale * torch.randn(p.shape, generator=generator))
-    return draft
-
-
-@torch.no_grad()
-def reference_greedy(model, prompt: list[int], n: int) -> list[int]:
-    """The target's own greedy decode, recomputed from scratch every step (no cache, no batch)."""
-    ids = list(prompt)
-    for _ in range(n):
-        ids.append(int(model(input_ids=torch.tensor([ids])).logits[0, -1].argmax()))
-    return ids[len(prompt) :]
-
-
-N_NEW = 24
-
-
-@pytest.fixture(scope="module")
-def pair():
-    target = tiny_llama(0, vocab=96, hidden=64, layers=2, init=0.2)
-    return target, perturbed(target, 0.015, seed=1)
-
-
-@pytest.fixture(scope="module")
-def prompts():
-    g = torch.Generator().manual_seed(3)
-    return [torch.randint(0, 96, (n,), generator=g).tolist() for n in (3, 11, 6, 1, 8)]
-
-
-@pytest.fixture(scope="module")
-def references(pair, prompts):
-    return [reference_greedy(pair[0], p, N_NEW) for p in prompts]
-
+from tests.eval.helpers import (
+    N_NEW,
+    PREFIX,
+    V_SMALL,
+    chi_square_pvalue,
+    joint_first_two,
+    perturbed,
+    reference_greedy,
+    sample_pairs,
+    tiny_llama,
+)
 
 # ----------------------------------------------------------------------------- greedy
 
 
 @pytest.mark.parametrize("gamma", [1, 3, 6])
 @pytest.mark.parametrize("batch_size", [1, 2, 5])
-def test_greedy_equals_target_greedy(pair, prompts, references, gamma, batch_size):
+def test_greedy_equals_target_greedy(perturbed_pair, prompts, references, gamma, batch_size):
     """Batch size 2 of 5 prompts admits prompts into a running batch (continuous batching)."""
-    target, draft = pair
+    target, draft = perturbed_pair
     out = engine.generate(
         target, draft, prompts, gamma=gamma, batch_size=batch_size, max_new_tokens=N_NEW
     )
@@ -98,19 +51,19 @@ def test_greedy_equals_target_greedy(pair, prompts, references, gamma, batch_siz
 
 @pytest.mark.parametrize("compact_fraction", [0.0, 1.0])
 def test_greedy_batched_with_and_without_compaction(
-    pair, prompts, references, compact_fraction, monkeypatch
+    perturbed_pair, prompts, references, compact_fraction, monkeypatch
 ):
     """Masked holes (never compact) and right-aligning gathers (always compact): same text."""
     monkeypatch.setattr(cache, "_COMPACT_FRACTION", compact_fraction)
-    out = engine.generate(*pair, prompts, gamma=4, max_new_tokens=N_NEW)
+    out = engine.generate(*perturbed_pair, prompts, gamma=4, max_new_tokens=N_NEW)
     assert out.sequences == references
 
 
-def test_greedy_when_cache_buffers_fill_up(pair, prompts, references, monkeypatch):
+def test_greedy_when_cache_buffers_fill_up(perturbed_pair, prompts, references, monkeypatch):
     """One spare position per growth: the cache layers copy into new buffers almost every
     append, and appends after rollbacks overwrite rejected positions in place."""
     monkeypatch.setattr(cache, "_MIN_SPARE", 1)
-    out = engine.generate(*pair, prompts, gamma=3, batch_size=2, max_new_tokens=N_NEW)
+    out = engine.generate(*perturbed_pair, prompts, gamma=3, batch_size=2, max_new_tokens=N_NEW)
     assert out.sequences == references
 
 
@@ -156,14 +109,14 @@ def test_additive_mask():
 
 
 @torch.no_grad()
-def test_stream_logits_match_a_plain_dynamic_cache(pair):
+def test_stream_logits_match_a_plain_dynamic_cache(perturbed_pair):
     """The growing cache layers and the prepared 4-D mask change no logits: the same chunks,
     with padding and a rolled-back tail, through a stream and through a stock DynamicCache with
     transformers' own masks (both with transformers' forward; tests/eval/test_lean.py compares
     the lean forward)."""
     from transformers import DynamicCache
 
-    target = pair[0]
+    target = perturbed_pair[0]
     fast = cache.KVStream(target, 96, torch.device("cpu"), lean=False)
     plain = cache.KVStream(target, 96, torch.device("cpu"), lean=False)
     plain.cache, plain.additive = DynamicCache(config=target.config), False
@@ -182,8 +135,8 @@ def test_stream_logits_match_a_plain_dynamic_cache(pair):
             s.drop_last(torch.tensor([k - 1, 0]))
 
 
-def test_greedy_adaptive_and_target_only(pair, prompts, references):
-    target, draft = pair
+def test_greedy_adaptive_and_target_only(perturbed_pair, prompts, references):
+    target, draft = perturbed_pair
     policy = engine.AdaptiveGamma(start=2, min_gamma=1, max_gamma=6)
     out = engine.generate(target, draft, prompts, gamma=policy, max_new_tokens=N_NEW)
     assert out.sequences == references
@@ -200,10 +153,10 @@ def test_greedy_adaptive_and_target_only(pair, prompts, references):
     assert all(r.gamma == 0 and r.committed == [1] for r in baseline.rounds)
 
 
-def test_greedy_pathwise_tau_matches_measured(pair, prompts):
+def test_greedy_pathwise_tau_matches_measured(perturbed_pair, prompts):
     """At T=0 offline α is argmax agreement along the target's greedy text, so the pathwise
     prediction must reproduce every round's accepted length."""
-    target, draft = pair
+    target, draft = perturbed_pair
     out = engine.generate(target, draft, prompts, gamma=4, batch_size=1, max_new_tokens=N_NEW)
     alphas = [
         metrics.positional_alpha(target, draft, p, o, temperature=0.0)
@@ -213,8 +166,8 @@ def test_greedy_pathwise_tau_matches_measured(pair, prompts):
     assert metrics.pathwise_tau(out.rounds, alphas) == pytest.approx(measured, abs=1e-12)
 
 
-def test_eos_and_length_limits(pair, prompts, references):
-    target, draft = pair
+def test_eos_and_length_limits(perturbed_pair, prompts, references):
+    target, draft = perturbed_pair
     eos = references[1][7]
     cut = references[1][: references[1].index(eos) + 1]
     for d in (draft, None):
@@ -229,61 +182,6 @@ def test_eos_and_length_limits(pair, prompts, references):
 
 # ----------------------------------------------------------------------------- sampling
 
-V_SMALL = 8
-N_SAMPLES = 20_000
-PREFIX = [1, 5, 2]
-
-
-@pytest.fixture(scope="module")
-def small_pair():
-    target = tiny_llama(0, vocab=V_SMALL, hidden=32, layers=1, init=0.2)
-    return target, perturbed(target, 0.04, seed=1)
-
-
-@torch.no_grad()
-def joint_first_two(target, temperature, top_p, top_k) -> torch.Tensor:
-    """Exact target distribution of the first two generated tokens: [V*V] float64."""
-    p1 = sampling.probabilities(
-        target(input_ids=torch.tensor([PREFIX])).logits[0, -1], temperature, top_p, top_k
-    )
-    ids = torch.tensor([PREFIX + [x] for x in range(V_SMALL)])
-    p2 = sampling.probabilities(target(input_ids=ids).logits[:, -1], temperature, top_p, top_k)
-    return (p1[:, None] * p2).flatten().double()
-
-
-def chi_square_pvalue(samples: list[list[int]], probs: torch.Tensor) -> float:
-    """Goodness of fit of (x1, x2) pairs to `probs`; cells expecting < 5 are pooled."""
-    first_two = torch.tensor([s[:2] for s in samples])
-    counts = torch.bincount(
-        first_two[:, 0] * V_SMALL + first_two[:, 1], minlength=V_SMALL**2
-    ).double()
-    assert counts[probs == 0].sum() == 0, "a token outside the target's support was emitted"
-    counts, expected = counts[probs > 0], probs[probs > 0] * counts.sum()
-    small = expected < 5
-    if small.any():
-        counts = torch.cat([counts[~small], counts[small].sum()[None]])
-        expected = torch.cat([expected[~small], expected[small].sum()[None]])
-    observed = counts
-    statistic = float(((observed - expected) ** 2 / expected).sum())
-    return float(stats.chi2.sf(statistic, observed.numel() - 1))
-
-
-def sample_pairs(
-    small_pair, gamma, temperature=1.0, top_p=None, top_k=None, seed=0, batch_size=None
-):
-    # γ + 1 new tokens so the first round is not shortened by the length limit.
-    return engine.generate(
-        *small_pair,
-        [PREFIX] * N_SAMPLES,
-        gamma=gamma,
-        temperature=temperature,
-        top_p=top_p,
-        top_k=top_k,
-        max_new_tokens=gamma + 1,
-        seed=seed,
-        batch_size=batch_size,
-    )
-
 
 @pytest.mark.parametrize(
     "gamma, temperature, top_p, top_k, batch_size",
@@ -294,25 +192,32 @@ def sample_pairs(
         (2, 1.0, None, None, 6000),
     ],
 )
-def test_sampling_is_lossless(small_pair, gamma, temperature, top_p, top_k, batch_size):
-    out = sample_pairs(small_pair, gamma, temperature, top_p, top_k, batch_size=batch_size)
+def test_sampling_is_lossless(small_perturbed_pair, gamma, temperature, top_p, top_k, batch_size):
+    out = sample_pairs(
+        small_perturbed_pair, gamma, temperature, top_p, top_k, batch_size=batch_size
+    )
     first = [n for r in out.rounds for n, s in zip(r.accepted, r.starts, strict=True) if s == 0]
     # Both paths are exercised: rejections (residual) and full acceptance (bonus token).
     assert 0.1 < sum(n < gamma for n in first) / len(first) < 0.9
     assert (
-        chi_square_pvalue(out.sequences, joint_first_two(small_pair[0], temperature, top_p, top_k))
+        chi_square_pvalue(
+            out.sequences, joint_first_two(small_perturbed_pair[0], temperature, top_p, top_k)
+        )
         > 1e-3
     )
 
 
-def test_chi_square_catches_a_wrong_residual(small_pair, monkeypatch):
+def test_chi_square_catches_a_wrong_residual(small_perturbed_pair, monkeypatch):
     """Resampling from p instead of the residual after a rejection over-weights draft tokens."""
     monkeypatch.setattr(verify, "residual", lambda p, q: p)
-    out = sample_pairs(small_pair, gamma=2)
-    assert chi_square_pvalue(out.sequences, joint_first_two(small_pair[0], 1.0, None, None)) < 1e-6
+    out = sample_pairs(small_perturbed_pair, gamma=2)
+    assert (
+        chi_square_pvalue(out.sequences, joint_first_two(small_perturbed_pair[0], 1.0, None, None))
+        < 1e-6
+    )
 
 
-def test_chi_square_catches_a_wrong_bonus(small_pair, monkeypatch):
+def test_chi_square_catches_a_wrong_bonus(small_perturbed_pair, monkeypatch):
     """A bonus token drawn from p_γ (off by one) instead of p_{γ+1}."""
     real = verify.verify_sampled
 
@@ -322,19 +227,22 @@ def test_chi_square_catches_a_wrong_bonus(small_pair, monkeypatch):
         return real(p, q, drafts, generator)
 
     monkeypatch.setattr(verify, "verify_sampled", off_by_one_bonus)
-    out = sample_pairs(small_pair, gamma=1)
-    assert chi_square_pvalue(out.sequences, joint_first_two(small_pair[0], 1.0, None, None)) < 1e-6
+    out = sample_pairs(small_perturbed_pair, gamma=1)
+    assert (
+        chi_square_pvalue(out.sequences, joint_first_two(small_perturbed_pair[0], 1.0, None, None))
+        < 1e-6
+    )
 
 
-def test_sampling_is_reproducible_and_seeded(small_pair):
+def test_sampling_is_reproducible_and_seeded(small_perturbed_pair):
     a = engine.generate(
-        *small_pair, [PREFIX] * 4, gamma=2, temperature=1.0, max_new_tokens=12, seed=7
+        *small_perturbed_pair, [PREFIX] * 4, gamma=2, temperature=1.0, max_new_tokens=12, seed=7
     )
     b = engine.generate(
-        *small_pair, [PREFIX] * 4, gamma=2, temperature=1.0, max_new_tokens=12, seed=7
+        *small_perturbed_pair, [PREFIX] * 4, gamma=2, temperature=1.0, max_new_tokens=12, seed=7
     )
     c = engine.generate(
-        *small_pair, [PREFIX] * 4, gamma=2, temperature=1.0, max_new_tokens=12, seed=8
+        *small_perturbed_pair, [PREFIX] * 4, gamma=2, temperature=1.0, max_new_tokens=12, seed=8
     )
     assert a.sequences == b.sequences != c.sequences
 
@@ -515,9 +423,9 @@ def test_adaptive_gamma_policy():
         engine.AdaptiveGamma(start=1, min_gamma=2, max_gamma=4)
 
 
-def test_sweep_for_periodic_eval(pair, prompts):
+def test_sweep_for_periodic_eval(perturbed_pair, prompts):
     """The trainer's periodic evaluation: one temperature, a few γ, models' modes restored."""
-    target, draft = pair
+    target, draft = perturbed_pair
     draft.train()  # as the trainer would call it
     try:
         settings = Settings(gammas=[1, 3], max_new_tokens=8)
@@ -533,7 +441,7 @@ def test_sweep_for_periodic_eval(pair, prompts):
     assert speedup[best["measured"]] == best["speedup"] > 0
 
 
-def test_sweep_repeats_keep_each_configurations_fastest_run(pair, prompts, monkeypatch):
+def test_sweep_repeats_keep_each_configurations_fastest_run(perturbed_pair, prompts, monkeypatch):
     from specdistill.eval import sweep as sweep_module
 
     calls = []
@@ -546,7 +454,7 @@ def test_sweep_repeats_keep_each_configurations_fastest_run(pair, prompts, monke
 
     monkeypatch.setattr(sweep_module, "_run", spy)
     settings = Settings(gammas=[1, 3], adaptive=True, max_new_tokens=8, repeats=3)
-    result, runs = sweep(*pair, prompts[:2], settings)
+    result, runs = sweep(*perturbed_pair, prompts[:2], settings)
     assert [name for name, _ in calls] == [None, 1, 3, "adaptive"] * 3  # round-robin
     for name, key in [(None, "T=0 target-only"), (1, "T=0 gamma=1"), (3, "T=0 gamma=3")]:
         mine = [g for n, g in calls if n == name]
@@ -559,11 +467,11 @@ def test_sweep_repeats_keep_each_configurations_fastest_run(pair, prompts, monke
         Settings(gammas=[1], repeats=0)
 
 
-def test_rejects_bad_arguments(pair, prompts):
+def test_rejects_bad_arguments(perturbed_pair, prompts):
     with pytest.raises(ValueError, match="gamma must be"):
-        engine.generate(*pair, prompts, gamma=0)
+        engine.generate(*perturbed_pair, prompts, gamma=0)
     with pytest.raises(ValueError, match="top_p"):
-        engine.generate(*pair, prompts, temperature=1.0, top_p=0.0)
+        engine.generate(*perturbed_pair, prompts, temperature=1.0, top_p=0.0)
     with pytest.raises(ValueError, match="at least one token"):
-        engine.generate(*pair, [[]])
+        engine.generate(*perturbed_pair, [[]])
     assert math.isnan(metrics.percentiles([math.nan])["p50"])

@@ -17,7 +17,7 @@ from specdistill.eval import engine, verify
 from specdistill.eval import stats as metrics
 from specdistill.eval.sweep import Settings, sweep
 from specdistill.losses import sampling
-from tests.eval.test_speculative import reference_greedy
+from tests.eval.helpers import reference_greedy
 
 
 def target_model(seed: int, *, vocab: int, hidden: int, layers: int, init: float, attn=0.03):
@@ -68,7 +68,8 @@ N_NEW = 24
 
 
 @pytest.fixture(scope="module")
-def pair():
+def head_pair():
+    """(target, head): a predictable tiny target and an EAGLE-3 head fitted to it (V_d 80)."""
     target = target_model(0, vocab=96, hidden=64, layers=2, init=0.2)
     head = Eagle3Head.from_target(target, aux_layers=[0, 1], draft_vocab_size=80)
     head.set_vocab_map(*build_vocab_map(torch.arange(96.0), 80), target.lm_head.weight)
@@ -76,24 +77,21 @@ def pair():
 
 
 @pytest.fixture(scope="module")
-def prompts():
-    g = torch.Generator().manual_seed(3)
-    return [torch.randint(0, 96, (n,), generator=g).tolist() for n in (3, 11, 6, 1, 8)]
-
-
-@pytest.fixture(scope="module")
-def references(pair, prompts):
-    return [reference_greedy(pair[0], p, N_NEW) for p in prompts]
+def head_references(head_pair, prompts):
+    """The head pair's target's own greedy continuation of each prompt (N_NEW tokens)."""
+    return [reference_greedy(head_pair[0], p, N_NEW) for p in prompts]
 
 
 @pytest.mark.parametrize("gamma", [1, 2, 5])
 @pytest.mark.parametrize("batch_size", [1, 2, 5])
-def test_greedy_with_a_head_equals_target_greedy(pair, prompts, references, gamma, batch_size):
-    target, head = pair
+def test_greedy_with_a_head_equals_target_greedy(
+    head_pair, prompts, head_references, gamma, batch_size
+):
+    target, head = head_pair
     out = engine.generate(
         target, head, prompts, gamma=gamma, batch_size=batch_size, max_new_tokens=N_NEW
     )
-    assert out.sequences == references
+    assert out.sequences == head_references
     accepted = [n for r in out.rounds for n in r.accepted]
     # Rejections and (for short γ) full acceptance both happen, so both paths are exercised.
     assert sum(n < gamma for n in accepted) > 0
@@ -103,27 +101,27 @@ def test_greedy_with_a_head_equals_target_greedy(pair, prompts, references, gamm
         assert any(0 < n < gamma for n in accepted)
 
 
-def test_greedy_with_a_head_adaptive_eos_and_length(pair, prompts, references):
-    target, head = pair
+def test_greedy_with_a_head_adaptive_eos_and_length(head_pair, prompts, head_references):
+    target, head = head_pair
     policy = engine.AdaptiveGamma(start=2, min_gamma=1, max_gamma=6)
     out = engine.generate(target, head, prompts, gamma=policy, max_new_tokens=N_NEW)
-    assert out.sequences == references
-    eos = references[1][7]
-    cut = references[1][: references[1].index(eos) + 1]
+    assert out.sequences == head_references
+    eos = head_references[1][7]
+    cut = head_references[1][: head_references[1].index(eos) + 1]
     out = engine.generate(
         target, head, [prompts[1]], gamma=3, max_new_tokens=N_NEW, eos_token_id=eos
     )
     assert out.sequences == [cut]
     # The first token comes from the target's prefill: one token finishes at admission.
     out = engine.generate(target, head, prompts, gamma=4, max_new_tokens=1)
-    assert out.sequences == [r[:1] for r in references] and not out.rounds
+    assert out.sequences == [r[:1] for r in head_references] and not out.rounds
     out = engine.generate(target, head, prompts, gamma=6, max_new_tokens=5, batch_size=2)
-    assert out.sequences == [r[:5] for r in references]
+    assert out.sequences == [r[:5] for r in head_references]
 
 
-def test_greedy_pathwise_tau_matches_measured_for_a_head(pair, prompts):
+def test_greedy_pathwise_tau_matches_measured_for_a_head(head_pair, prompts):
     """Per-depth teacher-forced α along the greedy text reproduces every round exactly."""
-    target, head = pair
+    target, head = head_pair
     out = engine.generate(target, head, prompts, gamma=4, batch_size=1, max_new_tokens=N_NEW)
     alphas = [
         metrics.positional_alpha(target, head, p, o, temperature=0.0, depth=4)
@@ -134,10 +132,10 @@ def test_greedy_pathwise_tau_matches_measured_for_a_head(pair, prompts):
 
 
 @pytest.mark.parametrize("gamma", [1, 3, 5])
-def test_greedy_tau_rounds_matches_measured_for_a_head(pair, prompts, gamma):
+def test_greedy_tau_rounds_matches_measured_for_a_head(head_pair, prompts, gamma):
     """Per-depth α along the target's greedy text, rounds replayed from s = 1 (the first token
     is the target's): `tau_rounds` equals the engine's τ without knowing its round starts."""
-    target, head = pair
+    target, head = head_pair
     out = engine.generate(target, head, prompts, gamma=gamma, batch_size=1, max_new_tokens=N_NEW)
     greedy = engine.generate(target, None, prompts, max_new_tokens=N_NEW).sequences
     alphas = [
@@ -148,8 +146,8 @@ def test_greedy_tau_rounds_matches_measured_for_a_head(pair, prompts, gamma):
     assert metrics.tau_rounds_pooled(alphas, gamma) == pytest.approx(measured, abs=1e-12)
 
 
-def test_report_runs_with_a_head(pair, prompts):
-    target, head = pair
+def test_report_runs_with_a_head(head_pair, prompts):
+    target, head = head_pair
     settings = Settings(gammas=[2, 4], temperatures=(0.0, 1.0), max_new_tokens=12)
     result, runs = sweep(target, head, prompts[:3], settings)
     configs = {c["name"]: c for c in result["configs"]}
@@ -170,7 +168,7 @@ PREFIX = [1, 5, 2]
 
 
 @pytest.fixture(scope="module")
-def small_pair():
+def small_head_pair():
     """A head over 6 of the 8 tokens: tokens 6 and 7 can only come from the residual or bonus."""
     target = target_model(0, vocab=V_SMALL, hidden=32, layers=2, init=0.2)
     head = Eagle3Head.from_target(target, aux_layers=[0, 1], draft_vocab_size=6)
@@ -206,10 +204,10 @@ def chi_square_pvalue(samples: list[list[int]], probs: torch.Tensor) -> float:
     return float(stats.chi2.sf(statistic, counts.numel() - 1))
 
 
-def sample(small_pair, gamma: int, temperature: float = 1.0, batch_size=None):
+def sample(small_head_pair, gamma: int, temperature: float = 1.0, batch_size=None):
     # Token 1 comes from the target's prefill; tokens 2.. from the first speculative round.
     return engine.generate(
-        *small_pair,
+        *small_head_pair,
         [PREFIX] * N_SAMPLES,
         gamma=gamma,
         temperature=temperature,
@@ -219,22 +217,24 @@ def sample(small_pair, gamma: int, temperature: float = 1.0, batch_size=None):
 
 
 @pytest.mark.parametrize("gamma, temperature, batch_size", [(1, 1.0, None), (2, 0.7, 4000)])
-def test_sampling_with_a_head_is_lossless(small_pair, gamma, temperature, batch_size):
-    out = sample(small_pair, gamma, temperature, batch_size)
+def test_sampling_with_a_head_is_lossless(small_head_pair, gamma, temperature, batch_size):
+    out = sample(small_head_pair, gamma, temperature, batch_size)
     first = [n for r in out.rounds for n, s in zip(r.accepted, r.starts, strict=True) if s == 1]
     assert 0.1 < sum(n < gamma for n in first) / len(first) < 0.9  # residual and bonus paths
     outside = sum(t >= 6 for s in out.sequences for t in s[1:3])
     assert outside > 0  # tokens outside V_d do appear (through the residual / bonus)
-    assert chi_square_pvalue(out.sequences, joint_first_three(small_pair[0], temperature)) > 1e-3
+    assert (
+        chi_square_pvalue(out.sequences, joint_first_three(small_head_pair[0], temperature)) > 1e-3
+    )
 
 
-def test_chi_square_catches_a_wrong_residual_with_a_head(small_pair, monkeypatch):
+def test_chi_square_catches_a_wrong_residual_with_a_head(small_head_pair, monkeypatch):
     monkeypatch.setattr(verify, "residual", lambda p, q: p)
-    out = sample(small_pair, gamma=2)
-    assert chi_square_pvalue(out.sequences, joint_first_three(small_pair[0], 1.0)) < 1e-6
+    out = sample(small_head_pair, gamma=2)
+    assert chi_square_pvalue(out.sequences, joint_first_three(small_head_pair[0], 1.0)) < 1e-6
 
 
-def test_chi_square_catches_a_head_q_that_is_not_what_it_sampled(small_pair, monkeypatch):
+def test_chi_square_catches_a_head_q_that_is_not_what_it_sampled(small_head_pair, monkeypatch):
     """Verification must use the very distribution each draft was drawn from."""
     real = Eagle3Drafter.propose
 
@@ -244,13 +244,13 @@ def test_chi_square_catches_a_head_q_that_is_not_what_it_sampled(small_pair, mon
         return proposal
 
     monkeypatch.setattr(Eagle3Drafter, "propose", skewed)
-    out = sample(small_pair, gamma=1)
-    assert chi_square_pvalue(out.sequences, joint_first_three(small_pair[0], 1.0)) < 1e-6
+    out = sample(small_head_pair, gamma=1)
+    assert chi_square_pvalue(out.sequences, joint_first_three(small_head_pair[0], 1.0)) < 1e-6
 
 
-def test_bf16_target_with_an_fp32_head(pair, prompts):
+def test_bf16_target_with_an_fp32_head(head_pair, prompts):
     """Training keeps fp32 master weights while the target may run in bf16 (periodic eval)."""
-    target, head = pair
+    target, head = head_pair
     target_bf16 = copy.deepcopy(target).to(torch.bfloat16)
     references = [reference_greedy(target_bf16, p, 12) for p in prompts[:3]]
     out = engine.generate(target_bf16, head, prompts[:3], gamma=3, max_new_tokens=12)

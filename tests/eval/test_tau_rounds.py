@@ -8,13 +8,7 @@ import torch
 
 from specdistill.eval import engine
 from specdistill.eval import stats as metrics
-from tests.eval.test_speculative import (  # noqa: F401  (pair, prompts: fixtures)
-    N_NEW,
-    pair,
-    perturbed,
-    prompts,
-    tiny_llama,
-)
+from tests.eval.helpers import N_NEW
 
 
 def test_closed_forms():
@@ -49,9 +43,9 @@ def pooled_measured(rounds) -> float:
 
 
 @pytest.mark.parametrize("gamma", [1, 3, 5])
-def test_greedy_tau_rounds_equals_measured(pair, prompts, gamma):
+def test_greedy_tau_rounds_equals_measured(perturbed_pair, prompts, gamma):
     """At T=0, α ∈ {0, 1} along the target's greedy text: the DP replays the engine."""
-    target, draft = pair
+    target, draft = perturbed_pair
     out = engine.generate(target, draft, prompts, gamma=gamma, batch_size=1, max_new_tokens=N_NEW)
     greedy = engine.generate(target, None, prompts, max_new_tokens=N_NEW)
     assert greedy.sequences == out.sequences
@@ -65,10 +59,10 @@ def test_greedy_tau_rounds_equals_measured(pair, prompts, gamma):
     assert 1.0 < measured < gamma + 1
 
 
-def test_sampled_tau_rounds_within_standard_errors(pair):
+def test_sampled_tau_rounds_within_standard_errors(perturbed_pair):
     """At T=1 the prediction along target-sampled texts agrees with the engine's τ (other
     texts, same distribution) within 4 combined standard errors of the two ratio estimates."""
-    target, draft = pair
+    target, draft = perturbed_pair
     g = torch.Generator().manual_seed(7)
     lengths = torch.randint(1, 9, (40,), generator=g).tolist()
     prompts = [torch.randint(0, 96, (n,), generator=g).tolist() for n in lengths]

@@ -18,7 +18,7 @@ from transformers import LlamaConfig, LlamaForCausalLM, PretrainedConfig  # noqa
 
 from specdistill.drafts.eagle3_head import SPECULATORS_VERSION, Eagle3Head  # noqa: E402
 from specdistill.train.export import export  # noqa: E402
-from tests.train.test_export import HIDDEN, VOCAB, tiny_config, trained_head  # noqa: E402
+from tests.eagle3_heads import HIDDEN, VOCAB, tiny_config, trained_head  # noqa: E402
 
 pytestmark = pytest.mark.interop
 

@@ -14,7 +14,7 @@ from specdistill.drafts.acceptance_head import CONFIG, WEIGHTS, load_acceptance_
 from specdistill.drafts.hub import load_draft
 from specdistill.train.config import RecipeError, load_recipe
 from specdistill.train.trainer import Trainer
-from tests.train.test_trainer import Killed, metrics, overrides, run_cli
+from tests.train.helpers import Killed, metrics, overrides, run_cli
 
 HEAD = {"acceptance_head.enabled": "true"}
 
@@ -180,7 +180,7 @@ def assert_trained_beside(plain: Path, head: Path) -> None:
 
 
 def test_an_eagle3_head_trains_its_acceptance_head_at_every_depth(tiny_pair, tmp_path):
-    from tests.train.test_eagle3 import eagle_overrides
+    from tests.train.helpers import eagle_overrides
 
     extra = {"train.max_steps": 3, "draft.aux_layers": "[0]"}
     plain, head = tmp_path / "plain", tmp_path / "head"

@@ -14,8 +14,7 @@ from specdistill import cli
 from specdistill.train.config import RecipeError, load_recipe
 from specdistill.train.target_cache import build_cache
 from specdistill.train.trainer import Trainer
-
-from .test_trainer import overrides
+from tests.train.helpers import overrides
 
 VOCAB = 320  # the tiny pair's tokenizer
 

@@ -9,8 +9,7 @@ import pytest
 from specdistill.train.config import RecipeError, load_recipe
 from specdistill.train.target_cache import build_cache
 from specdistill.train.trainer import Trainer
-
-from .test_trainer import overrides
+from tests.train.helpers import overrides
 
 
 @pytest.fixture(scope="module")

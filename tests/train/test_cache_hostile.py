@@ -11,12 +11,12 @@ from specdistill import cli
 from specdistill.train.config import RecipeError, load_recipe
 from specdistill.train.target_cache import CacheError, build_cache
 from specdistill.train.trainer import Trainer
-
-from .test_trainer import overrides
+from tests.train.helpers import overrides
 
 
 @pytest.fixture(scope="module")
-def cache(tiny_pair, tmp_path_factory):
+def target_cache(tiny_pair, tmp_path_factory):
+    """A target cache (top 8 of the tiny target's distributions) built once for the module."""
     out = tmp_path_factory.mktemp("cache") / "cache"
     recipe = load_recipe(None, overrides(tiny_pair, out.parent / "unused"))
     build_cache(recipe, out, top_n=8, print=lambda *a: None)
@@ -61,9 +61,9 @@ def test_an_out_that_is_a_file_is_refused_and_kept(tiny_pair, tmp_path):
     assert out.read_text() == "keep me"
 
 
-def test_a_truncated_eval_shard_is_refused_before_training(tiny_pair, cache, tmp_path):
+def test_a_truncated_eval_shard_is_refused_before_training(tiny_pair, target_cache, tmp_path):
     damaged = tmp_path / "cache"
-    shutil.copytree(cache, damaged)
+    shutil.copytree(target_cache, damaged)
     shard = damaged / "eval-000000.safetensors"
     shard.write_bytes(shard.read_bytes()[:-100])
     run = tmp_path / "run"

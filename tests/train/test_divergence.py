@@ -12,7 +12,7 @@ from specdistill.errors import run_guarded
 from specdistill.train.config import RecipeError, load_recipe
 from specdistill.train.distill import main as distill_main
 from specdistill.train.step import StepMetrics, TrainingDiverged, check_finite
-from tests.train.test_trainer import overrides
+from tests.train.helpers import overrides
 
 
 @pytest.mark.parametrize(

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+from transformers import DynamicCache, LlamaForCausalLM
 
 from specdistill import losses
 from specdistill.drafts import Eagle3
@@ -22,42 +22,14 @@ from specdistill.drafts.eagle3_head import (
 )
 from specdistill.train.config import RecipeError, load_recipe
 from specdistill.train.trainer import Trainer
-
-V = 64
-
-
-def tiny_target(family: str = "llama", seed: int = 0, layers: int = 4):
-    torch.manual_seed(seed)
-    common = dict(
-        vocab_size=V,
-        hidden_size=32,
-        intermediate_size=48,
-        num_hidden_layers=layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=128,
-    )
-    if family == "qwen2":
-        return Qwen2ForCausalLM(Qwen2Config(**common)).eval()
-    return LlamaForCausalLM(LlamaConfig(**common)).eval()
-
-
-def head_for(target, draft_vocab_size=40, seed=1, **kwargs) -> Eagle3Head:
-    head = Eagle3Head.from_target(target, draft_vocab_size=draft_vocab_size, **kwargs)
-    counts = torch.randint(0, 1000, (V,), generator=torch.Generator().manual_seed(seed))
-    head.set_vocab_map(*build_vocab_map(counts, draft_vocab_size))
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():  # move away from the init so that every weight matters
-        for p in head.parameters():
-            if p.requires_grad:
-                p.add_(0.05 * torch.randn(p.shape, generator=g))
-    return head.eval()
+from tests.eagle3_heads import VOCAB, head_for, tiny_target
+from tests.train.helpers import eagle_overrides, run_cli
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
 def test_capture_is_the_input_of_the_aux_layers_in_the_same_forward(family):
     target = tiny_target(family)
-    ids = torch.randint(0, V, (2, 9))
+    ids = torch.randint(0, VOCAB, (2, 9))
     calls = []
     hook = target.register_forward_hook(lambda *a: calls.append(1))
     with FeatureCapture(target, [1, 2, 3]) as capture:
@@ -86,7 +58,7 @@ def test_unroll_equals_cached_chain_drafting(family, norm_before_residual):
     """TTT depth k at chain t must be what drafting k steps from position t computes."""
     target = tiny_target(family)
     head = head_for(target, norm_before_residual=norm_before_residual)
-    ids = torch.randint(0, V, (2, 14))
+    ids = torch.randint(0, VOCAB, (2, 14))
     with FeatureCapture(target, head.aux_layers) as capture:
         target(input_ids=ids)
     features = capture.features()
@@ -121,7 +93,7 @@ def test_unroll_equals_cached_chain_drafting(family, norm_before_residual):
 def test_unroll_rows_do_not_see_padding():
     target = tiny_target()
     head = head_for(target)
-    ids = torch.randint(0, V, (1, 10))
+    ids = torch.randint(0, VOCAB, (1, 10))
     padded = torch.cat([ids, torch.zeros(1, 4, dtype=torch.long)], 1)
     mask = torch.cat([torch.ones(1, 10), torch.zeros(1, 4)], 1).long()
     with FeatureCapture(target, head.aux_layers) as capture:
@@ -187,7 +159,7 @@ def test_save_load_round_trip_and_corrupted_map(tmp_path):
         3,
     ]
     loaded = Eagle3Head.from_pretrained(tmp_path / "head").eval()
-    ids = torch.randint(0, V, (2, 8))
+    ids = torch.randint(0, VOCAB, (2, 8))
     with FeatureCapture(target, head.aux_layers) as capture:
         target(input_ids=ids)
     features = capture.features()
@@ -231,9 +203,9 @@ def test_token_counts_use_loss_masked_tokens_only():
 def test_eagle3_depth_losses_have_gradients_only_in_the_head():
     target = tiny_target()
     head = head_for(target).train()
-    kind = Eagle3(head, steps=3, vocab_size=V)
+    kind = Eagle3(head, steps=3, vocab_size=VOCAB)
     batch = {
-        "input_ids": torch.randint(0, V, (2, 12)),
+        "input_ids": torch.randint(0, VOCAB, (2, 12)),
         "attention_mask": torch.ones(2, 12, dtype=torch.long),
         "loss_mask": torch.ones(2, 12, dtype=torch.bool),
     }
@@ -249,60 +221,6 @@ def test_eagle3_depth_losses_have_gradients_only_in_the_head():
 
 
 # ----------------------------------------------------------------------------- trainer
-
-
-@pytest.fixture(scope="module")
-def sharp_target(tiny_pair, tmp_path_factory):
-    """The tiny pair's tokenizer on a target with peaked, context-dependent distributions (a
-    default-init random target is near uniform, leaving a head nothing to learn)."""
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(tiny_pair[0])
-    torch.manual_seed(5)
-    config = LlamaConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=2,
-        max_position_embeddings=128,
-        initializer_range=0.15,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-    )
-    path = tmp_path_factory.mktemp("sharp_target")
-    LlamaForCausalLM(config).save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return path
-
-
-def eagle_overrides(tiny_pair, target, out, **extra) -> list[str]:
-    _, _, data = tiny_pair
-    base = {
-        "target.model": str(target),
-        "draft.type": "eagle3",
-        "draft.model": "null",
-        "draft.aux_layers": "[0, 1]",  # the tiny target has 2 layers
-        "draft.vocab_size": 200,
-        "draft.ttt_steps": 3,
-        "data.train": str(data / "*.py"),
-        "data.max_length": 32,
-        "data.eval_fraction": 0.25,
-        "train.max_steps": 30,
-        "train.global_batch_size": 4,
-        "train.micro_batch_size": 2,
-        "train.warmup_steps": 2,
-        "train.lr": 3e-3,
-        "train.output_dir": str(out),
-        "train.save_every": 0,
-        "train.log_every": 1,
-        "eval.every": 0,
-        "eval.max_sequences": 16,
-        "loss.name": "lk_lambda",
-    }
-    base.update(extra)
-    return [f"{k}={v}" for k, v in base.items()]
 
 
 def test_trainer_trains_an_eagle3_head_and_saves_it(tiny_pair, sharp_target, tmp_path):
@@ -414,8 +332,6 @@ def test_eagle3_two_processes_match_one_process(tiny_pair, sharp_target, tmp_pat
     """DDP (gloo, 2 processes) trains the head exactly like 1 process at the same global batch:
     training goes through the wrapper's forward, so gradients are all-reduced."""
     from safetensors.torch import load_file
-
-    from tests.train.test_trainer import run_cli
 
     one, two = tmp_path / "one", tmp_path / "two"
     extra = {"train.max_steps": 4, "loss.name": "fkl"}

@@ -7,11 +7,10 @@ import shutil
 from pathlib import Path
 
 import pytest
-import torch
 from safetensors.torch import load_file, save_file
 from transformers import AutoConfig, LlamaForCausalLM
 
-from specdistill.drafts.eagle3_head import Eagle3Head, build_vocab_map
+from specdistill.drafts.eagle3_head import Eagle3Head
 from specdistill.drafts.hub import (
     BrokenWeightsError,
     IncompleteDraftError,
@@ -20,19 +19,9 @@ from specdistill.drafts.hub import (
 )
 from specdistill.train.config import RecipeError, load_recipe
 from specdistill.train.export_cli import main as export_main
-from tests.train.test_reliability import kill_at, train
-from tests.train.test_trainer import Killed
+from tests.train.helpers import Killed, kill_at, one_line_error, seven_layer_config, train
 
 TOKENIZER = ("tokenizer.json", "tokenizer_config.json")
-
-
-def seven_layer_config(draft: Path, out: Path) -> Path:
-    """The tiny draft (1 layer) with a config that says 7 layers: 6 layers have no weights."""
-    shutil.copytree(draft, out)
-    config = json.loads((out / "config.json").read_text())
-    config["num_hidden_layers"] = 7
-    (out / "config.json").write_text(json.dumps(config))
-    return out
 
 
 def cut_short(path: Path) -> Path:
@@ -41,29 +30,9 @@ def cut_short(path: Path) -> Path:
     return path
 
 
-def one_line_error(err: str) -> str:
-    lines = [line for line in err.splitlines() if line.startswith("error:")]
-    assert len(lines) == 1 and "Traceback" not in err, err
-    return lines[0]
-
-
 @pytest.fixture
 def seven(tiny_pair, tmp_path) -> Path:
     return seven_layer_config(tiny_pair[1], tmp_path / "seven")
-
-
-@pytest.fixture(scope="module")
-def head_dir(tiny_pair, tmp_path_factory) -> Path:
-    """An EAGLE-3 head on the tiny target (V_d 100 of the target's vocabulary)."""
-    target = LlamaForCausalLM.from_pretrained(tiny_pair[0])
-    torch.manual_seed(0)
-    head = Eagle3Head.from_target(target, draft_vocab_size=100, aux_layers=[0, 1])
-    vocab = target.config.vocab_size
-    d2t, t2d = build_vocab_map(torch.randint(0, 1000, (vocab,)), 100)
-    head.set_vocab_map(d2t, t2d, target.get_output_embeddings().weight)
-    path = tmp_path_factory.mktemp("head")
-    head.save_pretrained(path, verifier=str(tiny_pair[0]), verifier_arch=["LlamaForCausalLM"])
-    return path
 
 
 # ----------------------------------------------------------------------------- drafts.hub
@@ -104,23 +73,23 @@ def test_a_tied_head_is_not_missing(tiny_pair, tmp_path):
     assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
 
 
-def test_a_cut_short_weights_file_is_a_one_line_error(tiny_pair, tmp_path, head_dir):
+def test_a_cut_short_weights_file_is_a_one_line_error(tiny_pair, tmp_path, tiny_head_dir):
     draft = shutil.copytree(tiny_pair[1], tmp_path / "draft")
     weights = cut_short(draft / "model.safetensors")
     with pytest.raises(BrokenWeightsError) as error:
         load_draft(str(draft))
     assert str(weights) in str(error.value) and "\n" not in str(error.value)
 
-    head = shutil.copytree(head_dir, tmp_path / "head")
+    head = shutil.copytree(tiny_head_dir, tmp_path / "head")
     weights = cut_short(head / "model.safetensors")
     with pytest.raises(BrokenWeightsError, match="cut short") as error:
         load_draft(str(head))
     assert str(weights) in str(error.value)
 
 
-def test_an_eagle3_head_is_loaded_all_or_nothing(head_dir, tmp_path):
-    assert isinstance(load_draft(str(head_dir)), Eagle3Head)
-    wider = shutil.copytree(head_dir, tmp_path / "wider")
+def test_an_eagle3_head_is_loaded_all_or_nothing(tiny_head_dir, tmp_path):
+    assert isinstance(load_draft(str(tiny_head_dir)), Eagle3Head)
+    wider = shutil.copytree(tiny_head_dir, tmp_path / "wider")
     config = json.loads((wider / "config.json").read_text())
     config["transformer_layer_config"]["intermediate_size"] += 8
     (wider / "config.json").write_text(json.dumps(config))
@@ -128,7 +97,7 @@ def test_an_eagle3_head_is_loaded_all_or_nothing(head_dir, tmp_path):
         load_draft(str(wider))
     assert "layers.0.mlp.up_proj.weight" in str(error.value) and str(wider) in str(error.value)
 
-    partial = shutil.copytree(head_dir, tmp_path / "partial")
+    partial = shutil.copytree(tiny_head_dir, tmp_path / "partial")
     state = load_file(partial / "model.safetensors")
     del state["norm.weight"], state["fc.weight"]
     save_file(state, partial / "model.safetensors")
@@ -169,9 +138,9 @@ def test_export_refuses_a_draft_whose_weights_do_not_cover_its_config(seven, tmp
 
 @pytest.mark.parametrize("kind", ["standalone", "eagle3"])
 def test_export_of_a_cut_short_weights_file_is_a_one_line_error(
-    kind, tiny_pair, head_dir, tmp_path, capsys
+    kind, tiny_pair, tiny_head_dir, tmp_path, capsys
 ):
-    draft = shutil.copytree(tiny_pair[1] if kind == "standalone" else head_dir, tmp_path / "d")
+    draft = shutil.copytree(tiny_pair[1] if kind == "standalone" else tiny_head_dir, tmp_path / "d")
     weights = cut_short(draft / "model.safetensors")
     for fmt in ("vllm", "sglang"):
         out = tmp_path / fmt
@@ -181,7 +150,7 @@ def test_export_of_a_cut_short_weights_file_is_a_one_line_error(
         assert not out.exists()
 
 
-def test_export_of_a_standalone_draft_needs_a_tokenizer(tiny_pair, head_dir, tmp_path, capsys):
+def test_export_of_a_standalone_draft_needs_a_tokenizer(tiny_pair, tiny_head_dir, tmp_path, capsys):
     draft = shutil.copytree(tiny_pair[1], tmp_path / "draft")
     for name in TOKENIZER:
         (draft / name).unlink()
@@ -199,7 +168,7 @@ def test_export_of_a_standalone_draft_needs_a_tokenizer(tiny_pair, head_dir, tmp
     load_draft(str(out))
 
     out = tmp_path / "head"  # a head: the engines take the verifier's tokenizer; a note
-    assert export_main(["--draft", str(head_dir), "--format", "vllm", "--out", str(out)]) == 0
+    assert export_main(["--draft", str(tiny_head_dir), "--format", "vllm", "--out", str(out)]) == 0
     assert "no complete tokenizer" in capsys.readouterr().err
 
 

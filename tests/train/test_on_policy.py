@@ -10,9 +10,15 @@ from transformers import AutoModelForCausalLM
 from specdistill.train.config import RecipeError, load_recipe
 from specdistill.train.on_policy import inverse_cdf, on_policy_slots, row_seed
 from specdistill.train.trainer import Trainer
-from tests.train.test_reliability import killed_and_resumed, without_timing
-from tests.train.test_reliability import train as train_
-from tests.train.test_trainer import draft_weights, metrics, overrides, run_cli
+from tests.train.helpers import (
+    draft_weights,
+    killed_and_resumed,
+    metrics,
+    overrides,
+    run_cli,
+    without_timing,
+)
+from tests.train.helpers import train as train_
 
 PROMPT = 8
 ON = {"data.on_policy.fraction": 0.5, "data.on_policy.prompt_tokens": PROMPT}
@@ -165,7 +171,7 @@ def test_source_target_generates_with_the_engine(tiny_pair, tmp_path):
 
 
 def test_an_eagle3_head_trains_on_the_targets_speculative_samples(tiny_pair, tmp_path):
-    from tests.train.test_eagle3 import eagle_overrides
+    from tests.train.helpers import eagle_overrides
 
     extra = {**ON, **FAST, "data.on_policy.source": "target", "train.max_steps": 2}
     recipe = load_recipe(None, eagle_overrides(tiny_pair, tiny_pair[0], tmp_path / "run", **extra))

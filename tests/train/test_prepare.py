@@ -9,8 +9,7 @@ import pytest
 from specdistill.train import prepare as prepare_verb
 from specdistill.train.config import load_recipe
 from specdistill.train.recipe_errors import RecipeError
-
-from .test_trainer import overrides
+from tests.train.helpers import overrides
 
 
 def _recipe_overrides(tiny_pair, tmp_path, **extra):

@@ -8,7 +8,7 @@ from specdistill import drafts
 from specdistill.drafts import hub
 from specdistill.train.config import load_recipe
 from specdistill.train.trainer import Trainer
-from tests.train.test_trainer import overrides
+from tests.train.helpers import overrides
 
 
 def test_distill_a_reduced_draft_of_the_targets_layers(tiny_pair, tmp_path):

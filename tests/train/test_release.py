@@ -13,7 +13,7 @@ from specdistill import drafts
 from specdistill.drafts import hub
 from specdistill.train.config import load_recipe
 from specdistill.train.step import DistillStep
-from tests.train.test_trainer import overrides
+from tests.train.helpers import overrides
 
 
 def test_release_wrapper_frees_the_ddp_wrapper_while_the_group_lives(tiny_pair, tmp_path):

@@ -19,16 +19,18 @@ from specdistill.train.config import RecipeError, load_recipe
 from specdistill.train.distill import main as distill_main
 from specdistill.train.run_plan import CheckpointError, TiedHeadWarningFilter
 from specdistill.train.trainer import Trainer
-from tests.train.test_trainer import Killed, draft_weights, metrics, overrides
+from tests.train.helpers import (
+    Killed,
+    draft_weights,
+    kill_at,
+    killed_and_resumed,
+    metrics,
+    overrides,
+    train,
+    without_timing,
+)
 
 REPO = Path(__file__).parents[2]
-
-
-def train(tiny_pair, out: Path, **extra) -> Trainer:
-    """One run of the tiny pair into `out` (extra: dotted recipe keys)."""
-    trainer = Trainer.from_recipe(load_recipe(None, overrides(tiny_pair, out, **extra)))
-    trainer.run()
-    return trainer
 
 
 def snapshot(out: Path) -> dict[str, tuple[bytes, int]]:
@@ -38,31 +40,6 @@ def snapshot(out: Path) -> dict[str, tuple[bytes, int]]:
         for p in sorted(out.rglob("*"))
         if p.is_file()
     }
-
-
-def kill_at(monkeypatch, step: int) -> None:
-    """Make the next run die just before optimiser step `step` (0-based) trains."""
-    original = Trainer.train_step
-
-    def dies(self, s):
-        if s == step:
-            raise Killed
-        return original(self, s)
-
-    monkeypatch.setattr(Trainer, "train_step", dies)
-
-
-def killed_and_resumed(tiny_pair, out: Path, monkeypatch, kill: int, **extra) -> Trainer:
-    """A run killed before step `kill`, then resumed with train.resume=auto."""
-    with monkeypatch.context() as m:
-        kill_at(m, kill)
-        with pytest.raises(Killed):
-            train(tiny_pair, out, **extra)
-    return train(tiny_pair, out, **extra, **{"train.resume": "auto"})
-
-
-def without_timing(records: list[dict]) -> list[dict]:
-    return [{k: v for k, v in m.items() if k != "elapsed_s"} for m in records]
 
 
 # 1: a used output_dir ------------------------------------------------------------------------
@@ -307,7 +284,7 @@ def test_resumed_summary_prints_tau_pred_before(tiny_pair, tmp_path, monkeypatch
 
 
 @pytest.fixture
-def tied_draft(tiny_pair, tmp_path) -> Path:
+def tied_tiny_draft(tiny_pair, tmp_path) -> Path:
     """The tiny draft with its output head tied to its input embeddings."""
     draft = tiny_pair[1]
     config = AutoConfig.from_pretrained(draft, tie_word_embeddings=True)
@@ -320,10 +297,10 @@ def tied_draft(tiny_pair, tmp_path) -> Path:
 
 
 def test_a_tied_draft_checkpoints_without_the_shared_tensor_warning(
-    tiny_pair, tied_draft, tmp_path, caplog, capsys
+    tiny_pair, tied_tiny_draft, tmp_path, caplog, capsys
 ):
     caplog.set_level(logging.WARNING)
-    extra = {"draft.model": str(tied_draft), "train.max_steps": 2, "train.save_every": 1}
+    extra = {"draft.model": str(tied_tiny_draft), "train.max_steps": 2, "train.save_every": 1}
     train(tiny_pair, tmp_path / "run", **extra)
     assert (tmp_path / "run" / "checkpoints" / "step-0000002").is_dir()
     captured = capsys.readouterr()

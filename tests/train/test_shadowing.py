@@ -7,7 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from tests.train.test_trainer import overrides
+from tests.train.helpers import overrides
 
 USER_PACKAGES = ("data", "eval", "train", "losses", "recipes")
 

@@ -5,7 +5,7 @@ import json
 from specdistill.train.config import load_recipe
 from specdistill.train.trainer import Trainer
 from tests.helpers import TEXT
-from tests.train.test_trainer import metrics, overrides
+from tests.train.helpers import metrics, overrides
 
 
 def write_jsonl(path, rows: list) -> str:

@@ -1,50 +1,12 @@
 import json
-import os
-import sys
-from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
 
 from specdistill.drafts.hub import TokenizerMismatchError, check_tokenizers, load_tokenizer
 from specdistill.train.config import load_recipe
 from specdistill.train.trainer import Trainer
-from tests.processes import free_port, run_bounded
-
-REPO = Path(__file__).parents[2]
-
-
-def overrides(tiny_pair, out: Path, **extra) -> list[str]:
-    target, draft, data = tiny_pair
-    base = {
-        "target.model": str(target),
-        "draft.model": str(draft),
-        "data.train": str(data / "*.py"),
-        "data.max_length": 32,
-        "data.eval_fraction": 0.25,
-        "train.max_steps": 8,
-        "train.global_batch_size": 4,
-        "train.micro_batch_size": 2,
-        "train.warmup_steps": 2,
-        "train.lr": 3e-3,
-        "train.output_dir": str(out),
-        "train.save_every": 0,
-        "train.log_every": 1,
-        "eval.every": 0,
-        "eval.max_sequences": 16,
-        "loss.name": "fkl",
-    }
-    base.update(extra)
-    return [f"{k}={v}" for k, v in base.items()]
-
-
-def metrics(out: Path) -> list[dict]:
-    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-
-
-def draft_weights(out: Path) -> dict[str, torch.Tensor]:
-    return load_file(out / "final" / "model.safetensors")
+from tests.train.helpers import Killed, draft_weights, metrics, overrides, run_cli
 
 
 def test_distillation_raises_alpha_and_writes_outputs(tiny_pair, tmp_path):
@@ -92,10 +54,6 @@ def test_tokenizer_mismatch_is_an_error_before_training(tiny_pair, other_tokeniz
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
 
 
-class Killed(RuntimeError):
-    pass
-
-
 def test_resume_gives_the_same_draft_as_an_uninterrupted_run(tiny_pair, tmp_path, monkeypatch):
     extra = {"train.max_steps": 10, "train.save_every": 4, "loss.name": "lk_lambda"}
     full = tmp_path / "full"
@@ -128,34 +86,6 @@ def test_resume_gives_the_same_draft_as_an_uninterrupted_run(tiny_pair, tmp_path
     # the killed run logged steps 1..6, the resumed one 5..10 (later lines win)
     resumed_loss = {m["step"]: m["loss"] for m in metrics(killed) if "loss" in m}
     assert [resumed_loss[s] for s in range(1, 11)] == pytest.approx(full_loss, rel=1e-5)
-
-
-def run_cli(args: list[str], out: Path, processes: int) -> list[dict]:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
-    if processes == 1:
-        cmd = [sys.executable, str(REPO / "train" / "distill.py")]
-    else:
-        cmd = [
-            sys.executable,
-            "-m",
-            "accelerate.commands.launch",
-            "--multi_gpu",
-            "--num_processes",
-            str(processes),
-            "--num_machines",
-            "1",
-            "--main_process_port",
-            str(free_port()),
-            "--mixed_precision",
-            "no",
-            "--dynamo_backend",
-            "no",
-            str(REPO / "train" / "distill.py"),
-        ]
-    # a hang fails within the bound, with every process's stack, instead of blocking the suite
-    proc = run_bounded(cmd + args, env=env, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return metrics(out)
 
 
 def test_two_processes_match_one_process_at_equal_global_batch(tiny_pair, tmp_path):
@@ -223,6 +153,7 @@ def test_threads_are_chosen_at_the_start_and_rechecked_between_steps(
 
     calls = []
     monkeypatch.setattr(ThreadPolicy, "recheck", lambda self, say=None: calls.append(say))
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)  # else a forced count
     out = tmp_path / "run"
     Trainer.from_recipe(
         load_recipe(None, overrides(tiny_pair, out, **{"train.max_steps": 3}))
