@@ -37,6 +37,7 @@ from specdistill import drafts
 from specdistill.drafts.confidence import acceptance_head, predicted_acceptance
 from specdistill.drafts.kv_cache import KVStream
 from specdistill.eval.calibration import calibration
+from specdistill.eval.cli_args import DEFAULT_MAX_GAMMA
 from specdistill.eval.engine import AutoGamma, generate
 from specdistill.eval.length_policy import CostRule, PerRowLength
 from specdistill.eval.sampling import Sampler
@@ -366,7 +367,7 @@ def main(argv=None) -> dict:
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--max-prompt-tokens", type=int, default=1024)
     p.add_argument("--gammas", default="3,6", help="fixed γ values compared in (a)")
-    p.add_argument("--max-gamma", type=int, default=8)
+    p.add_argument("--max-gamma", type=int, default=DEFAULT_MAX_GAMMA)
     p.add_argument("--temperatures", default="0,1")
     p.add_argument("--batch-sizes", default="1,4,8", help="batch sizes of (b)")
     p.add_argument("--steps", type=int, default=200, help="timed draft steps per part of (c)")

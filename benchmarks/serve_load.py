@@ -34,6 +34,7 @@ import time
 from dataclasses import asdict, dataclass, field
 
 from benchmarks import results as results_md
+from specdistill.eval.cli_args import DEFAULT_MAX_GAMMA
 from specdistill.eval.prompts import encode_prompts, load_prompts
 from specdistill.formats.traffic_shards import read_traffic
 from specdistill.serve.options import ServeOptions
@@ -213,7 +214,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--repeats", type=int, default=1, help="passes round the servers")
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--temperature", type=float, default=0.0)
-    parser.add_argument("--max-gamma", type=int, default=8, help="auto's longest draft")
+    parser.add_argument(
+        "--max-gamma", type=int, default=DEFAULT_MAX_GAMMA, help="auto's longest draft"
+    )
     parser.add_argument("--max-batch", type=int, default=16, help="each server's rows")
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--device", default=None)

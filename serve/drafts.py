@@ -35,9 +35,7 @@ log = logging.getLogger("specdistill.serve")
 class DraftWatcher(threading.Thread):
     """Polls ROOT/current; loads each new version and calls `install(draft, version)`."""
 
-    def __init__(
-        self, root, target, tokenizer, install, *, poll_s: float = 2.0, dtype: str = "float32"
-    ):
+    def __init__(self, root, target, tokenizer, install, *, poll_s: float, dtype: str):
         super().__init__(name="specdistill-drafts", daemon=True)
         self.root = Path(root)
         self.target, self.tokenizer = target, tokenizer

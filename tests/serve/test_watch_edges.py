@@ -67,6 +67,7 @@ def test_an_unreadable_current_is_retried_and_never_stops_the_watcher(
         load_tokenizer(str(tiny_pair[0])),
         lambda d, v: installed.append(v),
         poll_s=0.05,
+        dtype="float32",
     )
     assert watcher.poll()[1] == "v000001"
     unreadable(root, how)
@@ -132,7 +133,12 @@ def test_only_the_roots_own_versions_load(tiny_pair, published, tmp_path, tiny_t
         draft_dir = str(outside) if how == "absolute_draft_dir" else "../../outside"
         (version / "manifest.json").write_text(json.dumps({"draft_dir": draft_dir}))
     watcher = DraftWatcher(
-        root, tiny_target_model, load_tokenizer(str(tiny_pair[0])), lambda d, v: None
+        root,
+        tiny_target_model,
+        load_tokenizer(str(tiny_pair[0])),
+        lambda d, v: None,
+        poll_s=0.05,
+        dtype="float32",
     )
     assert watcher.poll()[1] == "v000001"
     atomic_write_text(root / "current", "v000005\n")
@@ -157,7 +163,12 @@ def test_a_config_of_other_shapes_is_refused_before_the_model_is_built(
     real = served.load_draft
     monkeypatch.setattr(served, "load_draft", lambda *a, **k: built.append(a) or real(*a, **k))
     watcher = DraftWatcher(
-        root, tiny_target_model, load_tokenizer(str(tiny_pair[0])), lambda d, v: None
+        root,
+        tiny_target_model,
+        load_tokenizer(str(tiny_pair[0])),
+        lambda d, v: None,
+        poll_s=0.05,
+        dtype="float32",
     )
     atomic_write_text(root / "current", "v000006\n")
     assert watcher.poll() is None
