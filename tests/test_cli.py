@@ -88,7 +88,7 @@ def test_defaults_appear_in_help():
     assert "(default: 0.02)" in " ".join(helps["drift"].split())
     assert "(default: 64)" in " ".join(helps["cache"].split())
     assert "(default: 127.0.0.1)" in " ".join(helps["serve"].split())
-    assert "(default: 25.0)" in " ".join(helps["online demo"].split())
+    assert "(default: 11.0)" in " ".join(helps["online demo"].split())
     assert "(default: None)" not in " ".join(helps.values())
     assert "(default: False)" not in " ".join(helps.values())
 

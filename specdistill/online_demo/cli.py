@@ -19,7 +19,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = verb_parser("online demo", module_doc(HERE / "demo.py"))
     p.add_argument("--out", required=True, help="a new directory (DIR)")
     p.add_argument(
-        "--minutes", type=float, default=25.0, help="budget; the load takes --load-share of it"
+        "--minutes", type=float, default=11.0, help="budget; the load takes --load-share of it"
     )
     p.add_argument("--load-share", type=float, default=0.7, help="the load's share of --minutes")
     p.add_argument(

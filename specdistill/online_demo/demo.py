@@ -1,7 +1,7 @@
 """`specdistill online demo`: serve, shift the traffic's domain, learn from it, compare with OSD.
 
-    specdistill online demo --out runs/demo                 # --minutes 25: the load takes 0.7 of it
-    specdistill online demo --out runs/demo --minutes 9     # a quick run
+    specdistill online demo --out runs/demo                 # --minutes 11: the load takes 0.7 of it
+    specdistill online demo --out runs/demo --minutes 25    # a longer run
 
 Before the load, with `--shift target` (the default): the served target is `--target` with a
 LoRA adapter fine-tuned (`--ft-steps`) on the help topics enciphered with ROT13 (a stand-in for
