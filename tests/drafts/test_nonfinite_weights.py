@@ -106,7 +106,14 @@ def test_hot_swap_skips_a_nan_version_and_keeps_serving(tiny_pair, tmp_path):
         (root / version / "manifest.json").write_text(f'{{"version": "{version}"}}')
     atomic_write_text(root / "current", "v000001\n")
     target = AutoModelForCausalLM.from_pretrained(target_dir)
-    watcher = DraftWatcher(root, target, load_tokenizer(str(target_dir)), lambda d, v: None)
+    watcher = DraftWatcher(
+        root,
+        target,
+        load_tokenizer(str(target_dir)),
+        lambda d, v: None,
+        poll_s=1.0,
+        dtype="float32",
+    )
     assert watcher.poll()[1] == "v000001"
     atomic_write_text(root / "current", "v000002\n")
     assert watcher.poll() is None

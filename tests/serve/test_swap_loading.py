@@ -24,7 +24,12 @@ def test_hot_swap_skips_a_version_whose_weights_do_not_cover_its_config(
     target = AutoModelForCausalLM.from_pretrained(target_dir)
     installed = []
     watcher = DraftWatcher(
-        root, target, load_tokenizer(str(target_dir)), lambda d, v: installed.append((d, v))
+        root,
+        target,
+        load_tokenizer(str(target_dir)),
+        lambda d, v: installed.append((d, v)),
+        poll_s=1.0,
+        dtype="float32",
     )
 
     found = watcher.poll()  # current -> v000001

@@ -91,7 +91,7 @@ def test_online_refreshes_gates_and_publishes_an_eagle3_head(
     # the server's loader (hot swap of ROOT/current) takes the version; greedy speculative
     # decoding with it gives the target's own greedy completions
     target, tok = load_model(str(tiny_pair[0])), load_tokenizer(str(tiny_pair[0]))
-    found = DraftWatcher(root, target, tok, lambda *a: None).poll()
+    found = DraftWatcher(root, target, tok, lambda *a: None, poll_s=1.0, dtype="float32").poll()
     assert found[1] == current and drafts.type_of(found[0]) is drafts.Eagle3
     engine = Engine(target, found[0], gamma=2, capacity=1, vocab_size=len(tok))
     for r in (pool[1], pool[5]):  # odd: temperature 0, the target's greedy output

@@ -66,7 +66,12 @@ def test_one_pass_screens_trains_gates_and_publishes(tiny_pair, traffic_pool, tm
     from specdistill.serve.drafts import DraftWatcher
 
     watcher = DraftWatcher(
-        root, load_model(str(tiny_pair[0])), load_tokenizer(str(tiny_pair[0])), lambda *a: None
+        root,
+        load_model(str(tiny_pair[0])),
+        load_tokenizer(str(tiny_pair[0])),
+        lambda *a: None,
+        poll_s=1.0,
+        dtype="float32",
     )
     assert watcher.poll()[1] == current
     # a rerun finds nothing new and changes nothing
