@@ -9,7 +9,9 @@ That model misses the measured τ (issue 15): real rounds start right after a re
 positions harder than average. `held_out_texts` has the target continue a few held-out
 prompts once per run; `tau_rounds_pred` replays rounds with their real boundaries along them
 (`eval.stats.tau_rounds`) for the current draft. `summarise(..., tau_rounds=...)` reports
-that as tau_pred and keeps the i.i.d. / chained value as tau_pred_iid.
+that as tau_pred and keeps the i.i.d. / chained value as tau_pred_iid. Off the training
+domain the draft's acceptance can also change along its own drafts, which teacher-forced
+text cannot show: eval/chain_tau.py scores the draft's own chains (tau_pred_chain).
 """
 
 from collections.abc import Iterable
@@ -55,6 +57,7 @@ def summarise(
     temperature: float,
     max_gamma: int,
     tau_rounds: dict[int, float] | None = None,
+    tau_chains: dict[int, float] | None = None,
 ) -> dict:
     """Turn `acceptance_sums` (possibly all-reduced; [3] or [K, 3]) into the reported metrics.
 
@@ -62,6 +65,8 @@ def summarise(
     the teacher-forced α of each depth and they are chained (docs/theory.md §1), the last
     depth's α standing in for deeper drafts. That value is tau_pred_iid; tau_pred is
     `tau_rounds` ({γ: τ} from `tau_rounds_pred`) when given, else the same i.i.d. value.
+    `tau_chains` ({γ: τ} from the draft's own chains, eval/chain_tau.py), when given, is
+    reported as tau_pred_chain.
     """
     sums = sums.reshape(-1, 3)
     n = int(sums[0, 2].item())
@@ -86,6 +91,8 @@ def summarise(
         result["tau_pred"] = {
             g: tau_rounds.get(g, result["tau_pred"][g]) for g in result["tau_pred"]
         }
+    if tau_chains:
+        result["tau_pred_chain"] = dict(tau_chains)
     return result
 
 

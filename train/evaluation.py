@@ -1,5 +1,6 @@
 """A run's evaluations of the draft on held-out data: acceptance α per temperature, the
-predicted rounds τ_pred on the target's own continuations (τ texts), real speculative
+predicted rounds τ_pred on the target's own continuations (τ texts), τ_pred from the draft's
+own chains on prompts from outside the training data (eval.prompts), real speculative
 decoding (measured τ and speedup per γ), and the calibration of the acceptance head the run
 trains (ECE and a reliability diagram)."""
 
@@ -8,8 +9,11 @@ from pathlib import Path
 
 import torch
 
+from specdistill.errors import UserError
 from specdistill.eval.calibration import CalibrationReport, calibration, reliability_diagram
+from specdistill.eval.chain_tau import chain_tau_pred
 from specdistill.eval.offline import acceptance_sums, held_out_texts, summarise, tau_rounds_pred
+from specdistill.eval.prompt_source import source_prompt_ids
 from specdistill.publish import atomic_write_text
 from specdistill.train.batches import Batches
 from specdistill.train.config import recipe_to_dict
@@ -17,6 +21,7 @@ from specdistill.train.step import DistillStep
 from specdistill.train.temperatures import is_mixture, mixture
 
 TAU_TEXTS = "tau_texts.json"
+PROMPT_TEXTS = "prompt_texts.json"  # the target's continuations of eval.prompts
 RELIABILITY_PNG = "acceptance_head_reliability.png"
 
 
@@ -27,6 +32,8 @@ def eval_record(step: int, metrics: dict) -> dict:
         if key == "mixture":  # loss.temperature's distribution: eval/mixture_alpha, ...
             record["eval/mixture_alpha"] = value["alpha"]
             record.update({f"eval/mixture_tau_pred_{g}": t for g, t in value["tau_pred"].items()})
+        elif key == "tau_domains":  # where each tau_pred comes from: words, not a metric
+            continue
         elif key.startswith("tau_pred") and isinstance(value, dict):  # tau_pred, tau_pred_iid
             record.update({f"eval/{key}_{g}": t for g, t in value.items()})
         elif isinstance(value, list):  # per depth (eagle3): eval/alpha_depth_0, ...
@@ -37,14 +44,18 @@ def eval_record(step: int, metrics: dict) -> dict:
 
 
 class Evaluator:
-    """Evaluates `core`'s draft on the held-out set `held` (train/batches.py). τ texts are
-    kept in `out`/tau_texts.json, so that a resumed run measures on the same texts."""
+    """Evaluates `core`'s draft on the held-out set `held` (train/batches.py), and on
+    eval.prompts (encoded with `tokenizer`) when the recipe names them. τ texts are kept in
+    `out`/tau_texts.json (and prompt_texts.json), so that a resumed run measures on the same
+    texts."""
 
-    def __init__(self, recipe, core: DistillStep, held: Batches, out: Path):
+    def __init__(self, recipe, core: DistillStep, held: Batches, out: Path, tokenizer):
         self.recipe, self.core, self.held, self.out = recipe, core, held, Path(out)
         self.data = held.dataset
         self._tau_texts: tuple[list, list] | None = None  # (prompts, target's outputs)
+        self._prompt_texts: tuple[list, list] | None = None  # the same for eval.prompts
         self._mixture_texts: dict[float, list] = {}  # other temperatures' outputs
+        self.prompt_ids = outside_prompts(recipe, core.kind, tokenizer)
 
     def batches(self) -> list[dict]:
         return self.held.held_out(self.recipe.eval.max_sequences)
@@ -67,12 +78,52 @@ class Evaluator:
                 temperature=e.temperature,
                 max_gamma=e.max_gamma,
             )
+        chain = self.chain_tau() if self.prompt_ids else None
         sums = acc.reduce(sums.to(acc.device), "sum").cpu()
-        result = summarise(sums, temperature=e.temperature, max_gamma=e.max_gamma, tau_rounds=tau)
+        result = summarise(
+            sums, temperature=e.temperature, max_gamma=e.max_gamma, tau_rounds=tau, tau_chains=chain
+        )
+        if self.prompt_ids:
+            result["tau_domains"] = self.domains()
         if is_mixture(self.recipe.loss.temperature):
             result["mixture"] = self.mixture(result)
         core.train_mode()
         return result
+
+    def chain_tau(self) -> dict[int, float]:
+        """τ_pred from the draft's own chains along the target's continuations of
+        eval.prompts, round-aware (eval/chain_tau.py), at eval.temperature; one seed for every
+        evaluation, so that before and after are scored alike."""
+        core, e = self.core, self.recipe.eval
+        prompts, outputs = self.prompt_texts()
+        chain = chain_tau_pred(
+            core.kind,
+            core.target,
+            core.draft_module(),
+            prompts,
+            outputs,
+            temperature=e.temperature,
+            max_gamma=e.max_gamma,
+            seed=self.recipe.train.seed,
+        )
+        return chain.rounds
+
+    def domains(self) -> dict[str, str]:
+        """eval.json's `tau_domains`: the text each tau_pred figure comes from."""
+        e, data = self.recipe.eval, self.recipe.data
+        held = (
+            f"data.eval ({', '.join(data.eval)})"
+            if data.eval
+            else f"the held-out split of data.train ({', '.join(data.train)})"
+        )
+        iid = f"held-out text of {held}, teacher-forced"
+        n = min(e.tau_prompts, len(self.data))
+        rounds = f"the target's continuations of {n} held-out prompts of {held}" if n else iid
+        chain = (
+            f"eval.prompts ({e.prompts}): the draft's own chains along the target's "
+            f"continuations of {len(self.prompt_ids)} prompts"
+        )
+        return {"tau_pred_iid": iid, "tau_pred": rounds, "tau_pred_chain": chain}
 
     def at_temperature(self, temperature: float) -> dict:
         """α and tau_pred at another temperature than eval.temperature (draft in eval mode)."""
@@ -169,13 +220,26 @@ class Evaluator:
     def tau_texts(self) -> tuple[list[list[int]], list[list[int]]]:
         """The target's continuations of the first eval.tau_prompts held-out sequences (cut
         to eval.tau_prompt_tokens), eval.tau_tokens each, at eval.temperature: generated once
-        per run, kept in memory and in OUT/tau_texts.json for a resumed run. Every process
-        computes the same texts (one seed); the main process writes the file."""
-        if self._tau_texts is not None:
-            return self._tau_texts
+        per run, kept in memory and in OUT/tau_texts.json for a resumed run."""
+        if self._tau_texts is None:
+            e = self.recipe.eval
+            n = min(e.tau_prompts, len(self.data))
+            prompts = [self.data[i]["input_ids"][: e.tau_prompt_tokens].tolist() for i in range(n)]
+            self._tau_texts = self.stored_texts(TAU_TEXTS, prompts)
+        return self._tau_texts
+
+    def prompt_texts(self) -> tuple[list[list[int]], list[list[int]]]:
+        """The target's continuations of eval.prompts, as `tau_texts` (OUT/prompt_texts.json)."""
+        if self._prompt_texts is None:
+            self._prompt_texts = self.stored_texts(PROMPT_TEXTS, self.prompt_ids)
+        return self._prompt_texts
+
+    def stored_texts(self, name: str, prompts: list[list[int]]) -> tuple[list, list]:
+        """(prompts, the target's continuations of them): eval.tau_tokens each at
+        eval.temperature, read back from OUT/`name` when it holds these prompts and settings,
+        else generated and written there. Every process computes the same texts (one seed);
+        the main process writes the file."""
         e = self.recipe.eval
-        n = min(e.tau_prompts, len(self.data))
-        prompts = [self.data[i]["input_ids"][: e.tau_prompt_tokens].tolist() for i in range(n)]
         settings = {
             "target": recipe_to_dict(self.recipe)["target"],
             "temperature": e.temperature,
@@ -183,23 +247,21 @@ class Evaluator:
             "seed": self.recipe.train.seed,
         }
         settings = json.loads(json.dumps(settings))  # as it reads back from the file
-        path = self.out / TAU_TEXTS
+        path = self.out / name
         stored = json.loads(path.read_text()) if path.is_file() else None
         if stored and stored.get("settings") == settings and stored.get("prompts") == prompts:
-            outputs = stored["outputs"]
-        else:
-            outputs = held_out_texts(
-                self.core.target,
-                prompts,
-                temperature=e.temperature,
-                max_new_tokens=e.tau_tokens,
-                seed=self.recipe.train.seed,
-            )
-            if self.core.accelerator.is_main_process:
-                record = {"settings": settings, "prompts": prompts, "outputs": outputs}
-                atomic_write_text(path, json.dumps(record))
-        self._tau_texts = (prompts, outputs)
-        return self._tau_texts
+            return prompts, stored["outputs"]
+        outputs = held_out_texts(
+            self.core.target,
+            prompts,
+            temperature=e.temperature,
+            max_new_tokens=e.tau_tokens,
+            seed=self.recipe.train.seed,
+        )
+        if self.core.accelerator.is_main_process:
+            record = {"settings": settings, "prompts": prompts, "outputs": outputs}
+            atomic_write_text(path, json.dumps(record))
+        return prompts, outputs
 
     def speculative(self) -> dict | None:
         """Real speculative decoding (eval/sweep.py) on held-out prompts, main process only:
@@ -229,3 +291,21 @@ class Evaluator:
             record[f"spec/tau_{g}"] = configs[g]["tau"]
             record[f"spec/speedup_{g}"] = configs[g]["speedup"]
         return record
+
+
+def outside_prompts(recipe, kind, tokenizer) -> list[list[int]]:
+    """eval.prompts as token ids (eval/prompt_source.py; [] when unset), read when the run
+    starts so that a bad source stops it before training. The chain τ_pred samples the
+    draft's own chains: a draft type without them (`capabilities.accepted_length`) is
+    refused."""
+    e = recipe.eval
+    if e.prompts is None:
+        return []
+    if not kind.capabilities.accepted_length:
+        raise UserError(
+            f"eval.prompts: tau_pred_chain scores the draft's own token-by-token chains, which "
+            f"draft.type={recipe.draft.type} does not draft; unset eval.prompts"
+        )
+    return source_prompt_ids(
+        e.prompts, tokenizer, limit=e.prompts_limit, max_tokens=e.prompts_max_tokens
+    )

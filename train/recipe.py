@@ -308,6 +308,19 @@ class EvalConfig(Section):
     )
     tau_prompt_tokens: int = recipe_key(32, "prompt length of those prompts in tokens", ge=1)
     tau_tokens: int = recipe_key(64, "tokens of each continuation", ge=2)
+    prompts: str | None = recipe_key(
+        None,
+        "prompts from outside the training data: a prompt file (.jsonl, .json, .txt, or .gz "
+        "of one, as `specdistill speculate --prompts` reads; e.g. "
+        "benchmarks/prompts/HumanEval.jsonl.gz) or a traffic directory; each evaluation also "
+        "reports tau_pred_chain, the draft's own chains scored by the target along its "
+        "continuations of them (eval.tau_tokens each at eval.temperature, generated once per "
+        "run: prompt_texts.json); null: none",
+    )
+    prompts_limit: int = recipe_key(8, "the first N prompts of eval.prompts", ge=1)
+    prompts_max_tokens: int = recipe_key(
+        256, "each eval.prompts prompt is cut to its last N tokens", ge=1
+    )
     speculative: SpeculativeEvalConfig = recipe_key(
         description="Real speculative decoding on held-out prompts during training.",
         factory=SpeculativeEvalConfig,

@@ -70,13 +70,21 @@ def after_line(recipe, out: Path, final: dict, tau_before: dict) -> str:
     lines = [
         f"alpha after:  {final['alpha']:.4f} (T={recipe.eval.temperature}), greedy "
         f"{final['alpha_greedy']:.4f} | tau_pred(gamma=5) {tau_before.get(5, nan):.3f} -> "
-        f"{final['tau_pred'].get(5, nan):.3f} | outputs in {out}"
+        f"{final['tau_pred'].get(5, nan):.3f}{chain_part(final)} | outputs in {out}"
     ]
     if (best := final.get("best")) and best["step"] != final.get("steps"):
         lines.append(f"best held-out alpha {best['alpha']:.4f} at step {best['step']}: {out}/best")
     if head := final.get("acceptance_head"):
         lines.append(head_line(head))
     return "\n".join(lines)
+
+
+def chain_part(final: dict) -> str:
+    """The chain τ_pred on eval.prompts (eval.json's tau_pred_chain), when the run has one."""
+    chain = final.get("tau_pred_chain")
+    if not chain or 5 not in chain:
+        return ""
+    return f" | tau_pred_chain(gamma=5) {chain[5]:.3f} on eval.prompts"
 
 
 def head_line(report: dict) -> str:
@@ -145,7 +153,7 @@ class Trainer:
             self.tokenizer.pad_token = self.tokenizer.eos_token
         self.core = DistillStep(r, accelerator=acc, target=target, draft=draft, kind=kind)
         held = Batches(eval_data, recipe=r, accelerator=acc, pad_token_id=tokenizer.pad_token_id)
-        self.evaluator = Evaluator(r, self.core, held, self.out)
+        self.evaluator = Evaluator(r, self.core, held, self.out, tokenizer)
         self.outputs = Outputs(r, self.out, kind, tokenizer)
         self.on_policy = None  # a train.on_policy.OnPolicy with data.on_policy.fraction > 0
         if r.data.on_policy.fraction > 0:
