@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+RECIPE = REPO / "recipes" / "repair.yaml"
 
 
 def fresh_start(draft: str, out: Path, seed: int = 0) -> str:
@@ -44,13 +45,12 @@ def fresh_start(draft: str, out: Path, seed: int = 0) -> str:
     return str(out)
 
 
-def train_curve(overrides: list[str]) -> dict:
-    """Run recipes/repair.yaml with `overrides`; the trainer's result (history: α per eval)."""
+def train_curve(overrides: list[str], recipe: Path = RECIPE) -> dict:
+    """Run `recipe` with `overrides`; the trainer's result (history: α per eval)."""
     from specdistill.train.config import load_recipe
     from specdistill.train.trainer import Trainer
 
-    recipe = load_recipe(REPO / "recipes" / "repair.yaml", overrides)
-    return Trainer.from_recipe(recipe).run()
+    return Trainer.from_recipe(load_recipe(recipe, overrides)).run()
 
 
 def compare(
@@ -67,7 +67,13 @@ def compare(
     loss: str = "lk_lambda",
     alpha_ref: float | None = None,
     extra: list[str] = (),
+    start_extra: list[str] = (),
+    recipe: Path = RECIPE,
+    refit_evals: int = 5,
 ) -> dict:
+    """The refit of `draft` against the from-start run (module docstring), both `recipe` with
+    `extra` overrides; `start_extra` overrides the from-start run only (e.g. the
+    draft.vocab_size a starting point such as target-layers:4 needs)."""
     if full_steps == 0 and alpha_ref is None:
         raise SystemExit("--full-steps 0 skips the from-start run: give --alpha-ref instead")
     out = Path(out)
@@ -81,9 +87,14 @@ def compare(
         "train.overwrite=true",
         *extra,
     ]
-    refit = repair_run(common, draft, refit_steps, 5, out / "refit")
+    refit = repair_run(common, draft, refit_steps, refit_evals, out / "refit", recipe)
     full = full_steps and repair_run(
-        common, start or fresh_start(draft, out / "start"), full_steps, 10, out / "from-start"
+        [*common, *start_extra],
+        start or fresh_start(draft, out / "start"),
+        full_steps,
+        10,
+        out / "from-start",
+        recipe,
     )
     alpha_0 = refit["alpha_before"]
     ref = alpha_ref if alpha_ref is not None else full["alpha"]
@@ -114,9 +125,11 @@ def compare(
     return result
 
 
-def repair_run(common: list[str], model: str, steps: int, evals: int, output_dir: Path) -> dict:
-    """recipes/repair.yaml from `model` for `steps` steps into `output_dir`, warming up over
-    and evaluating every `steps // evals` steps (at least 1); the trainer's result."""
+def repair_run(
+    common: list[str], model: str, steps: int, evals: int, output_dir: Path, recipe: Path = RECIPE
+) -> dict:
+    """`recipe` from `model` for `steps` steps into `output_dir`, warming up over and
+    evaluating every `steps // evals` steps (at least 1); the trainer's result."""
     every = max(1, steps // evals)
     return train_curve(
         [
@@ -126,7 +139,8 @@ def repair_run(common: list[str], model: str, steps: int, evals: int, output_dir
             f"train.warmup_steps={every}",
             f"eval.every={every}",
             f"train.output_dir={output_dir}",
-        ]
+        ],
+        recipe,
     )
 
 
