@@ -28,6 +28,7 @@ HEAVY = {
     # whole runs: the embedded target built, a shipped recipe trained, CLIs in a fresh interpreter
     "tests/train/test_eagle3.py::test_shipped_eagle3_recipe_runs_on_the_embedded_tiny_target",
     "tests/train/test_shadowing.py::test_the_trainer_runs_from_a_project_with_its_own_data_and_eval",
+    "tests/benchmarks/test_real_drift.py::test_real_fine_tune_drift_gate_and_repair_at_a_small_size",
     "tests/test_cli.py::test_the_cpu_accelerate_config_leaves_nothing_to_warn_about",
     "tests/train/test_shadowing.py::test_the_user_packages_stay_theirs",
     "tests/train/test_errors.py::test_distill_script_missing_model_is_one_line",
