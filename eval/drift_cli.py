@@ -47,9 +47,11 @@ The gate (eval/drift_gate.py). Each temperature of --temperature (or of the mixt
 measured on the same prompts. With --fail-if-drop-above X the command exits with status 1
 when the lower bound of the drop's interval lies above X at any served temperature, or, with a
 mixture, for the mixture's drop Σ w_T · drop_T (one paired bootstrap over prompts for all
-temperatures); else 0. Errors in the input exit 2. DIR/gate.json (`GateReport`) holds every
-check. The mixture is --temperature-mix, or --traffic DIR: the share of completion tokens at
-each temperature in the traffic log (formats/traffic_shards.py; `convert-traffic` writes one
+temperatures); with --fail-if-tau-drop-above F, when the lower bound of the relative drop of
+predicted τ at --tau-gamma (1 − τ_after / τ_before, from the same draws) lies above F; else
+0. Errors in the input exit 2. DIR/gate.json (`GateReport`) holds every check. The mixture
+is --temperature-mix, or --traffic DIR: the share of completion tokens at each temperature
+in the traffic log (formats/traffic_shards.py; `convert-traffic` writes one
 from vLLM or SGLang), each distinct temperature measured once. The measurement is
 eval/drift.py.
 
@@ -165,7 +167,18 @@ def _add_served_sampling(parser: argparse.ArgumentParser) -> None:
         default=None,
         metavar="X",
         help="exit 1 when the lower bound of the drop of α lies above X (the gate); without "
-        "it the command reports and exits 0",
+        "it (or --fail-if-tau-drop-above) the command reports and exits 0",
+    )
+    parser.add_argument(
+        "--fail-if-tau-drop-above",
+        type=float,
+        default=None,
+        metavar="F",
+        help="exit 1 when the lower bound of the relative drop of predicted τ at --tau-gamma "
+        "lies above F (0.02: τ known to fall by more than 2%%)",
+    )
+    parser.add_argument(
+        "--tau-gamma", type=_at_least(1), default=5, help="the γ you serve, for the τ gate"
     )
 
 
@@ -229,7 +242,7 @@ def run(argv: Sequence[str] | None = None) -> DriftRun:
     args = parser.parse_args(argv)
     if not 0 < args.confidence < 1:
         parser.error(f"--confidence must be in (0, 1); got {args.confidence}")
-    for name in ("threshold", "fail_if_drop_above"):
+    for name in ("threshold", "fail_if_drop_above", "fail_if_tau_drop_above"):
         value = getattr(args, name)
         if value is not None and not math.isfinite(value):
             parser.error(f"--{name.replace('_', '-')} must be a finite number; got {value}")
@@ -338,14 +351,16 @@ def _run(args, prompts) -> DriftRun:
         write(report, out, prompts, responses, tokenizer)
         print(report_markdown(report))
         result.reports[temperature] = report
-        # α at the serving temperature (column 0) and the positions (column 2), depth 0
+        # α at the serving temperature (column 0) and the positions (column 2), per depth
         pairs[temperature] = tuple(
-            np.stack([getattr(s, side) for s in scores])[:, 0][:, [0, 2]]
+            np.stack([getattr(s, side) for s in scores])[:, :, [0, 2]]
             for side in ("before", "after")
         )
     result.gate = judge(
         pairs,
         threshold=args.fail_if_drop_above,
+        tau_threshold=args.fail_if_tau_drop_above,
+        tau_gamma=args.tau_gamma,
         weights=args.temperature_mix,
         samples=args.bootstrap,
         confidence=args.confidence,

@@ -13,6 +13,12 @@ fails only when the drop is known to exceed the threshold, not when it merely mi
   prompt's responses at every temperature stay together), so the temperatures' correlation
   is kept.
 
+The same checks judge the relative drop of predicted τ at one γ (`--fail-if-tau-drop-above
+0.02 --tau-gamma 5`): 1 − τ_after / τ_before, τ from α at each draft depth as the report's
+τ table computes it (docs/theory.md §1: the i.i.d. formula for one depth, the chain of
+per-depth α for an EAGLE-3 head), with its interval from the same bootstrap draws. A fine-tune
+is judged by what it costs in tokens per round, whatever α it starts from.
+
 `GateReport` is DIR/gate.json's schema.
 """
 
@@ -36,6 +42,10 @@ class GateCheck(BaseModel):
     alpha_after: float
     drop: float
     drop_ci: list[float]
+    tau_before: float  # predicted τ at tau_gamma (mixture: share-weighted)
+    tau_after: float
+    tau_drop: float  # 1 − τ_after / τ_before (mixture: Σ w_T · tau_drop_T)
+    tau_drop_ci: list[float]
     failed: bool | None  # None: no threshold given
 
 
@@ -45,6 +55,8 @@ class GateReport(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     threshold: float | None
+    tau_threshold: float | None
+    tau_gamma: int
     confidence: float
     judged: str  # "each temperature" or "mixture"
     weights: dict[str, float] | None
@@ -75,82 +87,140 @@ def parse_mix(text: str) -> dict[float, float]:
 
 
 def _ratio(x: np.ndarray) -> np.ndarray:
-    """Σ α / Σ n over the last-but-one axis of [..., N, 2] (NaN where n sums to 0)."""
-    num, den = x[..., 0].sum(-1), x[..., 1].sum(-1)
+    """Σ α / Σ n over the prompts of [..., N, D, 2] per depth: [..., D] (NaN where n is 0)."""
+    num, den = x[..., 0].sum(-2), x[..., 1].sum(-2)
     return np.divide(num, den, out=np.full_like(num, np.nan, dtype=float), where=den > 0)
+
+
+def tau(per_depth: np.ndarray, gamma: int) -> np.ndarray:
+    """Predicted τ at `gamma` from α per depth [..., D]: 1 + Σ_{j≤γ} Π_{i≤j} α_i, depths
+    past the last reusing it (one depth: the i.i.d. formula), as eval/stats.py's tau_chain."""
+    alphas = np.clip(per_depth, 0.0, 1.0)
+    run, total = np.ones(alphas.shape[:-1]), np.ones(alphas.shape[:-1])
+    for i in range(gamma):
+        run = run * alphas[..., min(i, alphas.shape[-1] - 1)]
+        total = total + run
+    return total
+
+
+def _depths(x) -> np.ndarray:
+    """[N, 2] (one depth) or [N, D, 2] as [N, D, 2] floats."""
+    x = np.asarray(x, float)
+    return x[:, None, :] if x.ndim == 2 else x
 
 
 def judge(
     pairs: Mapping[float, tuple[np.ndarray, np.ndarray]],
     *,
     threshold: float | None,
+    tau_threshold: float | None = None,
+    tau_gamma: int = 5,
     weights: Mapping[float, float] | None = None,
     samples: int = 1000,
     confidence: float = 0.95,
     seed: int = 0,
 ) -> GateReport:
     """The gate's report from each temperature's per-prompt (before, after) arrays, [N, 2]
-    each (Σ α at that temperature, n positions), the same N prompts in the same order.
+    or [N, D, 2] for D draft depths (Σ α at that temperature, n positions), the same N
+    prompts in the same order. α is judged at the first depth; τ from every depth.
 
     `weights` (temperature -> share, summing to 1, one per temperature in `pairs`): judge the
-    mixture; else judge every temperature. `threshold` None: report only, never fail.
+    mixture; else judge every temperature. `threshold` (α drop) and `tau_threshold` (relative
+    τ drop at `tau_gamma`) None: that rule reports only, never fails.
     """
+    if tau_gamma < 1:
+        raise ValueError(f"tau_gamma must be >= 1; got {tau_gamma}")
     temperatures = sorted(pairs)
-    sizes = {np.asarray(pairs[t][0]).shape[0] for t in temperatures}
+    sizes = {_depths(pairs[t][0]).shape[0] for t in temperatures}
     if len(sizes) != 1:
         raise ValueError("every temperature needs the same prompts")
     if weights is not None and set(weights) != set(temperatures):
         raise ValueError("the mixture's temperatures must be the measured ones")
     idx = bootstrap_indices(sizes.pop(), samples, seed)
-    checks, boot_drops, points = [], {}, {}
+    rules = _Rules(threshold, tau_threshold, confidence)
+    checks, boots, points = [], {}, {}
     for t in temperatures:
-        before, after = (np.asarray(x, float) for x in pairs[t])
-        a_b, a_a = float(_ratio(before)), float(_ratio(after))
-        boot_drops[t] = _ratio(before[idx]) - _ratio(after[idx])
-        points[t] = (a_b, a_a)
-        checks.append(_check(f"T={t:g}", a_b, a_a, boot_drops[t], threshold, confidence))
+        before, after = (_depths(x) for x in pairs[t])
+        b, a = _ratio(before), _ratio(after)
+        bb, ba = _ratio(before[idx]), _ratio(after[idx])
+        points[t] = (b[0], a[0], tau(b, tau_gamma), tau(a, tau_gamma))
+        boots[t] = (bb[:, 0] - ba[:, 0], 1 - tau(ba, tau_gamma) / tau(bb, tau_gamma))
+        checks.append(rules.check(f"T={t:g}", points[t], boots[t]))
     if weights is not None:
-        mix_b = sum(weights[t] * points[t][0] for t in temperatures)
-        mix_a = sum(weights[t] * points[t][1] for t in temperatures)
-        boot = sum(weights[t] * boot_drops[t] for t in temperatures)
-        checks.append(_check("mixture", mix_b, mix_a, boot, threshold, confidence))
+        point = tuple(sum(weights[t] * points[t][k] for t in temperatures) for k in range(4))
+        boot = tuple(sum(weights[t] * boots[t][k] for t in temperatures) for k in range(2))
+        tau_drop = sum(weights[t] * (1 - points[t][3] / points[t][2]) for t in temperatures)
+        checks.append(rules.check("mixture", point, boot, tau_drop=tau_drop))
         judged = [checks[-1]]
     else:
         judged = checks
-    failed = [c for c in judged if c.failed]
-    if threshold is None:
-        reason = "no threshold given (--fail-if-drop-above): reported, not judged"
-    elif failed:
-        reason = "; ".join(
-            f"{c.name}: the drop's lower bound {c.drop_ci[0]:.4f} lies above {threshold}"
-            for c in failed
-        )
-    else:
-        reason = ", ".join(
-            f"{c.name}: lower bound {c.drop_ci[0]:.4f} <= {threshold}" for c in judged
-        )
     return GateReport(
         threshold=threshold,
+        tau_threshold=tau_threshold,
+        tau_gamma=tau_gamma,
         confidence=confidence,
         judged="mixture" if weights is not None else "each temperature",
         weights=None if weights is None else {f"{t:g}": weights[t] for t in temperatures},
         checks=checks,
-        failed=bool(failed),
-        reason=reason,
+        failed=any(c.failed for c in judged),
+        reason=rules.reason(judged, tau_gamma),
     )
 
 
-def _check(name, before, after, boot, threshold, confidence) -> GateCheck:
-    ci = percentile_interval(boot, confidence)
-    failed = None if threshold is None else bool(ci[0] > threshold)
-    return GateCheck(
-        name=name,
-        alpha_before=before,
-        alpha_after=after,
-        drop=before - after,
-        drop_ci=ci,
-        failed=failed,
-    )
+class _Rules:
+    """The two thresholds: a check fails when the lower bound of its α drop lies above
+    `alpha`, or that of its relative τ drop above `tau` (each None: not judged)."""
+
+    def __init__(self, alpha: float | None, tau: float | None, confidence: float):
+        self.alpha, self.tau, self.confidence = alpha, tau, confidence
+
+    def check(self, name, point, boot, tau_drop=None) -> GateCheck:
+        """`point`: (α before, α after, τ before, τ after); `boot`: the bootstrap α drops and
+        relative τ drops; `tau_drop` the point τ drop where it is not 1 − after / before."""
+        alpha_ci = percentile_interval(boot[0], self.confidence)
+        tau_ci = percentile_interval(boot[1], self.confidence)
+        fails = [
+            limit is not None and ci[0] > limit
+            for limit, ci in ((self.alpha, alpha_ci), (self.tau, tau_ci))
+        ]
+        judged = self.alpha is not None or self.tau is not None
+        return GateCheck(
+            name=name,
+            alpha_before=point[0],
+            alpha_after=point[1],
+            drop=point[0] - point[1],
+            drop_ci=alpha_ci,
+            tau_before=point[2],
+            tau_after=point[3],
+            tau_drop=1 - point[3] / point[2] if tau_drop is None else tau_drop,
+            tau_drop_ci=tau_ci,
+            failed=any(fails) if judged else None,
+        )
+
+    def reason(self, judged: list[GateCheck], gamma: int) -> str:
+        if self.alpha is None and self.tau is None:
+            return (
+                "no threshold given (--fail-if-drop-above, --fail-if-tau-drop-above): "
+                "reported, not judged"
+            )
+        rules = [
+            (self.alpha, "the drop's", lambda c: c.drop_ci[0]),
+            (self.tau, f"the τ({gamma}) drop's", lambda c: c.tau_drop_ci[0]),
+        ]
+        failed = [
+            f"{c.name}: {what} lower bound {low(c):.4f} lies above {limit}"
+            for c in judged
+            for limit, what, low in rules
+            if limit is not None and low(c) > limit
+        ]
+        if failed:
+            return "; ".join(failed)
+        return ", ".join(
+            f"{c.name}: {what} lower bound {low(c):.4f} <= {limit}"
+            for c in judged
+            for limit, what, low in rules
+            if limit is not None
+        )
 
 
 def markdown(gate: GateReport) -> str:
@@ -158,14 +228,17 @@ def markdown(gate: GateReport) -> str:
     lines = [
         "## Deploy gate",
         "",
-        f"| | α before | α after | drop ({gate.confidence:.0%} CI) | fails |",
-        "|---|---|---|---|---|",
+        f"| | α before | α after | drop ({gate.confidence:.0%} CI) "
+        f"| τ({gate.tau_gamma}) before → after | τ drop ({gate.confidence:.0%} CI) | fails |",
+        "|---|---|---|---|---|---|---|",
     ]
     for c in gate.checks:
         fails = "n/a" if c.failed is None else ("yes" if c.failed else "no")
         lines.append(
             f"| {c.name} | {c.alpha_before:.4f} | {c.alpha_after:.4f} | {c.drop:.4f} "
-            f"[{c.drop_ci[0]:.4f}, {c.drop_ci[1]:.4f}] | {fails} |"
+            f"[{c.drop_ci[0]:.4f}, {c.drop_ci[1]:.4f}] | {c.tau_before:.3f} → "
+            f"{c.tau_after:.3f} | {c.tau_drop:+.1%} [{c.tau_drop_ci[0]:+.1%}, "
+            f"{c.tau_drop_ci[1]:+.1%}] | {fails} |"
         )
     outcome = "FAIL" if gate.failed else "pass"
     lines += ["", f"**Gate** ({gate.judged}): {outcome} ({gate.reason})"]

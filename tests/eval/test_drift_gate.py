@@ -1,5 +1,6 @@
-"""The drift gate (eval/drift_gate.py, `specdistill drift --fail-if-drop-above`): judged at
-every served temperature or at a traffic mixture, on the drop's lower bound; the exit status."""
+"""The drift gate (eval/drift_gate.py, `specdistill drift --fail-if-drop-above`,
+`--fail-if-tau-drop-above`): judged at every served temperature or at a traffic mixture, on
+the lower bound of the drop of α or of predicted τ; the exit status."""
 
 import json
 
@@ -7,7 +8,8 @@ import numpy as np
 import pytest
 
 from specdistill.eval import drift, drift_cli
-from specdistill.eval.drift_gate import judge, parse_mix
+from specdistill.eval.drift_gate import judge, parse_mix, tau
+from specdistill.eval.stats import tau_chain, tau_iid
 from tests.helpers import make_lora_adapter
 
 
@@ -64,6 +66,42 @@ def test_the_gate_interval_is_the_reports_interval():
     assert check.failed is None
 
 
+def test_the_tau_gate_fails_a_small_alpha_drop_that_costs_tokens_per_round():
+    """At α ≈ 0.9 a drop of 0.02 costs ~5% of τ(5): the α gate at 0.02 passes it (its lower
+    bound lies below), the τ gate at 2% fails it; a drop that costs under 2% of τ passes."""
+    pair = _pairs(0.90, 0.88, seed=5)
+    alpha_only = judge({1.0: pair}, threshold=0.02, samples=400)
+    (check,) = alpha_only.checks
+    assert not alpha_only.failed and check.drop_ci[0] < 0.02
+    assert check.tau_before == pytest.approx(tau_iid(check.alpha_before, 5))
+    assert check.tau_drop == pytest.approx(1 - check.tau_after / check.tau_before)
+    assert check.tau_drop_ci[0] > 0.03
+    both = judge({1.0: pair}, threshold=0.02, tau_threshold=0.02, samples=400)
+    assert both.failed and "τ(5) drop's lower bound" in both.reason
+    assert "the drop's lower bound" not in both.reason
+    small = judge({1.0: _pairs(0.40, 0.39, seed=6)}, threshold=None, tau_threshold=0.02)
+    assert not small.failed and small.checks[0].tau_drop_ci[0] < 0.02
+    assert (
+        judge({1.0: pair}, threshold=None, tau_threshold=0.02, tau_gamma=1).checks[0].tau_drop
+        < check.tau_drop
+    )  # τ(1) = 1 + α moves less than τ(5)
+
+
+def test_tau_uses_every_depth_as_the_report_does():
+    """[N, D, 2] pairs: α judged at depth 0, τ the chain of the per-depth ratios."""
+    rng = np.random.default_rng(7)
+    counts = np.full((30, 3), 10.0)
+    alphas = np.clip(np.array([0.7, 0.5, 0.4]) + rng.normal(0, 0.02, (30, 3)), 0, 1)
+    before = np.stack([alphas * counts, counts], -1)
+    after = np.stack([alphas * 0.9 * counts, counts], -1)
+    (check,) = judge({0.0: (before, after)}, threshold=None, samples=100).checks
+    per_depth = (alphas * counts).sum(0) / counts.sum(0)
+    assert check.alpha_before == pytest.approx(per_depth[0])
+    assert check.tau_before == pytest.approx(tau_chain(list(per_depth), 5))
+    assert check.tau_after == pytest.approx(tau_chain(list(per_depth * 0.9), 5))
+    assert tau(np.array([1.0]), 3) == 4.0 and tau(np.array([0.0, 0.5]), 3) == 1.0
+
+
 def test_no_threshold_never_fails():
     gate = judge({0.0: _pairs(0.9, 0.1)}, threshold=None, samples=50)
     assert not gate.failed and "no threshold" in gate.reason
@@ -114,9 +152,19 @@ def test_exit_status_fails_a_deploy_on_a_real_drop(tiny_pair, gate_prompt_file, 
     for t, check in zip((0.0, 1.0), run.gate.checks, strict=True):
         assert check.drop_ci == run.reports[t]["alpha_drop_ci"]
         assert (tmp_path / "gate" / f"T{t:g}" / "report.json").is_file()
+        report_tau = {int(g): v for g, v in run.reports[t]["tau_before"].items()}
+        assert check.tau_before == pytest.approx(report_tau[5])
     saved = json.loads((tmp_path / "gate" / "gate.json").read_text())
     assert saved["failed"] is True and saved["threshold"] == 0.01
     assert drift_cli.main([*base, "--overwrite", "--fail-if-drop-above", "2"]) == 0
+    tau_gate = [*base, "--overwrite", "--fail-if-tau-drop-above", "0.01", "--tau-gamma", "3"]
+    assert drift_cli.main(tau_gate) == 1
+    saved = json.loads((tmp_path / "gate" / "gate.json").read_text())
+    assert saved["tau_threshold"] == 0.01 and saved["tau_gamma"] == 3
+    assert saved["threshold"] is None and "τ(3) drop's lower bound" in saved["reason"]
+    with pytest.raises(SystemExit) as exit_:
+        drift_cli.main([*base, "--overwrite", "--fail-if-tau-drop-above", "nan"])
+    assert exit_.value.code == 2
 
 
 def test_main_exits_1_only_when_the_gate_fails(monkeypatch):
@@ -124,8 +172,8 @@ def test_main_exits_1_only_when_the_gate_fails(monkeypatch):
 
     def gate(failed):
         return GateReport(
-            threshold=0.0, confidence=0.95, judged="each temperature", weights=None,
-            checks=[], failed=failed, reason="",
+            threshold=0.0, tau_threshold=None, tau_gamma=5, confidence=0.95,
+            judged="each temperature", weights=None, checks=[], failed=failed, reason="",
         )  # fmt: skip
 
     for failed, status in ((True, 1), (False, 0)):
@@ -141,6 +189,7 @@ def test_self_drift_passes_at_a_mixture(tiny_pair, gate_prompt_file, tmp_path):
     run = drift_cli.run([*argv, "--fail-if-drop-above", "0"])
     assert not run.gate.failed and run.gate.weights == {"0": 0.25, "1": 0.75}
     assert run.gate.checks[-1].name == "mixture" and run.gate.checks[-1].drop_ci == [0.0, 0.0]
+    assert run.gate.checks[-1].tau_drop == 0.0 and run.gate.checks[-1].tau_drop_ci == [0.0, 0.0]
 
 
 def test_temperature_and_mixture_are_exclusive(tiny_pair, gate_prompt_file, tmp_path, capsys):
