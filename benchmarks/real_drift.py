@@ -15,10 +15,10 @@ model to their house style:
 Then, each step skipped when its output is there (a rerun resumes):
 
 1. OUT/adapter, and OUT/merged: the merged target, as users also ship it;
-2. the drift report and the gate of each --drafts (`specdistill drift` at T = 0 and 1,
-   `--fail-if-drop-above 0.02`) on held-out requests (`embedded:instructions-heldout`,
-   by kind: write / explain / use) → OUT/drift-<name>; the unchanged target against itself
-   → OUT/drift-self;
+2. the drift report and the gates of each --drafts (`specdistill drift` at T = 0 and 1,
+   `--fail-if-drop-above 0.02 --fail-if-tau-drop-above 0.02`) on held-out requests
+   (`embedded:instructions-heldout`, by kind: write / explain / use) → OUT/drift-<name>;
+   the unchanged target against itself → OUT/drift-self;
 3. repair data: `specdistill regenerate` with the adapter on the training requests → OUT/regen;
 4. repair (benchmarks/drift_repair.py, recipes/repair-smollm2.yaml): the first draft of
    --drafts refit for --refit-steps against a fresh draft from --start (by default the
@@ -117,13 +117,15 @@ def specdistill(*argv: str) -> int:
 
 def drift(args, out: Path, draft: str, prompts: Path, adapter: Path | None, n: int) -> Path:
     """`specdistill drift` of `draft` (after = the base + `adapter`, or the base alone) at
-    T = 0 and 1 with the gate at 0.02, into `out` unless its gate.json is there."""
+    T = 0 and 1 with the gates at 0.02 (α) and 2% (τ at γ = 5), into `out` unless its
+    gate.json is there."""
     if not (out / "gate.json").is_file():
         after = ["--adapter-after", str(adapter)] if adapter else []
         status = specdistill(
             "drift", "--draft", draft, "--target-before", args.base, "--target-after",
             args.base, *after, "--prompts", str(prompts), "--out", str(out), "--overwrite",
-            "--temperature", "0,1", "--fail-if-drop-above", "0.02", "--num-prompts", str(n),
+            "--temperature", "0,1", "--fail-if-drop-above", "0.02",
+            "--fail-if-tau-drop-above", "0.02", "--tau-gamma", "5", "--num-prompts", str(n),
             "--max-new-tokens", str(args.max_new_tokens), "--batch-size", "16",
             "--threads", "1",
         )  # fmt: skip

@@ -43,6 +43,11 @@ def drift_dir(path: Path) -> dict | None:
         return None
     gate = json.loads((path / "gate.json").read_text())
     out = {t: cell(json.loads((path / t / "report.json").read_text())) for t in TEMPERATURES}
+    for check in gate["checks"]:
+        t = "T" + check["name"].removeprefix("T=")
+        if t in out:
+            out[t]["tau5_drop_ci"] = check.get("tau_drop_ci")
+            out[t]["gate_failed"] = check["failed"]
     out["gate"] = {"failed": gate["failed"], "reason": gate["reason"]}
     return out
 
@@ -108,10 +113,18 @@ def _ci(ci) -> str:
     return f"[{_f(ci[0])}, {_f(ci[1])}]"
 
 
+def _pct(x) -> str:
+    return f"{100 * x:+.1f}%"
+
+
+def _pct_ci(ci) -> str:
+    return "" if ci is None else f"[{_pct(ci[0])}, {_pct(ci[1])}]"
+
+
 def drift_table(result: dict) -> list[str]:
     lines = [
-        "| draft | T | α before | α after | drop [95% CI] | τ(5) before → after | τ drop | "
-        "from target / text | gate |",
+        "| draft | T | α before | α after | drop [95% CI] | τ(5) before → after | "
+        "τ drop [95% CI] | from target / text | gate |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
     rows = {**result["drift"], "self (unchanged target)": result["self"]}
@@ -123,9 +136,10 @@ def drift_table(result: dict) -> list[str]:
             lines.append(
                 f"| {name} | {t[1:]} | {_f(c['alpha_before'])} | {_f(c['alpha_after'])} | "
                 f"{_f(c['drop'])} {_ci(c['drop_ci'])} | {_f(c['tau5_before'])} → "
-                f"{_f(c['tau5_after'])} | {100 * c['tau5_drop']:+.1f}% | "
+                f"{_f(c['tau5_after'])} | {_pct(c['tau5_drop'])} "
+                f"{_pct_ci(c.get('tau5_drop_ci'))} | "
                 f"{_f(c['drop_from_target'])} / {_f(c['drop_from_text'])} | "
-                f"{'FAIL' if d['gate']['failed'] else 'pass'} |"
+                f"{'FAIL' if c.get('gate_failed') else 'pass'} |"
             )
     return lines
 
