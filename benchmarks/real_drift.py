@@ -155,7 +155,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-new-tokens", type=int, default=80)
     p.add_argument("--regen-prompts", type=int, default=128)
     p.add_argument("--refit-steps", type=int, default=30)
-    p.add_argument("--full-steps", type=int, default=150)
+    p.add_argument(
+        "--full-steps", type=int, default=150,
+        help="the fresh draft's steps; 0 skips it (the refit is then measured against the "
+        "draft's α before the fine-tune)",
+    )  # fmt: skip
     p.add_argument("--start", default="target-layers:4", help="the fresh draft's start")
     p.add_argument(
         "--start-vocab", type=int, default=8192, help="its draft.vocab_size (0: all tokens)"
@@ -225,6 +229,9 @@ def run_repair(args, out: Path, name: str, draft: str, prompts: Path) -> dict:
     if repair_json.is_file():
         repair = json.loads(repair_json.read_text())
     else:
+        # Without a fresh draft the refit's reference is the old draft's α before the fine-tune
+        # (T = 1, on the before-target's answers to the same requests).
+        before = json.loads((out / f"drift-{name}" / "T1" / "report.json").read_text())
         repair = compare(
             base=args.base, adapter=str(out / "adapter"), draft=draft,
             train=str(regen / "regen-*.jsonl"),
@@ -234,6 +241,7 @@ def run_repair(args, out: Path, name: str, draft: str, prompts: Path) -> dict:
             start_extra=[f"target.model={out / 'merged'}", "target.adapter=null",
                          *([f"draft.vocab_size={args.start_vocab}"] if args.start_vocab else [])],
             recipe=Path(args.recipe), refit_evals=6,
+            alpha_ref=None if args.full_steps else before["alpha_before"],
         )  # fmt: skip
     drift(args, out / "drift-refit", repair["refit_draft"], prompts, out / "adapter",
           args.eval_prompts)  # fmt: skip

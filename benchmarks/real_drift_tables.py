@@ -170,16 +170,21 @@ def repair_lines(r: dict) -> list[str]:
     lines += [f"| {h['step']} | {_f(h['alpha'])} |" for h in r["fresh_curve"]]
     lines.append("")
     for t in TEMPERATURES:
+        fresh = (
+            f"; fresh ({r['fresh_steps']} steps) α after {_f(r.get(f'fresh_{t}'))}, "
+            f"{100 * r.get(f'fresh_recovered_{t}', math.nan):.0f}%"
+            if r["fresh_steps"]
+            else ""
+        )
         lines.append(
             f"- {t}: refit ({r['refit_steps']} steps) α after {_f(r.get(f'refit_{t}'))}, "
-            f"recovered {100 * r.get(f'refit_recovered_{t}', math.nan):.0f}% of the drop; "
-            f"fresh ({r['fresh_steps']} steps) α after {_f(r.get(f'fresh_{t}'))}, "
-            f"{100 * r.get(f'fresh_recovered_{t}', math.nan):.0f}%"
+            f"recovered {100 * r.get(f'refit_recovered_{t}', math.nan):.0f}% of the drop{fresh}"
         )
-    lines.append(
-        f"- the fresh draft first reaches the refit's final α at step "
-        f"{r['fresh_steps_to_refit_alpha'] or 'none of ' + str(r['fresh_steps'])}"
-    )
+    if r["fresh_steps"]:
+        lines.append(
+            f"- the fresh draft first reaches the refit's final α at step "
+            f"{r['fresh_steps_to_refit_alpha'] or 'none of ' + str(r['fresh_steps'])}"
+        )
     return lines
 
 

@@ -68,3 +68,20 @@ def test_real_fine_tune_drift_gate_and_repair_at_a_small_size(tmp_path):
     assert 0 <= repair["refit_T1"] <= 1 and 0 <= repair["fresh_T0"] <= 1
     assert (out / "summary.md").read_text().count("| small |") == 4
     assert (out / "adapter" / "adapter_config.json").is_file()
+
+
+def test_the_repair_table_without_a_fresh_draft():
+    from benchmarks.real_drift_tables import repair_lines
+
+    r = {"refit_steps": 30, "fresh_steps": None, "fresh_curve": [],
+         "curve": [{"step": 0, "alpha": 0.30, "recovered": 0.0},
+                   {"step": 30, "alpha": 0.36, "recovered": 1.2}],
+         "refit_T0": 0.41, "refit_recovered_T0": 0.5, "refit_T1": 0.37,
+         "refit_recovered_T1": 1.2, "fresh_steps_to_refit_alpha": None}  # fmt: skip
+    text = "\n".join(repair_lines(r))
+    assert "| 30 | 0.360 | 120% |" in text
+    assert "- T0: refit (30 steps) α after 0.410, recovered 50% of the drop\n" in text + "\n"
+    assert "fresh (" not in text and "reaches" not in text
+    r.update(fresh_steps=150, fresh_T1=0.35, fresh_recovered_T1=0.9, fresh_steps_to_refit_alpha=90)
+    text = "\n".join(repair_lines(r))
+    assert "fresh (150 steps) α after 0.350, 90%" in text and "at step 90" in text
