@@ -166,8 +166,9 @@ def repair_lines(r: dict) -> list[str]:
     lines.append("|---|---|---|")
     for h in r["curve"]:
         lines.append(f"| {h['step']} | {_f(h['alpha'])} | {100 * h['recovered']:.0f}% |")
-    lines += ["", "| fresh step | α (T = 1, trainer) |", "|---|---|"]
-    lines += [f"| {h['step']} | {_f(h['alpha'])} |" for h in r["fresh_curve"]]
+    if r["fresh_curve"]:
+        lines += ["", "| fresh step | α (T = 1, trainer) |", "|---|---|"]
+        lines += [f"| {h['step']} | {_f(h['alpha'])} |" for h in r["fresh_curve"]]
     lines.append("")
     for t in TEMPERATURES:
         fresh = (

@@ -81,7 +81,9 @@ def test_the_repair_table_without_a_fresh_draft():
     text = "\n".join(repair_lines(r))
     assert "| 30 | 0.360 | 120% |" in text
     assert "- T0: refit (30 steps) α after 0.410, recovered 50% of the drop\n" in text + "\n"
-    assert "fresh (" not in text and "reaches" not in text
-    r.update(fresh_steps=150, fresh_T1=0.35, fresh_recovered_T1=0.9, fresh_steps_to_refit_alpha=90)
+    assert "fresh" not in text and "reaches" not in text
+    r.update(fresh_steps=150, fresh_T1=0.35, fresh_recovered_T1=0.9, fresh_steps_to_refit_alpha=90,
+             fresh_curve=[{"step": 150, "alpha": 0.35}])  # fmt: skip
     text = "\n".join(repair_lines(r))
     assert "fresh (150 steps) α after 0.350, 90%" in text and "at step 90" in text
+    assert "| 150 | 0.350 |" in text
