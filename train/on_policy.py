@@ -1,11 +1,12 @@
 """On-policy data (`data.on_policy`): part of each batch generated on the fly.
 
 `data.on_policy.fraction` of the sequences of every optimiser step are not the dataset's:
-the first `prompt_tokens` tokens of the sequence in that slot are kept as a prompt and the
-rest is generated now, by the draft itself (`source: draft`, the student's own samples as in
-DistillSpec, arXiv:2310.08461, and GKD, arXiv:2306.13649) or by the target through the
-speculative decoding engine with the current draft (`source: target`: the target's
-distribution, lossless, at a fraction of its cost; eval/engine.py). The loss then scores the
+the first `prompt_tokens` tokens of the sequence in that slot (null: its tokens before the
+first trained one, a chat record's prompt) are kept as a prompt and the rest is generated
+now, by the draft itself (`source: draft`, the student's own samples as in DistillSpec,
+arXiv:2310.08461, and GKD, arXiv:2306.13649) or by the target through the speculative
+decoding engine with the current draft (`source: target`: the target's distribution,
+lossless, at a fraction of its cost; eval/engine.py). The loss then scores the
 generated tokens only (loss_mask), with the target at every position as usual.
 
 Determinism. Which slots of the global batch are on-policy is a function of the step alone
@@ -78,7 +79,10 @@ class OnPolicy:
         ):
             valid = mask.bool()
             items.append({"input_ids": ids[valid], "loss_mask": loss_mask[valid]})
-        prompts = [items[i]["input_ids"][: self.cfg.prompt_tokens].tolist() for i in rows]
+        prompts = [
+            prompt_of(item["input_ids"], item["loss_mask"], self.cfg.prompt_tokens, self.max_length)
+            for item in (items[i] for i in rows)
+        ]
         budgets = [self.budget(len(p)) for p in prompts]
         sync(self.device)
         start = time.perf_counter()
@@ -166,6 +170,26 @@ class OnPolicy:
         )
         rows = zip(gen.sequences, budgets, strict=True)
         return [cut(row[:b], self.eos_token_id) for row, b in rows]
+
+
+def prompt_of(ids: torch.Tensor, loss_mask: torch.Tensor, prompt_tokens: int | None,
+              max_length: int) -> list[int]:  # fmt: skip
+    """A training sequence's prompt: its first `prompt_tokens` tokens, or (None) every token
+    before its first trained one (a chat record's prompt, up to the assistant's reply), at
+    most max_length − 1 of them so that at least one token is generated."""
+    if prompt_tokens is not None:
+        return ids[:prompt_tokens].tolist()
+    trained = loss_mask.nonzero()
+    first = int(trained[0]) if len(trained) else len(ids)
+    if first <= 1:  # loss_mask[0] is never set: text trains from token 1 on
+        from specdistill.train.config import RecipeError
+
+        raise RecipeError(
+            "data.on_policy.prompt_tokens is null, which takes each sequence's untrained "
+            "tokens as its prompt, but this sequence is trained from its start (plain text, "
+            "not a chat record): set data.on_policy.prompt_tokens to a number of tokens"
+        )
+    return ids[: min(first, max_length - 1)].tolist()
 
 
 def inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:

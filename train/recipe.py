@@ -135,8 +135,11 @@ class OnPolicyConfig(Section):
         "draft: the draft's own samples (DistillSpec / GKD); target: the target's, "
         "through speculative decoding with the current draft",
     )
-    prompt_tokens: int = recipe_key(
-        32, "the first tokens of the slot's training sequence: the prompt", ge=1
+    prompt_tokens: int | None = recipe_key(
+        32,
+        "the first tokens of the slot's training sequence: the prompt; null: every token "
+        "before its first trained one (a chat record's prompt, up to the assistant's reply)",
+        ge=1,
     )
     max_new_tokens: int | None = recipe_key(
         None,

@@ -185,7 +185,7 @@ def _on_policy_checks(recipe: Recipe, can: "Capabilities") -> list[Check]:
             f"to at least {0.5 / max(t.global_batch_size, 1):.3g}, or set it to 0",
         ),
         (
-            not on or o.prompt_tokens < d.max_length,
+            not on or o.prompt_tokens is None or o.prompt_tokens < d.max_length,
             f"data.on_policy.prompt_tokens ({o.prompt_tokens}) must be below data.max_length "
             f"({d.max_length}): the rest of each sequence is generated",
         ),

@@ -227,3 +227,22 @@ def test_bad_on_policy_settings_are_recipe_errors_naming_the_key(
 ):
     with pytest.raises(RecipeError, match=message):
         load_recipe(None, overrides(tiny_pair, tmp_path / "run", **extra))
+
+
+def test_a_null_prompt_length_takes_a_chat_records_prompt_and_refuses_plain_text(
+    tiny_pair, tmp_path
+):
+    from specdistill.train.on_policy import prompt_of
+
+    ids = torch.arange(10)
+    chat = torch.tensor([False] * 6 + [True] * 4)  # the prompt, then the assistant's reply
+    assert prompt_of(ids, chat, None, 10) == list(range(6))
+    assert prompt_of(ids, chat, 3, 10) == [0, 1, 2]
+    # a chat truncated inside its prompt: all but one token of max_length, one generated
+    assert prompt_of(ids, torch.zeros(10, dtype=torch.bool), None, 10) == list(range(9))
+    text = torch.tensor([False] + [True] * 9)  # loss_mask[0] is never set
+    with pytest.raises(RecipeError, match="prompt_tokens is null"):
+        prompt_of(ids, text, None, 10)
+    t = trainer(tiny_pair, tmp_path / "run", **{**ON, "data.on_policy.prompt_tokens": "null"})
+    with pytest.raises(RecipeError, match="plain text"):
+        t.micro_batches(0)
