@@ -231,7 +231,8 @@ def run_repair(args, out: Path, name: str, draft: str, prompts: Path) -> dict:
     else:
         # Without a fresh draft the refit's reference is the old draft's α before the fine-tune
         # (T = 1, on the before-target's answers to the same requests).
-        before = json.loads((out / f"drift-{name}" / "T1" / "report.json").read_text())
+        report = out / f"drift-{name}" / "T1" / "report.json"
+        alpha_ref = None if args.full_steps else json.loads(report.read_text())["alpha_before"]
         repair = compare(
             base=args.base, adapter=str(out / "adapter"), draft=draft,
             train=str(regen / "regen-*.jsonl"),
@@ -241,7 +242,7 @@ def run_repair(args, out: Path, name: str, draft: str, prompts: Path) -> dict:
             start_extra=[f"target.model={out / 'merged'}", "target.adapter=null",
                          *([f"draft.vocab_size={args.start_vocab}"] if args.start_vocab else [])],
             recipe=Path(args.recipe), refit_evals=6,
-            alpha_ref=None if args.full_steps else before["alpha_before"],
+            alpha_ref=alpha_ref,
         )  # fmt: skip
     drift(args, out / "drift-refit", repair["refit_draft"], prompts, out / "adapter",
           args.eval_prompts)  # fmt: skip
