@@ -79,9 +79,10 @@ class OnPolicy:
         ):
             valid = mask.bool()
             items.append({"input_ids": ids[valid], "loss_mask": loss_mask[valid]})
+        length = self.cfg.prompt_tokens
         prompts = [
-            prompt_of(item["input_ids"], item["loss_mask"], self.cfg.prompt_tokens, self.max_length)
-            for item in (items[i] for i in rows)
+            prompt_of(items[i]["input_ids"], items[i]["loss_mask"], length, self.max_length)
+            for i in rows
         ]
         budgets = [self.budget(len(p)) for p in prompts]
         sync(self.device)
