@@ -2,13 +2,16 @@
 
     python -m benchmarks.verify_cost --target registry:smollm2-135m-instruct --threads 1
 
-For each forward (transformers' own; the lean CPU forward with the K-major layout only; the
-lean forward as shipped, which multiplies 2..FEW_ROWS rows by the row-major weights, see
-drafts/lean.py) it times a target forward of k + 1 tokens after `--context` cached tokens,
-batch 1, rolled back after each, for k = 0..--max-k. The forwards take turns within each
-repeat, so a machine that slows down slows all of them; each v(k) is the median over the
-repeats. Prints v(k) in ms and v(k) / v(0), the price of a round's verification in decoding
-steps. Run it alone on the machine: any other process moves the numbers.
+For each forward (transformers' own; the lean CPU forward with the K-major layout only; with
+the row-major layout for 2..FEW_ROWS rows and no prepacked weights; as shipped, oneDNN's
+prepacked weights from PACKED_FROM rows, see drafts/lean.py) it times a target forward of
+k + 1 tokens after `--context` cached tokens, batch 1, rolled back after each, for
+k = 0..--max-k. The forwards take turns within each repeat, so a machine that slows down slows
+all of them; each v(k) is the median over the repeats. Prints v(k) in ms and v(k) / v(0), the
+price of a round's verification in decoding steps, and beside them the lower bound of the
+same weights: one pass that reads every weight of the model once (a sum over each), what any
+forward of a few rows must at least cost. Run it alone on the machine: any other process moves
+the numbers.
 """
 
 import argparse
@@ -21,11 +24,24 @@ from specdistill.drafts import lean
 from specdistill.drafts.hub import load_target
 from specdistill.drafts.kv_cache import KVStream
 
-FORWARDS = {  # name -> (lean.enabled, lean.FEW_ROWS)
-    "transformers": (False, lean.FEW_ROWS),
-    "lean, K-major only": (True, 0),
-    "lean (shipped)": (True, lean.FEW_ROWS),
+FORWARDS = {  # name -> (lean.enabled, lean.FEW_ROWS, lean.PACKED_FROM)
+    "transformers": (False, lean.FEW_ROWS, lean.PACKED_FROM),
+    "lean, K-major layout only": (True, 0, 0),
+    "lean, row-major for 2-4 rows, no prepacked weights": (True, lean.FEW_ROWS, 0),
+    "lean as shipped (prepacked from 3 rows)": (True, lean.FEW_ROWS, lean.PACKED_FROM),
 }
+
+
+def weights_read_ms(model, repeats: int) -> float:
+    """Median time of one pass that reads every parameter once: a forward's floor."""
+    params = [p.detach() for p in model.parameters()]
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        for p in params:
+            p.sum()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times) * 1e3
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -40,8 +56,9 @@ def main(argv: list[str] | None = None) -> None:
     torch.set_grad_enabled(False)  # the lean forward runs only without gradients
     target = load_target(args.target)
     vocab = target.config.vocab_size
+    shipped = lean.FEW_ROWS, lean.PACKED_FROM
     streams = {}
-    for name, (enabled, _) in FORWARDS.items():
+    for name, (enabled, _, _) in FORWARDS.items():
         stream = KVStream(target, vocab, torch.device("cpu"), lean=enabled)
         stream.admit([[i % vocab for i in range(args.context)]])
         streams[name] = stream
@@ -50,16 +67,17 @@ def main(argv: list[str] | None = None) -> None:
         for k in range(args.max_k + 1):
             tokens = torch.arange(k + 1).view(1, k + 1)
             valid = torch.ones_like(tokens, dtype=torch.bool)
-            for name, (_, few_rows) in FORWARDS.items():
-                lean.FEW_ROWS = few_rows
+            for name, (_, few_rows, packed_from) in FORWARDS.items():
+                lean.FEW_ROWS, lean.PACKED_FROM = few_rows, packed_from
                 start = time.perf_counter()
                 streams[name].forward(tokens, valid, keep=k + 1).float().softmax(-1)
                 times[name][k].append(time.perf_counter() - start)
                 streams[name].drop_last(torch.full((1,), k + 1))
-    lean.FEW_ROWS = FORWARDS["lean (shipped)"][1]
+    lean.FEW_ROWS, lean.PACKED_FROM = shipped
+    floor = weights_read_ms(target, args.repeats)
     print(
         f"{args.target}, {args.threads} thread(s), {args.context} cached tokens, batch 1, "
-        f"median of {args.repeats}"
+        f"median of {args.repeats}; oneDNN prepacked ops available: {lean.packed_ops()}"
     )
     print(f"| forward | {' | '.join(f'v({k})' for k in range(args.max_k + 1))} |")
     print(f"|---|{'---|' * (args.max_k + 1)}")
@@ -67,6 +85,7 @@ def main(argv: list[str] | None = None) -> None:
         v = [statistics.median(t) for t in times[name]]
         cells = [f"{x * 1e3:.0f} ms ({x / v[0]:.2f})" for x in v]
         print(f"| {name} | {' | '.join(cells)} |")
+    print(f"| reading every weight once (lower bound) | {floor:.0f} ms |")
 
 
 if __name__ == "__main__":

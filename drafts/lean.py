@@ -185,29 +185,79 @@ def decoder(model) -> "LeanDecoder | None":
     return shared
 
 
-# Forwards of 2..FEW_ROWS rows multiply `W @ xᵀ` with W row-major; one row, or more than
-# FEW_ROWS, multiply `x @ Wᵀ` with a K-major copy. On one x86 core with MKL (the 30 layers of
-# SmolLM2-135M's shapes, 1 thread) the K-major copy is fastest for one row and beyond ~4, while
-# for 2-4 rows the row-major kernel costs about what one row does and the K-major one 1.5-2×
-# (benchmarks/verify_cost.py). So a verification of up to FEW_ROWS tokens costs about one
-# decoding step.
+# Which kernel multiplies a forward's rows by a weight (measured on one x86 core with the 30
+# layers of SmolLM2-135M's shapes, 1 thread: benchmarks/verify_cost.py):
+# - 1 row: `x @ Wᵀ` with a K-major copy of W (MKL's fastest one-row kernel);
+# - 2..FEW_ROWS rows (below PACKED_FROM), widening projections: `W @ xᵀ` with W row-major, about one row's time
+#   where MKL's small-M `x @ Wᵀ` costs 1.5-2×;
+# - PACKED_FROM rows and more: oneDNN's linear on a copy of W prepacked for it
+#   (`torch.ops.mkldnn._reorder_linear_weight` / `_linear_pointwise`): a verification of 3-9
+#   rows then costs 1.1-1.4 one-row steps, where MKL's `x @ Wᵀ` cost 2.4-2.75 beyond 4 rows.
+#   Its rows do not depend on how many rows share the call: row i of a k-row product is
+#   bitwise the same for every k >= PACKED_FROM (tests/drafts/test_lean.py), so what
+#   verification scores for a drafted token does not depend on how many were drafted.
+#   Where oneDNN or the ops are missing (`packed_ops()`), or a weight's dtype cannot be
+#   packed, those rows take `x @ Wᵀ`.
+# Each layout is made on its first use, so a model holds only the copies its forwards use.
 FEW_ROWS = 4
+PACKED_FROM = 3
+_PACKED_OPS: list[bool] = []  # packed_ops()'s answer, once per process
+
+
+def packed_ops() -> bool:
+    """Whether this torch has oneDNN's prepacked linear ops and they agree with `x @ Wᵀ`."""
+    if not _PACKED_OPS:
+        ok = False
+        ops = getattr(torch.ops, "mkldnn", None)
+        try:
+            if torch.backends.mkldnn.is_available() and ops is not None:
+                w, x = torch.randn(8, 4), torch.randn(3, 4)
+                y = ops._linear_pointwise(x, ops._reorder_linear_weight(w, 8), None, "none", [], "")
+                ok = bool(torch.allclose(y, x @ w.t(), rtol=1e-4, atol=1e-5))
+        except (AttributeError, RuntimeError, NotImplementedError):
+            ok = False
+        _PACKED_OPS.append(ok)
+    return _PACKED_OPS[0]
 
 
 class _Weight:
-    """One projection's fused weight: `t` [in, out] (K-major), and `rows` [out, in] for the
-    widening projections (out ≥ in: q/k/v, gate/up, the output head), where the row-major
-    kernel is the faster one for a few rows; for the narrowing ones (down: 1536 -> 576) it
-    cost 3× one row at 2 rows, and `rows` is None."""
+    """One projection's fused weight [out, in] and its kernel layouts, each made on first use:
+    K-major `t` [in, out] for one row, row-major `rows` for 2..FEW_ROWS rows of a widening
+    projection (out >= in: q/k/v, gate/up, the output head; for the narrowing down projection
+    that kernel cost 3× one row at 2 rows), and oneDNN's prepacked copy from PACKED_FROM rows."""
 
-    __slots__ = ("rows", "t")
+    __slots__ = ("_layouts", "w", "widening")
 
     def __init__(self, *weights: torch.Tensor):
-        """[out_1 + out_2 + ..., in] weights -> one fused matrix."""
+        """[out_1 + out_2 + ..., in] weights -> one fused matrix (the parameter itself when
+        alone and contiguous: no copy)."""
         w = (torch.cat(weights) if len(weights) > 1 else weights[0]).detach()
-        self.t = w.t().contiguous()
-        # The parameter itself when alone and contiguous: no copy.
-        self.rows = w.contiguous() if w.shape[0] >= w.shape[1] else None
+        self.w = w.contiguous()
+        self.widening = w.shape[0] >= w.shape[1]
+        self._layouts: dict[str, torch.Tensor | None] = {}
+
+    def layout(self, name: str) -> torch.Tensor | None:
+        """The weight in layout `name` ("t", "rows", "packed"); None when it cannot be made."""
+        if name not in self._layouts:
+            with torch.no_grad():
+                self._layouts[name] = self._make(name)
+        return self._layouts[name]
+
+    def _make(self, name: str) -> torch.Tensor | None:
+        if name == "t":
+            return self.w.t().contiguous()
+        if name == "rows":
+            return self.w
+        if not packed_ops():
+            return None
+        try:
+            return torch.ops.mkldnn._reorder_linear_weight(self.w, 8)
+        except (RuntimeError, NotImplementedError):  # a dtype oneDNN cannot pack on this CPU
+            return None
+
+    def made(self) -> list[str]:
+        """The layouts made so far (their copies are what this weight costs beyond itself)."""
+        return [name for name, t in self._layouts.items() if t is not None]
 
 
 def _bias(*linears: nn.Linear) -> torch.Tensor | None:
@@ -227,10 +277,15 @@ def _rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 def _linear(x: torch.Tensor, weight: _Weight, bias: torch.Tensor | None) -> torch.Tensor:
     n = x.numel() // x.shape[-1]
-    if 1 < n <= FEW_ROWS and weight.rows is not None:
-        y = (weight.rows @ x.reshape(n, x.shape[-1]).t()).t().reshape(*x.shape[:-1], -1)
+    if PACKED_FROM and n >= PACKED_FROM:
+        packed = weight.layout("packed")
+        if packed is not None:
+            return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+    if 1 < n <= FEW_ROWS and weight.widening:
+        rows = weight.layout("rows")
+        y = (rows @ x.reshape(n, x.shape[-1]).t()).t().reshape(*x.shape[:-1], -1)
     else:
-        y = x @ weight.t
+        y = x @ weight.layout("t")
     return y if bias is None else y + bias
 
 

@@ -28,8 +28,8 @@ def test_logits_equal_transformers(family):
 @torch.no_grad()
 def test_one_row_verification_of_every_length_equals_transformers(family):
     """Batch 1 after a prefill, k = 1..9 new tokens (a round's verification up to γ = 8):
-    the row-major kernel for a few rows, the K-major one beyond, with grouped KV heads under
-    a causal mask."""
+    the K-major kernel for one row, the row-major one for two, oneDNN's prepacked one from
+    three, with grouped KV heads under a causal mask."""
     model = build(family)
     fast = KVStream(model, VOCAB, torch.device("cpu"))
     plain = KVStream(model, VOCAB, torch.device("cpu"), lean=False)
@@ -42,6 +42,60 @@ def test_one_row_verification_of_every_length_equals_transformers(family):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
         for stream in (fast, plain):
             stream.drop_last(torch.tensor([k]))
+
+
+@pytest.mark.skipif(not lean.packed_ops(), reason="this torch has no oneDNN prepacked linear")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@torch.no_grad()
+def test_prepacked_rows_do_not_depend_on_how_many_share_the_forward(dtype):
+    """Row i of a product of k >= PACKED_FROM rows is bitwise the same for every k: what
+    verification scores for a drafted token does not depend on how many were drafted."""
+    torch.manual_seed(0)
+    weight = lean._Weight(torch.randn(160, 64, dtype=dtype), torch.randn(32, 64, dtype=dtype))
+    bias = torch.randn(192, dtype=dtype)
+    x = torch.randn(1, 12, 64, dtype=dtype)
+    full = lean._linear(x, weight, bias)
+    torch.testing.assert_close(full.float(), (x @ weight.w.t() + bias).float(), **_close(dtype))
+    for k in range(lean.PACKED_FROM, 12):
+        assert torch.equal(lean._linear(x[:, :k], weight, bias), full[:, :k])
+    assert weight.made() == ["packed"]
+
+
+def _close(dtype) -> dict:
+    return dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=0.02, atol=0.05)
+
+
+@torch.no_grad()
+def test_a_model_holds_only_the_layouts_its_forwards_used(monkeypatch):
+    """A one-token prompt and a decoding step make the K-major copies alone; a verification
+    of 3+ rows adds the prepacked ones; without oneDNN's ops (`packed_ops` False) those rows take the K-major
+    kernel, and the logits still equal transformers'."""
+    model = build("llama-smollm2-shape")
+    plain = KVStream(model, VOCAB, torch.device("cpu"), lean=False)
+    prefix = [[3]]
+    plain.admit(prefix)
+    for ops in ([True], [False]) if lean.packed_ops() else ([False],):
+        monkeypatch.setattr(lean, "_PACKED_OPS", ops)
+        lean._SHARED.pop(model, None)
+        fast = KVStream(model, VOCAB, torch.device("cpu"))
+        fast.admit(prefix)
+        layers = fast.lean.layers
+        one = torch.tensor([[7]])
+        torch.testing.assert_close(
+            fast.forward(one, one > 0, keep=1), plain.forward(one, one > 0, keep=1)
+        )
+        assert {tuple(w.made()) for w in (layers[0].qkv, layers[0].down, fast.lean.head)} == {
+            ("t",)
+        }
+        five = torch.arange(5).view(1, 5) + 10
+        valid = torch.ones(1, 5, dtype=torch.bool)
+        torch.testing.assert_close(
+            fast.forward(five, valid, keep=5), plain.forward(five, valid, keep=5),
+            rtol=1e-5, atol=1e-5,
+        )
+        assert ("packed" in layers[0].qkv.made()) == ops[0]
+        for stream in (fast, plain):
+            stream.drop_last(torch.tensor([6]))
 
 
 @torch.no_grad()
