@@ -24,7 +24,7 @@ import torch
 from accelerate.state import AcceleratorState, GradientState
 
 from specdistill.train.config import load_recipe
-from specdistill.train.target_cache import build_cache
+from specdistill.train.target_cache_build import build_cache
 from specdistill.train.trainer import Trainer
 
 REPO = Path(__file__).resolve().parents[1]

@@ -188,8 +188,8 @@ def decoder(model) -> "LeanDecoder | None":
 # Which kernel multiplies a forward's rows by a weight (measured on one x86 core with the 30
 # layers of SmolLM2-135M's shapes, 1 thread: benchmarks/verify_cost.py):
 # - 1 row: `x @ Wᵀ` with a K-major copy of W (MKL's fastest one-row kernel);
-# - 2..FEW_ROWS rows (below PACKED_FROM), widening projections: `W @ xᵀ` with W row-major, about one row's time
-#   where MKL's small-M `x @ Wᵀ` costs 1.5-2×;
+# - 2..FEW_ROWS rows (below PACKED_FROM), widening projections: `W @ xᵀ` with W row-major,
+#   about one row's time where MKL's small-M `x @ Wᵀ` costs 1.5-2×;
 # - PACKED_FROM rows and more: oneDNN's linear on a copy of W prepacked for it
 #   (`torch.ops.mkldnn._reorder_linear_weight` / `_linear_pointwise`): a verification of 3-9
 #   rows then costs 1.1-1.4 one-row steps, where MKL's `x @ Wᵀ` cost 2.4-2.75 beyond 4 rows.

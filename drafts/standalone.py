@@ -163,6 +163,7 @@ class ReducedStandalone(Standalone):
         Standalone.capabilities,
         chunked_loss=False,
         sparse_targets=False,
+        vocab_targets=True,
         formats=("hf",),
         format_note=(
             "a standalone draft with a reduced output vocabulary (draft.vocab_size) is not a "
@@ -172,9 +173,9 @@ class ReducedStandalone(Standalone):
         refusals={
             "chunked_loss": "loss.chunk_size is not supported with draft.vocab_size (the "
             "draft's V_d logits are small): set loss.chunk_size=null",
-            "sparse_targets": "target.cache gives a sparse top-N target with a rest bin, "
-            "which a reduced output vocabulary (draft.vocab_size) cannot be compared with: "
-            "unset target.cache",
+            "sparse_targets": "target.cache is a top-N cache with a rest bin, which a reduced "
+            "output vocabulary (draft.vocab_size) cannot be compared with: build the cache "
+            "over the draft's own columns (`specdistill cache --columns draft`)",
         },
     )
 
@@ -218,10 +219,20 @@ class ReducedStandalone(Standalone):
         """One depth: the draft's K columns [B, T−1, K] against the target's [B, T−1, V]."""
         with torch.no_grad():
             t_logits = shifted_logits(target, batch, self.vocab_size)
+        return [self.own_logits(draft, batch)], [t_logits], [target_mask(batch)]
+
+    @staticmethod
+    def own_logits(draft, batch: dict) -> Tensor:
+        """The draft's logits over its own K columns at each position but the last:
+        [B, T−1, K], the columns a `losses.VocabTarget` is stored in (`draft_ids` order)."""
         out = draft(
             input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], full_vocab=False
         )
-        return [out.logits[:, :-1]], [t_logits], [target_mask(batch)]
+        return out.logits[:, :-1]
+
+    def draft_ids(self) -> Tensor:
+        """The target id of each of the draft's K columns."""
+        return torch.arange(len(self.d2t), device=self.d2t.device) + self.d2t
 
     def chains(self, draft, target, batch: dict, starts: list[int], **sampling) -> Chains:
         """The draft's own chains (drafts/chains.py), sampled from its full-vocabulary logits

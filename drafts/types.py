@@ -53,6 +53,9 @@ class Capabilities:
     chunked_loss: bool = True  # loss.chunk_size: the loss from hidden states, chunk by chunk
     # a top-N target with a rest bin: target.cache, or the online records' top_logprobs
     sparse_targets: bool = True
+    # target.cache with --columns draft: the target's log-probabilities over the draft's own
+    # columns (`losses.VocabTarget`), exact for a draft over a reduced vocabulary
+    vocab_targets: bool = False
     accepted_length: bool = True  # loss tau: the accepted length of the draft's own chains
     writes_text: bool = True  # data.on_policy.source=draft: it drafts a text on its own
     eagle3_keys: bool = False  # the recipe's EAGLE-3 head keys (draft.ttt_steps, ...)

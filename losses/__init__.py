@@ -12,7 +12,7 @@ sampling settings), which a training step evaluates without checking it again.
 """
 
 from specdistill.losses.acceptance_head import acceptance_head_loss, acceptance_label
-from specdistill.losses.api import SparseTarget, acceptance, compute_loss
+from specdistill.losses.api import SparseTarget, VocabTarget, acceptance, compute_loss
 from specdistill.losses.chunked import chunked_loss
 from specdistill.losses.divergences import LOSSES
 from specdistill.losses.multi_depth import multi_depth_loss
@@ -21,6 +21,7 @@ from specdistill.losses.sampling import filter_logits, probabilities
 __all__ = [
     "LOSSES",
     "SparseTarget",
+    "VocabTarget",
     "acceptance",
     "acceptance_head_loss",
     "acceptance_label",

@@ -5,6 +5,7 @@ Shapes: ``draft_logits: [..., V_d]``; the target is one of
 - dense logits ``[..., V]`` (log-probabilities are logits too: pass ``probs.log()`` for a
   target given as probabilities; p = 0 entries become ``-inf``, which is supported);
 - a :class:`SparseTarget` (top-N indices and probabilities);
+- a :class:`VocabTarget` (log-probabilities already taken over the draft's columns);
 and ``mask: [...]`` bool (True = valid). ``V = V_d`` unless ``d2t`` maps the draft
 vocabulary into a larger target vocabulary.
 """
@@ -51,7 +52,20 @@ class SparseTarget(NamedTuple):
     rest: Tensor | None = None
 
 
-Target = Tensor | SparseTarget
+class VocabTarget(NamedTuple):
+    """The target's log-probabilities over the draft's own columns, ``logp: [..., V_d]``:
+    log-softmax over the whole target vocabulary at temperature 1, then the draft
+    vocabulary's entries in the draft's column order, so they sum to the target's mass on
+    V_d. Exactly the target side the live target gives a draft over V_d (with d2t), stored
+    once (train/target_cache.py) so that training needs no target forward and no
+    full-vocabulary softmax. The columns are the draft's already (a d2t passed with it is
+    not used). Only at temperature 1, unfiltered, and not at temperature 0: the tokens
+    outside V_d are not there to filter, rescale or take the argmax of."""
+
+    logp: Tensor
+
+
+Target = Tensor | SparseTarget | VocabTarget
 
 
 class Prepared(NamedTuple):
@@ -159,6 +173,8 @@ def acceptance(
     """
     if temperature == 0:
         _check_sampling(1.0, top_p, top_k)
+        if isinstance(target_logits, VocabTarget):
+            raise ValueError(_VOCAB_TARGET_ONLY)
         draft_ids = _draft_ids(d2t, draft_logits.shape[-1])
         vocab_size = _target_vocab(target_logits, draft_logits.shape[-1], draft_ids)
         target = target_logp(
@@ -228,7 +244,8 @@ def prepare(
 ) -> Prepared:
     """Log-probabilities of both sides on the draft vocabulary, and the final mask.
 
-    draft_logits: [..., V_d]; target: [..., V] or SparseTarget; mask: [...] or None.
+    draft_logits: [..., V_d]; target: [..., V], a SparseTarget or a VocabTarget [..., V_d];
+    mask: [...] or None.
     Raises ValueError for non-finite target logits at valid positions, and (with d2t) for
     valid positions where the target has no mass on the draft vocabulary.
     """
@@ -236,17 +253,12 @@ def prepare(
     draft_ids = _draft_ids(d2t, vocab_size)
     if mask_out_of_vocab and d2t is None:
         raise ValueError("mask_out_of_vocab needs d2t (the draft-to-target vocabulary map)")
-    if mask is None:
-        mask = torch.ones(draft_logits.shape[:-1], dtype=torch.bool, device=draft_logits.device)
-        full_mask = None
-    else:
-        full_mask = mask = mask.to(torch.bool)
-    if mask.shape != draft_logits.shape[:-1]:
-        raise ValueError(
-            f"mask shape {list(mask.shape)} must equal draft_logits.shape[:-1] "
-            f"= {list(draft_logits.shape[:-1])}"
-        )
+    mask, full_mask = _masks(draft_logits, mask)
     dtype = _dtype(draft_logits)
+    if isinstance(target, VocabTarget):
+        if temperature != 1.0 or top_p is not None or top_k is not None or mask_out_of_vocab:
+            raise ValueError(_VOCAB_TARGET_ONLY)
+        return _prepare_vocab_target(draft_logits, target, mask, full_mask, dtype)
     if isinstance(target, SparseTarget) and target.rest is not None:
         _check_rest_bin(temperature, top_p, top_k, d2t)
         if target.indices.shape[-1] < vocab_size:
@@ -288,6 +300,52 @@ def prepare(
         draft = draft / temperature
     draft_logp = draft.log_softmax(-1)
     return Prepared(draft_logp, target, mask)
+
+
+_VOCAB_TARGET_ONLY = (
+    "a VocabTarget holds the target's log-probabilities at temperature 1 on the draft's "
+    "columns only: use it at temperature 1, without top_p / top_k or mask_out_of_vocab "
+    "(the tokens outside the draft vocabulary are not stored)"
+)
+
+
+def _prepare_vocab_target(
+    draft_logits: Tensor, target: VocabTarget, mask: Tensor, full_mask: Tensor | None, dtype
+) -> Prepared:
+    """`prepare` of a VocabTarget: its log-probabilities as they are (masked rows 0). A d2t
+    given with it is the draft's map, which its columns follow already: not used."""
+    logp = target.logp.detach().to(dtype)
+    if logp.shape != draft_logits.shape:
+        raise ValueError(
+            f"VocabTarget shape {list(logp.shape)} must equal draft_logits shape "
+            f"{list(draft_logits.shape)}"
+        )
+    row_max = logp.amax(-1)
+    bad = (row_max.isnan() | (row_max > 0) | (row_max < LOG_P_FLOOR)) & mask
+    if bad.any():
+        raise ValueError(
+            f"VocabTarget log-probabilities are NaN, above 0 or carry no mass on the draft "
+            f"vocabulary at {int(bad.sum())} valid positions"
+        )
+    if full_mask is not None:  # finite placeholders in masked rows, whatever they held
+        logp = logp.masked_fill(~full_mask[..., None], 0.0)
+    draft_logp = _valid_rows(draft_logits, full_mask).to(dtype).log_softmax(-1)
+    return Prepared(draft_logp, logp, mask)
+
+
+def _masks(draft_logits: Tensor, mask: Tensor | None) -> tuple[Tensor, Tensor | None]:
+    """(the mask, all True when None; the mask as given, None when None), checked."""
+    if mask is None:
+        mask = torch.ones(draft_logits.shape[:-1], dtype=torch.bool, device=draft_logits.device)
+        full_mask = None
+    else:
+        full_mask = mask = mask.to(torch.bool)
+    if mask.shape != draft_logits.shape[:-1]:
+        raise ValueError(
+            f"mask shape {list(mask.shape)} must equal draft_logits.shape[:-1] "
+            f"= {list(draft_logits.shape[:-1])}"
+        )
+    return mask, full_mask
 
 
 def target_logp(

@@ -14,6 +14,7 @@ from specdistill.losses.api import (
     Prepared,
     SparseTarget,
     Target,
+    VocabTarget,
     _check_sampling,
     masked_loss,
     prepare,
@@ -161,7 +162,7 @@ def _valid_positions(drafts: list, targets: list, masks: list) -> tuple[list, li
     """
     shape = drafts[0].shape[:-1]
     for d, t, m in zip(drafts, targets, masks, strict=True):
-        t_shape = (t.indices if isinstance(t, SparseTarget) else t).shape[:-1]
+        t_shape = _leading(t).shape[:-1]
         if m is None or not m.shape == d.shape[:-1] == t_shape == shape:
             return drafts, targets, masks  # prepare() checks and explains the shapes
     masks = [m.to(torch.bool) for m in masks]
@@ -173,14 +174,25 @@ def _valid_positions(drafts: list, targets: list, masks: list) -> tuple[list, li
     return drafts, targets, [None if m.all() else m for m in masks]
 
 
+def _leading(target: Target) -> Tensor:
+    """The tensor whose leading dims are a target's positions."""
+    if isinstance(target, SparseTarget):
+        return target.indices
+    return target.logp if isinstance(target, VocabTarget) else target
+
+
 def _rows(target: Target, keep: Tensor) -> Target:
     """A target's rows at `keep` (bool over its leading dims)."""
     if isinstance(target, SparseTarget):
         return SparseTarget(*(None if field is None else field[keep] for field in target))
+    if isinstance(target, VocabTarget):
+        return VocabTarget(target.logp[keep])
     return target[keep]
 
 
 def _per_depth(target: Sequence[Target] | Tensor | SparseTarget) -> list[Target]:
+    if isinstance(target, VocabTarget):
+        return [VocabTarget(logp) for logp in target.logp]
     if isinstance(target, SparseTarget):
         rests = [None] * len(target.indices) if target.rest is None else target.rest
         return [

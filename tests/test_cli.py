@@ -97,7 +97,13 @@ def test_light_parsers_agree_with_the_modules_they_front():
     """export_cli, target_cache_cli and convert_cli hold copies of their modules' constants,
     so that --help need not import them."""
     from specdistill.serve import convert, convert_cli
-    from specdistill.train import export, export_cli, target_cache, target_cache_cli
+    from specdistill.train import (
+        export,
+        export_cli,
+        target_cache,
+        target_cache_cli,
+        target_cache_vocab,
+    )
 
     assert convert_cli.SOURCES == convert.SOURCES
 
@@ -105,6 +111,7 @@ def test_light_parsers_agree_with_the_modules_they_front():
     assert target_cache_cli.SPLITS == target_cache.SPLITS
     assert set(target_cache_cli.VALUE_DTYPES) == set(target_cache.VALUE_DTYPES)
     assert target_cache_cli.DEFAULT_TOP_N == target_cache.DEFAULT_TOP_N
+    assert target_cache_cli.COLUMNS == target_cache_vocab.COLUMNS
     assert target_cache_cli.DEFAULT_SHARD_MB * 2**20 == target_cache.DEFAULT_SHARD_BYTES
 
 

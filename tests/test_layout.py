@@ -234,6 +234,11 @@ PRIVATE_ALLOWED = {
     "_attn_implementation": "transformers' attention backend on a config: the documented way "
     "to read it (read with a default)",
     "_hf_hook": "accelerate's hook attribute, tested with hasattr to refuse offloaded models",
+    "_reorder_linear_weight": "oneDNN's weight prepacking op (torch.ops.mkldnn, what "
+    "torch.compile's CPU backend emits); drafts/lean.py tries it once (packed_ops) and keeps "
+    "the K-major kernel when it is missing or disagrees",
+    "_linear_pointwise": "oneDNN's linear on prepacked weights (torch.ops.mkldnn); checked as "
+    "_reorder_linear_weight is",
 }
 
 

@@ -96,13 +96,7 @@ def _draft_checks(recipe: Recipe, can: "Capabilities", explicit: set[str]) -> li
             recipe.loss.chunk_size is not None,
             f"loss.chunk_size is not supported for {kind}: set loss.chunk_size=null",
         ),
-        _asks(
-            can,
-            "sparse_targets",
-            recipe.target.cache is not None,
-            f"target.cache gives a sparse top-N target, which {kind} does not train on: "
-            "unset target.cache",
-        ),
+        *_cache_asks(recipe, can, _columns(recipe.target.cache)),
         _asks(
             can,
             "eagle3_keys",
@@ -112,8 +106,54 @@ def _draft_checks(recipe: Recipe, can: "Capabilities", explicit: set[str]) -> li
     ]
 
 
+def _columns(cache: str | None) -> str | None:
+    """The columns of the cache at `cache` ("top-n" or "draft"), None without one; a cache
+    whose manifest cannot be read counts as top-N here (opening it says what is wrong)."""
+    from specdistill.train.target_cache_vocab import cache_columns
+
+    return None if cache is None else cache_columns(cache) or "top-n"
+
+
+def _cache_asks(recipe: Recipe, can: "Capabilities", columns: str | None) -> list[Check]:
+    """What a target cache of `columns` asks of the draft type."""
+    kind = f"draft.type={recipe.draft.type}"
+    return [
+        _asks(
+            can,
+            "sparse_targets",
+            columns == "top-n",
+            f"target.cache gives a sparse top-N target, which {kind} does not train on: "
+            "unset target.cache",
+        ),
+        _asks(
+            can,
+            "vocab_targets",
+            columns == "draft",
+            f"target.cache holds the target over a reduced draft vocabulary's columns, which "
+            f"{kind} without draft.vocab_size does not have: build a top-N cache "
+            "(`specdistill cache --columns top-n`) or unset target.cache",
+        ),
+    ]
+
+
+def cache_checks(recipe: Recipe, columns: str) -> None:
+    """Raise RecipeError when distill would refuse to train `recipe` on a cache of `columns`
+    ("top-n" or "draft"): what `specdistill cache` checks before it loads anything."""
+    from specdistill.drafts import planned
+
+    can = planned(recipe.draft).capabilities
+    probe = recipe.model_copy(
+        update={"target": recipe.target.model_copy(update={"cache": "(the cache)"})}
+    )
+    _first_failure(
+        [*_cache_asks(recipe, can, columns), *_cache_checks(probe), *_on_policy_checks(probe, can)]
+    )
+    _first_failure(_chain_checks(probe, can, resolved_loss(probe)))
+
+
 def _cache_checks(recipe: Recipe) -> list[Check]:
     lo, cache = recipe.loss, recipe.target.cache
+    head = recipe.acceptance_head
     return [
         (
             cache is None or lo.chunk_size is None,
@@ -131,6 +171,12 @@ def _cache_checks(recipe: Recipe) -> list[Check]:
             "which the loss compares as a rest bin; that mass at another loss.temperature or "
             "under loss top_p / top_k is unknown: use loss.temperature=1 without top_p / top_k, "
             "or the live target",
+        ),
+        (
+            cache is None or not head.enabled or recipe.eval.temperature == 1.0,
+            f"acceptance_head labels α at eval.temperature ({recipe.eval.temperature}); "
+            "target.cache holds the target at temperature 1 only: set eval.temperature=1, "
+            "or train on the live target",
         ),
     ]
 

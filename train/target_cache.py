@@ -3,8 +3,12 @@
     specdistill cache --recipe recipes/code.yaml --out runs/code-cache --top-n 64
     specdistill distill --recipe recipes/code.yaml target.cache=runs/code-cache
 
-`build_cache` runs the recipe's target over the recipe's training and eval sequences (the
-very TokenDataset items the trainer batches: same tokenizer, sources, max_length, packing,
+A draft over a reduced vocabulary takes a cache of its own columns instead
+(`--columns draft`: train/target_cache_vocab.py), exact and read as a `losses.VocabTarget`.
+
+`build_cache` (train/target_cache_build.py) runs the recipe's target over the recipe's
+training and eval sequences (the very TokenDataset items the trainer batches: same
+tokenizer, sources, max_length, packing,
 eval split and seed) and stores, for every valid position (a position t whose next token is
 a training target, `drafts.align.target_mask`), the target's N most probable tokens:
 
@@ -35,15 +39,13 @@ import bisect
 import hashlib
 import json
 import os
-import shutil
-import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from specdistill.errors import UserError
-from specdistill.train.target_cache_shards import FORMAT, ShardWriter, shard_problem
+from specdistill.train.target_cache_shards import FORMAT, shard_problem
+from specdistill.train.target_cache_vocab import draft_ids_problem, place_vocab_rows
 
 VERSION = 1
 MANIFEST = "manifest.json"
@@ -98,7 +100,7 @@ def target_identity(target_cfg, model=None) -> dict:
     }
 
 
-# ----------------------------------------------------------------------------- building
+# ----------------------------------------------------------------------------- reading
 def valid_rows(batch: dict) -> torch.Tensor:
     """[B, L−1] bool: the positions the cache stores (the trainer's depth-0 mask)."""
     from specdistill.drafts.align import target_mask
@@ -106,210 +108,6 @@ def valid_rows(batch: dict) -> torch.Tensor:
     return target_mask(batch)
 
 
-@torch.no_grad()
-def top_n_rows(target, batch: dict, vocab_size: int, top_n: int):
-    """(indices [R, N] int64, logprobs [R, N] fp32, rest [R] fp32, rows per item [B]) of one
-    collated batch: the target's top-N log-softmax over `vocab_size` columns at each valid
-    position, items in order, positions in order."""
-    from specdistill.drafts.align import shifted_logits
-
-    logits = shifted_logits(target, batch, vocab_size)
-    mask = valid_rows(batch)
-    logp = logits[mask].float().log_softmax(-1)
-    values, indices = logp.topk(top_n, dim=-1)  # sorted, most probable first
-    rest = (1.0 - values.exp().sum(-1)).clamp_min(0.0)
-    return indices, values, rest, mask.sum(1)
-
-
-def build_cache(
-    recipe,
-    out: str | os.PathLike,
-    *,
-    top_n: int = DEFAULT_TOP_N,
-    values_dtype: str = "float16",
-    splits: tuple[str, ...] = SPLITS,
-    target=None,
-    tokenizer=None,
-    train_data=None,
-    eval_data=None,
-    batch_size: int | None = None,
-    shard_bytes: int = DEFAULT_SHARD_BYTES,
-    overwrite: bool = False,
-    device: str | torch.device | None = None,
-    print=print,
-) -> dict:
-    """Build the cache of `recipe`'s target over its data into `out`; return the manifest.
-
-    The models and datasets are loaded as `Trainer.from_recipe` loads them unless given.
-    `out` must not exist (or be empty) unless `overwrite`."""
-    from specdistill.drafts import hub
-    from specdistill.publish import atomic_write_text, publish_dir
-
-    r = recipe
-    out = Path(out)
-    _check_build_arguments(out, top_n, values_dtype, batch_size, shard_bytes, overwrite)
-    target, tokenizer, train_data, eval_data = _build_inputs(
-        r, target, tokenizer, train_data, eval_data
-    )
-    vocab_size = hub.shared_vocab_size(target, None, tokenizer)
-    if top_n > vocab_size:
-        raise CacheError(f"--top-n {top_n} exceeds the vocabulary ({vocab_size} tokens)")
-    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    target = target.eval().requires_grad_(False).to(device)
-    dtype = VALUE_DTYPES[values_dtype]
-    row_bytes = top_n * (4 + dtype.itemsize) + dtype.itemsize
-    build = _Build(
-        target=target,
-        tokenizer=tokenizer,
-        device=device,
-        vocab_size=vocab_size,
-        top_n=top_n,
-        batch_size=batch_size or r.train.micro_batch_size,
-        dtype=dtype,
-        max_rows=max(1, shard_bytes // row_bytes),
-    )
-
-    tmp = out.parent / f".tmp-{out.name}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    datasets = {"train": train_data, "eval": eval_data}
-    start = time.perf_counter()
-    try:
-        manifest_splits = {
-            split: build.write_split(tmp, split, datasets[split], print) for split in splits
-        }
-        manifest = _build_manifest(r, build, values_dtype, row_bytes, manifest_splits, start)
-        atomic_write_text(tmp / MANIFEST, json.dumps(manifest, indent=1))
-        if out.exists():
-            if not overwrite and any(out.iterdir()):
-                raise CacheError(f"{out} appeared during the build; not replacing it")
-        publish_dir(tmp, out)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return manifest
-
-
-def _check_build_arguments(
-    out: Path,
-    top_n: int,
-    values_dtype: str,
-    batch_size: int | None,
-    shard_bytes: int,
-    overwrite: bool,
-) -> None:
-    """Raise CacheError naming the first argument out of range, before anything loads."""
-    if top_n < 1:
-        raise CacheError(f"--top-n must be >= 1, got {top_n}")
-    if values_dtype not in VALUE_DTYPES:
-        raise CacheError(f"values dtype must be one of {', '.join(VALUE_DTYPES)}")
-    if batch_size is not None and batch_size < 1:
-        raise CacheError(f"--batch-size must be >= 1, got {batch_size}")
-    if shard_bytes < 1:
-        raise CacheError(f"--shard-mb must give a shard size of at least 1 byte, got {shard_bytes}")
-    if out.exists() and not out.is_dir():
-        raise CacheError(f"--out {out} exists and is not a directory")
-    if out.exists() and any(out.iterdir()) and not overwrite:
-        raise CacheError(f"{out} exists and is not empty; pass --overwrite to replace it")
-
-
-def _build_inputs(r, target, tokenizer, train_data, eval_data) -> tuple:
-    """(target, tokenizer, train_data, eval_data): each loaded from the recipe unless given,
-    as `Trainer.from_recipe` loads them; the tokenizer pads with its eos token if unset."""
-    from specdistill.drafts import hub
-    from specdistill.train.config import recipe_datasets
-
-    if tokenizer is None:
-        tokenizer = hub.load_tokenizer(r.target.model, r.target.revision)
-    if target is None:
-        target = hub.load_target(
-            r.target.model,
-            getattr(r.target, "adapter", None),
-            dtype=r.target.dtype,
-            revision=r.target.revision,
-        )
-    if train_data is None or eval_data is None:
-        train_data, eval_data = recipe_datasets(r, tokenizer)
-    if tokenizer.pad_token_id is None:
-        tokenizer.pad_token = tokenizer.eos_token
-    return target, tokenizer, train_data, eval_data
-
-
-@dataclass
-class _Build:
-    """What each split's pass over the target needs: the target on its device, the
-    tokenizer (its pad id), the stored columns and the batch and shard sizes."""
-
-    target: object
-    tokenizer: object
-    device: torch.device
-    vocab_size: int
-    top_n: int
-    batch_size: int
-    dtype: torch.dtype
-    max_rows: int
-
-    def write_split(self, tmp: Path, split: str, data, print) -> dict:
-        """Run the target over `data` and write `split`'s shards into `tmp`; return the
-        split's manifest entry."""
-        from specdistill.data import collate
-
-        writer = ShardWriter(tmp, split, self.max_rows, self.dtype)
-        pad = self.tokenizer.pad_token_id
-        for first in range(0, len(data), self.batch_size):
-            items = [data[i] for i in range(first, min(first + self.batch_size, len(data)))]
-            batch = {k: v.to(self.device) for k, v in collate(items, pad).items()}
-            writer.add(*top_n_rows(self.target, batch, self.vocab_size, self.top_n))
-        writer.flush()
-        rows = sum(s["rows"] for s in writer.shards)
-        entry = {
-            "sequences": len(data),
-            "positions": rows,
-            "data_hash": data_hash(data),
-            "shards": writer.shards,
-        }
-        print(f"cache: {split}: {len(data)} sequences, {rows} positions")
-        return entry
-
-
-def _build_manifest(
-    r, build: _Build, values_dtype: str, row_bytes: int, manifest_splits: dict, start: float
-) -> dict:
-    """The cache's manifest.json: what it was built from (tokenizer, target, data) and its
-    sizes; `start`: the build's `time.perf_counter()`."""
-    total_bytes = sum(s["bytes"] for m in manifest_splits.values() for s in m["shards"])
-    positions = sum(m["positions"] for m in manifest_splits.values())
-    return {
-        "format": FORMAT,
-        "version": VERSION,
-        "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "build_seconds": round(time.perf_counter() - start, 3),
-        "tokenizer_hash": tokenizer_hash(build.tokenizer),
-        "target": target_identity(r.target, build.target),
-        "data": {
-            "train": list(r.data.train),
-            "eval": None if r.data.eval is None else list(r.data.eval),
-            "max_length": r.data.max_length,
-            "pack": r.data.pack,
-            "eval_fraction": r.data.eval_fraction,
-            "seed": r.train.seed,
-        },
-        "top_n": build.top_n,
-        "temperature": 1.0,  # raw log-softmax; the loss temperature is applied at read
-        "vocab_size": build.vocab_size,
-        "indices_dtype": "int32",
-        "values_dtype": values_dtype,
-        "rest_dtype": values_dtype,
-        # per stored position: N indices + N values + the remaining mass
-        "bytes_per_position": row_bytes,
-        # on disk, shard headers and offsets included, per stored position
-        "bytes_per_token": total_bytes / max(positions, 1),
-        "total_bytes": total_bytes,
-        "positions": positions,
-        "splits": manifest_splits,
-    }
-
-
-# ----------------------------------------------------------------------------- reading
 class TargetCache:
     """A built cache, read lazily (memory-mapped safetensors shards)."""
 
@@ -338,7 +136,9 @@ class TargetCache:
         if missing:
             raise CacheError(f"target.cache {manifest} lacks {', '.join(missing)}")
         self.top_n = self.manifest["top_n"]
+        self.columns = self.manifest.get("columns", "top-n")
         self._handles: dict[str, object] = {}
+        self._own_logits = None  # the draft type's K-column logits, with columns "draft"
 
     def check(self, *, tokenizer, target_cfg, target, datasets: dict, vocab_size: int) -> None:
         """Raise CacheError unless the cache was built for this tokenizer, target and data.
@@ -382,7 +182,10 @@ class TargetCache:
         whether or not this run reads it): train/target_cache_shards.py's `shard_problem`."""
         for split, stored in self.manifest["splits"].items():
             for info in stored.get("shards", []):
-                problem = shard_problem(self.path / info["file"], split, info, self.top_n)
+                width = 0 if self.columns == "draft" else self.top_n
+                problem = shard_problem(
+                    self.path / info["file"], split, info, self.top_n, index_width=width
+                )
                 if problem:
                     raise CacheError(
                         f"target.cache shard {self.path / info['file']} {problem}; rebuild the "
@@ -431,6 +234,31 @@ class TargetCache:
 
         return place_sparse_rows(mask, self.top_n, rows, mismatch)
 
+    def bind(self, kind) -> None:
+        """Serve the draft type `kind` (a `drafts.types.DraftType`): a cache over a draft's
+        columns must hold this draft's K ids in its order (CacheError otherwise)."""
+        if self.columns != "draft":
+            return
+        problem = draft_ids_problem(self.manifest.get("draft_ids") or [], kind.draft_ids())
+        if problem:
+            raise CacheError(
+                f"target.cache {self.path} {problem}; rebuild it (`specdistill cache --recipe R "
+                "--columns draft --out DIR --overwrite`)"
+            )
+        self._own_logits = kind.own_logits
+
+    def vocab_target(self, split: str, sequences, mask: torch.Tensor):
+        """The batch's target as a `losses.VocabTarget` [B, L−1, K] (columns "draft")."""
+        rows = [self.rows(split, int(s))[1] for s in sequences]
+
+        def mismatch(b: int, have: int, want: int) -> Exception:
+            return CacheError(
+                f"target.cache {self.path}: {split} sequence {int(sequences[b])} has "
+                f"{have} cached positions, the batch {want}"
+            )
+
+        return place_vocab_rows(mask, self.top_n, rows, mismatch)
+
     def depths(self, draft, batch: dict, vocab_size: int, split: str = "train"):
         """A standalone draft's (drafts, targets, masks) with the target from the cache, as
         `Standalone.depths` returns them with the live target. `batch["sequence"]` [B]: the
@@ -438,7 +266,16 @@ class TargetCache:
         from specdistill.drafts.align import shifted_logits
 
         mask = valid_rows(batch)
-        target = self.sparse_target(split, batch["sequence"].tolist(), mask)
+        sequences = batch["sequence"].tolist()
+        if self.columns == "draft":
+            if self._own_logits is None:
+                raise CacheError(f"target.cache {self.path}: bind() it to the draft type first")
+            return (
+                [self._own_logits(draft, batch)],
+                [self.vocab_target(split, sequences, mask)],
+                [mask],
+            )
+        target = self.sparse_target(split, sequences, mask)
         return [shifted_logits(draft, batch, vocab_size)], [target], [mask]
 
 
@@ -464,8 +301,9 @@ def place_sparse_rows(mask: torch.Tensor, top_n: int, rows: list, mismatch):
     return SparseTarget(indices, probs, rest)
 
 
-def open_cache(recipe, *, tokenizer, target, train_data, vocab_size: int) -> TargetCache:
-    """The recipe's `target.cache`, checked against this run before any training."""
+def open_cache(recipe, *, tokenizer, target, train_data, vocab_size: int, kind=None) -> TargetCache:
+    """The recipe's `target.cache`, checked against this run (and, given the draft type
+    `kind`, bound to it) before any training."""
     cache = TargetCache(recipe.target.cache)
     cache.check(
         tokenizer=tokenizer,
@@ -474,4 +312,6 @@ def open_cache(recipe, *, tokenizer, target, train_data, vocab_size: int) -> Tar
         datasets={"train": train_data},
         vocab_size=vocab_size,
     )
+    if kind is not None:
+        cache.bind(kind)
     return cache

@@ -1,8 +1,11 @@
-"""`specdistill cache`: the frozen target's top-N log-probabilities over a recipe's data,
-computed once, so that training reads them instead of running the target.
+"""`specdistill cache`: the frozen target's log-probabilities over a recipe's data, computed
+once, so that training reads them instead of running the target: its top-N tokens, or
+(`--columns draft`) every column of a draft over a reduced vocabulary.
 
     specdistill cache --recipe recipes/code.yaml --out runs/code-cache --top-n 64
     specdistill distill --recipe recipes/code.yaml target.cache=runs/code-cache
+    specdistill cache --recipe recipes/smollm2-standalone.yaml --columns draft \
+        --out runs/smollm2-cache
 
 The cache covers the very sequences the trainer batches (the recipe's tokenizer, data,
 max_length, packing, eval split and seed) and is written beside --out, then renamed into
@@ -22,6 +25,7 @@ from specdistill.verb_parser import quiet_third_party, verb_parser
 SPLITS = ("train", "eval")
 VALUE_DTYPES = ("float16", "float32")
 DEFAULT_TOP_N = 64
+COLUMNS = ("top-n", "draft")  # train/target_cache_vocab.py's
 DEFAULT_SHARD_MB = 256
 
 
@@ -41,6 +45,14 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--recipe", help="YAML recipe (its target and data); defaults if omitted")
     parser.add_argument("--out", required=True, help="the cache directory to create")
     parser.add_argument("--top-n", type=int, default=DEFAULT_TOP_N, help="tokens kept per position")
+    parser.add_argument(
+        "--columns",
+        choices=COLUMNS,
+        default="top-n",
+        help="top-n: the target's --top-n most probable tokens and the mass they leave (any "
+        "full-vocabulary standalone draft); draft: its log-probabilities over the draft's own "
+        "columns (a draft with draft.vocab_size: exact, no target forward while training)",
+    )
     parser.add_argument(
         "--values-dtype",
         choices=VALUE_DTYPES,
@@ -68,7 +80,8 @@ def main(argv: list[str] | None = None) -> int:
     quiet_third_party()
     from specdistill import threads
     from specdistill.train.config import load_recipe
-    from specdistill.train.target_cache import CacheError, build_cache
+    from specdistill.train.target_cache import CacheError
+    from specdistill.train.target_cache_build import build_cache
 
     recipe = load_recipe(args.recipe, args.overrides)
     splits = tuple(s.strip() for s in args.splits.split(",") if s.strip())
@@ -80,6 +93,7 @@ def main(argv: list[str] | None = None) -> int:
         recipe,
         args.out,
         top_n=args.top_n,
+        columns=args.columns,
         values_dtype=args.values_dtype,
         splits=splits,
         batch_size=args.batch_size,
@@ -88,7 +102,8 @@ def main(argv: list[str] | None = None) -> int:
         print=lambda *a: print(*a, file=sys.stderr),
     )
     print(
-        f"cache: {manifest['positions']} positions, top-{manifest['top_n']}, "
+        f"cache: {manifest['positions']} positions, "
+        f"{'top-' if manifest['columns'] == 'top-n' else 'draft columns: '}{manifest['top_n']}, "
         f"{manifest['total_bytes'] / 2**20:.2f} MiB, {manifest['bytes_per_token']:.1f} bytes/token "
         f"in {args.out}"
     )

@@ -14,10 +14,13 @@ import torch
 FORMAT = "specdistill-target-cache"
 
 
-def shard_problem(path: Path, split: str, info: dict, top_n: int) -> str | None:
+def shard_problem(
+    path: Path, split: str, info: dict, top_n: int, index_width: int | None = None
+) -> str | None:
     """What is wrong with the shard file `path` given its manifest entry `info` (file, bytes,
     rows, sequences, first_sequence) of `split`, as a phrase following the file's name; None
-    if nothing is."""
+    if nothing is. index_width: the indices' columns (top_n unless given; 0 for a cache over
+    a draft's columns)."""
     from safetensors import safe_open
 
     if not path.is_file():
@@ -27,7 +30,7 @@ def shard_problem(path: Path, split: str, info: dict, top_n: int) -> str | None:
         return f"has {size} bytes, the manifest {info['bytes']} (truncated, replaced or swapped)"
     rows, sequences = info["rows"], info["sequences"]
     want = {
-        "indices": [rows, top_n],
+        "indices": [rows, top_n if index_width is None else index_width],
         "logprobs": [rows, top_n],
         "rest": [rows],
         "offsets": [sequences + 1],

@@ -197,6 +197,7 @@ class Trainer:
                         target=target,
                         train_data=train_data,
                         vocab_size=kind.vocab_size,
+                        kind=kind,
                     )
                 except CacheError as e:
                     raise RecipeError(str(e)) from None

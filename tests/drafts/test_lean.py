@@ -68,8 +68,8 @@ def _close(dtype) -> dict:
 @torch.no_grad()
 def test_a_model_holds_only_the_layouts_its_forwards_used(monkeypatch):
     """A one-token prompt and a decoding step make the K-major copies alone; a verification
-    of 3+ rows adds the prepacked ones; without oneDNN's ops (`packed_ops` False) those rows take the K-major
-    kernel, and the logits still equal transformers'."""
+    of 3+ rows adds the prepacked ones; without oneDNN's ops (`packed_ops` False) those rows
+    take the K-major kernel, and the logits still equal transformers'."""
     model = build("llama-smollm2-shape")
     plain = KVStream(model, VOCAB, torch.device("cpu"), lean=False)
     prefix = [[3]]
@@ -90,8 +90,10 @@ def test_a_model_holds_only_the_layouts_its_forwards_used(monkeypatch):
         five = torch.arange(5).view(1, 5) + 10
         valid = torch.ones(1, 5, dtype=torch.bool)
         torch.testing.assert_close(
-            fast.forward(five, valid, keep=5), plain.forward(five, valid, keep=5),
-            rtol=1e-5, atol=1e-5,
+            fast.forward(five, valid, keep=5),
+            plain.forward(five, valid, keep=5),
+            rtol=1e-5,
+            atol=1e-5,
         )
         assert ("packed" in layers[0].qkv.made()) == ops[0]
         for stream in (fast, plain):

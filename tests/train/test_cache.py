@@ -12,7 +12,7 @@ from safetensors.torch import load_file
 
 from specdistill import cli
 from specdistill.train.config import RecipeError, load_recipe
-from specdistill.train.target_cache import build_cache
+from specdistill.train.target_cache_build import build_cache
 from specdistill.train.trainer import Trainer
 from tests.train.helpers import overrides
 

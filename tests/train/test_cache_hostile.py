@@ -9,7 +9,8 @@ import pytest
 
 from specdistill import cli
 from specdistill.train.config import RecipeError, load_recipe
-from specdistill.train.target_cache import CacheError, build_cache
+from specdistill.train.target_cache import CacheError
+from specdistill.train.target_cache_build import build_cache
 from specdistill.train.trainer import Trainer
 from tests.train.helpers import overrides
 

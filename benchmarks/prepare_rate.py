@@ -1,0 +1,79 @@
+"""How fast `specdistill prepare` answers: tokens/s by batch size and verification kernel.
+
+    python -m benchmarks.prepare_rate --recipe recipes/smollm2-standalone.yaml --prompts 64
+
+Answers the first `--prompts` training prompts of the recipe's `prepare` section at its
+settings (temperature, max_new_tokens, seed) into fresh directories, once per configuration:
+the lean forward without oneDNN's prepacked weights (`drafts.lean.PACKED_FROM = 0`, how it ran
+before them) at prepare's former batch of 16, then with them at 16 and at `--batch-sizes`.
+Prints each configuration's answer tokens, seconds and tokens/s, and its ratio to the first,
+measured in the same process. Run it alone on the machine: any other process moves the
+numbers.
+"""
+
+import argparse
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from specdistill.drafts import hub, lean
+from specdistill.train.config import load_recipe
+from specdistill.train.prepare import answer_tokens
+from specdistill.train.regenerate import Sampling, regenerate
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--recipe", default="recipes/smollm2-standalone.yaml")
+    parser.add_argument("--prompts", type=int, default=64)
+    parser.add_argument("--batch-sizes", default="32", help="batches tried with prepacking")
+    parser.add_argument("--threads", type=int, default=1)
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    recipe = load_recipe(args.recipe, [])
+    p, t = recipe.prepare, recipe.target
+    tokenizer = hub.load_tokenizer(t.model, t.revision)
+    target = hub.load_target(t.model, t.adapter, dtype=t.dtype, revision=t.revision)
+    sampling = Sampling(p.temperature, None, None, p.max_new_tokens, p.seed)
+    data = recipe.data.model_copy(update={"train": list(p.train.prompts)})
+    recipe = recipe.model_copy(update={"data": data})
+    shipped = lean.PACKED_FROM
+    configs = [("no prepacked weights", 0, 16), ("prepacked", shipped, 16)]
+    configs += [("prepacked", shipped, int(b)) for b in args.batch_sizes.split(",")]
+    rows, base = [], None
+    with tempfile.TemporaryDirectory() as tmp:
+        for i, (name, packed_from, batch) in enumerate(configs):
+            lean.PACKED_FROM = packed_from
+            out = Path(tmp) / f"run{i}"
+            start = time.perf_counter()
+            regenerate(
+                recipe,
+                out,
+                sampling=sampling,
+                batch_size=batch,
+                limit=args.prompts,
+                target=target,
+                tokenizer=tokenizer,
+                print=lambda *a, **k: None,
+            )
+            seconds = time.perf_counter() - start
+            tokens = answer_tokens(out)
+            rate = tokens / seconds
+            base = base or rate
+            rows.append(
+                f"| {name} | {batch} | {tokens} | {seconds:.0f} | {rate:.1f} | {rate / base:.2f}× |"
+            )
+    lean.PACKED_FROM = shipped
+    print(
+        f"{t.model}, {args.prompts} prompts, T = {p.temperature}, max_new_tokens "
+        f"{p.max_new_tokens}, {args.threads} thread(s)"
+    )
+    print("| kernel | batch | answer tokens | s | tokens/s | ratio |")
+    print("|---|---|---|---|---|---|")
+    print("\n".join(rows))
+
+
+if __name__ == "__main__":
+    main()

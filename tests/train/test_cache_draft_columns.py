@@ -1,0 +1,114 @@
+"""The target cache over a draft's own columns (`specdistill cache --columns draft`,
+train/target_cache_vocab.py): a draft over a reduced vocabulary trains from it with the live
+target's losses, α, head labels and gradients, without one target forward; a cache built for
+another draft vocabulary and the recipes distill would refuse are refused before anything
+loads or trains."""
+
+import pytest
+import torch
+
+from specdistill import cli
+from specdistill.train.config import load_recipe
+from specdistill.train.target_cache import CacheError
+from specdistill.train.target_cache_build import build_cache
+from specdistill.train.target_cache_vocab import cache_columns
+from specdistill.train.trainer import Trainer
+from tests.train.helpers import overrides
+
+REDUCED = {"draft.model": "target-layers:1", "draft.vocab_size": 100}
+
+
+def _recipe(tiny_pair, out, **extra):
+    return load_recipe(None, overrides(tiny_pair, out, **{**REDUCED, **extra}))
+
+
+def _loss_parts(trainer: Trainer, batch: dict):
+    trainer.draft.zero_grad(set_to_none=True)
+    parts = trainer.core.losses(batch)
+    total = parts.loss_sum + (0 if parts.head is None else parts.head.loss_sum)
+    total.backward()
+    grads = {n: p.grad.clone() for n, p in trainer.draft.named_parameters() if p.grad is not None}
+    head = None if parts.head is None else float(parts.head.loss_sum.detach())
+    return float(parts.loss_sum.detach()), float(parts.alpha_sum), head, grads
+
+
+@pytest.mark.parametrize("loss", ["fkl", "lk_lambda"])
+def test_draft_columns_train_as_the_live_target_without_its_forward(
+    tiny_pair, tmp_path, loss, monkeypatch
+):
+    cache = tmp_path / "cache"
+    extra = {"loss.name": loss, "acceptance_head.enabled": "true"}
+    manifest = build_cache(
+        _recipe(tiny_pair, tmp_path / "x", **extra),
+        cache,
+        columns="draft",
+        values_dtype="float32",
+        print=lambda *a: None,
+    )
+    assert manifest["columns"] == "draft" and len(manifest["draft_ids"]) == 100
+    assert manifest["bytes_per_position"] == 100 * 4 + 4 and cache_columns(cache) == "draft"
+    live = Trainer.from_recipe(_recipe(tiny_pair, tmp_path / "live", **extra))
+    cached = Trainer.from_recipe(
+        _recipe(tiny_pair, tmp_path / "cached", **extra, **{"target.cache": str(cache)})
+    )
+    cached.draft.load_state_dict(live.draft.state_dict())
+    cached.core.head_training.head.load_state_dict(live.core.head_training.head.state_dict())
+    calls = []
+    monkeypatch.setattr(
+        type(cached.target), "forward", lambda *a, **k: calls.append(1) or 1 / 0, raising=True
+    )
+    for step in (0, 3):
+        for a, b in zip(live.micro_batches(step), cached.micro_batches(step), strict=True):
+            monkeypatch.undo()
+            want = _loss_parts(live, a)
+            monkeypatch.setattr(type(cached.target), "forward", lambda *a, **k: 1 / 0)
+            got = _loss_parts(cached, b)
+            assert got[0] == pytest.approx(want[0], rel=1e-6, abs=1e-6)
+            assert got[1] == pytest.approx(want[1], rel=1e-6, abs=1e-6)
+            assert got[2] == pytest.approx(want[2], rel=1e-6, abs=1e-6)
+            assert want[3].keys() == got[3].keys() and want[3]
+            for name in want[3]:
+                torch.testing.assert_close(got[3][name], want[3][name], rtol=1e-5, atol=1e-6)
+    monkeypatch.undo()
+    assert not calls
+
+
+def test_a_cache_of_another_draft_vocabulary_is_refused(tiny_pair, tmp_path):
+    cache = tmp_path / "cache"
+    build_cache(_recipe(tiny_pair, tmp_path / "x"), cache, columns="draft", print=lambda *a: None)
+    other = _recipe(
+        tiny_pair, tmp_path / "run", **{"draft.vocab_size": 90, "target.cache": str(cache)}
+    )
+    with pytest.raises(Exception, match="built over 100 draft columns, this draft has 90"):
+        Trainer.from_recipe(other)
+
+
+@pytest.mark.parametrize(
+    "extra, columns, match",
+    [
+        ({}, "top-n", "cannot be compared with"),  # a reduced draft and a top-N cache
+        ({"draft.vocab_size": "null"}, "draft", "without draft.vocab_size"),
+        ({"loss.temperature": 0.7}, "draft", "temperature 1"),
+        ({"acceptance_head.enabled": "true", "eval.temperature": 0}, "draft", "eval.temperature"),
+        ({"loss.name": "tau"}, "draft", "loss tau"),
+    ],
+)
+def test_cache_refuses_up_front_what_distill_would_refuse(
+    tiny_pair, tmp_path, monkeypatch, extra, columns, match
+):
+    """Refused before the target loads: nothing is built, nothing is written."""
+    from specdistill.drafts import hub
+
+    monkeypatch.setattr(hub, "load_target", lambda *a, **k: 1 / 0)
+    out = tmp_path / "cache"
+    with pytest.raises(CacheError, match=match):
+        build_cache(_recipe(tiny_pair, tmp_path / "x", **extra), out, columns=columns)
+    assert not out.exists()
+
+
+def test_the_cli_builds_and_distill_trains_from_draft_columns(tiny_pair, tmp_path, capsys):
+    args = overrides(tiny_pair, tmp_path / "run", **REDUCED, **{"train.max_steps": 2})
+    out = tmp_path / "cache"
+    assert cli.main(["cache", "--out", str(out), "--columns", "draft", *args]) == 0
+    assert "draft columns: 100" in capsys.readouterr().out
+    assert cli.main(["distill", *args, f"target.cache={out}"]) == 0

@@ -1,0 +1,271 @@
+"""Building a target cache (train/target_cache.py describes the format): one pass of the
+recipe's frozen target over its training and eval sequences, batch by batch, into shards,
+then the manifest; the directory is written beside `out` and renamed into place.
+
+    specdistill cache --recipe recipes/code.yaml --out runs/code-cache --top-n 64
+"""
+
+import json
+import os
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from specdistill.train.target_cache import (
+    DEFAULT_SHARD_BYTES,
+    DEFAULT_TOP_N,
+    MANIFEST,
+    SPLITS,
+    VALUE_DTYPES,
+    VERSION,
+    CacheError,
+    data_hash,
+    target_identity,
+    tokenizer_hash,
+    valid_rows,
+)
+from specdistill.train.target_cache_shards import FORMAT, ShardWriter
+from specdistill.train.target_cache_vocab import vocab_rows
+
+
+@torch.no_grad()
+def top_n_rows(target, batch: dict, vocab_size: int, top_n: int):
+    """(indices [R, N] int64, logprobs [R, N] fp32, rest [R] fp32, rows per item [B]) of one
+    collated batch: the target's top-N log-softmax over `vocab_size` columns at each valid
+    position, items in order, positions in order."""
+    from specdistill.drafts.align import shifted_logits
+
+    logits = shifted_logits(target, batch, vocab_size)
+    mask = valid_rows(batch)
+    logp = logits[mask].float().log_softmax(-1)
+    values, indices = logp.topk(top_n, dim=-1)  # sorted, most probable first
+    rest = (1.0 - values.exp().sum(-1)).clamp_min(0.0)
+    return indices, values, rest, mask.sum(1)
+
+
+def build_cache(
+    recipe,
+    out: str | os.PathLike,
+    *,
+    top_n: int = DEFAULT_TOP_N,
+    columns: str = "top-n",
+    values_dtype: str = "float16",
+    splits: tuple[str, ...] = SPLITS,
+    target=None,
+    tokenizer=None,
+    train_data=None,
+    eval_data=None,
+    batch_size: int | None = None,
+    shard_bytes: int = DEFAULT_SHARD_BYTES,
+    overwrite: bool = False,
+    device: str | torch.device | None = None,
+    print=print,
+) -> dict:
+    """Build the cache of `recipe`'s target over its data into `out`; return the manifest.
+
+    columns: "top-n" (the target's `top_n` most probable tokens and the rest mass) or
+    "draft" (its log-probabilities over the recipe's draft's own columns:
+    train/target_cache_vocab.py). A recipe that distill would refuse with such a cache is
+    refused before anything loads. The models and datasets are loaded as
+    `Trainer.from_recipe` loads them unless given. `out` must not exist (or be empty) unless
+    `overwrite`."""
+    from specdistill.drafts import hub
+    from specdistill.publish import atomic_write_text, publish_dir
+
+    r = recipe
+    out = Path(out)
+    _check_build_arguments(out, top_n, values_dtype, batch_size, shard_bytes, overwrite)
+    _check_build_recipe(r, columns)
+    target, tokenizer, train_data, eval_data = _build_inputs(
+        r, target, tokenizer, train_data, eval_data
+    )
+    vocab_size = hub.shared_vocab_size(target, None, tokenizer)
+    ids = _draft_columns(r, target, tokenizer, train_data, print) if columns == "draft" else None
+    top_n = top_n if ids is None else len(ids)
+    if top_n > vocab_size:
+        raise CacheError(f"--top-n {top_n} exceeds the vocabulary ({vocab_size} tokens)")
+    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    target = target.eval().requires_grad_(False).to(device)
+    dtype = VALUE_DTYPES[values_dtype]
+    row_bytes = top_n * ((4 if ids is None else 0) + dtype.itemsize) + dtype.itemsize
+    build = _Build(
+        target=target,
+        tokenizer=tokenizer,
+        device=device,
+        vocab_size=vocab_size,
+        top_n=top_n,
+        batch_size=batch_size or r.train.micro_batch_size,
+        dtype=dtype,
+        max_rows=max(1, shard_bytes // row_bytes),
+        ids=ids,
+    )
+
+    tmp = out.parent / f".tmp-{out.name}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    datasets = {"train": train_data, "eval": eval_data}
+    start = time.perf_counter()
+    try:
+        manifest_splits = {
+            split: build.write_split(tmp, split, datasets[split], print) for split in splits
+        }
+        manifest = _build_manifest(r, build, values_dtype, row_bytes, manifest_splits, start)
+        atomic_write_text(tmp / MANIFEST, json.dumps(manifest, indent=1))
+        if out.exists():
+            if not overwrite and any(out.iterdir()):
+                raise CacheError(f"{out} appeared during the build; not replacing it")
+        publish_dir(tmp, out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return manifest
+
+
+def _check_build_arguments(
+    out: Path,
+    top_n: int,
+    values_dtype: str,
+    batch_size: int | None,
+    shard_bytes: int,
+    overwrite: bool,
+) -> None:
+    """Raise CacheError naming the first argument out of range, before anything loads."""
+    if top_n < 1:
+        raise CacheError(f"--top-n must be >= 1, got {top_n}")
+    if values_dtype not in VALUE_DTYPES:
+        raise CacheError(f"values dtype must be one of {', '.join(VALUE_DTYPES)}")
+    if batch_size is not None and batch_size < 1:
+        raise CacheError(f"--batch-size must be >= 1, got {batch_size}")
+    if shard_bytes < 1:
+        raise CacheError(f"--shard-mb must give a shard size of at least 1 byte, got {shard_bytes}")
+    if out.exists() and not out.is_dir():
+        raise CacheError(f"--out {out} exists and is not a directory")
+    if out.exists() and any(out.iterdir()) and not overwrite:
+        raise CacheError(f"{out} exists and is not empty; pass --overwrite to replace it")
+
+
+def _check_build_recipe(r, columns: str) -> None:
+    """Refuse, before anything loads, a cache that distill would refuse to train on."""
+    from specdistill.train.recipe_checks import cache_checks
+    from specdistill.train.recipe_errors import RecipeError
+    from specdistill.train.target_cache_vocab import COLUMNS
+
+    if columns not in COLUMNS:
+        raise CacheError(f"--columns takes {' or '.join(COLUMNS)}, got {columns!r}")
+    try:
+        cache_checks(r, columns)
+    except RecipeError as e:
+        raise CacheError(f"distill could not train on this cache: {e}") from None
+
+
+def _draft_columns(r, target, tokenizer, train_data, print) -> torch.Tensor:
+    """The target ids of the recipe's draft's K columns, as distill builds that draft."""
+    from specdistill import drafts
+
+    _, kind = drafts.build(r.draft, target, tokenizer, train_data, print=print)
+    return kind.draft_ids().cpu()
+
+
+def _build_inputs(r, target, tokenizer, train_data, eval_data) -> tuple:
+    """(target, tokenizer, train_data, eval_data): each loaded from the recipe unless given,
+    as `Trainer.from_recipe` loads them; the tokenizer pads with its eos token if unset."""
+    from specdistill.drafts import hub
+    from specdistill.train.config import recipe_datasets
+
+    if tokenizer is None:
+        tokenizer = hub.load_tokenizer(r.target.model, r.target.revision)
+    if target is None:
+        target = hub.load_target(
+            r.target.model,
+            getattr(r.target, "adapter", None),
+            dtype=r.target.dtype,
+            revision=r.target.revision,
+        )
+    if train_data is None or eval_data is None:
+        train_data, eval_data = recipe_datasets(r, tokenizer)
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return target, tokenizer, train_data, eval_data
+
+
+@dataclass
+class _Build:
+    """What each split's pass over the target needs: the target on its device, the
+    tokenizer (its pad id), the stored columns and the batch and shard sizes."""
+
+    target: object
+    tokenizer: object
+    device: torch.device
+    vocab_size: int
+    top_n: int
+    batch_size: int
+    dtype: torch.dtype
+    max_rows: int
+    ids: torch.Tensor | None = None  # the draft's columns' target ids ("draft"), else top-N
+
+    def write_split(self, tmp: Path, split: str, data, print) -> dict:
+        """Run the target over `data` and write `split`'s shards into `tmp`; return the
+        split's manifest entry."""
+        from specdistill.data import collate
+
+        writer = ShardWriter(tmp, split, self.max_rows, self.dtype)
+        pad = self.tokenizer.pad_token_id
+        for first in range(0, len(data), self.batch_size):
+            items = [data[i] for i in range(first, min(first + self.batch_size, len(data)))]
+            batch = {k: v.to(self.device) for k, v in collate(items, pad).items()}
+            if self.ids is None:
+                writer.add(*top_n_rows(self.target, batch, self.vocab_size, self.top_n))
+            else:
+                writer.add(*vocab_rows(self.target, batch, self.vocab_size, self.ids))
+        writer.flush()
+        rows = sum(s["rows"] for s in writer.shards)
+        entry = {
+            "sequences": len(data),
+            "positions": rows,
+            "data_hash": data_hash(data),
+            "shards": writer.shards,
+        }
+        print(f"cache: {split}: {len(data)} sequences, {rows} positions")
+        return entry
+
+
+def _build_manifest(
+    r, build: _Build, values_dtype: str, row_bytes: int, manifest_splits: dict, start: float
+) -> dict:
+    """The cache's manifest.json: what it was built from (tokenizer, target, data) and its
+    sizes; `start`: the build's `time.perf_counter()`."""
+    total_bytes = sum(s["bytes"] for m in manifest_splits.values() for s in m["shards"])
+    positions = sum(m["positions"] for m in manifest_splits.values())
+    return {
+        "format": FORMAT,
+        "version": VERSION,
+        "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "build_seconds": round(time.perf_counter() - start, 3),
+        "tokenizer_hash": tokenizer_hash(build.tokenizer),
+        "target": target_identity(r.target, build.target),
+        "data": {
+            "train": list(r.data.train),
+            "eval": None if r.data.eval is None else list(r.data.eval),
+            "max_length": r.data.max_length,
+            "pack": r.data.pack,
+            "eval_fraction": r.data.eval_fraction,
+            "seed": r.train.seed,
+        },
+        "top_n": build.top_n,
+        "columns": "top-n" if build.ids is None else "draft",
+        "draft_ids": None if build.ids is None else build.ids.tolist(),
+        "temperature": 1.0,  # raw log-softmax; the loss temperature is applied at read
+        "vocab_size": build.vocab_size,
+        "indices_dtype": "int32",  # [rows, 0] with columns "draft"
+        "values_dtype": values_dtype,
+        "rest_dtype": values_dtype,
+        # per stored position: N indices (none with columns "draft") + N values + the rest
+        "bytes_per_position": row_bytes,
+        # on disk, shard headers and offsets included, per stored position
+        "bytes_per_token": total_bytes / max(positions, 1),
+        "total_bytes": total_bytes,
+        "positions": positions,
+        "splits": manifest_splits,
+    }

@@ -1,0 +1,75 @@
+"""The target cache over a draft's own columns: `specdistill cache --columns draft`.
+
+A draft over a reduced vocabulary (`draft.vocab_size`, drafts/reduced_vocab.py) compares its
+K columns with the target's log-probabilities of the same K tokens, taken from the softmax over
+the whole vocabulary (they sum to the target's mass on V_d). Stored once per valid position,
+those K values are all that its losses, α and acceptance-head labels read
+(`losses.VocabTarget`): training then runs no target forward and no softmax over the
+target's vocabulary, and gives the live target's losses and gradients (tests/train/test_cache.py).
+
+A shard holds `logprobs [R, K]` in the draft's column order (float16 by default), `rest [R]`
+(the mass off V_d, for the summary), `indices [R, 0]` and the offsets, as the top-N cache
+lays them out (train/target_cache.py); the manifest records `columns: draft` and the K target
+ids, which must be the draft's own (`check_draft_ids`).
+"""
+
+import json
+from pathlib import Path
+
+import torch
+
+COLUMNS = ("top-n", "draft")
+
+
+def cache_columns(path) -> str | None:
+    """The columns a cache directory was built with ("top-n" for caches that do not say), or
+    None when its manifest cannot be read (the cache's own checks then say why)."""
+    try:
+        manifest = json.loads((Path(path) / "manifest.json").read_text())
+    except (OSError, ValueError):
+        return None
+    return manifest.get("columns", "top-n") if isinstance(manifest, dict) else None
+
+
+@torch.no_grad()
+def vocab_rows(target, batch: dict, vocab_size: int, ids: torch.Tensor):
+    """(indices [R, 0], logprobs [R, K] fp32, rest [R] fp32, rows per item [B]) of one collated
+    batch: the target's log-softmax over `vocab_size` columns at each valid position, at the K
+    ids `ids`, items in order, positions in order."""
+    from specdistill.drafts.align import shifted_logits, target_mask
+
+    logits = shifted_logits(target, batch, vocab_size)
+    mask = target_mask(batch)
+    logp = logits[mask].float().log_softmax(-1).index_select(-1, ids.to(logits.device))
+    rest = (1.0 - logp.exp().sum(-1)).clamp_min(0.0)
+    return logp.new_zeros((len(logp), 0), dtype=torch.long), logp, rest, mask.sum(1)
+
+
+def place_vocab_rows(mask: torch.Tensor, width: int, rows: list, mismatch):
+    """A `losses.VocabTarget` [B, L−1, K] from per-item rows [n, K]: item b's rows go to the
+    valid positions of mask[b], in order; masked positions hold 0. An item whose n differs
+    from its number of valid positions raises `mismatch(b, n, valid)`."""
+    from specdistill.losses import VocabTarget
+
+    logp = torch.zeros(*mask.shape, width, device=mask.device)
+    for b, values in enumerate(rows):
+        where = mask[b].nonzero().squeeze(-1)
+        if len(where) != len(values):
+            raise mismatch(b, len(values), len(where))
+        logp[b, where] = values.to(logp.dtype).to(mask.device)
+    return VocabTarget(logp)
+
+
+def draft_ids_problem(stored: list[int], ids: torch.Tensor) -> str | None:
+    """Why a cache stored over `stored` target ids cannot serve a draft whose K columns are
+    `ids`; None when they are the same ids in the same order."""
+    ours = ids.tolist()
+    if stored == ours:
+        return None
+    if len(stored) != len(ours):
+        return f"was built over {len(stored)} draft columns, this draft has {len(ours)}"
+    first = next(i for i, (a, b) in enumerate(zip(stored, ours, strict=True)) if a != b)
+    return (
+        f"was built for another draft vocabulary (column {first}: token {stored[first]}, this "
+        f"draft's {ours[first]}; the training data or draft.vocab_size differ)"
+    )
