@@ -8,6 +8,7 @@ Each key's own type and range is the schema's (train/recipe.py); what is here ca
 of one key alone. Every message names the keys and what to do.
 """
 
+import os
 from typing import TYPE_CHECKING
 
 from specdistill.train.recipe import EAGLE3_KEYS, Recipe, Section
@@ -220,6 +221,14 @@ def _prepare_checks(recipe: Recipe) -> list[Check]:
                 f"'{out}/regen-*.jsonl' to data.{name}",
             ),
         ]
+    train, held_out = recipe.prepare.train.out, recipe.prepare.eval.out
+    checks.append(
+        (
+            not (train and held_out) or os.path.realpath(train) != os.path.realpath(held_out),
+            f"prepare.eval.out ({held_out}) is prepare.train.out ({train}): held-out answers "
+            "would be trained on; give the held-out set its own directory",
+        )
+    )
     return checks
 
 
