@@ -22,7 +22,7 @@ THREADS_PER_CORE = 4  # more intra-op threads than this per core only thrash
 MAX_GAMMA = 64  # drafts per round: far beyond any useful γ
 MAX_BOOTSTRAP = 100_000  # bootstrap draws: the intervals settle long before
 MAX_BATCH = 1 << 20  # sequences in one batch (global or per device)
-MAX_SPECULATIVE_TOKENS = MAX_GAMMA
+MAX_CONTEXT = 1 << 24  # tokens: beyond any model's context (the target's is checked too)
 
 
 class BoundsError(UserError):

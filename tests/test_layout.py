@@ -42,7 +42,7 @@ ALLOWED = {
     "publish": set(),
     "errors": {"publish"},  # OutputDirError: publish imports only the standard library
     "verb_parser": set(),
-    "threads": {"errors"},  # ThreadsError; the standard library otherwise (torch lazily)
+    "threads": {"errors", "bounds"},  # ThreadsError, max_threads; stdlib (torch lazily)
     "bounds": {"errors"},  # BoundsError; the standard library otherwise
     "formats": {"errors"},  # pydantic and the standard library otherwise
     # the embedded default target is built from the data layer's corpus (drafts/embedded.py)
