@@ -60,8 +60,10 @@ from specdistill.train.regenerate_output import (
     MANIFEST,
     ShardWriter,
     answered,
+    no_prompts,
     read_failures,
     read_manifest,
+    valid_records,
     writable,
     write_failures,
 )
@@ -208,37 +210,23 @@ def regenerate(
     r = recipe
     out = make_dir(out)
     with DirLock(out, "another prepare or regenerate"), writable(out):  # one writer
-        return _regenerate_into(
-            r,
-            out,
-            sampling,
-            batch_size,
-            shard_records,
-            retries,
-            text_prompt_tokens,
-            limit,
-            target,
-            tokenizer,
-            generate,
-            print,
-        )
+        sizes = (batch_size, shard_records, retries, text_prompt_tokens, limit)
+        return _regenerate_into(r, out, sampling, sizes, target, tokenizer, generate, print)
 
 
 def _regenerate_into(
     r,
     out: Path,
     sampling: Sampling,
-    batch_size: int,
-    shard_records: int,
-    retries: int,
-    text_prompt_tokens: int,
-    limit: int | None,
+    sizes: tuple[int, int, int, int, int | None],
     target,
     tokenizer,
     generate: Callable,
     print: Callable,
 ) -> dict:
-    """`regenerate`'s work once OUT is locked: load, read, answer, write the manifest."""
+    """`regenerate`'s work once OUT is locked: load, read, answer, write the manifest.
+    `sizes`: (batch_size, shard_records, retries, text_prompt_tokens, limit), checked."""
+    batch_size, shard_records, retries, text_prompt_tokens, limit = sizes
     from specdistill.data.sources import read_records
     from specdistill.publish import atomic_write_text
     from specdistill.train.target_cache import target_identity
@@ -246,10 +234,10 @@ def _regenerate_into(
     target, tokenizer = _load_target(r, target, tokenizer)
     identity = target_identity(r.target, target)
     previous = _previous_manifest(out, identity, sampling)
-    records, skipped = _valid_records(read_records(list(r.data.train)), print)
+    records, skipped = valid_records(read_records(list(r.data.train)), print)
     jobs, duplicates = jobs_from_records(records, tokenizer, text_prompt_tokens)
     if not jobs:  # before anything is written: an empty or unreadable prompts file
-        _no_prompts(r.data.train, skipped)
+        no_prompts(r.data.train, skipped)
     if limit:
         jobs = jobs[:limit]
     done = answered(out)
@@ -283,16 +271,6 @@ def _regenerate_into(
     )
     _answer_all(answering, todo, f"regenerate {out.name}")
     return _finish(out, manifest, jobs, answering, print)
-
-
-def _no_prompts(sources: list[str], skipped: dict[str, int]) -> None:
-    """RegenerateError: `sources` hold no prompt to answer (`skipped`: why, by reason)."""
-    why = ", ".join(f"{n} {reason}" for reason, n in skipped.items())
-    raise RegenerateError(
-        f"no prompt to answer in {', '.join(map(str, sources))}"
-        + (f" (records skipped: {why})" if why else " (no records)")
-        + ": give UTF-8 JSONL records with 'text' or 'messages', or text files"
-    )
 
 
 def _load_target(r, target, tokenizer) -> tuple:
@@ -469,27 +447,6 @@ def _finish(out: Path, manifest: dict, jobs: list[Job], answering: _Answering, p
     atomic_write_text(out / MANIFEST, json.dumps(manifest, indent=1))
     print(f"regenerate: {manifest['answered']}/{len(jobs)} answered, {len(failures)} failed")
     return manifest
-
-
-def _valid_records(items, print) -> tuple[list, dict[str, int]]:
-    """(the records, {reason: n} of the malformed ones); each malformed one is printed with
-    its `file:line` (the first ten, then a count), as distill's reader counts them."""
-    from specdistill.data.records import DataError
-
-    records, errors = [], []
-    for item in items:
-        (errors if isinstance(item, DataError) else records).append(item)
-    by_reason: dict[str, int] = {}
-    for error in errors:
-        by_reason[error.reason] = by_reason.get(error.reason, 0) + 1
-    if errors:
-        reasons = ", ".join(f"{reason}: {n}" for reason, n in by_reason.items())
-        print(f"regenerate: skipped {len(errors)} malformed records ({reasons})")
-        for error in errors[:10]:
-            print(f"regenerate: skipped {error}")
-        if len(errors) > 10:
-            print(f"regenerate: ... and {len(errors) - 10} more")
-    return records, by_reason
 
 
 def build_parser() -> argparse.ArgumentParser:

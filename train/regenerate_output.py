@@ -149,3 +149,38 @@ def write_failures(path: Path, failed: dict[str, dict]) -> None:
     from specdistill.publish import atomic_write_text
 
     atomic_write_text(path, "".join(json.dumps(f) + "\n" for f in failed.values()))
+
+
+class NoPromptsError(UserError):
+    """Prompt sources that hold no prompt to answer."""
+
+
+def no_prompts(sources: list[str], skipped: dict[str, int]) -> None:
+    """NoPromptsError: `sources` hold no prompt to answer (`skipped`: why, by reason)."""
+    why = ", ".join(f"{n} {reason}" for reason, n in skipped.items())
+    raise NoPromptsError(
+        f"no prompt to answer in {', '.join(map(str, sources))}"
+        + (f" (records skipped: {why})" if why else " (no records)")
+        + ": give UTF-8 JSONL records with 'text' or 'messages', or text files"
+    )
+
+
+def valid_records(items, print) -> tuple[list, dict[str, int]]:
+    """(the records, {reason: n} of the malformed ones); each malformed one is printed with
+    its `file:line` (the first ten, then a count), as distill's reader counts them."""
+    from specdistill.data.records import DataError
+
+    records, errors = [], []
+    for item in items:
+        (errors if isinstance(item, DataError) else records).append(item)
+    by_reason: dict[str, int] = {}
+    for error in errors:
+        by_reason[error.reason] = by_reason.get(error.reason, 0) + 1
+    if errors:
+        reasons = ", ".join(f"{reason}: {n}" for reason, n in by_reason.items())
+        print(f"regenerate: skipped {len(errors)} malformed records ({reasons})")
+        for error in errors[:10]:
+            print(f"regenerate: skipped {error}")
+        if len(errors) > 10:
+            print(f"regenerate: ... and {len(errors) - 10} more")
+    return records, by_reason
