@@ -1,6 +1,7 @@
 """Sizes no machine or model can hold are one line before anything is written: a global
-batch of 10**30, threads past 4 per core (a recipe key, a flag, OMP_NUM_THREADS), and
-sequence or prompt lengths beyond the target's context (the tiny target has 128 positions)."""
+batch of 10**30, threads past 4 per core (a recipe key, a flag, OMP_NUM_THREADS), an EAGLE-3
+V_d beyond the target's vocabulary, and sequence or prompt lengths beyond the target's context
+(the tiny target has 128 positions)."""
 
 import subprocess
 import sys
@@ -11,7 +12,7 @@ from specdistill import cli
 from specdistill.bounds import max_threads
 from specdistill.train.config import load_recipe
 from specdistill.train.recipe_errors import RecipeError
-from tests.train.helpers import overrides
+from tests.train.helpers import eagle_overrides, overrides
 
 
 @pytest.mark.parametrize(
@@ -61,3 +62,22 @@ def test_threads_past_four_per_core_are_one_line(tmp_path):
     assert omp.returncode == 2, omp.stderr
     assert omp.stderr.startswith("error: OMP_NUM_THREADS must be an integer in [1, ")
     assert len(omp.stderr.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("vocab_size", [321, 10000, 10**30])
+def test_an_eagle3_vocabulary_beyond_the_targets_is_one_recipe_error(
+    tiny_pair, tmp_path, capsys, vocab_size
+):
+    """A fresh EAGLE-3 head's V_d above the target's vocabulary (the tiny tokenizer has
+    fewer tokens than 321) is refused before a head of that size is built, as a standalone
+    draft's is."""
+    out = tmp_path / "run"
+    argv = eagle_overrides(tiny_pair, tiny_pair[0], out, **{"draft.vocab_size": vocab_size})
+    assert cli.main(["distill", *argv]) == 2
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.startswith("recipe error:")]
+    assert len(lines) == 1 and "Traceback" not in err, err
+    assert lines[0].startswith("recipe error: draft.vocab_size must be an integer in [1, ")
+    assert "target's vocabulary" in lines[0]
+    assert not out.exists() or not any(out.iterdir())
+
