@@ -339,7 +339,7 @@ def _run(args, prompts) -> DriftRun:
         load_tokenizer(args.target_before), tokenizer, args.target_before, args.target_after
     )
     draft = load_draft(args.draft, dtype=args.dtype)
-    _check_depth(args.depth, drafts.type_of(draft))
+    _check_depth(args.depth, drafts.type_of(draft), draft)
     if drafts.type_of(draft).own_tokenizer:
         check_tokenizers(tokenizer, load_tokenizer(args.draft), args.target_after, args.draft)
     before = load_target(args.target_before, args.adapter_before, dtype=args.dtype)
@@ -396,14 +396,23 @@ def _run(args, prompts) -> DriftRun:
     return result
 
 
-def _check_depth(depth: int | None, kind) -> None:
-    """UserError when `--depth` asks for depths of a draft type whose α has none."""
+def _check_depth(depth: int | None, kind, draft=None) -> None:
+    """UserError when `--depth` asks for depths of a draft type whose α has none, or for
+    more depths than the draft was trained at (an EAGLE-3 head's `ttt_steps`, a parallel
+    draft's `parallel_depths`; unknown: not checked)."""
     from specdistill.errors import UserError
 
     if depth is not None and depth != 1 and not kind.per_depth_alpha:
         raise UserError(
             f"--depth {depth}: a {kind.name} draft's α does not depend on the drafting depth "
             "(it drafts from its own tokens); leave --depth unset for it"
+        )
+    config = getattr(draft, "config", None)
+    trained = getattr(draft, "ttt_steps", None) or getattr(config, "parallel_depths", None)
+    if depth is not None and isinstance(trained, int) and depth > trained:
+        raise UserError(
+            f"--depth {depth} is beyond the {trained} depths this {kind.name} draft was trained "
+            f"at: set --depth in [1, {trained}], or leave it unset"
         )
 
 

@@ -1,7 +1,8 @@
 """`specdistill drift` refuses numbers that would disable the gate or exhaust the machine: a
 mixture weight that overflows (1e400, two of 1e308), a gate threshold outside [0, 1] (2 for
 "2%"), γ, bootstrap, depth and cell sizes past their ranges are usage errors (exit 2) before
-any model loads; a temperature below 1e-5 is measured greedily, as the server decodes it."""
+any model loads; --depth past the depths an EAGLE-3 head was trained at is one line; a
+temperature below 1e-5 is measured greedily, as the server decodes it."""
 
 import json
 
@@ -78,3 +79,38 @@ def test_a_tiny_temperature_is_measured_greedily(tiny_pair, tmp_path):
     assert sorted(run.reports) == [0.0, 1.0]
     assert run.gate.weights == {"0": 0.5, "1": 0.5}
     assert all(r["alpha_before"] == pytest.approx(1.0) for r in run.reports.values())
+
+
+@pytest.fixture
+def two_depth_head(tiny_pair, tmp_path):
+    """An EAGLE-3 head on the tiny target, saved as trained at 2 depths (ttt_steps 2)."""
+    from specdistill.drafts.eagle3_head import Eagle3Head
+    from specdistill.drafts.hub import load_model, load_tokenizer
+
+    head = Eagle3Head.from_target(load_model(str(tiny_pair[0])), aux_layers=[0, 1])
+    head.ttt_steps = 2
+    path = tmp_path / "head"
+    head.save_pretrained(path, verifier=str(tiny_pair[0]))
+    load_tokenizer(str(tiny_pair[0])).save_pretrained(path)
+    return path
+
+
+def test_depth_beyond_an_eagle3_drafts_trained_depths_is_one_line(
+    tiny_pair, two_depth_head, tmp_path, capsys
+):
+    from specdistill import drafts
+    from specdistill.drafts.hub import load_draft
+    from specdistill.errors import run_guarded
+
+    target, _, _ = tiny_pair
+    out = tmp_path / "out"
+    argv = [*_argv(two_depth_head, target, _prompts(tmp_path), out), "--depth", "3"]
+    assert run_guarded(drift_cli.main, argv) == 2
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.startswith("error:")]
+    assert len(lines) == 1 and "Traceback" not in err, err
+    assert "--depth 3 is beyond the 2 depths" in lines[0] and "[1, 2]" in lines[0]
+    assert not out.exists()
+    head = load_draft(str(two_depth_head))
+    drift_cli._check_depth(2, drafts.type_of(head), head)  # its own depths are accepted
+
