@@ -159,6 +159,9 @@ def _read_jsonl(path: Path) -> Iterator[Record | DataError]:
             except json.JSONDecodeError as exc:
                 yield DataError(f"{origin}: malformed JSON ({exc.msg} at column {exc.colno})")
                 continue
+            except RecursionError:
+                yield DataError(f"{origin}: malformed JSON (nested too deeply)")
+                continue
             yield from _row(row, origin)
 
 
@@ -170,6 +173,9 @@ def _read_json(path: Path) -> Iterator[Record | DataError]:
         return
     except json.JSONDecodeError as exc:
         yield DataError(f"{path}:{exc.lineno}: malformed JSON ({exc.msg} at column {exc.colno})")
+        return
+    except RecursionError:
+        yield DataError(f"{path}: malformed JSON (nested too deeply)")
         return
     if not isinstance(rows, list):
         yield DataError(

@@ -11,6 +11,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
+from specdistill.bounds import check_int
 from specdistill.drafts.acceptance_head import align_hidden
 from specdistill.drafts.eagle3_chains import sample_head_chains
 from specdistill.drafts.eagle3_head import (
@@ -23,6 +24,7 @@ from specdistill.drafts.eagle3_head import (
 )
 from specdistill.drafts.eagle3_vocab import token_counts
 from specdistill.drafts.kv_cache import left_pad, left_pad_rows
+from specdistill.drafts.reduced_vocab import ReducedVocabError
 from specdistill.drafts.standalone import StandaloneDrafter
 from specdistill.drafts.types import Capabilities, Depths
 
@@ -82,6 +84,8 @@ class Eagle3:
         from specdistill.drafts import hub
 
         vocab_size = hub.shared_vocab_size(target, None, tokenizer)
+        if cfg.vocab_size is not None:  # before a head of that many rows is allocated
+            check_int("draft.vocab_size", cfg.vocab_size, 1, vocab_size, "the target's vocabulary")
         if cfg.model is None:
             head = new_eagle3_head(target, cfg, train_data, vocab_size)
         elif cls.detect(cfg.model):
@@ -90,6 +94,12 @@ class Eagle3:
                 raise ValueError(
                     f"draft.model {cfg.model} is a head over {head.config.vocab_size} tokens; "
                     f"the target's tokenizer has {vocab_size}"
+                )
+            if cfg.vocab_size not in (None, head.draft_vocab_size):
+                raise ReducedVocabError(
+                    f"draft.model {cfg.model} is a head with V_d {head.draft_vocab_size}; "
+                    f"draft.vocab_size={cfg.vocab_size} differs: set it to "
+                    f"{head.draft_vocab_size} or null"
                 )
         else:
             raise ValueError(

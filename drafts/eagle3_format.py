@@ -152,9 +152,14 @@ def read_config(path) -> dict | None:
     if not config.is_file():
         return None
     try:
-        return json.loads(config.read_text())
-    except json.JSONDecodeError as e:
+        value = json.loads(config.read_bytes())
+    except (ValueError, RecursionError) as e:  # bad JSON, not UTF-8, nested too deeply
         raise UserError(f"{config} is not valid JSON: {e}") from e
+    if not isinstance(value, dict):
+        raise UserError(
+            f"{config} must hold a JSON object (a model config), not a {type(value).__name__}"
+        )
+    return value
 
 
 def is_eagle3_dir(path) -> bool:

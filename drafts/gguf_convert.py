@@ -78,6 +78,7 @@ def convert_gguf(
 def read_source(directory: Path) -> dict | None:
     """The source record of a converted directory, or None for any other model directory."""
     try:
-        return json.loads((Path(directory) / SOURCE_RECORD).read_text())
-    except (OSError, ValueError):
+        record = json.loads((Path(directory) / SOURCE_RECORD).read_bytes())
+    except (OSError, ValueError, RecursionError):
         return None
+    return record if isinstance(record, dict) else None

@@ -19,27 +19,34 @@ hash (drafts/identity.py), the lean CPU forward. The weights are a dequantizatio
 quantized file, not the original checkpoint: `export` names the original hub model
 (`RegistryModel.hub_id`) as the verifier and says so (train/export/verifier.py).
 Builds are serialised by an `flock` on `<cache>/registry/.lock`; a killed build leaves only
-temporary directories, removed by the next one.
+temporary directories, removed by the next one. The source record lists every converted file
+with its size, mtime and sha256; each resolve checks them (a file whose size and mtime are
+unchanged is trusted, one whose mtime moved is hashed again), so a damaged cache is one line
+saying to delete the directory and convert again, never a model loaded from changed bytes.
 """
 
+import contextlib
+import errno
 import hashlib
 import importlib.util
+import json
 import shutil
 import subprocess
 import sys
 import tempfile
 import time
 import zipfile
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from specdistill.drafts.embedded import cache_root
-from specdistill.drafts.gguf_convert import convert_gguf, read_source
+from specdistill.drafts.gguf_convert import SOURCE_RECORD, convert_gguf, read_source
 from specdistill.errors import UserError
 from specdistill.publish import publish_dir, remove_leftovers, waiting_lock
 
 PREFIX = "registry:"
-CONVERT_VERSION = 1  # bump when the conversion's output changes: cached directories rebuild
+CONVERT_VERSION = 2  # bump when the conversion's output changes: cached directories rebuild
 
 
 def log(message: str) -> None:
@@ -91,12 +98,18 @@ def spec_of(name: str) -> RegistryModel:
 
 
 def resolve(name: str) -> str:
-    """`registry:<key>` -> its converted model directory, fetched and converted on first use."""
+    """`registry:<key>` -> its converted model directory, fetched and converted on first use;
+    a converted directory is checked against the checksums written at conversion
+    (`verify_files`) each time it is resolved."""
     spec, final = spec_of(name), _root() / name.removeprefix(PREFIX)
+    if final.exists() and not final.is_dir():
+        raise RegistryError(f"{final} is a file where the converted {name} belongs: delete it")
     if _is_current(final, spec):
+        verify_files(final, name)
         return str(final)
-    with waiting_lock(_root(), log):
+    with waiting_lock(_root(), log), _writable(_root()):
         if _is_current(final, spec):  # another process converted it meanwhile
+            verify_files(final, name)
             return str(final)
         remove_leftovers(_root())
         tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{final.name}-", dir=_root()))
@@ -107,6 +120,61 @@ def resolve(name: str) -> str:
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
     return str(final)
+
+
+@contextlib.contextmanager
+def _writable(root: Path) -> Iterator[None]:
+    """A full or read-only cache as one line naming it."""
+    try:
+        yield
+    except OSError as e:
+        if e.errno not in (errno.ENOSPC, errno.EROFS, errno.EDQUOT, errno.EACCES):
+            raise
+        raise RegistryError(
+            f"{root}: cannot write the converted model ({e.strerror}); free space or set "
+            "SPECDISTILL_CACHE to a writable directory"
+        ) from None
+
+
+def record_files(directory: Path) -> dict[str, dict]:
+    """{file name: {size, mtime_ns, sha256}} of every file of a converted directory (its source
+    record aside): what `verify_files` checks the directory against."""
+    files = {}
+    for path in sorted(directory.iterdir()):
+        if path.is_file() and path.name != SOURCE_RECORD:
+            with open(path, "rb") as f:
+                digest = hashlib.file_digest(f, "sha256").hexdigest()
+            stat = path.stat()
+            files[path.name] = {"size": stat.st_size, "mtime_ns": stat.st_mtime_ns, "sha256": digest}
+    return files
+
+
+def verify_files(directory: Path, name: str) -> None:
+    """RegistryError naming the first file of `directory` that is missing, of another size,
+    or (when its mtime moved since conversion) of another sha256 than recorded; the remedy
+    is to convert again. Unchanged size and mtime are trusted without hashing."""
+    files = (read_source(directory) or {}).get("files")
+    problem = None if isinstance(files, dict) and files else "no checksums recorded"
+    for file, want in (files or {}).items() if problem is None else ():
+        path = directory / file
+        try:
+            stat = path.stat()
+        except OSError:
+            problem = f"{file} is missing"
+            break
+        if not isinstance(want, dict) or stat.st_size != want.get("size"):
+            problem = f"{file} changed size"
+            break
+        if stat.st_mtime_ns != want.get("mtime_ns"):
+            with open(path, "rb") as f:
+                if hashlib.file_digest(f, "sha256").hexdigest() != want.get("sha256"):
+                    problem = f"{file} does not match its sha256 recorded at conversion"
+                    break
+    if problem is not None:
+        raise RegistryError(
+            f"the converted {name} in {directory} is damaged ({problem}): re-convert it "
+            f"(delete {directory}; the next use converts it again)"
+        )
 
 
 def _build(name: str, spec: RegistryModel, work: Path) -> None:
@@ -127,6 +195,8 @@ def _build(name: str, spec: RegistryModel, work: Path) -> None:
     out.mkdir()
     source = {**asdict(spec), "convert_version": CONVERT_VERSION, "gguf_path": str(gguf)}
     convert_gguf(gguf, out, source=source, print=log)
+    record = out / SOURCE_RECORD  # the checksums each later resolve verifies
+    record.write_text(json.dumps({**source, "files": record_files(out)}, indent=2) + "\n")
     log(f"{name} ready in {time.monotonic() - start:.0f} s")
 
 
@@ -175,7 +245,7 @@ def _fetch(spec: RegistryModel, work: Path) -> Path:
 def _is_current(path: Path, spec: RegistryModel) -> bool:
     record = read_source(path)
     return (
-        record is not None
+        isinstance(record, dict)
         and (path / "config.json").is_file()
         and record.get("sha256") == spec.sha256
         and record.get("convert_version") == CONVERT_VERSION

@@ -63,12 +63,12 @@ first, and a run that fails before writing removes the DIR it created.
 """
 
 import argparse
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from specdistill import threads
+from specdistill.bounds import MAX_BATCH, MAX_BOOTSTRAP, MAX_GAMMA, float_in, int_in
 from specdistill.eval.cli_args import DEFAULT_MAX_GAMMA, resolve_device
 from specdistill.eval.cli_args import at_least as _at_least
 from specdistill.eval.cli_args import seed as _seed
@@ -163,7 +163,7 @@ def _add_served_sampling(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--fail-if-drop-above",
-        type=float,
+        type=float_in(0.0, 1.0),
         default=None,
         metavar="X",
         help="exit 1 when the lower bound of the drop of α lies above X (the gate); without "
@@ -171,14 +171,17 @@ def _add_served_sampling(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--fail-if-tau-drop-above",
-        type=float,
+        type=float_in(0.0, 1.0),
         default=None,
         metavar="F",
         help="exit 1 when the lower bound of the relative drop of predicted τ at --tau-gamma "
         "lies above F (0.02: τ known to fall by more than 2%%)",
     )
     parser.add_argument(
-        "--tau-gamma", type=_at_least(1), default=5, help="the γ you serve, for the τ gate"
+        "--tau-gamma",
+        type=int_in(1, MAX_GAMMA),
+        default=5,
+        help=f"the γ you serve, for the τ gate, in [1, {MAX_GAMMA}]",
     )
 
 
@@ -200,31 +203,41 @@ def _add_generation(parser: argparse.ArgumentParser) -> None:
         "--no-stop-at-eos", action="store_true", help="generate --max-new-tokens past EOS"
     )
     parser.add_argument(
-        "--batch-size", type=positive, default=8, help="responses generated together"
+        "--batch-size", type=int_in(1, MAX_BATCH), default=8, help="responses generated together"
     )
     parser.add_argument(
-        "--depth", type=int, default=None, help="EAGLE-3 positions (default: ttt_steps)"
+        "--depth",
+        type=int_in(1, MAX_GAMMA),
+        default=None,
+        help=f"EAGLE-3 / parallel positions, in [1, {MAX_GAMMA}] (default: ttt_steps)",
     )
 
 
 def _add_statistics(parser: argparse.ArgumentParser) -> None:
     """The report's verdict, its cells, intervals and predicted τ."""
-    positive = _at_least(1)
     parser.add_argument(
         "--threshold",
-        type=float,
+        type=float_in(0.0, 1.0),
         default=0.02,
         help="the report's verdict: refit when the drop's interval lies entirely above this",
     )
-    parser.add_argument("--min-samples", type=int, default=10, help="prompts per category cell")
     parser.add_argument(
-        "--bootstrap", type=positive, default=1000, help="bootstrap resamples of the prompts"
+        "--min-samples", type=int_in(1), default=10, help="prompts per category cell, >= 1"
+    )
+    parser.add_argument(
+        "--bootstrap",
+        type=int_in(1, MAX_BOOTSTRAP),
+        default=1000,
+        help=f"bootstrap resamples of the prompts, in [1, {MAX_BOOTSTRAP}]",
     )
     parser.add_argument(
         "--confidence", type=float, default=0.95, help="the intervals' confidence, in (0, 1)"
     )
     parser.add_argument(
-        "--max-gamma", type=positive, default=DEFAULT_MAX_GAMMA, help="predicted τ up to this γ"
+        "--max-gamma",
+        type=int_in(1, MAX_GAMMA),
+        default=DEFAULT_MAX_GAMMA,
+        help=f"predicted τ up to this γ, in [1, {MAX_GAMMA}]",
     )
 
 
@@ -242,14 +255,13 @@ def run(argv: Sequence[str] | None = None) -> DriftRun:
     args = parser.parse_args(argv)
     if not 0 < args.confidence < 1:
         parser.error(f"--confidence must be in (0, 1); got {args.confidence}")
-    for name in ("threshold", "fail_if_drop_above", "fail_if_tau_drop_above"):
-        value = getattr(args, name)
-        if value is not None and not math.isfinite(value):
-            parser.error(f"--{name.replace('_', '-')} must be a finite number; got {value}")
     if args.traffic is not None:
         args.temperature_mix = temperature_mix(args.traffic)
     if args.temperature_mix is not None:
+        args.temperature_mix = greedy_merged(args.temperature_mix)
         args.temperature = sorted(args.temperature_mix)
+    else:  # a temperature below GREEDY_BELOW decodes greedily, as the server does
+        args.temperature = sorted(greedy_merged(dict.fromkeys(args.temperature, 1.0)))
 
     from specdistill.eval.outdir import claimed_output_dir
     from specdistill.eval.prompts import load_prompts
@@ -280,14 +292,26 @@ def temperature_mix(directory) -> dict[float, float]:
         raise TrafficError(
             f"--traffic {directory}: cannot read {e.filename}: {e.strerror}"
         ) from None
-    tokens: dict[float, int] = {}
+    tokens: dict[float, float] = {}
     for record in records:
         t = float(record.sampling.temperature)
         tokens[t] = tokens.get(t, 0) + len(record.completion_token_ids)
     total = sum(tokens.values())
     if not total:
         raise TrafficError(f"--traffic {directory}: no completion tokens in its records")
-    return {t: n / total for t, n in sorted(tokens.items()) if n}
+    return greedy_merged({t: n / total for t, n in sorted(tokens.items()) if n})
+
+
+def greedy_merged(mix: dict[float, float]) -> dict[float, float]:
+    """`mix` (temperature -> weight) with every temperature below `GREEDY_BELOW` (1e-5) merged
+    into 0: the server and the engine decode those greedily, so they are measured so."""
+    from specdistill.eval.sampling import is_greedy
+
+    merged: dict[float, float] = {}
+    for t, w in mix.items():
+        key = 0.0 if is_greedy(t) else t
+        merged[key] = merged.get(key, 0.0) + w
+    return dict(sorted(merged.items()))
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -315,6 +339,7 @@ def _run(args, prompts) -> DriftRun:
         load_tokenizer(args.target_before), tokenizer, args.target_before, args.target_after
     )
     draft = load_draft(args.draft, dtype=args.dtype)
+    _check_depth(args.depth, drafts.type_of(draft), draft)
     if drafts.type_of(draft).own_tokenizer:
         check_tokenizers(tokenizer, load_tokenizer(args.draft), args.target_after, args.draft)
     before = load_target(args.target_before, args.adapter_before, dtype=args.dtype)
@@ -369,6 +394,26 @@ def _run(args, prompts) -> DriftRun:
     (Path(args.out) / "gate.json").write_text(result.gate.model_dump_json(indent=2) + "\n")
     print(markdown(result.gate))
     return result
+
+
+def _check_depth(depth: int | None, kind, draft=None) -> None:
+    """UserError when `--depth` asks for depths of a draft type whose α has none, or for
+    more depths than the draft was trained at (an EAGLE-3 head's `ttt_steps`, a parallel
+    draft's `parallel_depths`; unknown: not checked)."""
+    from specdistill.errors import UserError
+
+    if depth is not None and depth != 1 and not kind.per_depth_alpha:
+        raise UserError(
+            f"--depth {depth}: a {kind.name} draft's α does not depend on the drafting depth "
+            "(it drafts from its own tokens); leave --depth unset for it"
+        )
+    config = getattr(draft, "config", None)
+    trained = getattr(draft, "ttt_steps", None) or getattr(config, "parallel_depths", None)
+    if depth is not None and isinstance(trained, int) and depth > trained:
+        raise UserError(
+            f"--depth {depth} is beyond the {trained} depths this {kind.name} draft was trained "
+            f"at: set --depth in [1, {trained}], or leave it unset"
+        )
 
 
 def _meta(args) -> dict:

@@ -24,6 +24,8 @@ is judged by what it costs in tokens per round, whatever α it starts from.
 
 from collections.abc import Mapping
 
+import math
+
 import numpy as np
 from pydantic import BaseModel, ConfigDict
 
@@ -67,22 +69,28 @@ class GateReport(BaseModel):
 
 def parse_mix(text: str) -> dict[float, float]:
     """ "0:0.2,1:0.8" -> {0.0: 0.2, 1.0: 0.8}, normalised to sum 1; ValueError naming the
-    problem otherwise (temperatures >= 0, weights >= 0 with a positive sum, no repeats)."""
+    problem otherwise (finite temperatures >= 0, finite weights > 0 whose sum is finite, no
+    repeats: an overflowing weight, 1e400 or two of 1e308, would make the mixture NaN)."""
     mix: dict[float, float] = {}
     for part in (p.strip() for p in text.split(",") if p.strip()):
         t, sep, w = part.partition(":")
         try:
             temperature, weight = float(t), float(w)
         except ValueError:
-            temperature = weight = float("nan")
-        if not sep or not (temperature >= 0 and weight >= 0):
-            raise ValueError(f"needs T:W pairs with T >= 0 and W >= 0; got {part!r}")
+            temperature = weight = math.nan
+        if not sep or not (0 <= temperature < math.inf and 0 < weight < math.inf):
+            raise ValueError(
+                f"needs T:W pairs with T a finite number >= 0 and W a finite positive number; "
+                f"got {part!r}"
+            )
         if temperature in mix:
             raise ValueError(f"temperature {temperature:g} given twice")
         mix[temperature] = weight
     total = sum(mix.values())
-    if not mix or total <= 0:
-        raise ValueError(f"needs at least one T:W pair with a positive weight; got {text!r}")
+    if not mix or not math.isfinite(total):
+        raise ValueError(
+            f"needs at least one T:W pair, the weights' sum a finite number; got {text!r}"
+        )
     return {t: w / total for t, w in mix.items()}
 
 
@@ -136,6 +144,8 @@ def judge(
         raise ValueError("every temperature needs the same prompts")
     if weights is not None and set(weights) != set(temperatures):
         raise ValueError("the mixture's temperatures must be the measured ones")
+    if weights is not None and not all(0 <= w <= 1 for w in weights.values()):
+        raise ValueError(f"the mixture's weights must be finite shares in [0, 1]; got {weights}")
     idx = bootstrap_indices(sizes.pop(), samples, seed)
     rules = _Rules(threshold, tau_threshold, confidence)
     checks, boots, points = [], {}, {}

@@ -12,6 +12,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from specdistill.eval.sampling import is_greedy
+
 
 @dataclass
 class PromptScore:
@@ -40,7 +42,7 @@ def _depth_alphas(kind, target, draft, ids, n_prompt, n_out, depth, vocab_size, 
             if mask is None
             else mask[:n_out].to(t_logits.device)
         )
-        if temperature > 0:
+        if not is_greedy(temperature):  # 1e-300 would overflow the logits: greedy
             a_t = losses.acceptance(
                 d_logits, t_logits, temperature, valid, top_p=top_p, top_k=top_k
             )

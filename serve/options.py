@@ -189,8 +189,8 @@ class ServeOptions(BaseModel):
         int | None,
         Field(
             ge=1,
-            description="torch intra-op CPU threads (default: the cores free at start-up, "
-            "re-checked)",
+            description="torch intra-op CPU threads, at most 4 per core (default: the cores "
+            "free at start-up, re-checked)",
         ),
     ] = None
 

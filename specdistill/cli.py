@@ -24,7 +24,8 @@ import importlib
 import os
 import sys
 
-from specdistill.errors import run_guarded
+from specdistill import threads
+from specdistill.errors import one_line, run_guarded
 
 # verb -> (module with main(argv) and build_parser(), one line for --help); the module must
 # import nothing heavy at import time (tests/test_cli.py checks that torch stays unloaded)
@@ -97,6 +98,11 @@ def main(argv: list[str] | None = None) -> int:
         close = difflib.get_close_matches(verb, VERBS, n=1)
         hint = f"; did you mean '{close[0]}'?" if close else ""
         print(f"specdistill: unknown verb '{verb}'{hint}\n\n{usage()}", file=sys.stderr)
+        return 2
+    try:  # before any verb imports torch: its OpenMP runtime reads the variable as it loads
+        threads.check_environment()
+    except threads.ThreadsError as e:
+        print(f"error: {one_line(e)}", file=sys.stderr)
         return 2
     if rest and (verb, rest[0]) in SUBCOMMANDS:
         module = importlib.import_module(SUBCOMMANDS[verb, rest[0]])

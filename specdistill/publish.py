@@ -143,8 +143,14 @@ class DirLock:
     def acquire(self) -> "DirLock":
         import fcntl
 
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as e:  # a directory named .lock, a read-only or full disk, ...
+            raise OutputDirError(
+                f"{self.path}: cannot take the lock ({e.strerror or e}); remove it if it is "
+                "not a file, or use a writable directory"
+            ) from None
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -180,8 +186,15 @@ def waiting_lock(root: str | os.PathLike, on_wait: Callable[[str], None]) -> Ite
     import fcntl
 
     root = Path(root)
-    root.mkdir(parents=True, exist_ok=True)
-    with open(root / ".lock", "a") as handle:
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        handle = open(root / ".lock", "a")
+    except OSError as e:  # a file where the folder belongs, .lock a directory, read-only
+        raise OutputDirError(
+            f"{root / '.lock'}: cannot take the lock ({e.strerror or e}); the cache must be a "
+            "writable directory (set SPECDISTILL_CACHE to one)"
+        ) from None
+    with handle:
         try:
             fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:

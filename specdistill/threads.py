@@ -23,6 +23,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from specdistill.bounds import THREADS_PER_CORE, max_threads
 from specdistill.errors import UserError
 
 START_SAMPLE_S = 0.3  # the interval measured before the first choice
@@ -89,11 +90,16 @@ def threads_for(others: float, cores: int) -> int:
 
 
 def checked_threads(threads: int | None, name: str = "--threads") -> int | None:
-    """A forced thread count: None (choose) or an integer ≥ 1."""
+    """A forced thread count: None (choose) or an integer in [1, `max_threads()`]."""
     if threads is None:
         return None
-    if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
-        raise ThreadsError(f"{name} must be an integer >= 1 (or unset: chosen), got {threads!r}")
+    high = max_threads()
+    if isinstance(threads, bool) or not isinstance(threads, int) or not 1 <= threads <= high:
+        shown = f"{threads:.3g}" if isinstance(threads, int) and threads > 10**15 else repr(threads)
+        raise ThreadsError(
+            f"{name} must be an integer in [1, {high}] ({THREADS_PER_CORE} per core; or unset: "
+            f"chosen), got {shown}"
+        )
     return threads
 
 
@@ -104,6 +110,16 @@ def from_environment(environ, name: str) -> tuple[int | None, str]:
     if text.isdigit() and int(text) >= 1:
         return int(text), "OMP_NUM_THREADS"
     return None, name
+
+
+def check_environment(environ=None) -> None:
+    """ThreadsError when `OMP_NUM_THREADS` asks for more threads than `max_threads()`: run
+    before torch loads, since its OpenMP runtime reads the variable as it starts and tries
+    to allocate that many threads' stacks."""
+    environ = os.environ if environ is None else environ
+    forced, name = from_environment(environ, "OMP_NUM_THREADS")
+    if forced is not None:
+        checked_threads(forced, name)
 
 
 class ThreadPolicy:
@@ -213,6 +229,10 @@ def count(text: str) -> int:
         value = 0
     if value < 1:
         raise argparse.ArgumentTypeError(f"needs an integer >= 1; got {text!r}")
+    if value > max_threads():
+        raise argparse.ArgumentTypeError(
+            f"needs an integer in [1, {max_threads()}] ({THREADS_PER_CORE} per core); got {text!r}"
+        )
     return value
 
 

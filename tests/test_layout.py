@@ -3,8 +3,9 @@
 Layers, lowest first (an arrow may only point down):
 
     data, losses        depend on nothing else in the project but the errors utility
-    publish, errors,    utilities: atomic writes, one-line errors, the verbs' argument parser
-    verb_parser         (stdlib only; errors may use publish)
+    publish, errors,    utilities: atomic writes, one-line errors, the verbs' argument parser,
+    verb_parser,        thread counts, bounds on numbers (stdlib only; errors may use publish,
+    threads, bounds     threads and bounds use errors)
     formats             the files the server and the online job share (the traffic record, its
                         shards, the published versions); may use errors only
     drafts              what differs between draft types; may use losses, data, utilities
@@ -33,7 +34,7 @@ import pytest
 
 from tests.package_modules import REPO, modules
 
-UTILITIES = {"publish", "errors", "verb_parser", "threads"}
+UTILITIES = {"publish", "errors", "verb_parser", "threads", "bounds"}
 ALLOWED = {
     # specdistill/errors.py defines the project's error base classes (stdlib only)
     "data": {"errors"},
@@ -41,7 +42,8 @@ ALLOWED = {
     "publish": set(),
     "errors": {"publish"},  # OutputDirError: publish imports only the standard library
     "verb_parser": set(),
-    "threads": {"errors"},  # ThreadsError; the standard library otherwise (torch lazily)
+    "threads": {"errors", "bounds"},  # ThreadsError, max_threads; stdlib (torch lazily)
+    "bounds": {"errors"},  # BoundsError; the standard library otherwise
     "formats": {"errors"},  # pydantic and the standard library otherwise
     # the embedded default target is built from the data layer's corpus (drafts/embedded.py)
     "drafts": {"losses", "data"} | UTILITIES,

@@ -13,6 +13,8 @@ from typing import Any
 
 from pydantic import model_validator
 
+from specdistill.bounds import MAX_BATCH, MAX_CONTEXT
+
 from specdistill.train.recipe_online import OnlineConfig
 from specdistill.train.recipe_types import (
     EAGLE3_ONLY,
@@ -161,7 +163,12 @@ class DataConfig(Section):
     eval: Strings | None = recipe_key(
         None, "same forms; null: a held-out split of data.train (data.eval_fraction)"
     )
-    max_length: int = recipe_key(256, "sequence length in tokens", ge=2)
+    max_length: int = recipe_key(
+        256,
+        "sequence length in tokens, at most the target's context (max_position_embeddings)",
+        ge=2,
+        le=MAX_CONTEXT,
+    )
     pack: bool = recipe_key(True, "true: pack text into full blocks; false: truncate each record")
     eval_fraction: Float = recipe_key(
         0.05, "the held-out share of data.train when data.eval is null", gt=0, lt=1
@@ -231,8 +238,11 @@ class TrainConfig(Section):
         "sequences per optimiser step, over all processes (a multiple of "
         "train.micro_batch_size; the accumulation is derived)",
         ge=1,
+        le=MAX_BATCH,
     )
-    micro_batch_size: int = recipe_key(8, "sequences per forward on one process", ge=1)
+    micro_batch_size: int = recipe_key(
+        8, "sequences per forward on one process", ge=1, le=MAX_BATCH
+    )
     lr: Float = recipe_key(1e-3, "AdamW's peak learning rate", gt=0)
     weight_decay: Float = recipe_key(0.0, "AdamW's weight decay", ge=0)
     warmup_steps: int = recipe_key(20, "linear warmup steps, then cosine decay", ge=0)
@@ -264,7 +274,7 @@ class TrainConfig(Section):
     threads: int | None = recipe_key(
         None,
         "torch intra-op CPU threads per process; null: the cores free at the start, "
-        "re-checked between steps (specdistill/threads.py)",
+        "re-checked between steps (specdistill/threads.py); at most 4 per core",
         resume="harmless",
         ge=1,
     )
@@ -322,7 +332,10 @@ class EvalConfig(Section):
     )
     prompts_limit: int = recipe_key(8, "the first N prompts of eval.prompts", ge=1)
     prompts_max_tokens: int = recipe_key(
-        256, "each eval.prompts prompt is cut to its last N tokens", ge=1
+        256,
+        "each eval.prompts prompt is cut to its last N tokens, at most the target's context",
+        ge=1,
+        le=MAX_CONTEXT,
     )
     speculative: SpeculativeEvalConfig = recipe_key(
         description="Real speculative decoding on held-out prompts during training.",

@@ -8,8 +8,10 @@ Each key's own type and range is the schema's (train/recipe.py); what is here ca
 of one key alone. Every message names the keys and what to do.
 """
 
+import os
 from typing import TYPE_CHECKING
 
+from specdistill.bounds import max_threads
 from specdistill.train.recipe import EAGLE3_KEYS, Recipe, Section
 from specdistill.train.recipe_errors import RecipeError
 from specdistill.train.recipe_loss import resolved_loss
@@ -49,6 +51,11 @@ def validate(recipe: Recipe, explicit: set[str] | None = None) -> "ResolvedLoss"
                 t.global_batch_size % t.micro_batch_size == 0,
                 f"train.global_batch_size ({t.global_batch_size}) must be a multiple of "
                 f"train.micro_batch_size ({t.micro_batch_size})",
+            ),
+            (
+                t.threads is None or t.threads <= max_threads(),
+                f"train.threads ({t.threads}) must be at most {max_threads()} (4 per core of "
+                "this machine), or null: chosen",
             ),
             *_draft_checks(recipe, can, explicit),
             *_cache_checks(recipe),
@@ -266,6 +273,14 @@ def _prepare_checks(recipe: Recipe) -> list[Check]:
                 f"'{out}/regen-*.jsonl' to data.{name}",
             ),
         ]
+    train, held_out = recipe.prepare.train.out, recipe.prepare.eval.out
+    checks.append(
+        (
+            not (train and held_out) or os.path.realpath(train) != os.path.realpath(held_out),
+            f"prepare.eval.out ({held_out}) is prepare.train.out ({train}): held-out answers "
+            "would be trained on; give the held-out set its own directory",
+        )
+    )
     return checks
 
 

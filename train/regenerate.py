@@ -31,7 +31,9 @@ parameters is refused (the shards would mix two distributions).
 
 The sampling parameters and sizes are checked before anything is loaded or written
 (temperature finite and >= 0, top_p in (0, 1], top_k, max_new_tokens, batch and shard sizes
->= 1, retries >= 0, seed in [0, 2**63 - 1]), and OUT must be a directory or creatable. A
+>= 1, retries >= 0, seed in [0, 2**63 - 1]), and OUT must be a directory or creatable. One
+run writes into OUT at a time (`flock` on OUT/.lock): a second regenerate or prepare on the
+same OUT fails at once naming the holder's pid, so no prompt is answered twice. A
 malformed data record (one holding a lone surrogate, "\\ud800" without its pair, too) is
 skipped, named (`file:line` and the problem) and counted by reason as distill's data reader
 counts it (`DataError.reason`); the counts go into the manifest's `skipped`. The exit status
@@ -52,12 +54,17 @@ from pathlib import Path
 
 from specdistill.errors import UserError
 from specdistill.eval.cli_args import MAX_SEED, make_dir
+from specdistill.publish import DirLock
 from specdistill.train.regenerate_output import (
     FAILURES,
     MANIFEST,
     ShardWriter,
     answered,
+    no_prompts,
     read_failures,
+    read_manifest,
+    valid_records,
+    writable,
     write_failures,
 )
 from specdistill.verb_parser import quiet_third_party, verb_parser
@@ -189,10 +196,7 @@ def regenerate(
 ) -> dict:
     """Answer the recipe's prompts not yet answered in `out`; return the manifest.
     `generate` defaults to `eval.engine.generate` (tests pass a wrapper)."""
-    from specdistill.data.sources import read_records
     from specdistill.eval import engine
-    from specdistill.publish import atomic_write_text
-    from specdistill.train.target_cache import target_identity
 
     sampling = (sampling or Sampling()).check()
     _check_sizes(
@@ -205,11 +209,35 @@ def regenerate(
     generate = generate or engine.generate
     r = recipe
     out = make_dir(out)
+    with DirLock(out, "another prepare or regenerate"), writable(out):  # one writer
+        sizes = (batch_size, shard_records, retries, text_prompt_tokens, limit)
+        return _regenerate_into(r, out, sampling, sizes, target, tokenizer, generate, print)
+
+
+def _regenerate_into(
+    r,
+    out: Path,
+    sampling: Sampling,
+    sizes: tuple[int, int, int, int, int | None],
+    target,
+    tokenizer,
+    generate: Callable,
+    print: Callable,
+) -> dict:
+    """`regenerate`'s work once OUT is locked: load, read, answer, write the manifest.
+    `sizes`: (batch_size, shard_records, retries, text_prompt_tokens, limit), checked."""
+    batch_size, shard_records, retries, text_prompt_tokens, limit = sizes
+    from specdistill.data.sources import read_records
+    from specdistill.publish import atomic_write_text
+    from specdistill.train.target_cache import target_identity
+
     target, tokenizer = _load_target(r, target, tokenizer)
     identity = target_identity(r.target, target)
     previous = _previous_manifest(out, identity, sampling)
-    records, skipped = _valid_records(read_records(list(r.data.train)), print)
+    records, skipped = valid_records(read_records(list(r.data.train)), print)
     jobs, duplicates = jobs_from_records(records, tokenizer, text_prompt_tokens)
+    if not jobs:  # before anything is written: an empty or unreadable prompts file
+        no_prompts(r.data.train, skipped)
     if limit:
         jobs = jobs[:limit]
     done = answered(out)
@@ -271,12 +299,12 @@ def _load_target(r, target, tokenizer) -> tuple:
 def _previous_manifest(out: Path, identity: dict, sampling: Sampling) -> dict | None:
     """OUT's manifest from an earlier run (None on a first run); RegenerateError when it was
     written for another target or other sampling parameters."""
-    if not (out / MANIFEST).is_file():
+    previous = read_manifest(out)
+    if previous is None:
         return None
-    previous = json.loads((out / MANIFEST).read_text())
     if previous["target"]["identity"] != identity["identity"]:
         raise RegenerateError(
-            f"{out} holds answers of another target ({previous['target']['model']}, "
+            f"{out} holds answers of another target ({previous['target'].get('model')}, "
             f"{previous['target']['identity'][:19]}…); use another --out"
         )
     if previous["sampling"] != asdict(sampling):
@@ -341,11 +369,13 @@ class _Answering:
         """Answer `batch` together; when that fails, each prompt on its own, with retries."""
         seed = self.sampling.seed + int(batch[0].hash[:8], 16)
         try:
-            for job, ids in zip(batch, self.run(batch, seed), strict=True):
-                self.write(job, ids)
-            return
+            sequences = self.run(batch, seed)
         except Exception as e:  # the batch failed: each prompt on its own, with retries
             self.print(f"regenerate: a batch failed ({type(e).__name__}: {e}); retrying singly")
+        else:  # a failed write (a full disk) is no failed answer: it stops the run
+            for job, ids in zip(batch, sequences, strict=True):
+                self.write(job, ids)
+            return
         for job in batch:
             error = self.answer_alone(job)
             if error is not None:
@@ -357,10 +387,11 @@ class _Answering:
         for attempt in range(1, self.retries + 2):
             try:
                 (ids,) = self.run([job], self.sampling.seed + int(job.hash[:8], 16) + attempt)
-                self.write(job, ids)
-                return None
             except Exception as e:
                 error = f"{type(e).__name__}: {e}"
+                continue
+            self.write(job, ids)
+            return None
         return error
 
     def record_failure(self, job: Job, error: str) -> None:
@@ -416,27 +447,6 @@ def _finish(out: Path, manifest: dict, jobs: list[Job], answering: _Answering, p
     atomic_write_text(out / MANIFEST, json.dumps(manifest, indent=1))
     print(f"regenerate: {manifest['answered']}/{len(jobs)} answered, {len(failures)} failed")
     return manifest
-
-
-def _valid_records(items, print) -> tuple[list, dict[str, int]]:
-    """(the records, {reason: n} of the malformed ones); each malformed one is printed with
-    its `file:line` (the first ten, then a count), as distill's reader counts them."""
-    from specdistill.data.records import DataError
-
-    records, errors = [], []
-    for item in items:
-        (errors if isinstance(item, DataError) else records).append(item)
-    by_reason: dict[str, int] = {}
-    for error in errors:
-        by_reason[error.reason] = by_reason.get(error.reason, 0) + 1
-    if errors:
-        reasons = ", ".join(f"{reason}: {n}" for reason, n in by_reason.items())
-        print(f"regenerate: skipped {len(errors)} malformed records ({reasons})")
-        for error in errors[:10]:
-            print(f"regenerate: skipped {error}")
-        if len(errors) > 10:
-            print(f"regenerate: ... and {len(errors) - 10} more")
-    return records, by_reason
 
 
 def build_parser() -> argparse.ArgumentParser:

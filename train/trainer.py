@@ -107,6 +107,22 @@ def report_finished(recipe, out: Path, finished: dict, say=print) -> dict:
     return result
 
 
+def check_context(r: Recipe, target) -> None:
+    """RecipeError when `data.max_length`, or `eval.prompts_max_tokens` set with
+    `eval.prompts`, is beyond the target's context (its `max_position_embeddings`): positions
+    it never saw."""
+    from specdistill.bounds import BoundsError, context_limit
+
+    context = getattr(target.config, "max_position_embeddings", None)
+    given = r.eval.prompts and "prompts_max_tokens" in r.eval.model_fields_set
+    prompts = r.eval.prompts_max_tokens if given else None
+    try:
+        context_limit("data.max_length", r.data.max_length, context, r.target.model)
+        context_limit("eval.prompts_max_tokens", prompts, context, r.target.model)
+    except BoundsError as e:
+        raise RecipeError(str(e)) from None
+
+
 class Trainer:
     """Trains `draft` against the frozen `target` as `recipe` says, writing into its output_dir.
 
@@ -179,6 +195,7 @@ class Trainer:
             target = models.load_target(
                 r.target.model, r.target.adapter, dtype=r.target.dtype, revision=r.target.revision
             )
+            check_context(r, target)  # before the data is cut to a length it cannot see
             train_data, eval_data = recipe_datasets(r, tokenizer)
             try:
                 draft, kind = drafts.build(r.draft, target, tokenizer, train_data, print=acc.print)

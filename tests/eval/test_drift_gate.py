@@ -156,7 +156,7 @@ def test_exit_status_fails_a_deploy_on_a_real_drop(tiny_pair, gate_prompt_file, 
         assert check.tau_before == pytest.approx(report_tau[5])
     saved = json.loads((tmp_path / "gate" / "gate.json").read_text())
     assert saved["failed"] is True and saved["threshold"] == 0.01
-    assert drift_cli.main([*base, "--overwrite", "--fail-if-drop-above", "2"]) == 0
+    assert drift_cli.main([*base, "--overwrite", "--fail-if-drop-above", "1"]) == 0
     tau_gate = [*base, "--overwrite", "--fail-if-tau-drop-above", "0.01", "--tau-gamma", "3"]
     assert drift_cli.main(tau_gate) == 1
     saved = json.loads((tmp_path / "gate" / "gate.json").read_text())

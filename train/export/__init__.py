@@ -53,7 +53,8 @@ from pathlib import Path
 
 from torch import nn
 
-from specdistill import drafts
+from specdistill import bounds, drafts
+from specdistill.bounds import MAX_GAMMA
 from specdistill.drafts.eagle3_head import VocabMapError
 from specdistill.drafts.weights import check_module_finite, check_weight_files
 from specdistill.publish import publish_dir
@@ -184,6 +185,28 @@ def _tokenizer_source(kind: type, options: Options) -> Path | None:
     return options.source  # whatever tokenizer files it has (e.g. tokenizer_config.json)
 
 
+def _check_tokenizer_fits(tokenizer: Path, kind: type, model, source: Path | None) -> None:
+    """ExportError unless `--tokenizer` is the draft's: its vocabulary equal to the tokenizer
+    the draft directory carries (when it carries one), and no id past the draft's vocabulary."""
+    from specdistill.drafts.hub import TokenizerMismatchError, check_tokenizers, load_tokenizer
+
+    try:
+        given = load_tokenizer(str(tokenizer))
+    except (OSError, ValueError) as e:
+        raise ExportError(f"--tokenizer {tokenizer}: cannot load it ({e})") from None
+    if source is not None and has_tokenizer(source):
+        try:
+            check_tokenizers(given, load_tokenizer(str(source)), str(tokenizer), str(source))
+        except TokenizerMismatchError as e:
+            raise ExportError(f"--tokenizer {tokenizer} is not the draft's tokenizer: {e}") from None
+    vocab_size = kind.vocab_size_of(model)
+    if len(given) > vocab_size:
+        raise ExportError(
+            f"--tokenizer {tokenizer} has {len(given)} tokens, more than the {vocab_size} of the "
+            f"{kind.name} draft: pass the tokenizer the draft was trained with (its target's)"
+        )
+
+
 def _copy_tokenizer(source: Path | None, out: Path) -> None:
     for name in TOKENIZER_FILES if source is not None else ():
         path = source / name
@@ -207,8 +230,11 @@ def export_with_plan(
     """`export` with its `Options` given whole; returns (out, the draft's type, the plan
     written), which `serve_hint` turns into the engine's command line."""
     module = _format(fmt)
-    if options.speculative_tokens is not None and options.speculative_tokens < 1:
-        raise ExportError(f"--speculative-tokens must be >= 1, got {options.speculative_tokens}")
+    if options.speculative_tokens is not None:
+        try:
+            bounds.check_int("--speculative-tokens", options.speculative_tokens, 1, MAX_GAMMA)
+        except bounds.BoundsError as e:
+            raise ExportError(str(e)) from None
     out = Path(out)
     _prepare_out(out, overwrite, draft)
     kind, model = load_draft(draft)
@@ -220,6 +246,8 @@ def export_with_plan(
         )
     plan = module.WRITERS[can.export_as](model, options)  # checks; nothing is written yet
     tokenizer = _tokenizer_source(kind, options)
+    if options.tokenizer is not None:
+        _check_tokenizer_fits(options.tokenizer, kind, model, options.source)
 
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{out.name}-", dir=out.parent))
