@@ -4,8 +4,10 @@
 
 Answers the first `--prompts` training prompts of the recipe's `prepare` section at its
 settings (temperature, max_new_tokens, seed) into fresh directories, once per configuration:
-the lean forward without oneDNN's prepacked weights (`drafts.lean.PACKED_FROM = 0`, how it ran
-before them) at prepare's former batch of 16, then with them at 16 and at `--batch-sizes`.
+the lean forward without oneDNN's prepacked weights (`drafts.lean.PACKED_FROM = 0`), batches
+of 16 handed to the engine one at a time (`regenerate.CHUNK_BATCHES = 1`: a batch waits for
+its longest answer); then with prepacked weights; then as shipped, at each of
+`--batch-sizes`, CHUNK_BATCHES batches at a time (rows refilled as answers end).
 Prints each configuration's answer tokens, seconds and tokens/s, and its ratio to the first,
 measured in the same process. Run it alone on the machine: any other process moves the
 numbers.
@@ -19,6 +21,7 @@ from pathlib import Path
 import torch
 
 from specdistill.drafts import hub, lean
+from specdistill.train import regenerate as regen
 from specdistill.train.config import load_recipe
 from specdistill.train.prepare import answer_tokens
 from specdistill.train.regenerate import Sampling, regenerate
@@ -28,7 +31,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--recipe", default="recipes/smollm2-standalone.yaml")
     parser.add_argument("--prompts", type=int, default=64)
-    parser.add_argument("--batch-sizes", default="32", help="batches tried with prepacking")
+    parser.add_argument("--batch-sizes", default="16,32", help="batches tried as shipped")
     parser.add_argument("--threads", type=int, default=1)
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -39,13 +42,18 @@ def main(argv: list[str] | None = None) -> None:
     sampling = Sampling(p.temperature, None, None, p.max_new_tokens, p.seed)
     data = recipe.data.model_copy(update={"train": list(p.train.prompts)})
     recipe = recipe.model_copy(update={"data": data})
-    shipped = lean.PACKED_FROM
-    configs = [("no prepacked weights", 0, 16), ("prepacked", shipped, 16)]
-    configs += [("prepacked", shipped, int(b)) for b in args.batch_sizes.split(",")]
+    shipped, chunks = lean.PACKED_FROM, regen.CHUNK_BATCHES
+    configs = [
+        ("no prepacked weights, no refill", 0, 16, 1),
+        ("prepacked, no refill", shipped, 16, 1),
+    ]
+    configs += [
+        ("prepacked, refilled", shipped, int(b), chunks) for b in args.batch_sizes.split(",")
+    ]
     rows, base = [], None
     with tempfile.TemporaryDirectory() as tmp:
-        for i, (name, packed_from, batch) in enumerate(configs):
-            lean.PACKED_FROM = packed_from
+        for i, (name, packed_from, batch, chunk_batches) in enumerate(configs):
+            lean.PACKED_FROM, regen.CHUNK_BATCHES = packed_from, chunk_batches
             out = Path(tmp) / f"run{i}"
             start = time.perf_counter()
             regenerate(
@@ -65,12 +73,12 @@ def main(argv: list[str] | None = None) -> None:
             rows.append(
                 f"| {name} | {batch} | {tokens} | {seconds:.0f} | {rate:.1f} | {rate / base:.2f}× |"
             )
-    lean.PACKED_FROM = shipped
+    lean.PACKED_FROM, regen.CHUNK_BATCHES = shipped, chunks
     print(
         f"{t.model}, {args.prompts} prompts, T = {p.temperature}, max_new_tokens "
         f"{p.max_new_tokens}, {args.threads} thread(s)"
     )
-    print("| kernel | batch | answer tokens | s | tokens/s | ratio |")
+    print("| kernel, batching | batch | answer tokens | s | tokens/s | ratio |")
     print("|---|---|---|---|---|---|")
     print("\n".join(rows))
 

@@ -3,16 +3,19 @@
 `embedded:instructions` (and `embedded:instructions-heldout`) are user turns with no answer,
 for `specdistill regenerate` to answer with the target itself. Each public, documented
 function of the standard library's modules of that split (data/stdlib.py; the held-out
-modules stay held out) becomes one request of three kinds, chosen by a stable hash of its
-qualified name:
+modules stay held out) becomes two requests of three kinds: a first kind chosen by a stable
+hash of its qualified name, and a second kind, the next of the three:
 
 - write: "Write a Python function `name(args)` that ..." with its docstring as the spec;
 - explain: "Explain what this Python function does" with its source (at most
   MAX_SOURCE_CHARS);
 - use: "How do I use `module.name` in Python? ..." with its docstring, asking for an example.
 
-The requests are ordered by a fixed shuffle, so the first N (regenerate `--limit N`) spread
-over the library. None of them comes from the evaluation prompts in benchmarks/prompts/
+Every function's first request comes before any second one, each group in a fixed shuffle,
+so the first N (regenerate `--limit N`) spread over the library and a larger N only adds
+requests. Each request appears once (two modules can hold the same function), and a held-out
+request is never a training one. On Python 3.11 the training split holds 5,475 requests and
+the held-out one 342. None of them comes from the evaluation prompts in benchmarks/prompts/
 (HumanEval, Spec-Bench), which are not in the standard library.
 """
 
@@ -34,14 +37,20 @@ KINDS = ("write", "explain", "use")
 @functools.cache
 def stdlib_instructions(split: str = "train") -> tuple[str, ...]:
     """The user requests of `split` ("train" or "heldout"), in a fixed shuffled order."""
-    prompts = []
+    first, second = [], []
     for path in stdlib_files(split):
-        prompts.extend(_requests(path))
-    random.Random(0).shuffle(prompts)
-    return tuple(prompts)
+        first.extend(_requests(path, 0))
+        second.extend(_requests(path, 1))
+    random.Random(0).shuffle(first)
+    random.Random(1).shuffle(second)
+    # a held-out request never repeats a training one (two modules can hold the same function)
+    seen = set() if split == "train" else set(stdlib_instructions("train"))
+    return tuple(p for p in first + second if p not in seen and not seen.add(p))
 
 
-def _requests(path: Path) -> list[str]:
+def _requests(path: Path, turn: int) -> list[str]:
+    """The requests of `path`'s documented functions; turn 0: each one's first kind, 1: its
+    second."""
     try:
         source = path.read_text(encoding="utf-8", errors="replace")
         tree = ast.parse(source)
@@ -55,19 +64,19 @@ def _requests(path: Path) -> list[str]:
         if isinstance(node, ast.ClassDef) and not node.name.startswith("_"):
             functions = [f for f in node.body if isinstance(f, ast.FunctionDef)]
         for function in functions:
-            request = _request(module, function, source)
+            request = _request(module, function, source, turn)
             if request:
                 out.append(request)
     return out
 
 
-def _request(module: str, function: ast.FunctionDef, source: str) -> str | None:
+def _request(module: str, function: ast.FunctionDef, source: str, turn: int) -> str | None:
     doc = ast.get_docstring(function)
     if function.name.startswith("_") or not doc or len(doc) < MIN_DOCSTRING_CHARS:
         return None
     doc = doc[:MAX_DOCSTRING_CHARS]
     qualified = f"{module}.{function.name}"
-    kind = KINDS[zlib.crc32(qualified.encode()) % len(KINDS)]
+    kind = KINDS[(zlib.crc32(qualified.encode()) + turn) % len(KINDS)]
     if kind == "explain":
         code = textwrap.dedent(ast.get_source_segment(source, function, padded=True) or "")
         if len(code) <= MAX_SOURCE_CHARS:

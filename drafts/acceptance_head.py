@@ -272,15 +272,22 @@ def head_loss(
     top_k: int | None = None,
     d2t: Tensor | None = None,
     stop_gradient: bool = True,
+    labels: Sequence[Tensor] | None = None,
 ) -> HeadLoss:
     """The head's loss over a draft type's depths (`DraftType.depths`, the hidden states from
     `align_hidden`): per depth `head(hidden, draft_logits)` against `losses.acceptance_label`
-    at the serving temperature and filters (`losses.acceptance_head_loss`)."""
+    at the serving temperature and filters (`losses.acceptance_head_loss`). labels: those α
+    per depth when the caller has them already (the draft's loss at the same temperature and
+    filters computes them: `losses.multi_depth.depth_sums`), not computed again."""
+    given = labels
     total, count, predicted, labels = None, None, [], []
-    for h, d, t, m in zip(hidden, draft_logits, target_logits, masks, strict=True):
-        label = acceptance_label(
-            d, t, m, temperature=temperature, top_p=top_p, top_k=top_k, d2t=d2t
-        )
+    for k, (h, d, t, m) in enumerate(zip(hidden, draft_logits, target_logits, masks, strict=True)):
+        if given is not None:
+            label = given[k]
+        else:
+            label = acceptance_label(
+                d, t, m, temperature=temperature, top_p=top_p, top_k=top_k, d2t=d2t
+            )
         pred = head(h, d, stop_gradient=stop_gradient)
         loss_sum, n_valid = acceptance_head_loss(pred, None, None, m, label=label)
         total = loss_sum if total is None else total + loss_sum

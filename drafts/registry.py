@@ -145,7 +145,11 @@ def record_files(directory: Path) -> dict[str, dict]:
             with open(path, "rb") as f:
                 digest = hashlib.file_digest(f, "sha256").hexdigest()
             stat = path.stat()
-            files[path.name] = {"size": stat.st_size, "mtime_ns": stat.st_mtime_ns, "sha256": digest}
+            files[path.name] = {
+                "size": stat.st_size,
+                "mtime_ns": stat.st_mtime_ns,
+                "sha256": digest,
+            }
     return files
 
 

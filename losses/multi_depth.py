@@ -99,9 +99,15 @@ def depth_sums(
     temperature: float,
     sampling: Sampling,
     d2t: Tensor | None,
+    positions: list | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """`multi_depth_loss` of a resolved loss on `aligned_depths`, nothing checked again."""
-    drafts, targets, masks = _valid_positions(*depths)
+    """`multi_depth_loss` of a resolved loss on `aligned_depths`, nothing checked again.
+
+    positions: a list that receives, per depth, α at every position (detached, the depth
+    mask's shape, 0 where masked): what an acceptance head at the same temperature and
+    filters takes as its labels (`losses.acceptance_label`), without computing α again."""
+    keep = _kept(*depths)
+    drafts, targets, masks = _valid_positions(*depths, keep)
     end_to_end = weights.weighting == "end_to_end"
     log_alphas, losses, valid = [], [], []
     for draft, target, mask in zip(drafts, targets, masks, strict=True):
@@ -125,7 +131,29 @@ def depth_sums(
         alpha = torch.stack(
             [la.exp().sum() / v.sum().clamp_min(1) for la, v in zip(log_alphas, valid, strict=True)]
         )
+        if positions is not None:
+            shape = depths[0][0].shape[:-1]
+            positions += [_placed(la.exp(), keep, shape) for la in log_alphas]
     return total.sum(), valid[0].sum(), alpha
+
+
+def _placed(alpha: Tensor, keep: Tensor | None, shape) -> Tensor:
+    """α over the rows `_valid_positions` kept -> α at every position of `shape`."""
+    if keep is None or bool(keep.all()):
+        return alpha.reshape(shape)
+    out = alpha.new_zeros(shape)
+    out[keep] = alpha
+    return out
+
+
+def _kept(drafts: list, targets: list, masks: list) -> Tensor | None:
+    """The positions valid at some depth (bool, the masks' shape); None when a mask is
+    missing or the leading shapes differ (nothing is dropped then)."""
+    shape = drafts[0].shape[:-1]
+    for d, t, m in zip(drafts, targets, masks, strict=True):
+        if m is None or not m.shape == d.shape[:-1] == _leading(t).shape[:-1] == shape:
+            return None
+    return torch.stack([m.to(torch.bool) for m in masks]).any(0)
 
 
 def _log_alpha(prepared: Prepared, with_grad: bool) -> Tensor:
@@ -151,22 +179,21 @@ def _weighted(weights: DepthWeights, losses: list, chain: Tensor, valid: Tensor)
     return torch.where(valid, 1.0 - chain.mean(0), 0.0)
 
 
-def _valid_positions(drafts: list, targets: list, masks: list) -> tuple[list, list, list]:
-    """The depths' rows at the positions valid at some depth: [..., V] -> [n, V].
+def _valid_positions(
+    drafts: list, targets: list, masks: list, keep: Tensor | None
+) -> tuple[list, list, list]:
+    """The depths' rows at the positions valid at some depth (`keep`, from `_kept`):
+    [..., V] -> [n, V].
 
     A position masked at every depth adds exactly 0 to the loss, n_valid and α, so its rows
     are dropped before any [position, vocab] work (prompt and padding tokens: often half of
     a chat batch). Depths keep their own masks on the rows left; a mask that is all True
-    becomes None. Inputs are returned as they are unless every mask is given and every
-    draft, target and mask has the same leading shape.
+    becomes None. With `keep` None (a mask missing, or leading shapes that differ) the inputs
+    are returned as they are: prepare() checks and explains the shapes.
     """
-    shape = drafts[0].shape[:-1]
-    for d, t, m in zip(drafts, targets, masks, strict=True):
-        t_shape = _leading(t).shape[:-1]
-        if m is None or not m.shape == d.shape[:-1] == t_shape == shape:
-            return drafts, targets, masks  # prepare() checks and explains the shapes
+    if keep is None:
+        return drafts, targets, masks
     masks = [m.to(torch.bool) for m in masks]
-    keep = torch.stack(masks).any(0)
     if not keep.all():
         drafts = [d[keep] for d in drafts]
         targets = [_rows(t, keep) for t in targets]

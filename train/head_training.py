@@ -32,6 +32,8 @@ from specdistill.drafts.acceptance_head import (
     head_loss,
     load_acceptance_head,
 )
+from specdistill.losses.resolved import Sampling
+from specdistill.train.temperatures import Share
 
 
 def saved_head(recipe, draft) -> AcceptanceHead | None:
@@ -98,10 +100,28 @@ class HeadTraining:
         """The recorder of the draft's hidden states to wrap its forward in."""
         return HeadInputs(draft)
 
-    def loss(self, recorded: HeadInputs, draft_logits, target_logits, masks, d2t) -> HeadLoss:
+    def labels_from(self, shares: list[Share], sampling: Sampling | None) -> bool:
+        """Whether the α the loss computes for `shares` (one share over every row, whose
+        loss `sampling` it is) is this head's label: the same temperature (not greedy) and
+        filters. Then the step hands that α over (`loss(labels=...)`) instead of the head
+        computing it again over the vocabulary."""
+        if len(shares) != 1 or sampling is None:
+            return False
+        share = shares[0]
+        return (
+            share.rows is None
+            and 0 < share.temperature == self.temperature
+            and share.loss_temperature == share.temperature
+            and (sampling.top_p, sampling.top_k) == (self.top_p, self.top_k)
+        )
+
+    def loss(
+        self, recorded: HeadInputs, draft_logits, target_logits, masks, d2t, labels=None
+    ) -> HeadLoss:
         """The head's loss over the depths of one micro-batch (the hidden states recorded
         during the draft's forward, aligned with the depths by the draft type's
-        `head_hidden`), computed in float32 outside autocast."""
+        `head_hidden`), computed in float32 outside autocast. labels: α per depth at this
+        head's temperature and filters, when the loss has them (`labels_from`)."""
         hidden = self.align(recorded.tensors, draft_logits)
         device_type = self.accelerator.device.type
         with torch.autocast(device_type=device_type, enabled=False):
@@ -116,6 +136,7 @@ class HeadTraining:
                 top_k=self.top_k,
                 d2t=d2t,
                 stop_gradient=self.stop_gradient,
+                labels=labels,
             )
 
     def chunked_loss(self, d_hidden, d_head, target, mask, chunk_size: int) -> HeadLoss:

@@ -52,10 +52,15 @@ class Objective:
         return Sampling(**share.params(asdict(self.loss.sampling)))
 
     # --------------------------------------------------------------- per-token part
-    def token_sums(self, depths, shares: list[Share], d2t) -> Sums:
-        """The per-token loss on teacher-forced depths (d_logits, t_logits, masks)."""
+    def token_sums(self, depths, shares: list[Share], d2t, positions: list | None = None) -> Sums:
+        """The per-token loss on teacher-forced depths (d_logits, t_logits, masks).
+
+        positions: with one share, a list that receives α at every position per depth
+        (`losses.multi_depth.depth_sums`), e.g. an acceptance head's labels."""
         d_logits, t_logits, masks = depths
         loss_sum = alpha_sum = 0.0
+        if positions is not None and len(shares) != 1:
+            raise ValueError("per-position α is given for a single share only")
         for share in shares:
             aligned = aligned_depths(d_logits, t_logits, [share.mask(m) for m in masks])
             loss, n_valid, alpha = depth_sums(
@@ -65,6 +70,7 @@ class Objective:
                 share.loss_temperature,
                 self.sampling(share),
                 d2t,
+                positions,
             )
             loss_sum = loss_sum + share.weight * loss
             alpha_sum = alpha_sum + share.weight * alpha[0] * n_valid

@@ -60,7 +60,7 @@ def answer_tokens(out: Path) -> int:
     return total
 
 
-def prepare(recipe, *, batch_size: int = 16, print=print) -> list[PreparedSet]:
+def prepare(recipe, *, batch_size: int = 32, print=print) -> list[PreparedSet]:
     """Answer each set of `recipe.prepare` that has prompts; -> what each became."""
     import torch
 
@@ -117,7 +117,12 @@ def prepare(recipe, *, batch_size: int = 16, print=print) -> list[PreparedSet]:
 def build_parser():
     parser = verb_parser("prepare", __doc__)
     parser.add_argument("--recipe", help="YAML recipe with a prepare section")
-    parser.add_argument("--batch-size", type=int, default=16, help="answers generated together")
+    parser.add_argument(
+        "--batch-size",
+        type=int,
+        default=32,
+        help="answers decoded together (rows refilled as answers end)",
+    )
     parser.add_argument("overrides", nargs="*", help="key.sub=value recipe overrides")
     return parser
 

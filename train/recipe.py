@@ -14,7 +14,6 @@ from typing import Any
 from pydantic import model_validator
 
 from specdistill.bounds import MAX_BATCH, MAX_CONTEXT
-
 from specdistill.train.recipe_online import OnlineConfig
 from specdistill.train.recipe_types import (
     EAGLE3_ONLY,

@@ -184,7 +184,7 @@ def regenerate(
     out: str | os.PathLike,
     *,
     sampling: Sampling | None = None,
-    batch_size: int = 16,
+    batch_size: int = 32,
     shard_records: int = 1000,
     retries: int = 2,
     text_prompt_tokens: int = 64,
@@ -410,17 +410,24 @@ class _Answering:
         write_failures(self.failures_path, self.failed)
 
 
+# Prompts handed to the engine at once, in batches: the engine keeps `batch_size` rows
+# decoding and refills a row as soon as its answer ends, so a chunk of several batches does
+# not wait for each batch's longest answer (benchmarks/prepare_rate.py). A chunk's answers
+# are written when it ends: a killed run redoes at most one chunk.
+CHUNK_BATCHES = 4
+
+
 def _answer_all(answering: _Answering, todo: list[Job], name: str) -> None:
-    """Answer `todo` batch by batch, with a progress line; the shard is closed after."""
+    """Answer `todo` chunk by chunk, with a progress line; the shard is closed after."""
     from specdistill.drafts.progress import WorkProgress
 
-    batch_size = answering.batch_size
+    chunk = answering.batch_size * CHUNK_BATCHES
     progress = WorkProgress(name, len(todo)) if todo else None
     try:
-        for start in range(0, len(todo), batch_size):
-            batch = todo[start : start + batch_size]
-            if progress is not None and start:  # the batch before this one is done
-                progress.advance(batch_size, f"{start}/{len(todo)} prompts")
+        for start in range(0, len(todo), chunk):
+            batch = todo[start : start + chunk]
+            if progress is not None and start:  # the chunk before this one is done
+                progress.advance(chunk, f"{start}/{len(todo)} prompts")
             answering.answer(batch)
         if progress is not None:
             progress.advance(len(todo) - progress.done, f"{len(todo)}/{len(todo)} prompts")
@@ -458,7 +465,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--top-k", type=int, help=">= 1; off when unset")
     parser.add_argument("--max-new-tokens", type=int, default=256, help="tokens per answer")
     parser.add_argument("--seed", type=int, default=0, help="sampling seed")
-    parser.add_argument("--batch-size", type=int, default=16, help="answers generated together")
+    parser.add_argument(
+        "--batch-size",
+        type=int,
+        default=32,
+        help="answers decoded together (rows refilled as answers end)",
+    )
     parser.add_argument("--shard-records", type=int, default=1000, help="records per shard")
     parser.add_argument(
         "--retries", type=int, default=2, help="extra attempts of a prompt whose batch failed"

@@ -342,11 +342,16 @@ class DistillStep:
             record = head.inputs(self.draft_module()) if head is not None else nullcontext()
             with record:
                 depths = self.targets.depths(self.draft, batch)
+            # the acceptance head's labels are the loss's α where they are the same α
+            labels = None
             if objective.token is not None:
-                token = objective.token_sums(depths, shares, self.vocab_map())
+                sampling = objective.sampling(shares[0]) if shares else None
+                if head is not None and head.labels_from(shares, sampling):
+                    labels = []
+                token = objective.token_sums(depths, shares, self.vocab_map(), labels)
             if head is not None:
                 with torch.enable_grad():
-                    head_part = head.loss(record, *depths, self.vocab_map())
+                    head_part = head.loss(record, *depths, self.vocab_map(), labels)
         sums = objective.sums(self, batch, shares, token, self._calls)
         return StepLosses(sums.loss_sum, sums.alpha_sum, head_part)
 

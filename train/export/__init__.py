@@ -198,7 +198,9 @@ def _check_tokenizer_fits(tokenizer: Path, kind: type, model, source: Path | Non
         try:
             check_tokenizers(given, load_tokenizer(str(source)), str(tokenizer), str(source))
         except TokenizerMismatchError as e:
-            raise ExportError(f"--tokenizer {tokenizer} is not the draft's tokenizer: {e}") from None
+            raise ExportError(
+                f"--tokenizer {tokenizer} is not the draft's tokenizer: {e}"
+            ) from None
     vocab_size = kind.vocab_size_of(model)
     if len(given) > vocab_size:
         raise ExportError(
