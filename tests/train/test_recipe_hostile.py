@@ -1,11 +1,13 @@
 """Hostile recipes for `specdistill distill`: a seed out of range, keys nested 100,000 deep in
-the file or an override, a binary or UTF-16 file, a key written twice: each is one
-`recipe error:` line and exit 2, before anything loads."""
+the file or an override, a binary or UTF-16 file, a key written twice, a train.output_dir
+under a file: each is one `recipe error:` line and exit 2, before anything loads."""
 
 import pytest
 
+from specdistill import cli
 from specdistill.train import distill
 from specdistill.train.config import RecipeError, load_recipe
+from tests.train.helpers import overrides
 
 DEEP = "[" * 100_000 + "]" * 100_000
 
@@ -84,3 +86,15 @@ def test_a_merge_key_may_still_be_overridden(tmp_path):
         load_recipe(path)
     assert "twice" not in str(info.value) and "base" in str(info.value)
 
+
+def test_an_output_dir_under_a_file_is_one_line(tiny_pair, tmp_path, capsys):
+    blocker = tmp_path / "notes.txt"
+    blocker.write_text("a file, not a directory\n")
+    out = blocker / "runs" / "run"
+    assert cli.main(["distill", *overrides(tiny_pair, out)]) == 2
+    err = capsys.readouterr().err
+    assert err == (
+        f"recipe error: train.output_dir {out} lies under {blocker}, which is not a "
+        "directory; choose a train.output_dir under a directory\n"
+    )
+    assert blocker.read_text() == "a file, not a directory\n"
