@@ -81,3 +81,19 @@ def test_an_eagle3_vocabulary_beyond_the_targets_is_one_recipe_error(
     assert "target's vocabulary" in lines[0]
     assert not out.exists() or not any(out.iterdir())
 
+
+def test_the_default_prompt_length_is_cut_to_a_shorter_context(tiny_pair, tmp_path):
+    """The default eval.prompts_max_tokens (256) on the 128-position tiny target is no error
+    (the user did not choose it): the run's prompts are cut to 128 tokens; a value set is
+    kept."""
+    from specdistill.train.trainer import Trainer
+
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("x = 1; " * 400 + "\n")
+    argv = overrides(tiny_pair, tmp_path / "run", **{"eval.prompts": str(prompts)})
+    recipe = load_recipe(None, argv)
+    assert recipe.eval.prompts_max_tokens == 256
+    assert [len(p) for p in Trainer.from_recipe(recipe).evaluator.prompt_ids] == [128]
+    recipe = load_recipe(None, [*argv, "eval.prompts_max_tokens=40"])
+    assert [len(p) for p in Trainer.from_recipe(recipe).evaluator.prompt_ids] == [40]
+    assert not (tmp_path / "run").exists()
