@@ -68,7 +68,15 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from specdistill import threads
-from specdistill.bounds import MAX_BATCH, MAX_BOOTSTRAP, MAX_GAMMA, float_in, int_in
+from specdistill.bounds import (
+    MAX_BATCH,
+    MAX_BOOTSTRAP,
+    MAX_CONTEXT,
+    MAX_GAMMA,
+    MAX_PROMPTS,
+    float_in,
+    int_in,
+)
 from specdistill.eval.cli_args import DEFAULT_MAX_GAMMA, resolve_device
 from specdistill.eval.cli_args import at_least as _at_least
 from specdistill.eval.cli_args import seed as _seed
@@ -187,18 +195,30 @@ def _add_served_sampling(parser: argparse.ArgumentParser) -> None:
 
 def _add_generation(parser: argparse.ArgumentParser) -> None:
     """How the targets' responses are generated and the draft scored on them."""
-    positive = _at_least(1)
     parser.add_argument(
         "--top-p", type=_top_p, default=None, help="in (0, 1], filters both targets; 1 = off"
     )
     parser.add_argument(
         "--top-k", type=_at_least(0), default=0, help=">= 0, filters both targets; 0 = off"
     )
-    parser.add_argument("--max-new-tokens", type=positive, default=64, help="tokens per response")
     parser.add_argument(
-        "--max-prompt-tokens", type=positive, default=512, help="keep the last N prompt tokens"
+        "--max-new-tokens",
+        type=int_in(1, MAX_CONTEXT),
+        default=64,
+        help="tokens per response, at most the targets' context (max_position_embeddings)",
     )
-    parser.add_argument("--num-prompts", type=positive, default=64, help="use the first N prompts")
+    parser.add_argument(
+        "--max-prompt-tokens",
+        type=int_in(1, MAX_CONTEXT),
+        default=512,
+        help="keep the last N prompt tokens",
+    )
+    parser.add_argument(
+        "--num-prompts",
+        type=int_in(1, MAX_PROMPTS),
+        default=64,
+        help=f"use the first N prompts, in [1, {MAX_PROMPTS}]",
+    )
     parser.add_argument(
         "--no-stop-at-eos", action="store_true", help="generate --max-new-tokens past EOS"
     )
@@ -326,6 +346,7 @@ def _run(args, prompts) -> DriftRun:
     import numpy as np
 
     from specdistill import drafts
+    from specdistill.bounds import context_limit
     from specdistill.drafts.hub import check_tokenizers, load_draft, load_target, load_tokenizer
     from specdistill.eval.drift import measure_scores
     from specdistill.eval.drift_gate import judge, markdown
@@ -344,6 +365,9 @@ def _run(args, prompts) -> DriftRun:
         check_tokenizers(tokenizer, load_tokenizer(args.draft), args.target_after, args.draft)
     before = load_target(args.target_before, args.adapter_before, dtype=args.dtype)
     after = load_target(args.target_after, args.adapter_after, dtype=args.dtype)
+    for name, target in ((args.target_before, before), (args.target_after, after)):
+        context = getattr(target.config, "max_position_embeddings", None)
+        context_limit("--max-new-tokens", args.max_new_tokens, context, name)
     threads.start(args.threads)  # once the models load: errors stay one line
     for model in (before, after, draft):
         model.to(args.device)

@@ -96,7 +96,7 @@ def _messages(messages, where: str) -> list[dict]:
 
 def _read_text(path: Path, opener) -> str:
     """The file's text; PromptError naming the file and line if it is not UTF-8 (a UTF-16
-    file named as such) or not the gzip file its name says."""
+    file named as such), holds a NUL byte (binary) or is not the gzip file its name says."""
     try:
         with opener(path, "rb") as f:
             raw = f.read()
@@ -105,6 +105,12 @@ def _read_text(path: Path, opener) -> str:
             raise
         raise PromptError(f"{path}: not a readable gzip file ({e})") from None
     text = utf8_text(raw, path, PromptError, "it")
+    if "\0" in text:  # valid UTF-8, but no text: a NUL-filled or binary file
+        line = text[: text.index("\0")].count("\n") + 1
+        raise PromptError(
+            f"{path}:{line}: a NUL byte: a binary file, not prompts; give a text file of "
+            "prompts (.txt lines, .jsonl or .json records)"
+        )
     return text.replace("\r\n", "\n").replace("\r", "\n")  # as text mode reads it
 
 

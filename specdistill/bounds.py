@@ -23,6 +23,7 @@ MAX_GAMMA = 64  # drafts per round: far beyond any useful γ
 MAX_BOOTSTRAP = 100_000  # bootstrap draws: the intervals settle long before
 MAX_BATCH = 1 << 20  # sequences in one batch (global or per device)
 MAX_CONTEXT = 1 << 24  # tokens: beyond any model's context (the target's is checked too)
+MAX_PROMPTS = 1 << 20  # prompts of one measurement, each answered by two targets
 
 
 class BoundsError(UserError):

@@ -143,6 +143,36 @@ def _recipe_path(path: Path) -> Path:
     raise RecipeError(f"recipe file not found: {path} (shipped recipes: {', '.join(names)})")
 
 
+class _DuplicateKey(Exception):
+    """A mapping of the recipe file that writes one key twice (`line`, `first`: 1-based)."""
+
+    def __init__(self, key, line: int, first: int):
+        super().__init__(key, line, first)
+        self.key, self.line, self.first = key, line, first
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """PyYAML's safe loader, except that a key written twice in one mapping is an error
+    (`_DuplicateKey`) rather than silently the last value. Keys a merge (`<<`) brings in
+    may still be overridden, as YAML intends."""
+
+    def construct_mapping(self, node, deep=False):
+        if isinstance(node, yaml.MappingNode):
+            seen: dict = {}
+            for key_node, _ in node.value:
+                if key_node.tag == "tag:yaml.org,2002:merge":
+                    continue
+                key = self.construct_object(key_node, deep=True)
+                try:
+                    first = seen.setdefault(key, key_node)
+                except TypeError:  # an unhashable key: PyYAML's own error follows
+                    continue
+                if first is not key_node:
+                    line = key_node.start_mark.line + 1
+                    raise _DuplicateKey(key, line, first.start_mark.line + 1)
+        return super().construct_mapping(node, deep)
+
+
 def _key_lines(node: yaml.Node, prefix: str = "") -> dict[str, int]:
     """Dotted key -> the 1-based line of the YAML file that writes it."""
     lines = {}
@@ -166,10 +196,15 @@ def _read(path: Path) -> tuple[dict, dict[str, int]]:
     """The recipe file's mapping and the line of each key."""
     text = _text(path)
     try:
-        raw = yaml.safe_load(text)
+        raw = yaml.load(text, Loader=_UniqueKeyLoader)
         lines = _key_lines(yaml.compose(text, Loader=yaml.SafeLoader))
     except yaml.YAMLError as e:
         raise RecipeError(f"{path}: not valid YAML ({e})") from None
+    except _DuplicateKey as e:
+        raise RecipeError(
+            f"{path}:{e.line}: key {e.key!r} is written twice in one mapping (also at line "
+            f"{e.first}); keep one"
+        ) from None
     except RecursionError:
         raise RecipeError(f"{path}: {_TOO_DEEP}") from None
     if raw is None:  # an empty file (or only comments): most likely not what was meant

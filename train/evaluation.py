@@ -55,7 +55,7 @@ class Evaluator:
         self._tau_texts: tuple[list, list] | None = None  # (prompts, target's outputs)
         self._prompt_texts: tuple[list, list] | None = None  # the same for eval.prompts
         self._mixture_texts: dict[float, list] = {}  # other temperatures' outputs
-        self.prompt_ids = outside_prompts(recipe, core.kind, tokenizer)
+        self.prompt_ids = outside_prompts(recipe, core.kind, tokenizer, core.target)
 
     def batches(self) -> list[dict]:
         return self.held.held_out(self.recipe.eval.max_sequences)
@@ -293,11 +293,22 @@ class Evaluator:
         return record
 
 
-def outside_prompts(recipe, kind, tokenizer) -> list[list[int]]:
+def prompts_max_tokens(recipe, target=None) -> int:
+    """eval.prompts_max_tokens as a run uses it: the recipe's value when it sets the key (the
+    trainer refuses one beyond the target's context), else the default cut to the target's
+    context (`max_position_embeddings`; unknown: the default)."""
+    e = recipe.eval
+    context = getattr(getattr(target, "config", None), "max_position_embeddings", None)
+    if "prompts_max_tokens" in e.model_fields_set or not isinstance(context, int) or context < 1:
+        return e.prompts_max_tokens
+    return min(e.prompts_max_tokens, context)
+
+
+def outside_prompts(recipe, kind, tokenizer, target=None) -> list[list[int]]:
     """eval.prompts as token ids (eval/prompt_source.py; [] when unset), read when the run
-    starts so that a bad source stops it before training. The chain τ_pred samples the
-    draft's own chains: a draft type without them (`capabilities.accepted_length`) is
-    refused."""
+    starts so that a bad source stops it before training, each cut to `prompts_max_tokens`.
+    The chain τ_pred samples the draft's own chains: a draft type without them
+    (`capabilities.accepted_length`) is refused."""
     e = recipe.eval
     if e.prompts is None:
         return []
@@ -307,5 +318,8 @@ def outside_prompts(recipe, kind, tokenizer) -> list[list[int]]:
             f"draft.type={recipe.draft.type} does not draft; unset eval.prompts"
         )
     return source_prompt_ids(
-        e.prompts, tokenizer, limit=e.prompts_limit, max_tokens=e.prompts_max_tokens
+        e.prompts,
+        tokenizer,
+        limit=e.prompts_limit,
+        max_tokens=prompts_max_tokens(recipe, target),
     )

@@ -332,7 +332,8 @@ class EvalConfig(Section):
     prompts_limit: int = recipe_key(8, "the first N prompts of eval.prompts", ge=1)
     prompts_max_tokens: int = recipe_key(
         256,
-        "each eval.prompts prompt is cut to its last N tokens, at most the target's context",
+        "each eval.prompts prompt is cut to its last N tokens: at most the target's context "
+        "(max_position_embeddings); the default is cut to that context when it is shorter",
         ge=1,
         le=MAX_CONTEXT,
     )

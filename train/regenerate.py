@@ -240,7 +240,7 @@ def _regenerate_into(
         no_prompts(r.data.train, skipped)
     if limit:
         jobs = jobs[:limit]
-    done = answered(out)
+    done, failed = answered(out), read_failures(out / FAILURES)  # before anything is written
     todo = [j for j in jobs if j.hash not in done]
     manifest = {
         "format": "specdistill-regenerated",
@@ -266,7 +266,7 @@ def _regenerate_into(
         retries=retries,
         writer=ShardWriter(out, shard_records),
         failures_path=out / FAILURES,
-        failed=read_failures(out / FAILURES),
+        failed=failed,
         print=print,
     )
     _answer_all(answering, todo, f"regenerate {out.name}")

@@ -5,8 +5,9 @@ which prompts it already answers (train/regenerate.py writes through these).
     OUT/regen-000001.jsonl, ...   one record per line (SHARD), written by ShardWriter
     OUT/failures.jsonl            FAILURES: one line per prompt still unanswered
 
-A shard line that is no record of ours, or a manifest that is not the object a run writes, is
-a `DamagedOutputError` naming it: a rerun never answers beside files it cannot trust.
+A shard line that is no record of ours, a failures line that is no failure of ours, or a
+manifest that is not the object a run writes, is a `DamagedOutputError` naming it: a rerun
+never answers beside files it cannot trust.
 """
 
 import contextlib
@@ -133,15 +134,28 @@ class ShardWriter:
 
 
 def read_failures(path: Path) -> dict[str, dict]:
-    """prompt hash -> its latest failure (a file of earlier runs may repeat a hash)."""
+    """prompt hash -> its latest failure (a file of earlier runs may repeat a hash). The file
+    is only ever replaced whole (`write_failures`), so a line that is no failure record of
+    ours is damage: DamagedOutputError naming `path:line`, before anything is written."""
     failed: dict[str, dict] = {}
-    if path.is_file():
-        for raw in path.read_bytes().split(b"\n"):
-            try:
-                failure = json.loads(raw)
-                failed[failure["prompt_hash"]] = failure
-            except (ValueError, KeyError, TypeError):
-                continue
+    if not path.exists():
+        return failed
+    if not path.is_file():
+        raise DamagedOutputError(f"{path} is not a file: remove it, or use another --out")
+    for lineno, raw in enumerate(path.read_bytes().split(b"\n"), 1):
+        if not raw.strip():
+            continue
+        try:
+            failure = json.loads(raw)
+        except (ValueError, RecursionError):
+            failure = None
+        if not isinstance(failure, dict) or not isinstance(failure.get("prompt_hash"), str):
+            raise DamagedOutputError(
+                f"{path}:{lineno} is not a failure record this command wrote: delete "
+                f"{path.name} (its prompts are not in the shards, so they are answered again; "
+                "only their earlier attempt counts are lost) or use another --out"
+            )
+        failed[failure["prompt_hash"]] = failure
     return failed
 
 

@@ -76,6 +76,19 @@ def check_checkpoint_weights(checkpoint: Path, model) -> None:
         )
 
 
+def _check_parents(out: Path) -> None:
+    """RecipeError when the nearest existing directory above `out` is a file (or anything
+    but a directory): the run could never create its output_dir there."""
+    for parent in out.absolute().parents:
+        if parent.exists() or parent.is_symlink():
+            if not parent.is_dir():
+                raise RecipeError(
+                    f"train.output_dir {out} lies under {parent}, which is not a directory; "
+                    "choose a train.output_dir under a directory"
+                )
+            return
+
+
 def prepare_output_dir(recipe: Recipe) -> RunPlan:
     """Check train.output_dir and train.resume against each other and against what is on disk,
     before any model or data is loaded (minutes on a real model) and before anything is
@@ -91,6 +104,7 @@ def prepare_output_dir(recipe: Recipe) -> RunPlan:
     out = Path(t.output_dir)
     if out.exists() and not out.is_dir():
         raise RecipeError(f"train.output_dir {out} exists and is not a directory")
+    _check_parents(out)
     used = out.is_dir() and any(out.iterdir())
     if t.resume not in ("no", "auto"):
         path = Path(t.resume)

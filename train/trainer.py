@@ -110,7 +110,8 @@ def report_finished(recipe, out: Path, finished: dict, say=print) -> dict:
 def check_context(r: Recipe, target) -> None:
     """RecipeError when `data.max_length`, or `eval.prompts_max_tokens` set with
     `eval.prompts`, is beyond the target's context (its `max_position_embeddings`): positions
-    it never saw."""
+    it never saw. A default `eval.prompts_max_tokens` is cut to the context instead
+    (train/evaluation.py `prompts_max_tokens`)."""
     from specdistill.bounds import BoundsError, context_limit
 
     context = getattr(target.config, "max_position_embeddings", None)

@@ -114,3 +114,40 @@ def test_depth_beyond_an_eagle3_drafts_trained_depths_is_one_line(
     head = load_draft(str(two_depth_head))
     drift_cli._check_depth(2, drafts.type_of(head), head)  # its own depths are accepted
 
+
+@pytest.mark.parametrize(
+    "option, value",
+    [
+        ("--max-new-tokens", "0"),
+        ("--max-new-tokens", str(10**30)),
+        ("--max-prompt-tokens", str(10**30)),
+        ("--num-prompts", "0"),
+        ("--num-prompts", str(10**30)),
+    ],
+)
+def test_lengths_and_prompt_counts_past_the_machine_are_usage_errors(
+    tiny_pair, tmp_path, capsys, option, value
+):
+    target, draft, _ = tiny_pair
+    out = tmp_path / "out"
+    with pytest.raises(SystemExit) as info:
+        drift_cli.main([*_argv(draft, target, _prompts(tmp_path), out), option, value])
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert f"argument {option}: needs an integer in [1, " in err and "Traceback" not in err
+    assert not out.exists()
+
+
+def test_new_tokens_beyond_the_targets_context_are_one_line(tiny_pair, tmp_path, capsys):
+    from specdistill.errors import run_guarded
+
+    target, draft, _ = tiny_pair
+    out = tmp_path / "out"
+    argv = [*_argv(draft, target, _prompts(tmp_path), out), "--max-new-tokens", "129"]
+    assert run_guarded(drift_cli.main, argv) == 2
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.startswith("error:")]
+    assert len(lines) == 1 and "Traceback" not in err, err
+    assert "--max-new-tokens = 129 is beyond the context of" in lines[0]
+    assert "128 positions" in lines[0]
+    assert not out.exists()

@@ -78,3 +78,22 @@ def test_a_missing_source_and_a_type_without_chains_are_refused(tiny_pair, tmp_p
     recipe = load_recipe(None, overrides(tiny_pair, tmp_path / "run", **extra))
     with pytest.raises(UserError, match="draft.type=parallel does not draft; unset eval.prompts"):
         outside_prompts(recipe, Parallel, None)
+
+
+@pytest.mark.parametrize("content", [b"\0" * 4096, b"def f():\n" + b"\0\x01\x02" * 100 + b"\n"])
+def test_a_binary_prompt_file_is_refused_in_one_line(tiny_pair, tmp_path, capsys, content):
+    from specdistill import cli
+    from specdistill.eval.prompts import PromptError, load_prompts
+
+    path = tmp_path / "prompts.txt"
+    path.write_bytes(content)
+    line = content[: content.index(b"\0")].count(b"\n") + 1
+    with pytest.raises(PromptError, match=f"^{path}:{line}: a NUL byte: a binary file"):
+        load_prompts(path)
+    out = tmp_path / "run"
+    assert cli.main(["distill", *overrides(tiny_pair, out, **{"eval.prompts": str(path)})]) == 2
+    err = capsys.readouterr().err
+    lines = [x for x in err.splitlines() if x.startswith("error:")]
+    assert len(lines) == 1 and "Traceback" not in err, err
+    assert f"{path}:{line}: a NUL byte" in lines[0]
+    assert not out.exists() or not any(out.iterdir())

@@ -25,6 +25,11 @@ def _one_line(err: str) -> str:
     return lines[0]
 
 
+def _files(out) -> dict[str, bytes]:
+    """The bytes of each file of `out` but its lock."""
+    return {p.name: p.read_bytes() for p in out.iterdir() if p.is_file() and p.name != ".lock"}
+
+
 def test_a_second_prepare_on_one_directory_is_refused(tiny_pair, tmp_path, capsys):
     out = tmp_path / "answers"
     with DirLock(out, "another prepare or regenerate"):  # a first run, still writing
@@ -118,3 +123,26 @@ def test_a_full_disk_is_one_line_and_a_rerun_resumes(tiny_pair, tmp_path, capsys
     answers = _answers(tmp_path / "answers")
     assert len({a["prompt_hash"] for a in answers}) == len(answers) == 6
     assert json.loads((tmp_path / "answers" / "manifest.json").read_text())["complete"]
+
+
+@pytest.mark.parametrize(
+    "garbage, line",
+    [
+        (b"\x00\x01garbage\n", 1),
+        (b"[1, 2]\n", 1),
+        (b'{"attempts": 3}\n', 1),
+        (b'{"prompt_hash": "ab", "attempts": 1, "runs": 1}\nnot json\n', 2),
+        (b"\xff\xfe" * 8, 1),
+    ],
+)
+def test_a_garbage_failures_file_is_named_not_skipped(tiny_pair, tmp_path, capsys, garbage, line):
+    """failures.jsonl is only ever replaced whole: a line that is no failure of ours is
+    damage, named before anything is written, not a line silently dropped (and its
+    attempt counts with it) on the next rewrite."""
+    out = tmp_path / "answers"
+    assert cli.main(_prepare(tiny_pair, tmp_path)) == 0
+    (out / "failures.jsonl").write_bytes(garbage)
+    before = _files(out)
+    assert cli.main(_prepare(tiny_pair, tmp_path)) == 2
+    assert f"failures.jsonl:{line} is not a failure record" in _one_line(capsys.readouterr().err)
+    assert _files(out) == before

@@ -81,3 +81,37 @@ def test_an_eagle3_vocabulary_beyond_the_targets_is_one_recipe_error(
     assert "target's vocabulary" in lines[0]
     assert not out.exists() or not any(out.iterdir())
 
+
+def test_the_default_prompt_length_is_cut_to_a_shorter_context(tiny_pair, tmp_path):
+    """The default eval.prompts_max_tokens (256) on the 128-position tiny target is no error
+    (the user did not choose it): the run's prompts are cut to 128 tokens; a value set is
+    kept."""
+    from specdistill.train.trainer import Trainer
+
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("x = 1; " * 400 + "\n")
+    argv = overrides(tiny_pair, tmp_path / "run", **{"eval.prompts": str(prompts)})
+    recipe = load_recipe(None, argv)
+    assert recipe.eval.prompts_max_tokens == 256
+    assert [len(p) for p in Trainer.from_recipe(recipe).evaluator.prompt_ids] == [128]
+    recipe = load_recipe(None, [*argv, "eval.prompts_max_tokens=40"])
+    assert [len(p) for p in Trainer.from_recipe(recipe).evaluator.prompt_ids] == [40]
+    assert not (tmp_path / "run").exists()
+
+
+def test_an_eagle3_vocabulary_other_than_the_saved_heads_is_one_recipe_error(
+    tiny_pair, tmp_path, capsys
+):
+    from specdistill.drafts.eagle3_head import Eagle3Head
+    from specdistill.drafts.hub import load_model
+
+    head = Eagle3Head.from_target(load_model(str(tiny_pair[0])), aux_layers=[0, 1])
+    head.save_pretrained(tmp_path / "head", verifier=str(tiny_pair[0]))
+    out = tmp_path / "run"
+    extra = {"draft.model": str(tmp_path / "head"), "draft.vocab_size": 200}
+    assert cli.main(["distill", *eagle_overrides(tiny_pair, tiny_pair[0], out, **extra)]) == 2
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.startswith("recipe error:")]
+    assert len(lines) == 1 and "Traceback" not in err, err
+    assert f"is a head with V_d {head.draft_vocab_size}; draft.vocab_size=200 differs" in lines[0]
+    assert not out.exists() or not any(out.iterdir())
