@@ -111,7 +111,62 @@ def prepare(recipe, *, batch_size: int = 32, print=print) -> list[PreparedSet]:
             f"{result.tokens:,} answer tokens in {out} ({time.monotonic() - started:.0f} s)"
         )
         done.append(result)
+    teacher_outputs(recipe, target, tokenizer, print)
     return done
+
+
+def teacher_outputs(recipe, target, tokenizer, print=print) -> dict | None:
+    """With `target.cache` set, what training reads from the target instead of running it:
+    its log-probabilities over the recipe's training data (over the draft's own columns for
+    a draft over a reduced vocabulary, else its top-N: train/target_cache_build.py), built
+    once after the answers; a cache that already serves this data is kept. -> its manifest."""
+    from specdistill.drafts import hub, planned
+    from specdistill.train.config import recipe_datasets
+    from specdistill.train.target_cache import CacheError, TargetCache
+    from specdistill.train.target_cache_build import build_cache
+
+    r = recipe
+    if r.target.cache is None:
+        return None
+    columns = "draft" if planned(r.draft).capabilities.vocab_targets else "top-n"
+    train_data, eval_data = recipe_datasets(r, tokenizer)
+    path = Path(r.target.cache)
+    if (path / "manifest.json").is_file():
+        try:
+            cache = TargetCache(path)
+            cache.check(
+                tokenizer=tokenizer,
+                target_cfg=r.target,
+                target=target,
+                datasets={"train": train_data},
+                vocab_size=hub.shared_vocab_size(target, None, tokenizer),
+            )
+            if cache.columns == columns and (
+                columns != "draft" or cache.top_n == r.draft.vocab_size
+            ):
+                print(f"prepare: the target's outputs in {path} serve this data: kept")
+                return cache.manifest
+        except CacheError as e:
+            print(f"prepare: rebuilding {path}: {e}")
+    started = time.monotonic()
+    print(f"prepare: the target's outputs over the training data -> {path} ({columns})")
+    manifest = build_cache(
+        r,
+        path,
+        columns=columns,
+        splits=("train",),
+        target=target,
+        tokenizer=tokenizer,
+        train_data=train_data,
+        eval_data=eval_data,
+        overwrite=True,
+        print=print,
+    )
+    print(
+        f"prepare: {manifest['positions']:,} positions, {manifest['total_bytes'] / 2**20:,.0f} "
+        f"MiB in {path} ({time.monotonic() - started:.0f} s)"
+    )
+    return manifest
 
 
 def build_parser():

@@ -114,11 +114,12 @@ def _draft_checks(recipe: Recipe, can: "Capabilities", explicit: set[str]) -> li
 
 
 def _columns(cache: str | None) -> str | None:
-    """The columns of the cache at `cache` ("top-n" or "draft"), None without one; a cache
-    whose manifest cannot be read counts as top-N here (opening it says what is wrong)."""
+    """The columns of the cache at `cache` ("top-n" or "draft"); None without one, or when
+    its manifest cannot be read yet (`specdistill prepare` builds it; opening it checks the
+    draft type again: `TargetCache.bind`)."""
     from specdistill.train.target_cache_vocab import cache_columns
 
-    return None if cache is None else cache_columns(cache) or "top-n"
+    return None if cache is None else cache_columns(cache)
 
 
 def _cache_asks(recipe: Recipe, can: "Capabilities", columns: str | None) -> list[Check]:

@@ -117,6 +117,14 @@ class StepMetrics:
         }
 
 
+def _head_labels(head, objective, shares) -> list | None:
+    """An empty list for the loss to fill with the acceptance head's labels where they are
+    the loss's own α (`HeadTraining.labels_from`), else None: the head computes them."""
+    if head is None or objective.token is None or not shares:
+        return None
+    return [] if head.labels_from(shares, objective.sampling(shares[0])) else None
+
+
 def check_finite(metrics: StepMetrics, nonfinite: int) -> None:
     """`TrainingDiverged` unless the step's losses are finite and no trained parameter went
     NaN or infinite."""
@@ -342,12 +350,8 @@ class DistillStep:
             record = head.inputs(self.draft_module()) if head is not None else nullcontext()
             with record:
                 depths = self.targets.depths(self.draft, batch)
-            # the acceptance head's labels are the loss's α where they are the same α
-            labels = None
+            labels = _head_labels(head, objective, shares)
             if objective.token is not None:
-                sampling = objective.sampling(shares[0]) if shares else None
-                if head is not None and head.labels_from(shares, sampling):
-                    labels = []
                 token = objective.token_sums(depths, shares, self.vocab_map(), labels)
             if head is not None:
                 with torch.enable_grad():

@@ -235,8 +235,21 @@ class TargetCache:
         return place_sparse_rows(mask, self.top_n, rows, mismatch)
 
     def bind(self, kind) -> None:
-        """Serve the draft type `kind` (a `drafts.types.DraftType`): a cache over a draft's
-        columns must hold this draft's K ids in its order (CacheError otherwise)."""
+        """Serve the draft type `kind` (a `drafts.types.DraftType`), which must train on this
+        cache's columns (its capabilities); a cache over a draft's columns must hold this
+        draft's K ids in its order. CacheError otherwise."""
+        can = kind.capabilities
+        wanted = "vocab_targets" if self.columns == "draft" else "sparse_targets"
+        generic = (
+            f"target.cache {self.path} holds the target over a reduced draft vocabulary's "
+            "columns, which this draft does not have: rebuild it with --columns top-n"
+            if self.columns == "draft"
+            else f"target.cache {self.path} is a top-N cache, which this draft type does not "
+            "train on: unset target.cache"
+        )
+        refusal = can.refusal(wanted, generic)
+        if refusal:
+            raise CacheError(refusal)
         if self.columns != "draft":
             return
         problem = draft_ids_problem(self.manifest.get("draft_ids") or [], kind.draft_ids())

@@ -11,11 +11,11 @@ import pytest
 
 from specdistill import cli
 from specdistill.drafts import registry
-from tests.drafts.test_registry import _entry, tiny_gguf  # noqa: F401 (a fixture)
+from tests.drafts.registry_helpers import registry_entry
 
 
 @pytest.fixture
-def converted(tmp_path, monkeypatch, tiny_gguf):  # noqa: F811
+def converted(tmp_path, monkeypatch, tiny_gguf):
     """The tiny GGUF converted into a private cache (from an "installed" package)."""
     gguf_path = tiny_gguf[0]
     site = tmp_path / "site"
@@ -24,7 +24,7 @@ def converted(tmp_path, monkeypatch, tiny_gguf):  # noqa: F811
     (site / "llm_tinytest" / gguf_path.name).write_bytes(gguf_path.read_bytes())
     monkeypatch.syspath_prepend(str(site))
     monkeypatch.setenv("SPECDISTILL_CACHE", str(tmp_path / "cache"))
-    monkeypatch.setitem(registry.REGISTRY, "tiny-test", _entry(gguf_path))
+    monkeypatch.setitem(registry.REGISTRY, "tiny-test", registry_entry(gguf_path))
     monkeypatch.setattr(registry, "_fetch", lambda *a: pytest.fail("pip was asked"))
     return Path(registry.resolve("registry:tiny-test"))
 
@@ -73,11 +73,11 @@ def test_a_source_record_that_is_no_object_converts_again(converted):
 
 
 def test_a_cache_that_is_a_file_or_a_lock_that_is_a_directory_is_one_line(
-    tmp_path, monkeypatch, tiny_gguf  # noqa: F811
+    tmp_path, monkeypatch, tiny_gguf
 ):
     from specdistill.errors import ANTICIPATED
 
-    monkeypatch.setitem(registry.REGISTRY, "tiny-test", _entry(tiny_gguf[0]))
+    monkeypatch.setitem(registry.REGISTRY, "tiny-test", registry_entry(tiny_gguf[0]))
     cache = tmp_path / "cache"
     cache.write_text("a file")
     monkeypatch.setenv("SPECDISTILL_CACHE", str(cache))

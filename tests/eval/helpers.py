@@ -92,3 +92,12 @@ def sample_pairs(pair, gamma, temperature=1.0, top_p=None, top_k=None, seed=0, b
         seed=seed,
         batch_size=batch_size,
     )
+
+
+def drift_argv(draft, target, prompts, out, *extra):
+    """`specdistill drift` arguments: one target before and after, small and quick."""
+    return [
+        "--draft", str(draft), "--target-before", str(target), "--target-after", str(target),
+        "--prompts", str(prompts), "--out", str(out), "--max-new-tokens", "6",
+        "--bootstrap", "100", "--min-samples", "4", "--device", "cpu", *extra,
+    ]  # fmt: skip

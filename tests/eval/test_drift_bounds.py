@@ -10,7 +10,7 @@ import pytest
 
 from specdistill.eval import drift_cli
 from specdistill.eval.drift_gate import parse_mix
-from tests.eval.test_drift_gate import _argv
+from tests.eval.helpers import drift_argv
 
 
 def _prompts(tmp_path):
@@ -49,7 +49,7 @@ def test_numbers_out_of_range_are_usage_errors(tiny_pair, tmp_path, capsys, opti
     target, draft, _ = tiny_pair
     out = tmp_path / "out"
     with pytest.raises(SystemExit) as info:
-        drift_cli.main([*_argv(draft, target, _prompts(tmp_path), out), option, value])
+        drift_cli.main([*drift_argv(draft, target, _prompts(tmp_path), out), option, value])
     assert info.value.code == 2
     err = capsys.readouterr().err
     assert f"argument {option}: needs" in err and "Traceback" not in err
@@ -61,7 +61,7 @@ def test_depth_on_a_standalone_draft_is_one_line(tiny_pair, tmp_path):
 
     target, draft, _ = tiny_pair
     out = tmp_path / "out"
-    argv = [*_argv(draft, target, _prompts(tmp_path), out), "--depth", "3"]
+    argv = [*drift_argv(draft, target, _prompts(tmp_path), out), "--depth", "3"]
     assert run_guarded(drift_cli.main, argv) == 2
     assert not out.exists()
 
@@ -70,12 +70,16 @@ def test_a_tiny_temperature_is_measured_greedily(tiny_pair, tmp_path):
     """draft = target: α is 1 at every temperature; at 1e-300 too (not 0, which no gate fires
     on), reported as greedy."""
     target, _, _ = tiny_pair
-    argv = [*_argv(target, target, _prompts(tmp_path), tmp_path / "a"), "--temperature", "1e-300"]
+    argv = [
+        *drift_argv(target, target, _prompts(tmp_path), tmp_path / "a"),
+        "--temperature",
+        "1e-300",
+    ]
     run = drift_cli.run(argv)
     assert list(run.reports) == [0.0]
     assert run.reports[0.0]["alpha_before"] == pytest.approx(1.0)
     mix = ["--temperature-mix", "1e-300:1,1e-7:1,1:2", "--fail-if-drop-above", "0"]
-    run = drift_cli.run([*_argv(target, target, _prompts(tmp_path), tmp_path / "b"), *mix])
+    run = drift_cli.run([*drift_argv(target, target, _prompts(tmp_path), tmp_path / "b"), *mix])
     assert sorted(run.reports) == [0.0, 1.0]
     assert run.gate.weights == {"0": 0.5, "1": 0.5}
     assert all(r["alpha_before"] == pytest.approx(1.0) for r in run.reports.values())
@@ -104,7 +108,7 @@ def test_depth_beyond_an_eagle3_drafts_trained_depths_is_one_line(
 
     target, _, _ = tiny_pair
     out = tmp_path / "out"
-    argv = [*_argv(two_depth_head, target, _prompts(tmp_path), out), "--depth", "3"]
+    argv = [*drift_argv(two_depth_head, target, _prompts(tmp_path), out), "--depth", "3"]
     assert run_guarded(drift_cli.main, argv) == 2
     err = capsys.readouterr().err
     lines = [line for line in err.splitlines() if line.startswith("error:")]
@@ -131,7 +135,7 @@ def test_lengths_and_prompt_counts_past_the_machine_are_usage_errors(
     target, draft, _ = tiny_pair
     out = tmp_path / "out"
     with pytest.raises(SystemExit) as info:
-        drift_cli.main([*_argv(draft, target, _prompts(tmp_path), out), option, value])
+        drift_cli.main([*drift_argv(draft, target, _prompts(tmp_path), out), option, value])
     assert info.value.code == 2
     err = capsys.readouterr().err
     assert f"argument {option}: needs an integer in [1, " in err and "Traceback" not in err
@@ -143,7 +147,7 @@ def test_new_tokens_beyond_the_targets_context_are_one_line(tiny_pair, tmp_path,
 
     target, draft, _ = tiny_pair
     out = tmp_path / "out"
-    argv = [*_argv(draft, target, _prompts(tmp_path), out), "--max-new-tokens", "129"]
+    argv = [*drift_argv(draft, target, _prompts(tmp_path), out), "--max-new-tokens", "129"]
     assert run_guarded(drift_cli.main, argv) == 2
     err = capsys.readouterr().err
     lines = [line for line in err.splitlines() if line.startswith("error:")]

@@ -10,6 +10,7 @@ import pytest
 from specdistill.eval import drift, drift_cli
 from specdistill.eval.drift_gate import judge, parse_mix, tau
 from specdistill.eval.stats import tau_chain, tau_iid
+from tests.eval.helpers import drift_argv
 from tests.helpers import make_lora_adapter
 
 
@@ -120,14 +121,6 @@ def test_mixture_is_normalised():
     assert parse_mix("0:1, 1:3") == {0.0: 0.25, 1.0: 0.75}
 
 
-def _argv(draft, target, prompts, out, *extra):
-    return [
-        "--draft", str(draft), "--target-before", str(target), "--target-after", str(target),
-        "--prompts", str(prompts), "--out", str(out), "--max-new-tokens", "6",
-        "--bootstrap", "100", "--min-samples", "4", "--device", "cpu", *extra,
-    ]  # fmt: skip
-
-
 @pytest.fixture
 def gate_prompt_file(tmp_path):
     """A prompts.jsonl of 8 code prompts without categories."""
@@ -142,7 +135,7 @@ def test_exit_status_fails_a_deploy_on_a_real_drop(tiny_pair, gate_prompt_file, 
     α at both temperatures: exit 1 past a threshold, 0 under it, reports per temperature."""
     target, _, _ = tiny_pair
     adapter = make_lora_adapter(target, tmp_path / "adapter", scale=2.0)
-    base = _argv(
+    base = drift_argv(
         target, target, gate_prompt_file, tmp_path / "gate", "--adapter-after", str(adapter)
     )
     base += ["--temperature", "0,1"]
@@ -185,7 +178,9 @@ def test_main_exits_1_only_when_the_gate_fails(monkeypatch):
 
 def test_self_drift_passes_at_a_mixture(tiny_pair, gate_prompt_file, tmp_path):
     target, draft, _ = tiny_pair
-    argv = _argv(draft, target, gate_prompt_file, tmp_path / "mix", "--temperature-mix", "0:1,1:3")
+    argv = drift_argv(
+        draft, target, gate_prompt_file, tmp_path / "mix", "--temperature-mix", "0:1,1:3"
+    )
     run = drift_cli.run([*argv, "--fail-if-drop-above", "0"])
     assert not run.gate.failed and run.gate.weights == {"0": 0.25, "1": 0.75}
     assert run.gate.checks[-1].name == "mixture" and run.gate.checks[-1].drop_ci == [0.0, 0.0]
@@ -194,7 +189,7 @@ def test_self_drift_passes_at_a_mixture(tiny_pair, gate_prompt_file, tmp_path):
 
 def test_temperature_and_mixture_are_exclusive(tiny_pair, gate_prompt_file, tmp_path, capsys):
     target, draft, _ = tiny_pair
-    argv = _argv(draft, target, gate_prompt_file, tmp_path / "x", "--temperature", "0")
+    argv = drift_argv(draft, target, gate_prompt_file, tmp_path / "x", "--temperature", "0")
     with pytest.raises(SystemExit) as exit_:
         drift_cli.main([*argv, "--temperature-mix", "0:1"])
     assert exit_.value.code == 2 and "not allowed with" in capsys.readouterr().err
@@ -231,7 +226,7 @@ def test_the_traffic_logs_mixture_is_its_share_of_completion_tokens(tmp_path):
 def test_the_gate_judges_the_traffic_logs_mixture(tiny_pair, gate_prompt_file, tmp_path):
     target, draft, _ = tiny_pair
     traffic = _traffic(tmp_path / "traffic", [(0.0, 1), (1.0, 3)])
-    argv = _argv(draft, target, gate_prompt_file, tmp_path / "out", "--traffic", str(traffic))
+    argv = drift_argv(draft, target, gate_prompt_file, tmp_path / "out", "--traffic", str(traffic))
     run = drift_cli.run([*argv, "--fail-if-drop-above", "0"])
     assert sorted(run.reports) == [0.0, 1.0] and run.gate.judged == "mixture"
     assert run.gate.weights == {"0": 0.25, "1": 0.75} and not run.gate.failed

@@ -157,3 +157,33 @@ def one_line_error(err: str) -> str:
     lines = [line for line in err.splitlines() if line.startswith("error:")]
     assert len(lines) == 1 and "Traceback" not in err, err
     return lines[0]
+
+
+def prepare_overrides(tiny_pair, tmp_path, **extra):
+    """The tiny pair's recipe with a prepare section: 6 training prompts, 10 held out."""
+    _, _, data = tiny_pair
+    train_out, eval_out = tmp_path / "answers", tmp_path / "heldout"
+    return overrides(
+        tiny_pair,
+        tmp_path / "run",
+        **{
+            "data.train": f"{train_out}/regen-*.jsonl",
+            "data.eval": f"{eval_out}/regen-*.jsonl",
+            "prepare.train.prompts": f"{data}/f0*.py",
+            "prepare.train.out": str(train_out),
+            "prepare.train.limit": 6,
+            "prepare.eval.prompts": f"{data}/f1*.py",
+            "prepare.eval.out": str(eval_out),
+            "prepare.max_new_tokens": 5,
+            **extra,
+        },
+    )
+
+
+def read_answers(out):
+    """The records of a regenerate directory's shards, in order."""
+    return [
+        json.loads(line)
+        for shard in sorted(out.glob("regen-*.jsonl"))
+        for line in shard.read_text().splitlines()
+    ]

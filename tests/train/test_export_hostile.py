@@ -37,7 +37,9 @@ def test_speculative_tokens_beyond_any_gamma_are_refused(tiny_head_dir, tmp_path
     out = tmp_path / "out"
     argv = ["export", "--draft", str(tiny_head_dir), "--format", "vllm", "--out", str(out)]
     assert cli.main([*argv, "--speculative-tokens", n]) == 2
-    assert "--speculative-tokens must be an integer in [1, 64]" in _one_line(capsys.readouterr().err)
+    assert "--speculative-tokens must be an integer in [1, 64]" in _one_line(
+        capsys.readouterr().err
+    )
     assert not out.exists()
 
 

@@ -11,12 +11,12 @@ import pytest
 from specdistill import cli
 from specdistill.publish import DirLock
 from specdistill.train import regenerate_output
-from tests.train.test_prepare import _answers, _recipe_overrides
+from tests.train.helpers import prepare_overrides, read_answers
 
 
 def _prepare(tiny_pair, tmp_path, **extra) -> list[str]:
     extra = {"prepare.eval.prompts": "null", "data.eval": "null", **extra}
-    return ["prepare", "--batch-size", "4", *_recipe_overrides(tiny_pair, tmp_path, **extra)]
+    return ["prepare", "--batch-size", "4", *prepare_overrides(tiny_pair, tmp_path, **extra)]
 
 
 def _one_line(err: str) -> str:
@@ -38,7 +38,7 @@ def test_a_second_prepare_on_one_directory_is_refused(tiny_pair, tmp_path, capsy
     assert f"{out} is in use by another prepare or regenerate" in line
     assert not list(out.glob("regen-*.jsonl"))
     assert cli.main(_prepare(tiny_pair, tmp_path)) == 0  # once it is done: one set of answers
-    answers = _answers(out)
+    answers = read_answers(out)
     assert len({a["prompt_hash"] for a in answers}) == len(answers) == 6
 
 
@@ -46,7 +46,7 @@ def test_held_out_answers_in_the_training_directory_are_refused(tiny_pair, tmp_p
     same = tmp_path / "answers"
     argv = [
         "prepare",
-        *_recipe_overrides(
+        *prepare_overrides(
             tiny_pair,
             tmp_path,
             **{
@@ -66,7 +66,7 @@ def test_held_out_answers_in_the_training_directory_are_refused(tiny_pair, tmp_p
         ("empty.jsonl", b""),
         ("binary.jsonl", bytes(range(256)) * 4),
         ("utf16.jsonl", '{"text": "def f(x): return x"}\n'.encode("utf-16")),
-        ("lists.jsonl", b"[1, 2]\n\"text\"\n3\n"),
+        ("lists.jsonl", b'[1, 2]\n"text"\n3\n'),
         ("deep.jsonl", b"[" * 100_000 + b"]" * 100_000 + b"\n"),
         ("deep.json", b"[" * 100_000 + b"]" * 100_000),
     ],
@@ -118,9 +118,9 @@ def test_a_full_disk_is_one_line_and_a_rerun_resumes(tiny_pair, tmp_path, capsys
     assert cli.main(_prepare(tiny_pair, tmp_path)) == 2
     assert "No space left on device" in _one_line(capsys.readouterr().err)
     monkeypatch.undo()
-    assert len(_answers(tmp_path / "answers")) == 2
+    assert len(read_answers(tmp_path / "answers")) == 2
     assert cli.main(_prepare(tiny_pair, tmp_path)) == 0
-    answers = _answers(tmp_path / "answers")
+    answers = read_answers(tmp_path / "answers")
     assert len({a["prompt_hash"] for a in answers}) == len(answers) == 6
     assert json.loads((tmp_path / "answers" / "manifest.json").read_text())["complete"]
 

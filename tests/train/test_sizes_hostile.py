@@ -58,7 +58,9 @@ def test_threads_past_four_per_core_are_one_line(tmp_path):
     )
     assert flag.returncode == 2 and f"needs an integer in [1, {max_threads()}]" in flag.stderr
     env = {"OMP_NUM_THREADS": "1000000000", "PATH": "/usr/bin:/bin"}
-    omp = subprocess.run([sys.executable, "-c", code, *argv], capture_output=True, text=True, env=env)
+    omp = subprocess.run(
+        [sys.executable, "-c", code, *argv], capture_output=True, text=True, env=env
+    )
     assert omp.returncode == 2, omp.stderr
     assert omp.stderr.startswith("error: OMP_NUM_THREADS must be an integer in [1, ")
     assert len(omp.stderr.strip().splitlines()) == 1
