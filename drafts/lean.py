@@ -5,11 +5,12 @@ narrow layer is some twenty small tensor ops, and transformers' modules add thei
 work per layer. `KVStream` (drafts/kv_cache.py) therefore runs a supported model through
 this forward instead, with the model's own parameters and the same cache:
 
-- projections multiply by transposed, contiguous copies of the weights, q/k/v and gate/up
-  fused into one matrix each: for one row, MKL runs `x @ Wᵀ` with a K-major copy faster than
-  `F.linear(x, W)`; for 2..FEW_ROWS rows (a short verification) the widening projections
-  multiply `W @ xᵀ` with the row-major weights instead, which costs about one row's time
-  (`_Weight`);
+- projections multiply by copies of the weights laid out for the number of rows, q/k/v and
+  gate/up fused into one matrix each (`_Weight`, `_linear`): for one row, MKL runs `x @ Wᵀ`
+  with a K-major copy faster than `F.linear(x, W)`; for two rows the widening projections
+  multiply `W @ xᵀ` with the row-major weights; from PACKED_FROM rows (a verification of 2+
+  drafts, a batch, a prefill) oneDNN multiplies by weights prepacked for it, which costs
+  1.1-1.4 one-row steps for 3-9 rows where MKL's `x @ Wᵀ` cost 2.4-2.8;
 - RoPE is applied to q and k together, with cos/sin computed once per forward by the model's
   own rotary module (so every RoPE scaling type transformers knows works as it does there);
 - only the kept positions go through the final norm and the output head; their normed hidden
@@ -26,8 +27,8 @@ Supported: `model_type` llama, mistral (no sliding window), qwen2 (q/k/v biases)
 K-row head runs here, its K columns then placed among the target's ids, −inf elsewhere);
 SiLU MLPs, full attention in every layer, plain `nn.Linear`/`nn.Embedding` modules (no peft
 adapters, no quantized layers, no accelerate hooks), on CPU, with gradients off, and at most
-`MAX_WEIGHT_BYTES` (2 GiB) of weights, since the copies more than double them (every
-projection K-major, and the fused q/k/v and gate/up also row-major).
+`MAX_WEIGHT_BYTES` (2 GiB) of weights, since the copies can more than double them (each
+layout a forward has used: K-major, row-major for the fused q/k/v and gate/up, prepacked).
 Anything else keeps transformers' forward: `why_not(model)` says why. Not used on GPUs, where
 the weight copies would cost memory and the kernels' costs differ.
 

@@ -22,9 +22,8 @@ is judged by what it costs in tokens per round, whatever α it starts from.
 `GateReport` is DIR/gate.json's schema.
 """
 
-from collections.abc import Mapping
-
 import math
+from collections.abc import Mapping
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict
