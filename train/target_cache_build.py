@@ -209,16 +209,24 @@ class _Build:
         """Run the target over `data` and write `split`'s shards into `tmp`; return the
         split's manifest entry."""
         from specdistill.data import collate
+        from specdistill.drafts.progress import WorkProgress
 
         writer = ShardWriter(tmp, split, self.max_rows, self.dtype)
         pad = self.tokenizer.pad_token_id
-        for first in range(0, len(data), self.batch_size):
-            items = [data[i] for i in range(first, min(first + self.batch_size, len(data)))]
-            batch = {k: v.to(self.device) for k, v in collate(items, pad).items()}
-            if self.ids is None:
-                writer.add(*top_n_rows(self.target, batch, self.vocab_size, self.top_n))
-            else:
-                writer.add(*vocab_rows(self.target, batch, self.vocab_size, self.ids))
+        progress = WorkProgress(f"cache {split}", len(data)) if len(data) else None
+        try:
+            for first in range(0, len(data), self.batch_size):
+                items = [data[i] for i in range(first, min(first + self.batch_size, len(data)))]
+                batch = {k: v.to(self.device) for k, v in collate(items, pad).items()}
+                if self.ids is None:
+                    writer.add(*top_n_rows(self.target, batch, self.vocab_size, self.top_n))
+                else:
+                    writer.add(*vocab_rows(self.target, batch, self.vocab_size, self.ids))
+                if progress is not None:
+                    progress.advance(len(items), f"{first + len(items)}/{len(data)} sequences")
+        finally:
+            if progress is not None:
+                progress.close()
         writer.flush()
         rows = sum(s["rows"] for s in writer.shards)
         entry = {
