@@ -64,8 +64,10 @@ class TargetConfig(Section):
     )
     cache: str | None = recipe_key(
         None,
-        "a target cache directory (specdistill cache): the loss reads the target's "
-        "cached top-N instead of running it (standalone drafts); null: the live target",
+        "a target cache directory, written by specdistill prepare (after the answers) or "
+        "specdistill cache: the loss reads the target's stored log-probabilities (its top-N, "
+        "or a reduced draft vocabulary's columns) instead of running it (standalone drafts); "
+        "null: the live target",
     )
 
 

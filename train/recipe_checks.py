@@ -103,7 +103,7 @@ def _draft_checks(recipe: Recipe, can: "Capabilities", explicit: set[str]) -> li
             recipe.loss.chunk_size is not None,
             f"loss.chunk_size is not supported for {kind}: set loss.chunk_size=null",
         ),
-        *_cache_asks(recipe, can, _columns(recipe.target.cache)),
+        *_cache_asks(recipe, can, _columns(recipe.target.cache, can)),
         _asks(
             can,
             "eagle3_keys",
@@ -113,13 +113,15 @@ def _draft_checks(recipe: Recipe, can: "Capabilities", explicit: set[str]) -> li
     ]
 
 
-def _columns(cache: str | None) -> str | None:
-    """The columns of the cache at `cache` ("top-n" or "draft"); None without one, or when
-    its manifest cannot be read yet (`specdistill prepare` builds it; opening it checks the
-    draft type again: `TargetCache.bind`)."""
+def _columns(cache: str | None, can: "Capabilities") -> str | None:
+    """The columns of the cache at `cache` ("top-n" or "draft"); None without one. A cache
+    not built yet counts as what `specdistill prepare` would build for this draft type: its
+    own columns for a draft over a reduced vocabulary, else top-N."""
     from specdistill.train.target_cache_vocab import cache_columns
 
-    return None if cache is None else cache_columns(cache)
+    if cache is None:
+        return None
+    return cache_columns(cache) or ("draft" if can.vocab_targets else "top-n")
 
 
 def _cache_asks(recipe: Recipe, can: "Capabilities", columns: str | None) -> list[Check]:

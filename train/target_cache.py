@@ -117,7 +117,8 @@ class TargetCache:
         if not manifest.is_file():
             raise CacheError(
                 f"target.cache {self.path}: no {MANIFEST} (not a target cache, or a build that "
-                f"did not finish); build it with `specdistill cache --recipe R --out {self.path}`"
+                f"did not finish); build it with `specdistill prepare --recipe R` (a recipe with "
+                f"a prepare section) or `specdistill cache --recipe R --out {self.path}`"
             )
         try:
             self.manifest = json.loads(manifest.read_text())

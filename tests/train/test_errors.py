@@ -24,9 +24,13 @@ LOADERS = [load_tokenizer, load_model, load_draft]
 
 
 def test_zero_batch_sizes_are_recipe_errors():
-    with pytest.raises(RecipeError, match=r"train\.micro_batch_size must be >= 1, got 0"):
+    with pytest.raises(
+        RecipeError, match=r"train\.micro_batch_size must be in \[1, 1048576\], got 0"
+    ):
         load_recipe(None, ["train.micro_batch_size=0"])
-    with pytest.raises(RecipeError, match=r"train\.global_batch_size must be >= 1, got 0"):
+    with pytest.raises(
+        RecipeError, match=r"train\.global_batch_size must be in \[1, 1048576\], got 0"
+    ):
         load_recipe(None, ["train.global_batch_size=0"])
 
 

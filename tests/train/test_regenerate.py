@@ -8,6 +8,7 @@ import pytest
 from specdistill.data import build_datasets
 from specdistill.drafts.hub import load_tokenizer
 from specdistill.eval import engine
+from specdistill.train import regenerate as regenerate_module
 from specdistill.train.config import load_recipe
 from specdistill.train.regenerate import RegenerateError, Sampling, regenerate
 from specdistill.train.regenerate_output import FAILURES, answered
@@ -42,7 +43,8 @@ def _records(out):
     return lines
 
 
-def test_resume_after_a_kill_answers_each_prompt_once(tiny_pair, tmp_path):
+def test_resume_after_a_kill_answers_each_prompt_once(tiny_pair, tmp_path, monkeypatch):
+    monkeypatch.setattr(regenerate_module, "CHUNK_BATCHES", 1)  # a chunk is one batch here
     data = _chat_data(tmp_path)
     recipe = load_recipe(None, overrides(tiny_pair, tmp_path / "u", **{"data.train": str(data)}))
     out = tmp_path / "regen"
@@ -105,7 +107,8 @@ def _records_skipping_torn(out):
                 yield json.loads(line)
 
 
-def test_failures_are_retried_and_recorded(tiny_pair, tmp_path):
+def test_failures_are_retried_and_recorded(tiny_pair, tmp_path, monkeypatch):
+    monkeypatch.setattr(regenerate_module, "CHUNK_BATCHES", 1)  # a chunk is one batch here
     data = _chat_data(tmp_path, n=4)
     recipe = load_recipe(None, overrides(tiny_pair, tmp_path / "u", **{"data.train": str(data)}))
     out = tmp_path / "regen"
@@ -141,3 +144,28 @@ def test_failures_are_retried_and_recorded(tiny_pair, tmp_path):
         recipe, out, sampling=Sampling(max_new_tokens=4), batch_size=2, print=lambda *a: None
     )
     assert manifest["complete"] and manifest["answered"] == 4
+
+
+def test_the_engine_gets_several_batches_at_once_and_refills_its_rows(tiny_pair, tmp_path):
+    """Prompts go to the engine CHUNK_BATCHES batches at a time with the batch size as its
+    row count, so a row whose answer ended takes the next prompt of the chunk."""
+    data = _chat_data(tmp_path)
+    recipe = load_recipe(None, overrides(tiny_pair, tmp_path / "u", **{"data.train": str(data)}))
+    calls = []
+
+    def recorded(*args, **kwargs):
+        calls.append((len(args[2]), kwargs["batch_size"]))
+        return engine.generate(*args, **kwargs)
+
+    manifest = regenerate(
+        recipe,
+        tmp_path / "regen",
+        sampling=Sampling(max_new_tokens=4),
+        batch_size=2,
+        generate=recorded,
+        print=lambda *a: None,
+    )
+    chunk = 2 * regenerate_module.CHUNK_BATCHES
+    n = manifest["prompts"]
+    assert n > chunk and manifest["complete"]
+    assert calls == [(min(chunk, n - i), 2) for i in range(0, n, chunk)]
