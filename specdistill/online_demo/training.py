@@ -28,6 +28,20 @@ def fine_tune_target(args, out: Path) -> tuple[str, dict]:
     return str(adapter), info
 
 
+def context_cut(target: str, length: int) -> int:
+    """`length`, or the target's context (max_position_embeddings) where that is shorter: the
+    demo's sequences never run past what the target saw (a tiny test target has 128)."""
+    from transformers import AutoConfig
+
+    from specdistill.drafts import hub
+
+    path = hub.local_model_dir(target)
+    if path is None:  # a hub id: its config is read where the model loads
+        return length
+    context = getattr(AutoConfig.from_pretrained(path), "max_position_embeddings", None)
+    return length if context is None else min(length, context)
+
+
 def fit_draft(args, out: Path, adapter: str | None, code: list[str], heldout: list[str]) -> str:
     """`--fit-steps N`: the served draft is `--draft` distilled for N steps to the served target
     on the code traffic pool (what production traffic looked like before the shift)."""
@@ -43,7 +57,7 @@ def fit_draft(args, out: Path, adapter: str | None, code: list[str], heldout: li
         "draft.model": args.draft,
         "data.train": [str(data)],
         "data.eval": [str(evaluation)],
-        "data.max_length": 256,
+        "data.max_length": context_cut(args.target, 256),
         "data.pack": True,
         "loss.name": args.loss,
         "train.max_steps": args.fit_steps,
@@ -70,7 +84,7 @@ def recipe_for(args, out: Path, policy: str):
         "target.adapter": args.target_adapter,
         "draft.model": args.draft,
         "draft.type": "standalone",
-        "data.max_length": 512,
+        "data.max_length": context_cut(args.target, 512),
         "train.lr": args.lr,
         "train.seed": args.seed,
         "online.traffic": str(out / "traffic"),
