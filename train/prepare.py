@@ -124,11 +124,12 @@ def teacher_outputs(recipe, target, tokenizer, print=print) -> dict | None:
     from specdistill.train.config import recipe_datasets
     from specdistill.train.target_cache import CacheError, TargetCache
     from specdistill.train.target_cache_build import build_cache
+    from specdistill.train.target_cache_vocab import columns_for
 
     r = recipe
     if r.target.cache is None:
         return None
-    columns = "draft" if planned(r.draft).capabilities.vocab_targets else "top-n"
+    columns = columns_for(planned(r.draft).capabilities)
     train_data, eval_data = recipe_datasets(r, tokenizer)
     path = Path(r.target.cache)
     if (path / "manifest.json").is_file():

@@ -117,11 +117,11 @@ def _columns(cache: str | None, can: "Capabilities") -> str | None:
     """The columns of the cache at `cache` ("top-n" or "draft"); None without one. A cache
     not built yet counts as what `specdistill prepare` would build for this draft type: its
     own columns for a draft over a reduced vocabulary, else top-N."""
-    from specdistill.train.target_cache_vocab import cache_columns
+    from specdistill.train.target_cache_vocab import cache_columns, columns_for
 
     if cache is None:
         return None
-    return cache_columns(cache) or ("draft" if can.vocab_targets else "top-n")
+    return cache_columns(cache) or columns_for(can)
 
 
 def _cache_asks(recipe: Recipe, can: "Capabilities", columns: str | None) -> list[Check]:

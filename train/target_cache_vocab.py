@@ -21,6 +21,12 @@ import torch
 COLUMNS = ("top-n", "draft")
 
 
+def columns_for(capabilities) -> str:
+    """The columns a cache for a draft type of these `Capabilities` holds, as `specdistill
+    prepare` builds it: the draft's own for a draft over a reduced vocabulary, else top-N."""
+    return "draft" if capabilities.vocab_targets else "top-n"
+
+
 def cache_columns(path) -> str | None:
     """The columns a cache directory was built with ("top-n" for caches that do not say), or
     None when its manifest cannot be read (the cache's own checks then say why)."""
