@@ -43,12 +43,21 @@ def answered(out: Path) -> set[str]:
     return done
 
 
-def _prompt_hash(raw: bytes, where: str) -> str:
+def _hashed_record(raw: bytes) -> dict | None:
+    """The JSON object on line `raw` if it carries a string prompt_hash (what this command
+    writes, to the shards and to the failures file), else None."""
     try:
         record = json.loads(raw)
     except (ValueError, RecursionError):
-        record = None
+        return None
     if not isinstance(record, dict) or not isinstance(record.get("prompt_hash"), str):
+        return None
+    return record
+
+
+def _prompt_hash(raw: bytes, where: str) -> str:
+    record = _hashed_record(raw)
+    if record is None:
         raise DamagedOutputError(
             f"{where} is not an answer this command wrote: delete that shard (its prompts are "
             "answered again) or use another --out"
@@ -145,11 +154,8 @@ def read_failures(path: Path) -> dict[str, dict]:
     for lineno, raw in enumerate(path.read_bytes().split(b"\n"), 1):
         if not raw.strip():
             continue
-        try:
-            failure = json.loads(raw)
-        except (ValueError, RecursionError):
-            failure = None
-        if not isinstance(failure, dict) or not isinstance(failure.get("prompt_hash"), str):
+        failure = _hashed_record(raw)
+        if failure is None:
             raise DamagedOutputError(
                 f"{path}:{lineno} is not a failure record this command wrote: delete "
                 f"{path.name} (its prompts are not in the shards, so they are answered again; "
