@@ -19,6 +19,20 @@ def _prompts(tmp_path):
     return path
 
 
+def _usage_error(tiny_pair, tmp_path, capsys, option: str, value: str) -> str:
+    """Drift's stderr for `option value`, after checking it exited 2 with no traceback and
+    wrote nothing."""
+    target, draft, _ = tiny_pair
+    out = tmp_path / "out"
+    with pytest.raises(SystemExit) as info:
+        drift_cli.main([*drift_argv(draft, target, _prompts(tmp_path), out), option, value])
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    assert not out.exists()
+    return err
+
+
 @pytest.mark.parametrize("mix", ["1:1e400", "0:1,1:1e400", "1:1e308,0:1e308", "inf:1", "0:nan"])
 def test_an_overflowing_mixture_is_refused(mix):
     with pytest.raises(ValueError, match="finite"):
@@ -46,14 +60,8 @@ def test_an_overflowing_mixture_is_refused(mix):
     ],
 )
 def test_numbers_out_of_range_are_usage_errors(tiny_pair, tmp_path, capsys, option, value):
-    target, draft, _ = tiny_pair
-    out = tmp_path / "out"
-    with pytest.raises(SystemExit) as info:
-        drift_cli.main([*drift_argv(draft, target, _prompts(tmp_path), out), option, value])
-    assert info.value.code == 2
-    err = capsys.readouterr().err
-    assert f"argument {option}: needs" in err and "Traceback" not in err
-    assert not out.exists()
+    err = _usage_error(tiny_pair, tmp_path, capsys, option, value)
+    assert f"argument {option}: needs" in err
 
 
 def test_depth_on_a_standalone_draft_is_one_line(tiny_pair, tmp_path):
@@ -132,14 +140,8 @@ def test_depth_beyond_an_eagle3_drafts_trained_depths_is_one_line(
 def test_lengths_and_prompt_counts_past_the_machine_are_usage_errors(
     tiny_pair, tmp_path, capsys, option, value
 ):
-    target, draft, _ = tiny_pair
-    out = tmp_path / "out"
-    with pytest.raises(SystemExit) as info:
-        drift_cli.main([*drift_argv(draft, target, _prompts(tmp_path), out), option, value])
-    assert info.value.code == 2
-    err = capsys.readouterr().err
-    assert f"argument {option}: needs an integer in [1, " in err and "Traceback" not in err
-    assert not out.exists()
+    err = _usage_error(tiny_pair, tmp_path, capsys, option, value)
+    assert f"argument {option}: needs an integer in [1, " in err
 
 
 def test_new_tokens_beyond_the_targets_context_are_one_line(tiny_pair, tmp_path, capsys):
