@@ -80,3 +80,22 @@ def run_bounded(cmd: list[str], *, env: dict, timeout: float) -> subprocess.Comp
             f"follows.\n--- stdout (tail)\n{out[-3000:]}\n--- stderr (tail)\n{err[-12000:]}"
         )
     return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+
+def why_failed(proc: subprocess.CompletedProcess, limit: int = 6000) -> str:
+    """What a failed multi-process run printed that says why: each "Fatal Python error" with its
+    thread stacks (PYTHONFAULTHANDLER; the list of extension modules that follows is dropped), the
+    Python tracebacks, and then the tails of stdout and stderr."""
+    stories, keep = [], False
+    for line in proc.stderr.splitlines():
+        if line.startswith(("Fatal Python error", "Traceback", "terminate called")):
+            keep = True
+        elif line.startswith("Extension modules:"):
+            keep = False
+        if keep:
+            stories.append(line)
+    return (
+        f"exit {proc.returncode}\n--- crashes and tracebacks\n"
+        + "\n".join(stories)[:limit]
+        + f"\n--- stdout (tail)\n{proc.stdout[-1500:]}\n--- stderr (tail)\n{proc.stderr[-1500:]}"
+    )

@@ -89,5 +89,24 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def leave(code: int) -> None:
+    """End this process with `code`. One of several processes (torchrun's WORLD_SIZE > 1)
+    ends without finalizing the interpreter: gloo's worker threads outlive
+    `destroy_process_group` (the device mesh still holds the group), and one that is still
+    freeing its last collective's tensors needs the GIL; taking it while the interpreter
+    finalizes aborts the process ("terminate called without an active exception", from
+    `ProcessGroupGloo::runLoop` freeing an all-gather's work, about 1 run in 15 of
+    tests/train/test_sharded.py on a busy machine). Everything the run writes is closed by
+    then; the standard streams and logging are flushed first."""
+    if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+        sys.exit(code)
+    import logging
+
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(run_guarded(main, sys.argv[1:]))
+    leave(run_guarded(main, sys.argv[1:]))

@@ -15,7 +15,7 @@ from safetensors.torch import load_file
 
 from specdistill.train.config import load_recipe
 from specdistill.train.trainer import Trainer
-from tests.processes import free_port, run_bounded
+from tests.processes import free_port, run_bounded, why_failed
 
 REPO = Path(__file__).parents[2]
 
@@ -108,7 +108,7 @@ def run_cli(args: list[str], out: Path, processes: int) -> list[dict]:
         ]
     # a hang fails within the bound, with every process's stack, instead of blocking the suite
     proc = run_bounded(cmd + args, env=env, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.returncode == 0, why_failed(proc)
     return metrics(out)
 
 

@@ -21,7 +21,7 @@ from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 from specdistill.train.config import RecipeError, load_recipe
 from specdistill.train.distributed import check_layout, is_sharded, layout
 from specdistill.train.trainer import Trainer
-from tests.processes import free_port, run_bounded
+from tests.processes import free_port, run_bounded, why_failed
 
 REPO = Path(__file__).parents[2]
 CONFIGS = REPO / "recipes" / "accelerate"
@@ -184,7 +184,7 @@ def test_fsdp2_over_gloo_with_two_processes_trains_as_one_process(tiny_pair, tie
     env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
     # a hang (a forward that only some processes run) fails here instead of blocking the suite
     proc = run_bounded(cmd, env=env, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert proc.returncode == 0, why_failed(proc)
     # FSDP2 really ran (accelerate alone would have fallen back to DDP on CPUs) ...
     assert "2 process(es) (FSDP2)" in proc.stdout
     # ... and its checkpoints are sharded (torch.distributed.checkpoint), written by both
