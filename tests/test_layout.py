@@ -241,6 +241,8 @@ PRIVATE_ALLOWED = {
     "the K-major kernel when it is missing or disagrees",
     "_linear_pointwise": "oneDNN's linear on prepacked weights (torch.ops.mkldnn); checked as "
     "_reorder_linear_weight is",
+    "_exit": "os._exit, the standard library's documented exit without interpreter clean-up: "
+    "train/distill.py ends a process of a multi-process run with it (leave)",
 }
 
 
