@@ -1,8 +1,10 @@
-"""Greedy losslessness under rounding (eval/lossless.py): the near-tie bound."""
+"""Greedy losslessness under rounding (eval/lossless.py): the near-tie bound, and the sweep's
+check of a forced divergence from the target alone, classified and reported."""
 
 import pytest
 import torch
 
+from specdistill.eval import sweep
 from specdistill.eval.lossless import (
     ULPS,
     GreedyChecker,
@@ -10,7 +12,9 @@ from specdistill.eval.lossless import (
     first_divergence,
     reference_dtype,
 )
-from tests.eval.helpers import tiny_llama
+from specdistill.eval.report import SpeculateReport
+from specdistill.eval.report_console import lossless_line
+from tests.eval.helpers import perturbed, tiny_llama
 
 F32, BF16, F16 = torch.float32, torch.bfloat16, torch.float16
 
@@ -75,3 +79,74 @@ def test_an_output_that_stops_short_is_a_real_error_without_a_gap():
     assert (d.prompt, d.position, d.target_token, d.speculative_token) == (1, 1, 7, None)
     assert d.gap is None and d.kind == "real_error"
     assert check.exact_match_rate == 0.5 and check.reference_dtype == "float64"
+
+
+# ----------------------------------------------------------------------------- the sweep
+
+PROMPTS = [[5, 17, 3], [40, 2, 9, 77, 12, 1], [60]]
+SETTINGS = sweep.Settings(gammas=[2], temperatures=(0.0,), max_new_tokens=6)
+
+
+def swapping(monkeypatch, replace):
+    """Make every speculative run's first token of prompt 0 `replace(token)`, as a broken
+    verification would (the target alone's run is left as it is)."""
+    real = sweep.generate
+
+    def generate(target, draft, prompts, **kwargs):
+        g = real(target, draft, prompts, **kwargs)
+        if draft is not None:
+            g.sequences[0][0] = replace(g.sequences[0][0])
+        return g
+
+    monkeypatch.setattr(sweep, "generate", generate)
+
+
+def checked(target, draft) -> tuple[dict, str]:
+    """The sweep's T=0 configuration, typed as report.json holds it, and the console's line."""
+    result, _ = sweep.sweep(target, draft, PROMPTS, SETTINGS)
+    entry = SpeculateReport.of(result).configs[0]
+    assert entry.greedy_check is not None
+    return result["configs"][0], lossless_line(result["configs"], len(PROMPTS))
+
+
+@torch.no_grad()
+def next_logits(target, prompt) -> torch.Tensor:
+    return target(input_ids=torch.tensor([prompt])).logits[0, -1]
+
+
+def test_a_wrong_token_where_the_target_is_sure_is_a_real_error(monkeypatch):
+    target = tiny_llama(0, vocab=96, hidden=64, layers=2, init=0.2)
+    draft = perturbed(target, 0.015, seed=1)
+    worst = int(next_logits(target, PROMPTS[0]).argmin())
+    swapping(monkeypatch, lambda token: worst)
+    entry, line = checked(target, draft)
+    check = entry["greedy_check"]
+    assert entry["greedy_identical"] == check["identical"] == 2
+    assert (check["real_errors"], check["near_ties"]) == (1, 0)
+    d = check["divergences"][0]
+    assert (d["prompt"], d["position"], d["speculative_token"]) == (0, 0, worst)
+    assert d["kind"] == "real_error" and d["gap"] > 100 * d["tolerance"]
+    assert line.startswith(
+        "LOSSLESS CHECK FAILED at T=0, real errors in: T=0 gamma=2 (2/3 identical, 1 real error)"
+    )
+
+
+def test_the_runner_up_of_an_exact_tie_is_a_near_tie(monkeypatch):
+    """The target's output head gets two equal rows, a and b, where a is the argmax of
+    prompt 0's first token: the target alone emits one, the forced run the other."""
+    target = tiny_llama(0, vocab=96, hidden=64, layers=2, init=0.2)
+    a = int(next_logits(target, PROMPTS[0]).argmax())
+    b = (a + 7) % 96
+    with torch.no_grad():
+        target.lm_head.weight[b] = target.lm_head.weight[a]
+    draft = perturbed(target, 0.015, seed=1)
+    swapping(monkeypatch, lambda token: {a, b}.difference({token}).pop())
+    entry, line = checked(target, draft)
+    check = entry["greedy_check"]
+    assert (check["identical"], check["near_ties"], check["real_errors"]) == (2, 1, 0)
+    d = check["divergences"][0]
+    assert {d["target_token"], d["speculative_token"]} == {a, b}
+    assert d["kind"] == "near_tie" and d["gap"] == 0.0
+    assert "FAILED" not in line
+    assert line.startswith("Lossless at T=0 up to rounding:")
+    assert "T=0 gamma=2 (2/3 identical, 1 near-tie)" in line
