@@ -15,6 +15,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict
 
 from specdistill.eval.engine import Generation
+from specdistill.eval.lossless import GreedyCheck, markdown_lines
 from specdistill.eval.prompts import Prompt, prompt_text
 from specdistill.eval.report_plots import write_plots
 from specdistill.eval.sweep import Settings
@@ -98,6 +99,7 @@ class _ConfigFields(_Strict):
     best_gamma_predicted: int | None
     target_tokens_per_s: Number
     greedy_identical: int | None = None  # T=0: prompts whose output is the target-only one's
+    greedy_check: GreedyCheck | None = None  # T=0: its divergences, near-ties or real errors
     # γ = "auto" only (eval/sweep.py `_length_stats`):
     drafted_length_histogram: list[int] | None = None
     mean_drafted_length: Metric = None
@@ -278,6 +280,7 @@ def _markdown(result: dict) -> str:
     lines += _baseline_lines(result["baselines"])
     lines += _tau_lines(result)
     lines += _slot_lines(result["configs"])
+    lines += markdown_lines(result["configs"])
     lines += [
         "",
         "## Plots",

@@ -13,7 +13,9 @@ and generated text (i.i.d., pathwise at the measured round starts, and with the 
 boundaries replayed: `stats.tau_rounds`, the model training reports), per-slot conditional
 acceptance, where rejections fall, draft / verify time, tokens/s for speculative and
 target-only decoding, the speedup, the ideal speedup and engine efficiency, TTFT and
-per-token latency percentiles, and per temperature the best γ.
+per-token latency percentiles, and per temperature the best γ. At T=0 each configuration's
+outputs are checked against the target alone's (`greedy_check`, eval/lossless.py: every
+divergence a near-tie of the target's argmax or a real error).
 
 `python eval/speculative.py` writes it as a report (eval/report.py); the trainer's periodic
 evaluation (`eval.speculative.every`) logs τ, speedup and the best γ from it.
@@ -29,6 +31,7 @@ from specdistill.eval import stats
 from specdistill.eval.cli_args import DEFAULT_MAX_GAMMA
 from specdistill.eval.engine import AdaptiveGamma, Generation, generate
 from specdistill.eval.length_policy import length_policy
+from specdistill.eval.lossless import GreedyChecker
 
 # |measured τ − predicted τ| / predicted τ within which the i.i.d. prediction agrees.
 TAU_TOLERANCE = 0.10
@@ -69,15 +72,20 @@ def sweep(
     prompt_ids: list[list[int]],
     settings: Settings,
     progress: WorkProgress | None = None,
+    *,
+    check_greedy: bool = True,
 ) -> tuple[dict, dict[str, Generation]]:
     """Run every configuration. Returns (result dict, {config name: its `Generation`}).
 
     result: "settings", "tau_tolerance", "baselines" {temperature: decode stats},
-    "configs" [one entry per (temperature, γ)], "best_gamma" {temperature: {"measured",
-    "speedup", "predicted", "predicted_rounds"}} (temperatures as f"{T:g}"). Models are
+    "configs" [one entry per (temperature, γ); at T=0 with its `GreedyCheck` as
+    "greedy_check"], "best_gamma" {temperature: {"measured", "speedup", "predicted",
+    "predicted_rounds"}} (temperatures as f"{T:g}"). Models are
     switched to eval mode for the runs and restored; pass the bare models (not DDP /
     accelerate wrappers). `progress` (of `work_units(settings)` units) is told of every
-    decoding run with its speed, and of every configuration scored.
+    decoding run with its speed, and of every configuration scored. `check_greedy=False`
+    leaves out "greedy_check" (whose first divergence copies the target in a higher
+    precision: up to twice its memory again, while the sweep lasts at T=0).
     """
     # Warm-up, so that the first timed run does not pay for lazy initialisation.
     warm = dict(max_new_tokens=4, temperature=0.0)
@@ -98,14 +106,22 @@ def sweep(
         result["baselines"][f"{temperature:g}"] = {"name": base_name, **_decode_stats(baseline)}
         runs[base_name] = baseline
         fixed = []
+        # At T=0, each divergence from the target alone: a near-tie or a real error (the
+        # checker's high-precision copy of the target, made at the first one, is freed below).
+        vocab_size = drafts.compared_vocab_size(target, draft=draft)
+        checker = GreedyChecker(target, vocab_size) if temperature == 0 and check_greedy else None
         for gamma, g in zip(gammas, fastest[1:], strict=True):
             entry = _config(target, draft, prompt_ids, settings, temperature, gamma, g, baseline)
+            if checker is not None:
+                check = checker.check(prompt_ids, baseline.sequences, g.sequences)
+                entry["greedy_check"] = asdict(check)
             result["configs"].append(entry)
             runs[entry["name"]] = g
             if progress is not None:
                 progress.advance(SCORING_UNITS, f"scored {entry['name']} (offline α)")
             if isinstance(entry["gamma"], int):
                 fixed.append(entry)
+        checker = None  # before the next temperature decodes
         result.setdefault("best_gamma", {})[f"{temperature:g}"] = _best_gamma(fixed)
     return result, runs
 

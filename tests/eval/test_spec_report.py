@@ -136,6 +136,12 @@ def test_cli_writes_report(tmp_path, tokenizer, monkeypatch, capsys):
     assert "Measured vs predicted τ" in (out / "report.md").read_text()
     # The losslessness check: every greedy configuration reproduced all 4 target outputs.
     assert [c["greedy_identical"] for c in report["configs"]] == [4, 4, 4, None, None, None]
+    checks = [c.get("greedy_check") for c in report["configs"]]
+    assert checks[3:] == [None] * 3
+    for check in checks[:3]:
+        assert check["exact_match_rate"] == 1.0 and check["divergences"] == []
+        assert (check["near_ties"], check["real_errors"], check["run_dtype"]) == (0, 0, "float32")
+    assert "## Greedy losslessness (T=0)" in (out / "report.md").read_text()
     printed = capsys.readouterr()
     # A line per decoding run as it ends (2 temperatures x (target alone + 3 configurations)),
     # then one screen, not the wide table (that stays in report.md).
