@@ -48,15 +48,19 @@ def test_one_row_verification_of_every_length_equals_transformers(family):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @torch.no_grad()
 def test_prepacked_rows_do_not_depend_on_how_many_share_the_forward(dtype):
-    """Row i of a product of k >= PACKED_FROM rows is bitwise the same for every k: what
-    verification scores for a drafted token does not depend on how many were drafted."""
+    """Row i of a product of k >= packed_from(dtype) rows is bitwise the same for every k: what
+    verification scores for a drafted token does not depend on how many were drafted. In
+    bfloat16 that holds from one row: a decoding step of the target alone scores a position
+    as its verification does."""
     torch.manual_seed(0)
     weight = lean._Weight(torch.randn(160, 64, dtype=dtype), torch.randn(32, 64, dtype=dtype))
     bias = torch.randn(192, dtype=dtype)
     x = torch.randn(1, 12, 64, dtype=dtype)
     full = lean._linear(x, weight, bias)
     torch.testing.assert_close(full.float(), (x @ weight.w.t() + bias).float(), **_close(dtype))
-    for k in range(lean.PACKED_FROM, 12):
+    start = lean.packed_from(dtype)
+    assert start == (1 if dtype == torch.bfloat16 else lean.PACKED_FROM)
+    for k in range(start, 12):
         assert torch.equal(lean._linear(x[:, :k], weight, bias), full[:, :k])
     assert weight.made() == ["packed"]
 
