@@ -8,11 +8,11 @@ For each dtype it loads the pair, warms up, times `generate` (target alone, then
 the same prompts, and profiles the γ = 4 run. It prints, per dtype: ms per generated token for
 both, the ratio against the first dtype's, the operators that took the most self time (device
 time on a GPU, host time otherwise), and per generated token the counts that make a small
-model slow where its arithmetic is cheap: dtype conversions (`aten::_to_copy`), host reads of
-a tensor (`aten::_local_scalar_dense`: `.item()`, `.tolist()`), copies between host and device
-and stream synchronisations. Each dtype's full table goes to OUT_DIR/profile-DTYPE.txt and the
-summary to OUT_DIR/profile.json. Runs on a CPU too (host times only), which is how its test
-runs it.
+model slow where its arithmetic is cheap: dtype conversions (`aten::_to_copy`), scalar reads
+of a tensor (`aten::_local_scalar_dense`: `.item()`, `int(t)`, `bool(t)`), copies between host
+and device (where `.tolist()` of a device tensor shows) and stream synchronisations. Each
+dtype's full table goes to OUT_DIR/profile-DTYPE.txt and the summary to OUT_DIR/profile.json.
+Runs on a CPU too (host times only), which is how its test runs it.
 """
 
 import argparse
@@ -24,6 +24,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from specdistill.drafts.hub import load_draft, load_target, load_tokenizer
+from specdistill.drafts.kv_cache import sync
 from specdistill.eval.engine import generate
 from specdistill.eval.prompts import encode_prompts, load_prompts
 
@@ -35,13 +36,11 @@ COUNTED = {  # summary key -> profiler event names counted for it
 }
 
 
-def timed(fn) -> float:
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
+def timed(fn, device: torch.device) -> float:
+    sync(device)
     start = time.perf_counter()
     fn()
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
+    sync(device)
     return time.perf_counter() - start
 
 
@@ -49,13 +48,16 @@ def profile_dtype(args, dtype: str, prompts: list[list[int]]) -> tuple[dict, str
     """One dtype's summary and its profiler table."""
     target = load_target(args.target, dtype=dtype).to(args.device).eval()
     draft = load_draft(args.draft, dtype=dtype).to(args.device).eval()
+    device = torch.device(args.device)
     run = dict(max_new_tokens=args.max_new_tokens, temperature=0.0, batch_size=args.batch_size)
     with torch.no_grad():
         generate(target, draft, prompts, gamma=4, **{**run, "max_new_tokens": 8})  # warm-up
         alone: list = []
-        t_alone = timed(lambda: alone.append(generate(target, None, prompts, **run)))
+        t_alone = timed(lambda: alone.append(generate(target, None, prompts, **run)), device)
         spec: list = []
-        t_spec = timed(lambda: spec.append(generate(target, draft, prompts, gamma=4, **run)))
+        t_spec = timed(
+            lambda: spec.append(generate(target, draft, prompts, gamma=4, **run)), device
+        )
         activities = [ProfilerActivity.CPU]
         if args.device.startswith("cuda"):
             activities.append(ProfilerActivity.CUDA)
