@@ -9,7 +9,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from specdistill.bounds import check_int
 from specdistill.drafts.acceptance_head import align_hidden
@@ -27,6 +27,7 @@ from specdistill.drafts.kv_cache import left_pad, left_pad_rows
 from specdistill.drafts.reduced_vocab import ReducedVocabError
 from specdistill.drafts.standalone import StandaloneDrafter
 from specdistill.drafts.types import Capabilities, Depths
+from specdistill.losses import VocabTarget
 
 
 class Eagle3:
@@ -40,6 +41,7 @@ class Eagle3:
         lora=False,
         chunked_loss=False,
         sparse_targets=False,
+        vocab_targets=True,  # target.cache over its V_d columns, with the features it reads
         writes_text=False,
         eagle3_keys=True,
         formats=("vllm", "sglang", "hf"),
@@ -48,9 +50,10 @@ class Eagle3:
             "lora": "draft.lora applies to a standalone draft; an eagle3 head is trained in full",
             "chunked_loss": "loss.chunk_size is not supported for draft.type=eagle3 (its V_d "
             "logits are small); set loss.chunk_size=null",
-            "sparse_targets": "target.cache holds the target's top-N probabilities only; an "
-            "eagle3 head also needs the target's hidden states at every position, so it "
-            "trains on the live target: unset target.cache",
+            "sparse_targets": "target.cache is a top-N cache, which holds neither the "
+            "target over the head's own columns nor the hidden states it reads: build the "
+            "cache for this recipe (`specdistill prepare`, or `specdistill cache --columns "
+            "draft`)",
             "writes_text": "data.on_policy.source=draft needs a standalone draft: an eagle3 "
             "head drafts from the target's features and cannot write a text alone; use "
             "data.on_policy.source=target (speculative decoding with the head)",
@@ -73,6 +76,7 @@ class Eagle3:
             raise ValueError(f"draft.ttt_steps must be >= 1, got {steps}")
         self.steps, self.vocab_size = steps, vocab_size
         self.aux_layers = head.aux_layers
+        self.feature_layers = list(head.aux_layers)  # what a target cache stores for it
         self.dtype = head.fc.weight.dtype
         self.d2t = head.d2t if head.draft_vocab_size < vocab_size else None
 
@@ -136,6 +140,28 @@ class Eagle3:
             ttt_steps=self.steps,
         )
         return align_depths(logits, t_logits, batch["loss_mask"], batch["attention_mask"])
+
+    def stored_depths(self, draft, batch: dict, target: VocabTarget, features: Tensor) -> Depths:
+        """`depths` from the target's stored outputs: its log-probabilities over the head's
+        columns [B, T−1, K] and the features [B, T, F] it drafts from; no target forward."""
+        logits = draft(
+            input_ids=batch["input_ids"],
+            attention_mask=batch["attention_mask"],
+            features=features.to(self.dtype),
+            ttt_steps=self.steps,
+        )
+        # align_depths takes the target at every position: the last predicts nothing (masked)
+        logp = nn.functional.pad(target.logp, (0, 0, 0, 1))
+        drafts, targets, masks = align_depths(
+            logits, logp, batch["loss_mask"], batch["attention_mask"]
+        )
+        return drafts, [VocabTarget(t) for t in targets], masks
+
+    def draft_ids(self) -> Tensor:
+        """The target id of each of the head's K columns (a target cache's column order)."""
+        if self.d2t is None:
+            return torch.arange(self.vocab_size)
+        return torch.arange(len(self.d2t), device=self.d2t.device) + self.d2t
 
     def chains(self, draft, target, batch: dict, starts: list[int], **sampling):
         """The head's own chains from `starts`, scored by the target (drafts/eagle3_chains.py),

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from specdistill.drafts.align import target_mask
 from specdistill.drafts.confidence import acceptance_head, predicted_acceptance
@@ -46,6 +46,7 @@ from specdistill.drafts.standalone import (
 )
 from specdistill.drafts.types import Capabilities, Depths, DraftControl, Proposal
 from specdistill.errors import UserError
+from specdistill.losses import VocabTarget
 
 MASK_FIELD = "pard_token"  # config.json's mask token id; vLLM's parallel drafting reads it
 DEPTHS_FIELD = "parallel_depths"  # config.json: the block length K the draft was trained for
@@ -149,6 +150,7 @@ class Parallel:
 
     name = "parallel"
     d2t = None
+    feature_layers = None  # reads the target's logits only
     capabilities = Capabilities(
         lora=False,
         chunked_loss=False,
@@ -230,6 +232,24 @@ class Parallel:
         )
         return shifted_depths(blocks, t_logits, target_mask(batch))
 
+    def stored_depths(self, draft, batch: dict, target: VocabTarget, features=None) -> Depths:
+        """`depths` with the target's log-probabilities over the K columns stored (a
+        `losses.VocabTarget` [B, T−1, K], `ReducedParallel`): no target forward."""
+        ids, attention = batch["input_ids"], batch["attention_mask"]
+        blocks = block_logits(
+            draft, ids, attention, self.mask_id, self.steps, self.vocab_size, reduced=True
+        )
+        # shifted_depths takes the target at every position: the last predicts nothing
+        logp = nn.functional.pad(target.logp, (0, 0, 0, 1))
+        drafts, targets, masks = shifted_depths(blocks, logp, target_mask(batch))
+        return drafts, [VocabTarget(t) for t in targets], masks
+
+    def draft_ids(self) -> Tensor:
+        """The target id of each compared column (a target cache's column order)."""
+        if self.d2t is None:
+            return torch.arange(self.vocab_size)
+        return torch.arange(len(self.d2t), device=self.d2t.device) + self.d2t
+
     def chains(self, draft, target, batch: dict, starts: list[int], **sampling):
         """Not for this type: a parallel draft proposes its block in one forward, so the
         accepted-length objective's sequential chains do not describe how it drafts."""
@@ -309,6 +329,7 @@ class ReducedParallel(Parallel):
 
     capabilities = replace(
         Parallel.capabilities,
+        vocab_targets=True,  # target.cache over its V_d columns (`stored_depths`)
         formats=("hf",),
         format_note=(
             "a parallel draft with a reduced output vocabulary (draft.vocab_size) is not a "

@@ -55,6 +55,7 @@ class Standalone:
 
     name = "standalone"
     d2t = None
+    feature_layers = None  # reads the target's logits only
     # every capability; exported as a plain HF directory, which every format holds
     capabilities = Capabilities(formats=("vllm", "sglang", "hf"))
     layout = "hf"  # the export format whose layout a saved standalone draft has
@@ -220,6 +221,11 @@ class ReducedStandalone(Standalone):
         with torch.no_grad():
             t_logits = shifted_logits(target, batch, self.vocab_size)
         return [self.own_logits(draft, batch)], [t_logits], [target_mask(batch)]
+
+    def stored_depths(self, draft, batch: dict, target, features=None) -> Depths:
+        """`depths` with the target's log-probabilities over the K columns stored
+        (a `losses.VocabTarget` [B, T−1, K]): no target forward."""
+        return [self.own_logits(draft, batch)], [target], [target_mask(batch)]
 
     @staticmethod
     def own_logits(draft, batch: dict) -> Tensor:

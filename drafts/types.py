@@ -132,6 +132,9 @@ class DraftType(Protocol):
 
     vocab_size: int  # logit columns compared with the target in training
     d2t: Tensor | None  # draft-to-target id offsets when the draft vocabulary is smaller
+    # the decoder layers whose input hidden states the type reads from the target besides its
+    # logits (what a target cache stores for it: train/target_cache.py), or None
+    feature_layers: list[int] | None
 
     @staticmethod
     def detect(path) -> bool:
@@ -156,6 +159,13 @@ class DraftType(Protocol):
 
     def depths(self, draft, target, batch: dict) -> Depths:
         """K aligned (draft logits, target logits, mask) depths of a batch."""
+        ...
+
+    def stored_depths(self, draft, batch: dict, target, features: Tensor | None) -> Depths:
+        """`depths` from the target's stored outputs (train/target_cache.py): `target` its
+        log-probabilities over the draft's own columns at every position but the last, a
+        `losses.VocabTarget` [B, T−1, K]; `features` [B, T, F] the hidden states entering
+        `feature_layers` (None without). Types with the `vocab_targets` capability only."""
         ...
 
     def chains(self, draft, target, batch: dict, starts: list[int], **sampling) -> Any:

@@ -118,8 +118,10 @@ def prepare(recipe, *, batch_size: int = 32, print=print) -> list[PreparedSet]:
 def teacher_outputs(recipe, target, tokenizer, print=print) -> dict | None:
     """With `target.cache` set, what training reads from the target instead of running it:
     its log-probabilities over the recipe's training data (over the draft's own columns for
-    a draft over a reduced vocabulary, else its top-N: train/target_cache_build.py), built
-    once after the answers; a cache that already serves this data is kept. -> its manifest."""
+    a draft over a reduced vocabulary or an EAGLE-3 head, with the hidden states the head
+    reads, else its top-N: train/target_cache_build.py), built once after the answers; a
+    cache that already serves this data and this draft is kept. -> its manifest."""
+    from specdistill import drafts
     from specdistill.drafts import hub, planned
     from specdistill.train.config import recipe_datasets
     from specdistill.train.target_cache import CacheError, TargetCache
@@ -142,9 +144,10 @@ def teacher_outputs(recipe, target, tokenizer, print=print) -> dict | None:
                 datasets={"train": train_data},
                 vocab_size=hub.shared_vocab_size(target, None, tokenizer),
             )
-            if cache.columns == columns and (
-                columns != "draft" or cache.top_n == r.draft.vocab_size
-            ):
+            if cache.columns == columns:
+                # the draft's columns and the hidden states it reads, as distill builds it
+                _, kind = drafts.build(r.draft, target, tokenizer, train_data, print=_quiet)
+                cache.bind(kind)
                 print(f"prepare: the target's outputs in {path} serve this data: kept")
                 return cache.manifest
         except CacheError as e:
@@ -168,6 +171,10 @@ def teacher_outputs(recipe, target, tokenizer, print=print) -> dict | None:
         f"MiB in {path} ({time.monotonic() - started:.0f} s)"
     )
     return manifest
+
+
+def _quiet(*args) -> None:
+    """A print that says nothing."""
 
 
 def build_parser():

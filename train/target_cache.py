@@ -138,8 +138,9 @@ class TargetCache:
             raise CacheError(f"target.cache {manifest} lacks {', '.join(missing)}")
         self.top_n = self.manifest["top_n"]
         self.columns = self.manifest.get("columns", "top-n")
+        self.features = self.manifest.get("features")  # {layers, width, dtype} or None
         self._handles: dict[str, object] = {}
-        self._own_logits = None  # the draft type's K-column logits, with columns "draft"
+        self._kind = None  # the draft type served (`bind`), with columns "draft"
 
     def check(self, *, tokenizer, target_cfg, target, datasets: dict, vocab_size: int) -> None:
         """Raise CacheError unless the cache was built for this tokenizer, target and data.
@@ -185,7 +186,12 @@ class TargetCache:
             for info in stored.get("shards", []):
                 width = 0 if self.columns == "draft" else self.top_n
                 problem = shard_problem(
-                    self.path / info["file"], split, info, self.top_n, index_width=width
+                    self.path / info["file"],
+                    split,
+                    info,
+                    self.top_n,
+                    index_width=width,
+                    feature_width=None if self.features is None else self.features["width"],
                 )
                 if problem:
                     raise CacheError(
@@ -217,6 +223,24 @@ class TargetCache:
         logprobs = handle.get_slice("logprobs")[a:b].float()
         rest = handle.get_slice("rest")[a:b].float()
         return indices, logprobs, rest
+
+    def stored_features(self, split: str, sequences, attention_mask: torch.Tensor):
+        """The batch's stored hidden states [B, T, F] at its attended positions (zeros at
+        padding), for `attention_mask` [B, T]."""
+        width = self.features["width"]
+        out = torch.zeros(*attention_mask.shape, width, device=attention_mask.device)
+        for b, sequence in enumerate(sequences):
+            handle, local = self._shard(split, int(sequence))
+            offsets = handle.get_slice("feature_offsets")[local : local + 2]
+            rows = handle.get_slice("features")[int(offsets[0]) : int(offsets[1])]
+            where = attention_mask[b].bool().nonzero().squeeze(-1)
+            if len(where) != len(rows):
+                raise CacheError(
+                    f"target.cache {self.path}: {split} sequence {int(sequence)} has "
+                    f"{len(rows)} stored positions, the batch {len(where)}"
+                )
+            out[b, where] = rows.to(out.dtype).to(out.device)
+        return out
 
     def sparse_target(self, split: str, sequences, mask: torch.Tensor):
         """The batch's target as a SparseTarget [B, L−1, N] with its rest [B, L−1] (the top-N
@@ -253,13 +277,21 @@ class TargetCache:
             raise CacheError(refusal)
         if self.columns != "draft":
             return
+        rebuild = (
+            "; rebuild it (`specdistill prepare --recipe R`, or `specdistill cache --recipe R "
+            "--columns draft --out DIR --overwrite`)"
+        )
+        stored = None if self.features is None else self.features["layers"]
+        if kind.feature_layers is not None and stored != kind.feature_layers:
+            what = "no hidden states" if stored is None else f"the inputs of layers {stored}"
+            raise CacheError(
+                f"target.cache {self.path} holds {what}; this draft reads the target's hidden "
+                f"states entering layers {kind.feature_layers}{rebuild}"
+            )
         problem = draft_ids_problem(self.manifest.get("draft_ids") or [], kind.draft_ids())
         if problem:
-            raise CacheError(
-                f"target.cache {self.path} {problem}; rebuild it (`specdistill cache --recipe R "
-                "--columns draft --out DIR --overwrite`)"
-            )
-        self._own_logits = kind.own_logits
+            raise CacheError(f"target.cache {self.path} {problem}{rebuild}")
+        self._kind = kind
 
     def vocab_target(self, split: str, sequences, mask: torch.Tensor):
         """The batch's target as a `losses.VocabTarget` [B, L−1, K] (columns "draft")."""
@@ -274,21 +306,23 @@ class TargetCache:
         return place_vocab_rows(mask, self.top_n, rows, mismatch)
 
     def depths(self, draft, batch: dict, vocab_size: int, split: str = "train"):
-        """A standalone draft's (drafts, targets, masks) with the target from the cache, as
-        `Standalone.depths` returns them with the live target. `batch["sequence"]` [B]: the
-        dataset index of each row."""
+        """The draft's (drafts, targets, masks) with the target from the cache, as the draft
+        type's `depths` returns them with the live target: over the draft's own columns, the
+        type's `stored_depths` (with the stored features it reads); a top-N cache, a
+        standalone draft's one depth. `batch["sequence"]` [B]: the dataset index of each
+        row."""
         from specdistill.drafts.align import shifted_logits
 
         mask = valid_rows(batch)
         sequences = batch["sequence"].tolist()
         if self.columns == "draft":
-            if self._own_logits is None:
+            if self._kind is None:
                 raise CacheError(f"target.cache {self.path}: bind() it to the draft type first")
-            return (
-                [self._own_logits(draft, batch)],
-                [self.vocab_target(split, sequences, mask)],
-                [mask],
-            )
+            features = None
+            if self._kind.feature_layers is not None:
+                features = self.stored_features(split, sequences, batch["attention_mask"])
+            target = self.vocab_target(split, sequences, mask)
+            return self._kind.stored_depths(draft, batch, target, features)
         target = self.sparse_target(split, sequences, mask)
         return [shifted_logits(draft, batch, vocab_size)], [target], [mask]
 

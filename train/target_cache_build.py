@@ -27,7 +27,7 @@ from specdistill.train.target_cache import (
     tokenizer_hash,
     valid_rows,
 )
-from specdistill.train.target_cache_shards import FORMAT, ShardWriter
+from specdistill.train.target_cache_shards import FORMAT, ShardFeatures, ShardWriter
 from specdistill.train.target_cache_vocab import vocab_rows
 
 
@@ -83,7 +83,9 @@ def build_cache(
         r, target, tokenizer, train_data, eval_data
     )
     vocab_size = hub.shared_vocab_size(target, None, tokenizer)
-    ids = _draft_columns(r, target, tokenizer, train_data, print) if columns == "draft" else None
+    ids, layers = (None, None)
+    if columns == "draft":
+        ids, layers = _draft_columns(r, target, tokenizer, train_data, print)
     top_n = top_n if ids is None else len(ids)
     if top_n > vocab_size:
         raise CacheError(f"--top-n {top_n} exceeds the vocabulary ({vocab_size} tokens)")
@@ -91,6 +93,9 @@ def build_cache(
     target = target.eval().requires_grad_(False).to(device)
     dtype = VALUE_DTYPES[values_dtype]
     row_bytes = top_n * ((4 if ids is None else 0) + dtype.itemsize) + dtype.itemsize
+    width = 0 if layers is None else len(layers) * target.config.hidden_size
+    # a shard's size counts the features as if one position came with each row (≥ 1 do)
+    shard_row_bytes = row_bytes + width * dtype.itemsize
     build = _Build(
         target=target,
         tokenizer=tokenizer,
@@ -99,8 +104,9 @@ def build_cache(
         top_n=top_n,
         batch_size=batch_size or r.train.micro_batch_size,
         dtype=dtype,
-        max_rows=max(1, shard_bytes // row_bytes),
+        max_rows=max(1, shard_bytes // shard_row_bytes),
         ids=ids,
+        feature_layers=layers,
     )
 
     tmp = out.parent / f".tmp-{out.name}"
@@ -160,12 +166,13 @@ def _check_build_recipe(r, columns: str) -> None:
         raise CacheError(f"distill could not train on this cache: {e}") from None
 
 
-def _draft_columns(r, target, tokenizer, train_data, print) -> torch.Tensor:
-    """The target ids of the recipe's draft's K columns, as distill builds that draft."""
+def _draft_columns(r, target, tokenizer, train_data, print) -> tuple:
+    """(the target ids of the recipe's draft's K columns, the target layers whose input
+    hidden states it reads or None), as distill builds that draft."""
     from specdistill import drafts
 
     _, kind = drafts.build(r.draft, target, tokenizer, train_data, print=print)
-    return kind.draft_ids().cpu()
+    return kind.draft_ids().cpu(), kind.feature_layers
 
 
 def _build_inputs(r, target, tokenizer, train_data, eval_data) -> tuple:
@@ -204,6 +211,21 @@ class _Build:
     dtype: torch.dtype
     max_rows: int
     ids: torch.Tensor | None = None  # the draft's columns' target ids ("draft"), else top-N
+    feature_layers: list[int] | None = None  # the hidden states stored too (an EAGLE-3 head's)
+
+    def rows(self, batch: dict) -> tuple:
+        """The arguments of `ShardWriter.add` for one collated batch: the target's rows, and
+        the hidden states entering `feature_layers`, captured in the same forward."""
+        from specdistill.drafts.eagle3_features import FeatureCapture
+
+        if self.ids is None:
+            return top_n_rows(self.target, batch, self.vocab_size, self.top_n), {}
+        if self.feature_layers is None:
+            return vocab_rows(self.target, batch, self.vocab_size, self.ids), {}
+        with FeatureCapture(self.target, self.feature_layers) as capture:
+            rows = vocab_rows(self.target, batch, self.vocab_size, self.ids)
+        features = {"features": capture.features(), "attention_mask": batch["attention_mask"]}
+        return rows, features
 
     def write_split(self, tmp: Path, split: str, data, print) -> dict:
         """Run the target over `data` and write `split`'s shards into `tmp`; return the
@@ -211,17 +233,16 @@ class _Build:
         from specdistill.data import collate
         from specdistill.drafts.progress import WorkProgress
 
-        writer = ShardWriter(tmp, split, self.max_rows, self.dtype)
+        stored = None if self.feature_layers is None else ShardFeatures(self.dtype)
+        writer = ShardWriter(tmp, split, self.max_rows, self.dtype, stored)
         pad = self.tokenizer.pad_token_id
         progress = WorkProgress(f"cache {split}", len(data)) if len(data) else None
         try:
             for first in range(0, len(data), self.batch_size):
                 items = [data[i] for i in range(first, min(first + self.batch_size, len(data)))]
                 batch = {k: v.to(self.device) for k, v in collate(items, pad).items()}
-                if self.ids is None:
-                    writer.add(*top_n_rows(self.target, batch, self.vocab_size, self.top_n))
-                else:
-                    writer.add(*vocab_rows(self.target, batch, self.vocab_size, self.ids))
+                rows, features = self.rows(batch)
+                writer.add(*rows, **features)
                 if progress is not None:
                     progress.advance(len(items), f"{first + len(items)}/{len(data)} sequences")
         finally:
@@ -264,6 +285,14 @@ def _build_manifest(
         "top_n": build.top_n,
         "columns": "top-n" if build.ids is None else "draft",
         "draft_ids": None if build.ids is None else build.ids.tolist(),
+        # the hidden states entering these target layers at every attended position
+        "features": None
+        if build.feature_layers is None
+        else {
+            "layers": list(build.feature_layers),
+            "width": len(build.feature_layers) * build.target.config.hidden_size,
+            "dtype": values_dtype,
+        },
         "temperature": 1.0,  # raw log-softmax; the loss temperature is applied at read
         "vocab_size": build.vocab_size,
         "indices_dtype": "int32",  # [rows, 0] with columns "draft"

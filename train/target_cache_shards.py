@@ -15,12 +15,18 @@ FORMAT = "specdistill-target-cache"
 
 
 def shard_problem(
-    path: Path, split: str, info: dict, top_n: int, index_width: int | None = None
+    path: Path,
+    split: str,
+    info: dict,
+    top_n: int,
+    index_width: int | None = None,
+    feature_width: int | None = None,
 ) -> str | None:
     """What is wrong with the shard file `path` given its manifest entry `info` (file, bytes,
-    rows, sequences, first_sequence) of `split`, as a phrase following the file's name; None
-    if nothing is. index_width: the indices' columns (top_n unless given; 0 for a cache over
-    a draft's columns)."""
+    rows, sequences, first_sequence, and `feature_rows` with features) of `split`, as a phrase
+    following the file's name; None if nothing is. index_width: the indices' columns (top_n
+    unless given; 0 for a cache over a draft's columns); feature_width: the stored hidden
+    states' width (None: the cache stores none)."""
     from safetensors import safe_open
 
     if not path.is_file():
@@ -35,6 +41,9 @@ def shard_problem(
         "rest": [rows],
         "offsets": [sequences + 1],
     }
+    if feature_width is not None:
+        want["features"] = [info.get("feature_rows", -1), feature_width]
+        want["feature_offsets"] = [sequences + 1]
     try:
         with safe_open(str(path), framework="pt") as handle:
             meta = handle.metadata() or {}
@@ -56,11 +65,40 @@ def shard_problem(
     return None
 
 
+class ShardFeatures:
+    """The hidden states a shard stores beside the target's rows (an EAGLE-3 head's
+    features): every attended position of each sequence, [P, F], with `feature_offsets`."""
+
+    def __init__(self, dtype: torch.dtype):
+        self.dtype = dtype
+        self.reset()
+
+    def reset(self) -> None:
+        self.rows: list[torch.Tensor] = []
+
+    def add(self, features: torch.Tensor, attended: torch.Tensor) -> None:
+        """One item's features [T, F] at its attended positions (`attended` [T] bool)."""
+        self.rows.append(features[attended.bool()].to(self.dtype).cpu())
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        offsets = torch.zeros(len(self.rows) + 1, dtype=torch.int64)
+        offsets[1:] = torch.tensor([len(r) for r in self.rows], dtype=torch.int64).cumsum(0)
+        return {"features": torch.cat(self.rows).contiguous(), "feature_offsets": offsets}
+
+
 class ShardWriter:
     """Accumulates whole sequences' rows and writes a shard past `max_rows` rows."""
 
-    def __init__(self, root: Path, split: str, max_rows: int, value_dtype: torch.dtype):
+    def __init__(
+        self,
+        root: Path,
+        split: str,
+        max_rows: int,
+        value_dtype: torch.dtype,
+        features: ShardFeatures | None = None,
+    ):
         self.root, self.split, self.max_rows, self.dtype = root, split, max_rows, value_dtype
+        self.features = features  # the batches' hidden states, shard by shard (or None)
         self.shards: list[dict] = []
         self.next_sequence = 0
         self._reset()
@@ -68,10 +106,16 @@ class ShardWriter:
     def _reset(self) -> None:
         self.indices, self.values, self.rest, self.counts = [], [], [], []
         self.rows = 0
+        if self.features is not None:
+            self.features.reset()
 
-    def add(self, indices, values, rest, counts) -> None:
+    def add(self, indices, values, rest, counts, features=None, attention_mask=None) -> None:
+        """One batch's rows (`counts` [B] per item); with `features` [B, T, F], its items'
+        hidden states at the attended positions of `attention_mask` [B, T] too."""
         start = 0
-        for n in counts.tolist():
+        for b, n in enumerate(counts.tolist()):
+            if self.features is not None:
+                self.features.add(features[b], attention_mask[b])
             self.indices.append(indices[start : start + n].to(torch.int32).cpu())
             self.values.append(values[start : start + n].to(self.dtype).cpu())
             self.rest.append(rest[start : start + n].to(self.dtype).cpu())
@@ -95,6 +139,8 @@ class ShardWriter:
             "rest": torch.cat(self.rest).contiguous(),
             "offsets": offsets,
         }
+        if self.features is not None:
+            tensors |= self.features.tensors()
         metadata = {
             "format": FORMAT,
             "split": self.split,
@@ -110,6 +156,7 @@ class ShardWriter:
                 "rows": self.rows,
                 "bytes": (self.root / name).stat().st_size,
             }
+            | ({} if self.features is None else {"feature_rows": len(tensors["features"])})
         )
         self.next_sequence += len(self.counts)
         self._reset()

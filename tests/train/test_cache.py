@@ -208,15 +208,17 @@ def test_refuses_a_cache_of_another_dataset(tiny_pair, train_cache, tmp_path):
     )
 
 
-def test_refuses_a_missing_cache_eagle3_and_what_it_cannot_know(tiny_pair, tmp_path):
+def test_refuses_a_missing_cache_a_top_n_one_for_eagle3_and_what_it_cannot_know(
+    tiny_pair, train_cache, tmp_path
+):
     _refused(tiny_pair, tmp_path / "run", tmp_path / "nothing", "no manifest.json")
-    with pytest.raises(RecipeError, match="eagle3 head also needs the target's hidden states"):
+    with pytest.raises(RecipeError, match="top-N cache, which holds neither .* hidden states"):
         load_recipe(
             None,
             overrides(
                 tiny_pair,
                 tmp_path / "e",
-                **{"draft.type": "eagle3", "draft.model": "null", "target.cache": str(tmp_path)},
+                **{"draft.type": "eagle3", "draft.model": "null", "target.cache": train_cache},
             ),
         )
     for extra in ({"loss.temperature": 0.8}, {"loss.params.top_p": 0.9}):

@@ -32,12 +32,15 @@ def _loss_parts(trainer: Trainer, batch: dict):
     return float(parts.loss_sum.detach()), float(parts.alpha_sum), head, grads
 
 
-@pytest.mark.parametrize("loss", ["fkl", "lk_lambda"])
+@pytest.mark.parametrize(
+    "loss, kind",
+    [("fkl", "standalone"), ("lk_lambda", "standalone"), ("lk_lambda", "parallel")],
+)
 def test_draft_columns_train_as_the_live_target_without_its_forward(
-    tiny_pair, tmp_path, loss, monkeypatch
+    tiny_pair, tmp_path, loss, kind, monkeypatch
 ):
     cache = tmp_path / "cache"
-    extra = {"loss.name": loss, "acceptance_head.enabled": "true"}
+    extra = {"loss.name": loss, "acceptance_head.enabled": "true", "draft.type": kind}
     manifest = build_cache(
         _recipe(tiny_pair, tmp_path / "x", **extra),
         cache,
@@ -51,6 +54,7 @@ def test_draft_columns_train_as_the_live_target_without_its_forward(
     cached = Trainer.from_recipe(
         _recipe(tiny_pair, tmp_path / "cached", **extra, **{"target.cache": str(cache)})
     )
+    assert cached.core.kind.name == kind
     cached.draft.load_state_dict(live.draft.state_dict())
     cached.core.head_training.head.load_state_dict(live.core.head_training.head.state_dict())
     calls = []
