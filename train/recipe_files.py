@@ -50,12 +50,19 @@ def _shipped_dir() -> Path:
     return Path(str(files("specdistill.recipes")))
 
 
+def _is_file(path: Path) -> bool:
+    try:
+        return path.is_file()
+    except (OSError, ValueError):  # a name the system cannot take (too long, a NUL byte)
+        return False
+
+
 def _shipped(path: Path) -> Path | None:
     """The shipped recipe (specdistill.recipes) a bare name such as `code` or `code.yaml`
     names; None when `path` is not a bare name or no such recipe ships."""
     name = path.name if path.suffix in (".yaml", ".yml") else f"{path.name}.yaml"
     shipped = _shipped_dir() / name
-    return shipped if path.parent == Path(".") and path.name and shipped.is_file() else None
+    return shipped if path.parent == Path(".") and path.name and _is_file(shipped) else None
 
 
 def recipe_path(path: Path) -> Path:
@@ -202,9 +209,13 @@ class _Reader:
 
     def parent(self, entry: str, child: Path, where: str) -> Path:
         """The file `entry` names: relative to `child`'s folder, else a shipped recipe."""
-        named = Path(entry).expanduser()
+        named = Path(entry)
+        try:
+            named = named.expanduser()
+        except RuntimeError:  # ~user of no such user: the name as written
+            pass
         candidate = child.parent / named
-        path = candidate if candidate.is_file() else _shipped(named)
+        path = candidate if _is_file(candidate) else _shipped(named)
         if path is None:
             raise RecipeError(
                 f"{where}: recipe file not found: {candidate} (shipped recipes: "
