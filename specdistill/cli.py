@@ -1,6 +1,7 @@
 """`specdistill <verb> ...`: one command line for the toolkit.
 
     specdistill distill --recipe recipes/code.yaml train.max_steps=50
+    specdistill recipe show recipes/smollm2-eagle3.yaml   # each value and where it came from
     specdistill speculate --target embedded:code-deep --draft runs/code/final --prompts p --out o
     specdistill drift --draft D --target-before A --target-after B --prompts p.jsonl --out o \\
         --temperature 0,1 --fail-if-drop-above 0.02       # exit 1: the drop fails a deploy
@@ -31,6 +32,11 @@ from specdistill.errors import one_line, run_guarded
 # import nothing heavy at import time (tests/test_cli.py checks that torch stays unloaded)
 VERBS = {
     "distill": ("specdistill.train.distill", "distil a draft to a frozen target from a recipe"),
+    "recipe": (
+        "specdistill.train.recipe_show",
+        "`recipe show`: a recipe resolved, each value with the file:line, override or default "
+        "that set it",
+    ),
     "speculate": (
         "specdistill.eval.speculative",
         "run lossless speculative decoding; measure tau, speedup and the best gamma",

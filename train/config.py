@@ -3,10 +3,14 @@ overrides.
 
     recipe = load_recipe("recipes/code.yaml", ["train.max_steps=50", "loss.name=tv"])
 
-Unknown keys and bad values raise `RecipeError` with a one-line message that names the key
-(and, for a key the file sets, the file and line), the value and the fix.
+A recipe file may name parents (`extends:`), read and merged under it by
+train/recipe_files.py; the overrides apply last. Unknown keys and bad values raise
+`RecipeError` with a one-line message that names the key (and, for a key a file sets, the
+file and line that set it, a parent's when the parent set it), the value and the fix.
+`resolve_recipe` also says where each value came from (`specdistill recipe show`).
 """
 
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +35,7 @@ from specdistill.train.recipe import (
 )
 from specdistill.train.recipe_checks import validate
 from specdistill.train.recipe_errors import RecipeError, translate
+from specdistill.train.recipe_files import EXTENDS, TOO_DEEP, read_recipe, recipe_path
 from specdistill.train.recipe_types import (
     RESUME_VALUES,
     DepthWeighting,
@@ -58,6 +63,7 @@ __all__ = [
     "OnlineConfig",
     "Recipe",
     "RecipeError",
+    "ResolvedRecipe",
     "SpeculativeEvalConfig",
     "TargetConfig",
     "TrainConfig",
@@ -70,11 +76,9 @@ __all__ = [
     "recipe_datasets",
     "recipe_from_dict",
     "recipe_to_dict",
+    "resolve_recipe",
     "validate",
 ]
-
-
-_TOO_DEEP = "nested too deeply to read (lists or mappings inside each other)"
 
 
 def recipe_from_dict(raw: dict) -> Recipe:
@@ -125,134 +129,115 @@ def parse_override(text: str) -> tuple[str, Any]:
     except yaml.YAMLError as e:
         raise RecipeError(f"override {text!r}: value is not valid YAML ({e})") from None
     except RecursionError:
-        raise RecipeError(f"override {key.strip()}=...: {_TOO_DEEP}") from None
+        raise RecipeError(f"override {key.strip()}=...: {TOO_DEEP}") from None
 
 
-def _recipe_path(path: Path) -> Path:
-    """`path` itself, or a shipped recipe (specdistill.recipes) when `path` is a bare name
-    such as `code` or `code.yaml` and no such file exists here."""
-    if path.is_file():
-        return path
-    from importlib.resources import files
-
-    shipped = Path(str(files("specdistill.recipes")))
-    name = path.name if path.suffix in (".yaml", ".yml") else f"{path.name}.yaml"
-    if path.parent == Path(".") and (shipped / name).is_file():
-        return shipped / name
-    names = sorted(p.stem for p in shipped.glob("*.yaml"))
-    raise RecipeError(f"recipe file not found: {path} (shipped recipes: {', '.join(names)})")
+def _overridden(key: str, overridden: list[str]) -> bool:
+    """An override set `key`, a section holding it or a key inside it."""
+    return any(key == o or key.startswith(f"{o}.") or o.startswith(f"{key}.") for o in overridden)
 
 
-class _DuplicateKey(Exception):
-    """A mapping of the recipe file that writes one key twice (`line`, `first`: 1-based)."""
-
-    def __init__(self, key, line: int, first: int):
-        super().__init__(key, line, first)
-        self.key, self.line, self.first = key, line, first
-
-
-class _UniqueKeyLoader(yaml.SafeLoader):
-    """PyYAML's safe loader, except that a key written twice in one mapping is an error
-    (`_DuplicateKey`) rather than silently the last value. Keys a merge (`<<`) brings in
-    may still be overridden, as YAML intends."""
-
-    def construct_mapping(self, node, deep=False):
-        if isinstance(node, yaml.MappingNode):
-            seen: dict = {}
-            for key_node, _ in node.value:
-                if key_node.tag == "tag:yaml.org,2002:merge":
-                    continue
-                key = self.construct_object(key_node, deep=True)
-                try:
-                    first = seen.setdefault(key, key_node)
-                except TypeError:  # an unhashable key: PyYAML's own error follows
-                    continue
-                if first is not key_node:
-                    line = key_node.start_mark.line + 1
-                    raise _DuplicateKey(key, line, first.start_mark.line + 1)
-        return super().construct_mapping(node, deep)
+def _candidates(key: str) -> list[str]:
+    """`key`, and for a loss parameter its other spelling (flat first: it wins)."""
+    if key.startswith("loss.params."):
+        return ["loss." + key.removeprefix("loss.params."), key]
+    if key.startswith("loss."):
+        return [key, "loss.params." + key.removeprefix("loss.")]
+    return [key]
 
 
-def _key_lines(node: yaml.Node, prefix: str = "") -> dict[str, int]:
-    """Dotted key -> the 1-based line of the YAML file that writes it."""
-    lines = {}
-    if isinstance(node, yaml.MappingNode):
-        for key_node, value_node in node.value:
-            key = f"{prefix}{key_node.value}"
-            lines[key] = key_node.start_mark.line + 1
-            lines.update(_key_lines(value_node, f"{key}."))
-    return lines
+def _given(raw: dict, key: str) -> bool:
+    """`key` (dotted) is written in `raw`: by a recipe file or an override, not defaulted."""
+    node: Any = raw
+    for part in key.split("."):
+        if not isinstance(node, dict) or part not in node:
+            return False
+        node = node[part]
+    return True
 
 
-def _text(path: Path) -> str:
-    """The recipe file's text; RecipeError when it is not UTF-8 (UTF-16 named as such)."""
-    from specdistill.data.records import utf8_text
+@dataclass
+class ResolvedRecipe:
+    """A recipe and where each of its values came from.
 
-    text = utf8_text(path.read_bytes(), path, RecipeError, "the recipe")
-    return text.removeprefix("\ufeff")
+    raw: the data validated (the files merged, the overrides applied); sources: dotted key
+    -> 'file:line' of the recipe file (or parent) that wrote it; overridden: the keys the
+    overrides set; files: the recipe files read, parents first."""
 
+    recipe: Recipe
+    raw: dict
+    sources: dict[str, str]
+    overridden: list[str]
+    files: list[Path]
 
-def _read(path: Path) -> tuple[dict, dict[str, int]]:
-    """The recipe file's mapping and the line of each key."""
-    text = _text(path)
-    try:
-        raw = yaml.load(text, Loader=_UniqueKeyLoader)
-        lines = _key_lines(yaml.compose(text, Loader=yaml.SafeLoader))
-    except yaml.YAMLError as e:
-        raise RecipeError(f"{path}: not valid YAML ({e})") from None
-    except _DuplicateKey as e:
-        raise RecipeError(
-            f"{path}:{e.line}: key {e.key!r} is written twice in one mapping (also at line "
-            f"{e.first}); keep one"
-        ) from None
-    except RecursionError:
-        raise RecipeError(f"{path}: {_TOO_DEEP}") from None
-    if raw is None:  # an empty file (or only comments): most likely not what was meant
-        raise RecipeError(f"{path}: recipe is empty")
-    if not isinstance(raw, dict):
-        raise RecipeError(
-            f"{path}: a recipe must be a mapping of sections, got {type(raw).__name__}"
-        )
-    return raw, lines
+    def origin(self, key: str) -> str:
+        """'file:line', 'override' or 'default': what set the value of `key`."""
+        return _origin(key, self.raw, self.sources, self.overridden) or "default"
 
 
-def _where(key: str | None, path: Path | None, lines: dict, overridden: list[str]) -> str:
-    """'file:line: ' when `key` is written in the recipe file (not by an override)."""
-    if key is None or path is None:
+def _origin(key: str, raw: dict, sources: dict[str, str], overridden: list[str]) -> str | None:
+    for candidate in _candidates(key):
+        if _given(raw, candidate):
+            if _overridden(candidate, overridden):
+                return "override"
+            return _line(candidate, sources)
+    return None
+
+
+def _line(key: str, sources: dict[str, str]) -> str | None:
+    """'file:line' that wrote `key`; else that of the nearest section holding it (a key a
+    YAML merge `<<` brought in, a check about a whole section)."""
+    for candidate in _candidates(key):
+        if candidate in sources:
+            return sources[candidate]
+    while key := key.rpartition(".")[0]:
+        if key in sources:
+            return sources[key]
+    return None
+
+
+def _where(key: str | None, sources: dict[str, str], overridden: list[str]) -> str:
+    """'file:line: ' when `key` is written in a recipe file (not by an override)."""
+    if key is None:
         return ""
     key = key.split("[", 1)[0]
-    if any(key == o or key.startswith(f"{o}.") or o.startswith(f"{key}.") for o in overridden):
+    if _overridden(key, overridden):
         return ""
-    candidates = [key]
-    if key.startswith("loss.") and not key.startswith("loss.params."):
-        candidates.append("loss.params." + key.removeprefix("loss."))
-    for candidate in candidates:
-        while candidate:
-            if candidate in lines:
-                return f"{path}:{lines[candidate]}: "
-            candidate = candidate.rpartition(".")[0]
-    return ""
+    line = _line(key, sources)
+    return f"{line}: " if line else ""
 
 
-def load_recipe(path: str | Path | None, overrides: list[str] = ()) -> Recipe:
-    """Read a YAML recipe (or start from defaults when `path` is None) and apply overrides."""
+def resolve_recipe(path: str | Path | None, overrides: list[str] = ()) -> ResolvedRecipe:
+    """`load_recipe`, with where each value came from (`specdistill recipe show`)."""
     raw: dict = {}
-    lines: dict[str, int] = {}
+    sources: dict[str, str] = {}
+    files: list[Path] = []
     if path is not None:
-        path = _recipe_path(Path(path))
-        raw, lines = _read(path)
+        raw, sources, files = read_recipe(recipe_path(Path(path)))
     overridden = []
     for text in overrides:
         key, value = parse_override(text)
+        if key.split(".", 1)[0] == EXTENDS:
+            raise RecipeError(
+                f"override {text!r}: {EXTENDS} is read from recipe files only; write it in "
+                "the recipe"
+            )
         _set_dotted(raw, key, value)
         overridden.append(key)
     try:
-        return recipe_from_dict(raw)
+        recipe = recipe_from_dict(raw)
     except RecipeError as e:
-        where = _where(e.key, path, lines, overridden)
+        where = _where(e.key, sources, overridden)
         if not where:
             raise
         raise RecipeError(f"{where}{e}", key=e.key) from None
+    return ResolvedRecipe(recipe, raw, sources, overridden, files)
+
+
+def load_recipe(path: str | Path | None, overrides: list[str] = ()) -> Recipe:
+    """Read a YAML recipe (or start from defaults when `path` is None) and apply overrides:
+    the recipe's parents (`extends:`) first, the file itself over them, the overrides last."""
+    return resolve_recipe(path, overrides).recipe
 
 
 def recipe_datasets(recipe: Recipe, tokenizer):

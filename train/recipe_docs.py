@@ -31,6 +31,13 @@ the run with one line that names the key, the value and what it may be (`unknown
 'train.max_step'; did you mean 'train.max_steps'?`), with the file and line when the recipe
 file sets it.
 
+One key stands outside the sections: `extends`, at the top level, names the recipe's parents
+(one file or a list, relative to the recipe's own file, or a shipped recipe's name). The
+parents are merged in order under the file, section by section; the file's own values win,
+and the overrides apply last. `specdistill recipe show RECIPE` prints the result, each value
+with the file and line, override or default that set it
+([training.md](training.md#a-recipe-that-extends-another-and-specdistill-recipe-show)).
+
 Columns: **type** (a list key also takes a single value, read as a one-element list; a number
 key takes an integer too), **allowed** (the values or the range), **EAGLE-3** (the key
 configures an EAGLE-3 head and is refused with `draft.type: standalone`), **resume** (what a
