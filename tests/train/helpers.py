@@ -20,6 +20,18 @@ from tests.processes import free_port, run_bounded, why_failed
 REPO = Path(__file__).parents[2]
 
 
+def loss_parts(trainer: Trainer, batch: dict):
+    """(loss sum, α sum, acceptance-head loss sum or None, gradients by parameter name) of one
+    micro-batch through the trainer's step core, after a backward of both losses."""
+    trainer.draft.zero_grad(set_to_none=True)
+    parts = trainer.core.losses(batch)
+    total = parts.loss_sum + (0 if parts.head is None else parts.head.loss_sum)
+    total.backward()
+    grads = {n: p.grad.clone() for n, p in trainer.draft.named_parameters() if p.grad is not None}
+    head = None if parts.head is None else float(parts.head.loss_sum.detach())
+    return float(parts.loss_sum.detach()), float(parts.alpha_sum), head, grads
+
+
 def overrides(tiny_pair, out: Path, **extra) -> list[str]:
     target, draft, data = tiny_pair
     base = {

@@ -13,23 +13,13 @@ from specdistill.train.target_cache import CacheError
 from specdistill.train.target_cache_build import build_cache
 from specdistill.train.target_cache_vocab import cache_columns
 from specdistill.train.trainer import Trainer
-from tests.train.helpers import overrides
+from tests.train.helpers import loss_parts, overrides
 
 REDUCED = {"draft.model": "target-layers:1", "draft.vocab_size": 100}
 
 
 def _recipe(tiny_pair, out, **extra):
     return load_recipe(None, overrides(tiny_pair, out, **{**REDUCED, **extra}))
-
-
-def _loss_parts(trainer: Trainer, batch: dict):
-    trainer.draft.zero_grad(set_to_none=True)
-    parts = trainer.core.losses(batch)
-    total = parts.loss_sum + (0 if parts.head is None else parts.head.loss_sum)
-    total.backward()
-    grads = {n: p.grad.clone() for n, p in trainer.draft.named_parameters() if p.grad is not None}
-    head = None if parts.head is None else float(parts.head.loss_sum.detach())
-    return float(parts.loss_sum.detach()), float(parts.alpha_sum), head, grads
 
 
 @pytest.mark.parametrize(
@@ -64,9 +54,9 @@ def test_draft_columns_train_as_the_live_target_without_its_forward(
     for step in (0, 3):
         for a, b in zip(live.micro_batches(step), cached.micro_batches(step), strict=True):
             monkeypatch.undo()
-            want = _loss_parts(live, a)
+            want = loss_parts(live, a)
             monkeypatch.setattr(type(cached.target), "forward", lambda *a, **k: 1 / 0)
-            got = _loss_parts(cached, b)
+            got = loss_parts(cached, b)
             assert got[0] == pytest.approx(want[0], rel=1e-6, abs=1e-6)
             assert got[1] == pytest.approx(want[1], rel=1e-6, abs=1e-6)
             assert got[2] == pytest.approx(want[2], rel=1e-6, abs=1e-6)

@@ -11,23 +11,13 @@ from specdistill.train.config import RecipeError, load_recipe
 from specdistill.train.target_cache import TargetCache
 from specdistill.train.target_cache_build import build_cache
 from specdistill.train.trainer import Trainer
-from tests.train.helpers import eagle_overrides, overrides
+from tests.train.helpers import eagle_overrides, loss_parts, overrides
 
 QUIET = {"print": lambda *a: None}
 
 
 def _recipe(tiny_pair, target, out, **extra):
     return load_recipe(None, eagle_overrides(tiny_pair, target, out, **extra))
-
-
-def _loss_parts(trainer: Trainer, batch: dict):
-    trainer.draft.zero_grad(set_to_none=True)
-    parts = trainer.core.losses(batch)
-    total = parts.loss_sum + (0 if parts.head is None else parts.head.loss_sum)
-    total.backward()
-    grads = {n: p.grad.clone() for n, p in trainer.draft.named_parameters() if p.grad is not None}
-    head = None if parts.head is None else float(parts.head.loss_sum.detach())
-    return float(parts.loss_sum.detach()), float(parts.alpha_sum), head, grads
 
 
 @pytest.mark.parametrize("loss", ["fkl", "lk_lambda"])
@@ -61,9 +51,9 @@ def test_a_head_trains_from_stored_outputs_as_from_the_live_target(
     for step in (0, 3):
         for a, b in zip(live.micro_batches(step), cached.micro_batches(step), strict=True):
             monkeypatch.undo()
-            want = _loss_parts(live, a)
+            want = loss_parts(live, a)
             monkeypatch.setattr(type(cached.target), "forward", lambda *a, **k: 1 / 0)
-            got = _loss_parts(cached, b)
+            got = loss_parts(cached, b)
             for w, g in zip(want[:3], got[:3], strict=True):
                 assert g == pytest.approx(w, rel=1e-5, abs=1e-6)
             assert want[3].keys() == got[3].keys() and want[3]
