@@ -15,8 +15,6 @@ model is merged with a fine-tune's adapter (train/finetune.py), which is no run'
 
 from dataclasses import dataclass
 
-from specdistill.drafts import hub
-
 __all__ = ["TargetSpec", "load_target_and_tokenizer", "load_tokenizer", "with_pad_token"]
 
 
@@ -59,7 +57,10 @@ def with_pad_token(tokenizer):
 
 def load_tokenizer(spec: TargetSpec):
     """The target's tokenizer (at the spec's revision), with a pad token."""
-    return with_pad_token(hub.load_tokenizer(spec.model, spec.revision))
+    # drafts/hub.py is looked up at each call, as the verbs did: tests stand a fake in for it.
+    from specdistill.drafts.hub import load_tokenizer as hub_tokenizer
+
+    return with_pad_token(hub_tokenizer(spec.model, spec.revision))
 
 
 def load_target_and_tokenizer(spec: TargetSpec, *, target=None, tokenizer=None) -> tuple:
@@ -67,9 +68,11 @@ def load_target_and_tokenizer(spec: TargetSpec, *, target=None, tokenizer=None) 
     the tokenizer first to check a draft against it). The tokenizer, given or loaded, pads with
     its eos token if it has no pad token; a loaded target is `hub.load_target`'s (the adapter
     unmerged, the revision and dtype of the spec), moved to `spec.device` when one is set."""
+    from specdistill.drafts.hub import load_target
+
     tokenizer = load_tokenizer(spec) if tokenizer is None else with_pad_token(tokenizer)
     if target is None:
-        target = hub.load_target(spec.model, spec.adapter, dtype=spec.dtype, revision=spec.revision)
+        target = load_target(spec.model, spec.adapter, dtype=spec.dtype, revision=spec.revision)
         if spec.device is not None:
             target = target.to(spec.device)
     return target, tokenizer

@@ -3,6 +3,8 @@ target and its tokenizer, and that nothing else in the package loads a target it
 
 import ast
 import shutil
+import sys
+import types
 from types import SimpleNamespace
 
 import pytest
@@ -68,6 +70,16 @@ def test_the_loader_passes_every_field_of_the_spec(monkeypatch):
     other = SimpleNamespace(pad_token_id=None, eos_token="<e>", pad_token=None)
     assert load_target_and_tokenizer(spec, target="T", tokenizer=other) == ("T", other)
     assert calls == [] and other.pad_token == "<e>"
+
+
+def test_the_loader_uses_the_hub_module_of_the_moment(monkeypatch):
+    """A stand-in for drafts/hub.py put in sys.modules after the loader was imported (the
+    verbs' tests do) is the one that loads."""
+    fake = types.ModuleType("specdistill.drafts.hub")
+    fake.load_tokenizer = lambda name, revision=None: SimpleNamespace(pad_token_id=0)
+    fake.load_target = lambda name, adapter=None, *, dtype, revision: f"fake {name}"
+    monkeypatch.setitem(sys.modules, "specdistill.drafts.hub", fake)
+    assert load_target_and_tokenizer(TargetSpec("m"))[0] == "fake m"
 
 
 @pytest.fixture
