@@ -19,7 +19,9 @@ file that cannot be read is a `BrokenWeightsError` naming it. A draft (and its a
 head) whose weights hold a NaN or an infinity is a `NonFiniteWeightsError` naming the file and
 the tensor; a target is not scanned here (its non-finite logits are refused where they are
 used, `losses.api`). Every load of a draft or a target goes through here: serve (--draft, hot
-swap), speculate, drift, training, online.
+swap), speculate, drift, training, online; a target and its tokenizer through
+drafts/target_spec.py's `load_target_and_tokenizer`, which passes a `TargetSpec`'s adapter,
+revision and dtype and gives the tokenizer its pad token.
 """
 
 import functools

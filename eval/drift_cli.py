@@ -347,7 +347,8 @@ def _run(args, prompts) -> DriftRun:
 
     from specdistill import drafts
     from specdistill.bounds import context_limit
-    from specdistill.drafts.hub import check_tokenizers, load_draft, load_target, load_tokenizer
+    from specdistill.drafts import target_spec
+    from specdistill.drafts.hub import check_tokenizers, load_draft, load_tokenizer
     from specdistill.eval.drift import measure_scores
     from specdistill.eval.drift_gate import judge, markdown
     from specdistill.eval.drift_report import markdown as report_markdown
@@ -355,16 +356,16 @@ def _run(args, prompts) -> DriftRun:
 
     quiet_third_party()
     args.device = resolve_device(args.device)
-    tokenizer = load_tokenizer(args.target_after)
-    check_tokenizers(
-        load_tokenizer(args.target_before), tokenizer, args.target_before, args.target_after
-    )
+    spec_before, spec_after = _target_specs(args)
+    tokenizer = target_spec.load_tokenizer(spec_after)
+    tokenizer_before = target_spec.load_tokenizer(spec_before)
+    check_tokenizers(tokenizer_before, tokenizer, args.target_before, args.target_after)
     draft = load_draft(args.draft, dtype=args.dtype)
     _check_depth(args.depth, drafts.type_of(draft), draft)
     if drafts.type_of(draft).own_tokenizer:
         check_tokenizers(tokenizer, load_tokenizer(args.draft), args.target_after, args.draft)
-    before = load_target(args.target_before, args.adapter_before, dtype=args.dtype)
-    after = load_target(args.target_after, args.adapter_after, dtype=args.dtype)
+    before, _ = target_spec.load_target_and_tokenizer(spec_before, tokenizer=tokenizer_before)
+    after, tokenizer = target_spec.load_target_and_tokenizer(spec_after, tokenizer=tokenizer)
     for name, target in ((args.target_before, before), (args.target_after, after)):
         context = getattr(target.config, "max_position_embeddings", None)
         context_limit("--max-new-tokens", args.max_new_tokens, context, name)
@@ -418,6 +419,16 @@ def _run(args, prompts) -> DriftRun:
     (Path(args.out) / "gate.json").write_text(result.gate.model_dump_json(indent=2) + "\n")
     print(markdown(result.gate))
     return result
+
+
+def _target_specs(args) -> tuple:
+    """(before, after): the `drafts.target_spec.TargetSpec` of each target's flags."""
+    from specdistill.drafts.target_spec import TargetSpec
+
+    return (
+        TargetSpec(args.target_before, args.adapter_before, dtype=args.dtype),
+        TargetSpec(args.target_after, args.adapter_after, dtype=args.dtype),
+    )
 
 
 def _check_depth(depth: int | None, kind, draft=None) -> None:

@@ -195,13 +195,15 @@ def _run(args, prompts) -> dict:
 
     args.device = resolve_device(args.device)
     from specdistill import drafts
-    from specdistill.drafts.hub import check_tokenizers, load_draft, load_target, load_tokenizer
+    from specdistill.drafts import target_spec
+    from specdistill.drafts.hub import check_tokenizers, load_draft, load_tokenizer
     from specdistill.drafts.progress import WorkProgress, usable_cores
     from specdistill.eval import report, sweep
     from specdistill.eval.prompts import encode_prompts
     from specdistill.eval.report_console import console_summary
 
-    tokenizer = load_tokenizer(args.target)
+    spec = target_spec.TargetSpec.from_args(args)
+    tokenizer = target_spec.load_tokenizer(spec)  # first: the draft is checked against it
     draft = load_draft(args.draft, dtype=args.dtype)
     kind = drafts.type_of(draft)
     if kind.own_tokenizer:
@@ -211,7 +213,7 @@ def _run(args, prompts) -> dict:
             f"the {kind.name} draft {args.draft} covers {kind.vocab_size_of(draft)} token ids; "
             f"the target's tokenizer has {len(tokenizer)}: it was trained for another target"
         )
-    target = load_target(args.target, args.target_adapter, dtype=args.dtype)
+    target, tokenizer = target_spec.load_target_and_tokenizer(spec, tokenizer=tokenizer)
     threads.start(args.threads)  # once the models load: an error stays one line
     target.to(args.device)
     draft.to(args.device)

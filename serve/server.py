@@ -34,7 +34,6 @@ class Server:
     """
 
     def __init__(self, options: ServeOptions, *, threads: ThreadPolicy | None = None):
-        from specdistill.drafts.hub import load_tokenizer
         from specdistill.serve.app import build_app
         from specdistill.serve.auth import ApiKeys, parse_keys
         from specdistill.serve.traffic import TrafficLog
@@ -44,8 +43,7 @@ class Server:
         device = resolve_device(options.device)
         self.options = options
         self.keys = ApiKeys(parse_keys(options.api_key))
-        self.tokenizer = load_tokenizer(options.target)
-        self.target, identity = self._load_target(device)
+        self.target, self.tokenizer, identity = self._load_target(device)
         self.limits = self._limits()
         self.watcher = None
         draft, version = self._first_draft()
@@ -67,15 +65,17 @@ class Server:
 
     # ------------------------------------------------------------------ start-up steps
     def _load_target(self, device: str):
-        """The target on `device` and its identity. A peft adapter stays unmerged
-        (drafts.hub.load_target); the identity the traffic records carry covers its files,
-        so the online job refuses records of another adapter or of the bare base."""
-        from specdistill.drafts.hub import load_target
+        """(the target on `device`, its tokenizer, its identity), loaded from the options
+        (drafts/target_spec.py). A peft adapter stays unmerged; the identity the traffic records
+        carry covers its files, so the online job refuses records of another adapter or of the
+        bare base."""
         from specdistill.drafts.identity import model_identity
+        from specdistill.drafts.target_spec import TargetSpec, load_target_and_tokenizer
 
         o = self.options
-        target = load_target(o.target, o.target_adapter, dtype=o.dtype).to(device).eval()
-        return target, model_identity(o.target, target, o.target_adapter)
+        target, tokenizer = load_target_and_tokenizer(TargetSpec.from_args(o, device=device))
+        target = target.eval()
+        return target, tokenizer, model_identity(o.target, target, o.target_adapter)
 
     def _limits(self) -> Limits:
         """The request limits, --max-model-len defaulting to the target's context."""

@@ -65,7 +65,7 @@ def prepare(recipe, *, batch_size: int = 32, print=print) -> list[PreparedSet]:
     import torch
 
     from specdistill import threads
-    from specdistill.drafts import hub
+    from specdistill.drafts.target_spec import TargetSpec, load_target_and_tokenizer
     from specdistill.train.regenerate import Sampling, regenerate
 
     p = recipe.prepare
@@ -78,8 +78,7 @@ def prepare(recipe, *, batch_size: int = 32, print=print) -> list[PreparedSet]:
     sampling = Sampling(p.temperature, None, None, p.max_new_tokens, p.seed)
     t = recipe.target
     print(f"prepare: loading the target {t.model}")
-    tokenizer = hub.load_tokenizer(t.model, t.revision)
-    target = hub.load_target(t.model, t.adapter, dtype=t.dtype, revision=t.revision)
+    target, tokenizer = load_target_and_tokenizer(TargetSpec.from_recipe(t))
     threads.start(recipe.train.threads, name="train.threads")  # on stderr, once it loads
     target = target.to("cuda" if torch.cuda.is_available() else "cpu")
     done = []

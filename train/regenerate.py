@@ -231,20 +231,16 @@ def _regenerate_into(
 
 
 def _load_target(r, target, tokenizer) -> tuple:
-    """(target, tokenizer): the recipe's, each loaded unless given; a loaded target starts the
-    recipe's threads and moves to the GPU when there is one."""
+    """(target, tokenizer): the recipe's, each loaded unless given (drafts/target_spec.py); a
+    loaded target starts the recipe's threads and moves to the GPU when there is one."""
     from specdistill import threads
-    from specdistill.drafts import hub
+    from specdistill.drafts.target_spec import TargetSpec, load_target_and_tokenizer
 
-    if tokenizer is None:
-        tokenizer = hub.load_tokenizer(r.target.model, r.target.revision)
-    if target is None:
-        target = hub.load_target(
-            r.target.model,
-            getattr(r.target, "adapter", None),
-            dtype=r.target.dtype,
-            revision=r.target.revision,
-        )
+    given = target is not None
+    target, tokenizer = load_target_and_tokenizer(
+        TargetSpec.from_recipe(r.target), target=target, tokenizer=tokenizer
+    )
+    if not given:
         threads.start(r.train.threads, name="train.threads")  # on stderr, once it loads
         if hasattr(target, "to"):
             import torch

@@ -108,7 +108,6 @@ def build_cache(
         ids=ids,
         feature_layers=layers,
     )
-
     tmp = out.parent / f".tmp-{out.name}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
@@ -177,23 +176,16 @@ def _draft_columns(r, target, tokenizer, train_data, print) -> tuple:
 
 def _build_inputs(r, target, tokenizer, train_data, eval_data) -> tuple:
     """(target, tokenizer, train_data, eval_data): each loaded from the recipe unless given,
-    as `Trainer.from_recipe` loads them; the tokenizer pads with its eos token if unset."""
-    from specdistill.drafts import hub
+    as `Trainer.from_recipe` loads them (drafts/target_spec.py: the tokenizer pads with its
+    eos token if unset)."""
+    from specdistill.drafts.target_spec import TargetSpec, load_target_and_tokenizer
     from specdistill.train.config import recipe_datasets
 
-    if tokenizer is None:
-        tokenizer = hub.load_tokenizer(r.target.model, r.target.revision)
-    if target is None:
-        target = hub.load_target(
-            r.target.model,
-            getattr(r.target, "adapter", None),
-            dtype=r.target.dtype,
-            revision=r.target.revision,
-        )
+    target, tokenizer = load_target_and_tokenizer(
+        TargetSpec.from_recipe(r.target), target=target, tokenizer=tokenizer
+    )
     if train_data is None or eval_data is None:
         train_data, eval_data = recipe_datasets(r, tokenizer)
-    if tokenizer.pad_token_id is None:
-        tokenizer.pad_token = tokenizer.eos_token
     return target, tokenizer, train_data, eval_data
 
 

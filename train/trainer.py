@@ -27,6 +27,11 @@ from tqdm.auto import tqdm
 
 from specdistill import drafts
 from specdistill.drafts import hub as models
+from specdistill.drafts.target_spec import (
+    TargetSpec,
+    load_target_and_tokenizer,
+    with_pad_token,
+)
 from specdistill.publish import atomic_write_text
 from specdistill.threads import ThreadPolicy
 from specdistill.train.batches import Batches, accumulation_steps
@@ -164,10 +169,8 @@ class Trainer:
             return  # nothing to train: run() reports the stored result
         self.accum = accumulation_steps(r, acc)
         check_layout(acc, self.accum, r.train.max_grad_norm, r.loss.chunk_size)
-        self.tokenizer, self.kind = tokenizer, kind
+        self.tokenizer, self.kind = with_pad_token(tokenizer), kind
         self.train_data, self.eval_data = train_data, eval_data
-        if self.tokenizer.pad_token_id is None:
-            self.tokenizer.pad_token = self.tokenizer.eos_token
         self.core = DistillStep(r, accelerator=acc, target=target, draft=draft, kind=kind)
         held = Batches(eval_data, recipe=r, accelerator=acc, pad_token_id=tokenizer.pad_token_id)
         self.evaluator = Evaluator(r, self.core, held, self.out, tokenizer)
@@ -192,10 +195,7 @@ class Trainer:
             return cls(recipe, accelerator=acc, plan=plan)
         # Only the main process builds an embedded model; the others wait, then load it.
         with acc.main_process_first(), quiet_library_bars():
-            tokenizer = models.load_tokenizer(r.target.model, r.target.revision)
-            target = models.load_target(
-                r.target.model, r.target.adapter, dtype=r.target.dtype, revision=r.target.revision
-            )
+            target, tokenizer = load_target_and_tokenizer(TargetSpec.from_recipe(r.target))
             check_context(r, target)  # before the data is cut to a length it cannot see
             train_data, eval_data = recipe_datasets(r, tokenizer)
             try:

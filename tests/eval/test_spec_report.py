@@ -70,10 +70,12 @@ def test_cli_writes_report(tmp_path, tokenizer, monkeypatch, capsys):
     target = tiny_llama(0, vocab=vocab, hidden=32, layers=2, init=0.2)
     draft = perturbed(target, 0.02, seed=1)
     fake = types.ModuleType("specdistill.drafts.hub")
-    fake.load_tokenizer = lambda name: tokenizer
+    fake.load_tokenizer = lambda name, revision=None: tokenizer
     fake.load_model = lambda name, dtype: {"tiny:target": target, "tiny:draft": draft}[name]
     fake.load_draft = fake.load_model
-    fake.load_target = lambda name, adapter=None, dtype="float32": fake.load_model(name, dtype)
+    fake.load_target = lambda name, adapter=None, dtype="float32", revision=None: fake.load_model(
+        name, dtype
+    )
     fake.check_tokenizers = lambda *args: None
     monkeypatch.setitem(sys.modules, "specdistill.drafts.hub", fake)
     prompts = tmp_path / "prompts.jsonl"

@@ -118,8 +118,8 @@ class OnlineJob(TrafficInput, ServedVersions, Refreshes):
         from accelerate import Accelerator
 
         from specdistill import drafts
-        from specdistill.drafts import hub
         from specdistill.drafts.identity import model_identity
+        from specdistill.drafts.target_spec import TargetSpec, load_target_and_tokenizer
         from specdistill.train.batches import accumulation_steps
         from specdistill.train.online.cursor import Cursor
         from specdistill.train.online.screen import load_anchor
@@ -131,15 +131,10 @@ class OnlineJob(TrafficInput, ServedVersions, Refreshes):
         self.clients = set(o.clients or ())
         self._said: set[str] = set()  # warnings given once
         self.max_tokens = o.max_record_tokens or r.data.max_length
-        self.tokenizer = hub.load_tokenizer(r.target.model, r.target.revision)
-        if self.tokenizer.pad_token_id is None:
-            self.tokenizer.pad_token = self.tokenizer.eos_token
         # The recipe's target.adapter (a fine-tuned target, unmerged) is part of the target:
         # the identity covers its files, as the server's does (`specdistill serve
         # --target-adapter`), so records of the bare base or of another adapter are refused.
-        self.target = hub.load_target(
-            r.target.model, r.target.adapter, dtype=r.target.dtype, revision=r.target.revision
-        )
+        self.target, self.tokenizer = load_target_and_tokenizer(TargetSpec.from_recipe(r.target))
         self.identity = model_identity(r.target.model, self.target, r.target.adapter)
         self.vocab_size = len(self.tokenizer)
         anchor = load_anchor(o.anchor, self.identity, self.max_tokens, self.vocab_size)
