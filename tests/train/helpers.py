@@ -32,6 +32,25 @@ def loss_parts(trainer: Trainer, batch: dict):
     return float(parts.loss_sum.detach()), float(parts.alpha_sum), head, grads
 
 
+def assert_trains_as_live(live: Trainer, cached: Trainer, monkeypatch, *, rel, grad_rtol):
+    """Give `cached` (a trainer on a target cache) `live`'s draft and head weights, then check
+    that steps 0 and 3 give the same losses, α, head loss (to `rel`) and gradients (to
+    `grad_rtol`), while the target's forward raises during every cached step."""
+    cached.draft.load_state_dict(live.draft.state_dict())
+    cached.core.head_training.head.load_state_dict(live.core.head_training.head.state_dict())
+    for step in (0, 3):
+        for a, b in zip(live.micro_batches(step), cached.micro_batches(step), strict=True):
+            want = loss_parts(live, a)
+            with monkeypatch.context() as patch:  # the classes are shared with the live target
+                patch.setattr(type(cached.target), "forward", lambda *a, **k: 1 / 0)
+                got = loss_parts(cached, b)
+            for w, g in zip(want[:3], got[:3], strict=True):
+                assert g == pytest.approx(w, rel=rel, abs=1e-6)
+            assert want[3].keys() == got[3].keys() and want[3]
+            for name in want[3]:
+                torch.testing.assert_close(got[3][name], want[3][name], rtol=grad_rtol, atol=1e-6)
+
+
 def overrides(tiny_pair, out: Path, **extra) -> list[str]:
     target, draft, data = tiny_pair
     base = {

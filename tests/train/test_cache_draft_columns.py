@@ -5,7 +5,6 @@ another draft vocabulary and the recipes distill would refuse are refused before
 loads or trains."""
 
 import pytest
-import torch
 
 from specdistill import cli
 from specdistill.train.config import load_recipe
@@ -13,7 +12,7 @@ from specdistill.train.target_cache import CacheError
 from specdistill.train.target_cache_build import build_cache
 from specdistill.train.target_cache_vocab import cache_columns
 from specdistill.train.trainer import Trainer
-from tests.train.helpers import loss_parts, overrides
+from tests.train.helpers import assert_trains_as_live, overrides
 
 REDUCED = {"draft.model": "target-layers:1", "draft.vocab_size": 100}
 
@@ -45,26 +44,7 @@ def test_draft_columns_train_as_the_live_target_without_its_forward(
         _recipe(tiny_pair, tmp_path / "cached", **extra, **{"target.cache": str(cache)})
     )
     assert cached.core.kind.name == kind
-    cached.draft.load_state_dict(live.draft.state_dict())
-    cached.core.head_training.head.load_state_dict(live.core.head_training.head.state_dict())
-    calls = []
-    monkeypatch.setattr(
-        type(cached.target), "forward", lambda *a, **k: calls.append(1) or 1 / 0, raising=True
-    )
-    for step in (0, 3):
-        for a, b in zip(live.micro_batches(step), cached.micro_batches(step), strict=True):
-            monkeypatch.undo()
-            want = loss_parts(live, a)
-            monkeypatch.setattr(type(cached.target), "forward", lambda *a, **k: 1 / 0)
-            got = loss_parts(cached, b)
-            assert got[0] == pytest.approx(want[0], rel=1e-6, abs=1e-6)
-            assert got[1] == pytest.approx(want[1], rel=1e-6, abs=1e-6)
-            assert got[2] == pytest.approx(want[2], rel=1e-6, abs=1e-6)
-            assert want[3].keys() == got[3].keys() and want[3]
-            for name in want[3]:
-                torch.testing.assert_close(got[3][name], want[3][name], rtol=1e-5, atol=1e-6)
-    monkeypatch.undo()
-    assert not calls
+    assert_trains_as_live(live, cached, monkeypatch, rel=1e-6, grad_rtol=1e-5)
 
 
 def test_a_cache_of_another_draft_vocabulary_is_refused(tiny_pair, tmp_path):

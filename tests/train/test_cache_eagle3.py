@@ -11,7 +11,7 @@ from specdistill.train.config import RecipeError, load_recipe
 from specdistill.train.target_cache import TargetCache
 from specdistill.train.target_cache_build import build_cache
 from specdistill.train.trainer import Trainer
-from tests.train.helpers import eagle_overrides, loss_parts, overrides
+from tests.train.helpers import assert_trains_as_live, eagle_overrides, overrides
 
 QUIET = {"print": lambda *a: None}
 
@@ -46,20 +46,7 @@ def test_a_head_trains_from_stored_outputs_as_from_the_live_target(
             tiny_pair, sharp_target, tmp_path / "cached", **extra, **{"target.cache": str(cache)}
         )
     )
-    cached.draft.load_state_dict(live.draft.state_dict())
-    cached.core.head_training.head.load_state_dict(live.core.head_training.head.state_dict())
-    for step in (0, 3):
-        for a, b in zip(live.micro_batches(step), cached.micro_batches(step), strict=True):
-            monkeypatch.undo()
-            want = loss_parts(live, a)
-            monkeypatch.setattr(type(cached.target), "forward", lambda *a, **k: 1 / 0)
-            got = loss_parts(cached, b)
-            for w, g in zip(want[:3], got[:3], strict=True):
-                assert g == pytest.approx(w, rel=1e-5, abs=1e-6)
-            assert want[3].keys() == got[3].keys() and want[3]
-            for name in want[3]:
-                torch.testing.assert_close(got[3][name], want[3][name], rtol=1e-4, atol=1e-6)
-    monkeypatch.undo()
+    assert_trains_as_live(live, cached, monkeypatch, rel=1e-5, grad_rtol=1e-4)
 
 
 def test_float16_features_train_close_to_the_live_target(tiny_pair, sharp_target, tmp_path):
