@@ -99,6 +99,15 @@ class Standalone:
             t_logits = shifted_logits(target, batch, self.vocab_size)
         return [shifted_logits(draft, batch, self.vocab_size)], [t_logits], [target_mask(batch)]
 
+    def stored_depths(self, draft, batch: dict, target, features=None) -> Depths:
+        """`depths` with the target's log-probabilities over the compared columns stored (a
+        `losses.VocabTarget` [B, T−1, V]): no target forward."""
+        return [shifted_logits(draft, batch, self.vocab_size)], [target], [target_mask(batch)]
+
+    def draft_ids(self) -> Tensor:
+        """The target id of each compared column: all of them, in order."""
+        return torch.arange(self.vocab_size)
+
     def chains(self, draft, target, batch: dict, starts: list[int], **sampling) -> Chains:
         """The draft's own chains from `starts` (drafts/chains.py), for loss.name=tau."""
         return sample_chains(draft, target, batch, starts, vocab_size=self.vocab_size, **sampling)

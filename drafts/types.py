@@ -168,6 +168,11 @@ class DraftType(Protocol):
         `feature_layers` (None without). Types with the `vocab_targets` capability only."""
         ...
 
+    def draft_ids(self) -> Tensor:
+        """The target id of each column the draft is compared on (a target cache over the
+        draft's own columns is stored in this order)."""
+        ...
+
     def chains(self, draft, target, batch: dict, starts: list[int], **sampling) -> Any:
         """The draft's own γ-token chains from positions `starts` of the batch, scored by the
         target (`drafts.chains.Chains`; sampling: gamma, temperature, generator, hidden),

@@ -39,6 +39,9 @@ DRAFT_TYPE_MEMBERS = {
     "vocab_size_of",
     "drafter",
     "path_logits",
+    "feature_layers",
+    "stored_depths",
+    "draft_ids",
 }
 DRAFTER_MEMBERS = {"target_first_token", "capture", "admit", "propose", "commit", "select_rows"}
 
