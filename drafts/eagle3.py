@@ -24,7 +24,7 @@ from specdistill.drafts.eagle3_head import (
 )
 from specdistill.drafts.eagle3_vocab import token_counts
 from specdistill.drafts.kv_cache import left_pad, left_pad_rows
-from specdistill.drafts.reduced_vocab import ReducedVocabError
+from specdistill.drafts.reduced_vocab import ReducedVocabError, compared_ids
 from specdistill.drafts.standalone import StandaloneDrafter
 from specdistill.drafts.types import Capabilities, Depths
 from specdistill.losses import VocabTarget
@@ -75,8 +75,7 @@ class Eagle3:
         if steps < 1:
             raise ValueError(f"draft.ttt_steps must be >= 1, got {steps}")
         self.steps, self.vocab_size = steps, vocab_size
-        self.aux_layers = head.aux_layers
-        self.feature_layers = list(head.aux_layers)  # what a target cache stores for it
+        self.feature_layers = list(head.aux_layers)  # captured live; a target cache stores them
         self.dtype = head.fc.weight.dtype
         self.d2t = head.d2t if head.draft_vocab_size < vocab_size else None
 
@@ -126,7 +125,7 @@ class Eagle3:
 
     def target_forward(self, target, batch: dict) -> tuple[Tensor, Tensor]:
         """(target logits [B, T, vocab], features [B, T, n_aux·H_t]) from one forward."""
-        with torch.no_grad(), FeatureCapture(target, self.aux_layers) as capture:
+        with torch.no_grad(), FeatureCapture(target, self.feature_layers) as capture:
             out = target(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
             return out.logits[..., : self.vocab_size], capture.features()
 
@@ -159,9 +158,7 @@ class Eagle3:
 
     def draft_ids(self) -> Tensor:
         """The target id of each of the head's K columns (a target cache's column order)."""
-        if self.d2t is None:
-            return torch.arange(self.vocab_size)
-        return torch.arange(len(self.d2t), device=self.d2t.device) + self.d2t
+        return compared_ids(self.d2t, self.vocab_size)
 
     def chains(self, draft, target, batch: dict, starts: list[int], **sampling):
         """The head's own chains from `starts`, scored by the target (drafts/eagle3_chains.py),

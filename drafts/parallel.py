@@ -34,6 +34,7 @@ from specdistill.drafts.kv_cache import left_pad
 from specdistill.drafts.reduced_vocab import (
     ReducedHead,
     add_input_row,
+    compared_ids,
     is_reduced,
     is_reduced_dir,
     output_columns,
@@ -246,9 +247,7 @@ class Parallel:
 
     def draft_ids(self) -> Tensor:
         """The target id of each compared column (a target cache's column order)."""
-        if self.d2t is None:
-            return torch.arange(self.vocab_size)
-        return torch.arange(len(self.d2t), device=self.d2t.device) + self.d2t
+        return compared_ids(self.d2t, self.vocab_size)
 
     def chains(self, draft, target, batch: dict, starts: list[int], **sampling):
         """Not for this type: a parallel draft proposes its block in one forward, so the

@@ -55,6 +55,14 @@ class ReducedVocabLlamaConfig(LlamaConfig):
     draft_vocab_size: int = 1
 
 
+def compared_ids(d2t: Tensor | None, vocab_size: int) -> Tensor:
+    """The target id of each column a draft type is compared on: the K of its d2t map
+    (draft id i is target id i + d2t[i]), or all `vocab_size` ids in order without one."""
+    if d2t is None:
+        return torch.arange(vocab_size)
+    return torch.arange(len(d2t), device=d2t.device) + d2t
+
+
 class ReducedHead(nn.Linear):
     """The output head over V_d: a bias-free [K, H] linear layer with the vocabulary map
     (buffers d2t [K] int64, t2d [V] bool) that places its K columns among the V target ids."""

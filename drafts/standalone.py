@@ -39,6 +39,7 @@ from specdistill.drafts.kv_cache import KVStream, left_pad
 from specdistill.drafts.reduced_vocab import (
     ReducedHead,
     ReducedVocabError,
+    compared_ids,
     is_reduced,
     is_reduced_dir,
     reduce_for_data,
@@ -105,8 +106,8 @@ class Standalone:
         return [shifted_logits(draft, batch, self.vocab_size)], [target], [target_mask(batch)]
 
     def draft_ids(self) -> Tensor:
-        """The target id of each compared column: all of them, in order."""
-        return torch.arange(self.vocab_size)
+        """The target id of each compared column (`d2t`'s K with a reduced head, else all)."""
+        return compared_ids(self.d2t, self.vocab_size)
 
     def chains(self, draft, target, batch: dict, starts: list[int], **sampling) -> Chains:
         """The draft's own chains from `starts` (drafts/chains.py), for loss.name=tau."""
@@ -244,10 +245,6 @@ class ReducedStandalone(Standalone):
             input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], full_vocab=False
         )
         return out.logits[:, :-1]
-
-    def draft_ids(self) -> Tensor:
-        """The target id of each of the draft's K columns."""
-        return torch.arange(len(self.d2t), device=self.d2t.device) + self.d2t
 
     def chains(self, draft, target, batch: dict, starts: list[int], **sampling) -> Chains:
         """The draft's own chains (drafts/chains.py), sampled from its full-vocabulary logits
