@@ -45,7 +45,11 @@ import torch
 
 from specdistill.errors import UserError
 from specdistill.train.target_cache_shards import FORMAT, shard_problem
-from specdistill.train.target_cache_vocab import draft_ids_problem, place_vocab_rows
+from specdistill.train.target_cache_vocab import (
+    draft_ids_problem,
+    place_rows,
+    place_vocab_rows,
+)
 
 VERSION = 1
 MANIFEST = "manifest.json"
@@ -227,20 +231,19 @@ class TargetCache:
     def stored_features(self, split: str, sequences, attention_mask: torch.Tensor):
         """The batch's stored hidden states [B, T, F] at its attended positions (zeros at
         padding), for `attention_mask` [B, T]."""
-        width = self.features["width"]
-        out = torch.zeros(*attention_mask.shape, width, device=attention_mask.device)
-        for b, sequence in enumerate(sequences):
+        rows = []
+        for sequence in sequences:
             handle, local = self._shard(split, int(sequence))
             offsets = handle.get_slice("feature_offsets")[local : local + 2]
-            rows = handle.get_slice("features")[int(offsets[0]) : int(offsets[1])]
-            where = attention_mask[b].bool().nonzero().squeeze(-1)
-            if len(where) != len(rows):
-                raise CacheError(
-                    f"target.cache {self.path}: {split} sequence {int(sequence)} has "
-                    f"{len(rows)} stored positions, the batch {len(where)}"
-                )
-            out[b, where] = rows.to(out.dtype).to(out.device)
-        return out
+            rows.append(handle.get_slice("features")[int(offsets[0]) : int(offsets[1])])
+
+        def mismatch(b: int, have: int, want: int) -> Exception:
+            return CacheError(
+                f"target.cache {self.path}: {split} sequence {int(sequences[b])} has "
+                f"{have} stored positions, the batch {want}"
+            )
+
+        return place_rows(attention_mask.bool(), self.features["width"], rows, mismatch)
 
     def sparse_target(self, split: str, sequences, mask: torch.Tensor):
         """The batch's target as a SparseTarget [B, L−1, N] with its rest [B, L−1] (the top-N

@@ -94,8 +94,6 @@ def build_cache(
     dtype = VALUE_DTYPES[values_dtype]
     row_bytes = top_n * ((4 if ids is None else 0) + dtype.itemsize) + dtype.itemsize
     width = 0 if layers is None else len(layers) * target.config.hidden_size
-    # a shard's size counts the features as if one position came with each row (≥ 1 do)
-    shard_row_bytes = row_bytes + width * dtype.itemsize
     build = _Build(
         target=target,
         tokenizer=tokenizer,
@@ -104,9 +102,11 @@ def build_cache(
         top_n=top_n,
         batch_size=batch_size or r.train.micro_batch_size,
         dtype=dtype,
-        max_rows=max(1, shard_bytes // shard_row_bytes),
+        # a shard's size counts the features as if one position came with each row (≥ 1 do)
+        max_rows=max(1, shard_bytes // (row_bytes + width * dtype.itemsize)),
         ids=ids,
         feature_layers=layers,
+        feature_width=width,
     )
     tmp = out.parent / f".tmp-{out.name}"
     shutil.rmtree(tmp, ignore_errors=True)
@@ -204,6 +204,7 @@ class _Build:
     max_rows: int
     ids: torch.Tensor | None = None  # the draft's columns' target ids ("draft"), else top-N
     feature_layers: list[int] | None = None  # the hidden states stored too (an EAGLE-3 head's)
+    feature_width: int = 0  # their width: n_layers × the target's hidden size
 
     def rows(self, batch: dict) -> tuple:
         """The arguments of `ShardWriter.add` for one collated batch: the target's rows, and
@@ -282,7 +283,7 @@ def _build_manifest(
         if build.feature_layers is None
         else {
             "layers": list(build.feature_layers),
-            "width": len(build.feature_layers) * build.target.config.hidden_size,
+            "width": build.feature_width,
             "dtype": values_dtype,
         },
         "temperature": 1.0,  # raw log-softmax; the loss temperature is applied at read

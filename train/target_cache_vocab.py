@@ -51,19 +51,25 @@ def vocab_rows(target, batch: dict, vocab_size: int, ids: torch.Tensor):
     return logp.new_zeros((len(logp), 0), dtype=torch.long), logp, rest, mask.sum(1)
 
 
-def place_vocab_rows(mask: torch.Tensor, width: int, rows: list, mismatch):
-    """A `losses.VocabTarget` [B, L−1, K] from per-item rows [n, K]: item b's rows go to the
-    valid positions of mask[b], in order; masked positions hold 0. An item whose n differs
-    from its number of valid positions raises `mismatch(b, n, valid)`."""
-    from specdistill.losses import VocabTarget
-
-    logp = torch.zeros(*mask.shape, width, device=mask.device)
+def place_rows(mask: torch.Tensor, width: int, rows: list, mismatch) -> torch.Tensor:
+    """[B, L, width] float32 from per-item rows [n, width]: item b's rows go to the True
+    positions of mask[b] [B, L], in order; the others hold 0. An item whose n differs from
+    its number of True positions raises `mismatch(b, n, valid)`."""
+    out = torch.zeros(*mask.shape, width, device=mask.device)
     for b, values in enumerate(rows):
         where = mask[b].nonzero().squeeze(-1)
         if len(where) != len(values):
             raise mismatch(b, len(values), len(where))
-        logp[b, where] = values.to(logp.dtype).to(mask.device)
-    return VocabTarget(logp)
+        out[b, where] = values.to(out.dtype).to(mask.device)
+    return out
+
+
+def place_vocab_rows(mask: torch.Tensor, width: int, rows: list, mismatch):
+    """A `losses.VocabTarget` [B, L−1, K] from per-item rows [n, K] at the valid positions of
+    mask [B, L−1] (`place_rows`)."""
+    from specdistill.losses import VocabTarget
+
+    return VocabTarget(place_rows(mask, width, rows, mismatch))
 
 
 def draft_ids_problem(stored: list[int], ids: torch.Tensor) -> str | None:
