@@ -173,7 +173,6 @@ class ReducedStandalone(Standalone):
     capabilities = replace(
         Standalone.capabilities,
         chunked_loss=False,
-        sparse_targets=False,
         vocab_targets=True,
         formats=("hf",),
         format_note=(
@@ -184,9 +183,6 @@ class ReducedStandalone(Standalone):
         refusals={
             "chunked_loss": "loss.chunk_size is not supported with draft.vocab_size (the "
             "draft's V_d logits are small): set loss.chunk_size=null",
-            "sparse_targets": "target.cache is a top-N cache with a rest bin, which a reduced "
-            "output vocabulary (draft.vocab_size) cannot be compared with: build the cache "
-            "over the draft's own columns (`specdistill cache --columns draft`)",
         },
     )
 

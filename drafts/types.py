@@ -161,11 +161,13 @@ class DraftType(Protocol):
         """K aligned (draft logits, target logits, mask) depths of a batch."""
         ...
 
-    def stored_depths(self, draft, batch: dict, target, features: Tensor | None) -> Depths:
-        """`depths` from the target's stored outputs (train/target_cache.py): `target` its
-        log-probabilities over the draft's own columns at every position but the last, a
-        `losses.VocabTarget` [B, T−1, K]; `features` [B, T, F] the hidden states entering
-        `feature_layers` (None without). Types with the `vocab_targets` capability only."""
+    def stored_depths(self, draft, batch: dict, target, features: Tensor | None = None) -> Depths:
+        """`depths` from the target's stored outputs (train/target_cache.py, or the online
+        job's logged top-k) at every position but the last: `target` its log-probabilities
+        over the draft's own columns, a `losses.VocabTarget` [B, T−1, K] (types with the
+        `vocab_targets` capability), or its top-N over the target's ids, a
+        `losses.SparseTarget` (types with `sparse_targets`); `features` [B, T, F] the hidden
+        states entering `feature_layers` (None without)."""
         ...
 
     def draft_ids(self) -> Tensor:

@@ -24,6 +24,7 @@ from specdistill.losses.divergences import (
     log_acceptance,
 )
 from specdistill.losses.resolved import TokenLoss, token_loss
+from specdistill.losses.rest_bin import check_rest_bin, draft_columns, rest_bins
 from specdistill.losses.sampling import check_filters, filter_logits
 
 
@@ -43,9 +44,11 @@ class SparseTarget(NamedTuple):
     tokens, Σ_{x ∉ top N} q(x). Every loss is then that loss between the two coarsened
     distributions (``ce`` and ``topk_ce`` rank tokens, never the rest bin); α is
     Σ_{top N} min(p, q) + min(p_rest, q_rest), an upper bound of the true α. Only at
-    temperature 1, unfiltered and without d2t: the tail's mass at another temperature or
-    under a filter is unknown. With N ≥ V there is no token outside the N and ``rest`` is
-    ignored (the N entries are renormalised)."""
+    temperature 1, unfiltered: the tail's mass at another temperature or under a filter is
+    unknown. With d2t (a draft over V_d) the N tokens are compared in the draft's columns
+    and those outside V_d are left out, as a dense target's mass outside V_d is
+    (losses/rest_bin.py). Without d2t and with N ≥ V there is no token outside the N and
+    ``rest`` is ignored (the N entries are renormalised)."""
 
     indices: Tensor
     probs: Tensor
@@ -260,9 +263,9 @@ def prepare(
             raise ValueError(_VOCAB_TARGET_ONLY)
         return _prepare_vocab_target(draft_logits, target, mask, full_mask, dtype)
     if isinstance(target, SparseTarget) and target.rest is not None:
-        _check_rest_bin(temperature, top_p, top_k, d2t)
-        if target.indices.shape[-1] < vocab_size:
-            return _prepare_rest_bin(draft_logits, target, mask, full_mask, dtype)
+        check_rest_bin(temperature, top_p, top_k)
+        if target.indices.shape[-1] < vocab_size or draft_ids is not None:
+            return _prepare_rest_bin(draft_logits, target, mask, full_mask, dtype, draft_ids)
         target = SparseTarget(target.indices, target.probs)  # N = V: no token outside them
     target = target_logp(
         target,
@@ -382,31 +385,17 @@ def target_logp(
     return target_logp
 
 
-def _check_rest_bin(
-    temperature: float, top_p: float | None, top_k: int | None, d2t: Tensor | None
-) -> None:
-    if temperature != 1.0 or top_p is not None or top_k is not None:
-        raise ValueError(
-            "a SparseTarget with rest is the target at temperature 1, unfiltered: the mass of "
-            "its dropped tokens at another temperature or under top-p/top-k is unknown "
-            f"(got temperature={temperature}, top_p={top_p}, top_k={top_k})"
-        )
-    if d2t is not None:
-        raise ValueError(
-            "a SparseTarget with rest does not take d2t (a truncated draft vocabulary)"
-        )
-
-
 def _prepare_rest_bin(
     draft_logits: Tensor,
     target: SparseTarget,
     mask: Tensor,
     full_mask: Tensor | None,
     dtype: torch.dtype,
+    draft_ids: Tensor | None,
 ) -> Prepared:
-    """Both sides on N + 1 bins (the N tokens, then the rest bin): [..., V] -> [..., N + 1].
-    The draft's rest bin is logsumexp of its log-probabilities off the N tokens (exact and
-    differentiable, also when that mass is tiny)."""
+    """Both sides on N + 1 bins (the N tokens, then the rest bin): [..., V] -> [..., N + 1]
+    (losses/rest_bin.py). With `draft_ids` (a draft over V_d) the N target ids become draft
+    columns; the stored tokens outside V_d leave empty slots, their mass uncompared."""
     lead, vocab_size = draft_logits.shape[:-1], draft_logits.shape[-1]
     indices, probs, rest = target.indices, target.probs.detach().to(dtype), target.rest
     if indices.shape != probs.shape or indices.shape[:-1] != lead or rest.shape != lead:
@@ -417,26 +406,32 @@ def _prepare_rest_bin(
         )
     if full_mask is not None:  # masked rows may hold any index
         indices = torch.where(full_mask[..., None], indices, 0)
-    out_of_range = mask & ((indices < 0) | (indices >= vocab_size)).any(-1)
+    rest = rest.detach().to(dtype)
+    total = probs.sum(-1) + rest
+    if draft_ids is None:
+        out_of_range = mask & ((indices < 0) | (indices >= vocab_size)).any(-1)
+        what = f"the vocabulary [0, {vocab_size})"
+    else:
+        out_of_range = mask & (indices < 0).any(-1)
+        what = "the target's vocabulary (negative)"
+        indices, probs = draft_columns(indices, probs, draft_ids)
+        # a row whose stored tokens all lie outside V_d and leave no rest: all its mass is
+        # uncompared; the rest bin keeps a floor so that p on the N + 1 bins is not all 0
+        tiny = torch.finfo(dtype).tiny
+        rest = torch.where(probs.sum(-1) + rest > 0, rest, tiny)
     if out_of_range.any():
         raise ValueError(
-            f"SparseTarget indices outside the vocabulary [0, {vocab_size}) at "
-            f"{int(out_of_range.sum())} valid positions"
+            f"SparseTarget indices outside {what} at {int(out_of_range.sum())} valid positions"
         )
-    bins = torch.cat([probs, rest.detach().to(dtype)[..., None]], -1)
-    total = bins.sum(-1, keepdim=True)
-    bad = mask & ~((bins >= 0).all(-1) & torch.isfinite(total[..., 0]) & (total[..., 0] > 0))
+    bad = mask & ~((probs >= 0).all(-1) & (rest >= 0) & torch.isfinite(total) & (total > 0))
     if bad.any():
         raise ValueError(
             f"SparseTarget probs and rest must be finite, >= 0 and not all 0; they are not at "
             f"{int(bad.sum())} valid positions"
         )
-    target_logp = (bins / torch.where(mask[..., None], total, 1.0)).log()
-    target_logp.masked_fill_(~mask[..., None], 0.0)  # finite placeholders in masked rows
     draft_logp = _valid_rows(draft_logits, full_mask).to(dtype).log_softmax(-1)
-    top = draft_logp.gather(-1, indices)
-    off = draft_logp.scatter(-1, indices, float("-inf")).logsumexp(-1, keepdim=True)
-    return Prepared(torch.cat([top, off], -1), target_logp, mask, rest_bin=True)
+    draft_bins, target_logp = rest_bins(draft_logp, indices, probs, rest, total, mask)
+    return Prepared(draft_bins, target_logp, mask, rest_bin=True)
 
 
 def _dense(target: SparseTarget, mask: Tensor | None, vocab_size: int, dtype) -> Tensor:

@@ -279,6 +279,7 @@ class TargetCache:
         if refusal:
             raise CacheError(refusal)
         if self.columns != "draft":
+            self._kind = kind
             return
         rebuild = (
             "; rebuild it (`specdistill prepare --recipe R`, or `specdistill cache --recipe R "
@@ -327,6 +328,8 @@ class TargetCache:
             target = self.vocab_target(split, sequences, mask)
             return self._kind.stored_depths(draft, batch, target, features)
         target = self.sparse_target(split, sequences, mask)
+        if self._kind is not None:  # the N target ids; a draft over V_d compares them via d2t
+            return self._kind.stored_depths(draft, batch, target)
         return [shifted_logits(draft, batch, vocab_size)], [target], [mask]
 
 

@@ -49,9 +49,10 @@ def build_parser() -> argparse.ArgumentParser:
         "--columns",
         choices=COLUMNS,
         default="top-n",
-        help="top-n: the target's --top-n most probable tokens and the mass they leave (any "
-        "full-vocabulary standalone draft); draft: its log-probabilities over the draft's own "
-        "columns (a draft with draft.vocab_size: exact, no target forward while training)",
+        help="top-n: the target's --top-n most probable tokens and the mass they leave (a "
+        "standalone draft, over a reduced vocabulary too); draft: its log-probabilities over "
+        "the draft's own columns (a draft with draft.vocab_size: exact, no target forward "
+        "while training)",
     )
     parser.add_argument(
         "--values-dtype",

@@ -185,7 +185,6 @@ def test_rest_bin_through_chunked_and_multi_depth(name):
         ({"temperature": 0.7}, "temperature 1, unfiltered"),
         ({"top_p": 0.9}, "temperature 1, unfiltered"),
         ({"top_k": 2}, "temperature 1, unfiltered"),
-        ({"d2t": torch.zeros(5, dtype=torch.long)}, "does not take d2t"),
     ],
 )
 def test_rest_bin_refuses_what_it_cannot_know(kwargs, match):

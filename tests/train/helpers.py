@@ -45,7 +45,7 @@ def assert_trains_as_live(live: Trainer, cached: Trainer, monkeypatch, *, rel, g
                 patch.setattr(type(cached.target), "forward", lambda *a, **k: 1 / 0)
                 got = loss_parts(cached, b)
             for w, g in zip(want[:3], got[:3], strict=True):
-                assert g == pytest.approx(w, rel=rel, abs=1e-6)
+                assert g == pytest.approx(w, rel=rel, abs=1e-6), (step, want[:3], got[:3])
             assert want[3].keys() == got[3].keys() and want[3]
             for name in want[3]:
                 torch.testing.assert_close(got[3][name], want[3][name], rtol=grad_rtol, atol=1e-6)

@@ -47,6 +47,32 @@ def test_draft_columns_train_as_the_live_target_without_its_forward(
     assert_trains_as_live(live, cached, monkeypatch, rel=1e-6, grad_rtol=1e-5)
 
 
+@pytest.mark.parametrize("loss", ["fkl", "lk_lambda"])
+def test_a_reduced_draft_trains_from_a_top_n_cache_of_every_token_as_live(
+    tiny_pair, tmp_path, loss, monkeypatch
+):
+    """A top-N cache holds target ids; a draft over V_d compares them in its own columns
+    (losses/rest_bin.py). With every token stored (N = V, float32) that is the live target's
+    loss, α, head loss and gradients: the tokens outside V_d are left out as live (to 1e-3:
+    the probabilities are stored and renormalised, where the live loss takes a log-softmax;
+    the fkl value is a small difference of two sums)."""
+    extra = {"loss.name": loss, "acceptance_head.enabled": "true"}
+    live = Trainer.from_recipe(_recipe(tiny_pair, tmp_path / "live", **extra))
+    cache = tmp_path / "cache"
+    manifest = build_cache(
+        _recipe(tiny_pair, tmp_path / "x", **extra),
+        cache,
+        top_n=live.vocab_size,
+        values_dtype="float32",
+        print=lambda *a: None,
+    )
+    assert manifest["columns"] == "top-n" and manifest["top_n"] == live.vocab_size > 100
+    cached = Trainer.from_recipe(
+        _recipe(tiny_pair, tmp_path / "cached", **extra, **{"target.cache": str(cache)})
+    )
+    assert_trains_as_live(live, cached, monkeypatch, rel=1e-3, grad_rtol=1e-3)
+
+
 def test_a_cache_of_another_draft_vocabulary_is_refused(tiny_pair, tmp_path):
     cache = tmp_path / "cache"
     build_cache(_recipe(tiny_pair, tmp_path / "x"), cache, columns="draft", print=lambda *a: None)
@@ -60,7 +86,7 @@ def test_a_cache_of_another_draft_vocabulary_is_refused(tiny_pair, tmp_path):
 @pytest.mark.parametrize(
     "extra, columns, match",
     [
-        ({}, "top-n", "cannot be compared with"),  # a reduced draft and a top-N cache
+        ({"draft.type": "parallel"}, "top-n", "shifted positions"),  # a top-N cache
         ({"draft.vocab_size": "null"}, "draft", "without draft.vocab_size"),
         ({"loss.temperature": 0.7}, "draft", "temperature 1"),
         ({"acceptance_head.enabled": "true", "eval.temperature": 0}, "draft", "eval.temperature"),

@@ -24,7 +24,9 @@ class Refreshes:
 
         data = TokenDataset([it.tokens() for it in items], n_records=len(items), skipped={})
         core = self.core
-        core.set_targets(IndexedTargets(RecordTargets(items), core.vocab_size) if sparse else None)
+        core.set_targets(
+            IndexedTargets(RecordTargets(items, core.kind), core.vocab_size) if sparse else None
+        )
         # loss.temperature=traffic: each record at the temperature and top-p it was served with
         traffic = self.recipe.loss.temperature == "traffic"
         core.set_sampling(TrafficShares(items) if traffic else None)

@@ -17,16 +17,16 @@ class RecordTargets:
     in place of the live target; rows are found by `batch["sequence"]`, indices into
     `items`."""
 
-    def __init__(self, items: list[KeptRecord]):
-        self.items = items
+    def __init__(self, items: list[KeptRecord], kind):
+        self.items, self.kind = items, kind  # kind: the draft's `drafts.types.DraftType`
 
     def depths(self, draft, batch: dict, vocab_size: int, split: str = "train"):
-        from specdistill.drafts.align import shifted_logits, target_mask
+        from specdistill.drafts.align import target_mask
 
         mask = target_mask(batch)
         rows = [self.items[i] for i in batch["sequence"].tolist()]
         target = sparse_target(rows, mask, vocab_size)
-        return [shifted_logits(draft, batch, vocab_size)], [target], [mask]
+        return self.kind.stored_depths(draft, batch, target)
 
 
 def sparse_target(items: list[KeptRecord], mask, vocab_size: int):
