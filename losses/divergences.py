@@ -233,10 +233,9 @@ def tau(
 ) -> Tensor:
     """The accepted-length objective: not a per-position loss, but the one of the draft's
     own γ-token chains (losses/chain.py, losses/tau.py; the training step samples the chains).
-    Declared here for its parameters: ``gamma`` (draft length; None: the recipe's largest
-    eval.speculative.gammas), ``prefixes`` (chain starts per micro-batch row), ``estimator``
-    (``score``: unbiased, pathwise plus score function with a leave-one-out baseline;
-    ``pathwise``: the pathwise terms alone, biased, lower variance)."""
+    Here for its declaration (`TAU`: its parameters ``gamma``, ``prefixes``, ``estimator``);
+    the score estimator is pathwise plus score function with a leave-one-out baseline,
+    pathwise the pathwise terms alone."""
     raise ValueError(
         "tau scores the draft's own chains, not teacher-forced positions: use losses.tau "
         "(tau_loss / chunked_tau_loss) on sampled chains"
