@@ -10,19 +10,12 @@ and ``mask: [...]`` bool (True = valid). ``V = V_d`` unless ``d2t`` maps the dra
 vocabulary into a larger target vocabulary.
 """
 
-from collections.abc import Iterable
 from typing import NamedTuple
 
 import torch
 from torch import Tensor
 
-from specdistill.losses.divergences import (
-    LOG_P_FLOOR,
-    NAMES,
-    LossParam,
-    keyword_params,
-    log_acceptance,
-)
+from specdistill.losses.divergences import LOG_P_FLOOR, log_acceptance
 from specdistill.losses.resolved import TokenLoss, token_loss
 from specdistill.losses.rest_bin import check_rest_bin, draft_columns, rest_bins
 from specdistill.losses.sampling import check_filters, filter_logits
@@ -115,7 +108,8 @@ def compute_loss(
             α-style losses use the raw target p on V_d (the true acceptance); KL-style
             losses use p renormalised over V_d.
         mask_out_of_vocab: with d2t, also mask positions whose target argmax is not in V_d.
-        **params: the loss's own params (``eta``, ``lambda_mode``, ``beta``, ``k``, ``parts``).
+        **params: the loss's own params (``eta``, ``lambda_mode``, ``beta``, ``k``, ``parts``),
+            as its declaration gives them (`losses.divergences.DECLARED`).
 
     Returns:
         loss_sum: 0-dim fp32 tensor with grad to draft_logits.
@@ -135,24 +129,6 @@ def compute_loss(
         mask_out_of_vocab=mask_out_of_vocab,
     )
     return masked_loss(loss, prepared).sum(), prepared.mask.sum()
-
-
-# compute_loss keywords that the caller (the trainer) sets itself, not loss parameters
-CALLER_KEYWORDS = ("temperature", "d2t")
-
-
-def loss_params(name: str, parts: Iterable[str] = ()) -> dict[str, LossParam]:
-    """The parameters a caller may give loss ``name`` (name, annotation, default): the
-    sampling keywords of :func:`compute_loss` (top_p, top_k, mask_out_of_vocab), then the
-    loss function's own, then for ``mix`` those of each of ``parts``. Annotations are the
-    functions' own (``alpha_bar: Tensor | float | None``)."""
-    functions = [compute_loss, NAMES[name], *(NAMES[part] for part in parts)]
-    params = {}
-    for function in functions:
-        for key, param in keyword_params(function).items():
-            if key not in CALLER_KEYWORDS:
-                params.setdefault(key, param)
-    return params
 
 
 def acceptance(

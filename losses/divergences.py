@@ -1,4 +1,6 @@
-"""Per-position divergences between the draft q and the target p (docs/theory.md §3).
+"""Per-position divergences between the draft q and the target p (docs/theory.md §3), each
+with its declaration (`losses.declaration.LossSpec`) right after it, and `DECLARED`, the one
+registry of the losses by name.
 
 Every function here is pure: ``fn(draft_logp, target_logp, **params) -> loss``, with
 ``draft_logp, target_logp: [..., vocab]`` log-probabilities over the *draft* vocabulary
@@ -13,15 +15,15 @@ vocabulary is a subset of the target's (mass outside V_d). Acceptance-style loss
 acceptance; KL-style losses renormalise p over the draft vocabulary first.
 """
 
-import functools
-import inspect
 import math
-import typing
-from collections.abc import Callable
-from typing import Any, NamedTuple
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
 
 import torch
 from torch import Tensor
+
+from specdistill.losses.chain import ESTIMATORS
+from specdistill.losses.declaration import REQUIRED, SETTINGS, LossSpec, Param
 
 # log of the smallest normal fp32 (≈ −87.3): floor for log p in reverse KL, so KL(q||p)
 # stays finite where p = 0; a target whose largest p on the draft vocabulary is below it
@@ -61,6 +63,9 @@ def fkl(draft_logp: Tensor, target_logp: Tensor) -> Tensor:
     return neg_entropy - (p * draft_logp).sum(-1)
 
 
+FKL = LossSpec(fkl, "forward KL(p||q): the usual distillation loss")
+
+
 def rkl(draft_logp: Tensor, target_logp: Tensor) -> Tensor:
     """Reverse KL(q||p) = Σ q (log q − log p): [..., vocab] x2 -> [...].
 
@@ -69,6 +74,9 @@ def rkl(draft_logp: Tensor, target_logp: Tensor) -> Tensor:
     """
     target_logp = renormalised(target_logp).clamp_min(LOG_P_FLOOR)
     return (draft_logp.exp() * (draft_logp - target_logp)).sum(-1)
+
+
+RKL = LossSpec(rkl, "reverse KL(q||p), log p floored where p = 0")
 
 
 def jsd(draft_logp: Tensor, target_logp: Tensor, *, beta: float = 0.5) -> Tensor:
@@ -80,8 +88,7 @@ def jsd(draft_logp: Tensor, target_logp: Tensor, *, beta: float = 0.5) -> Tensor
     β = 0.5 gives 4·JS(p, q). Without the 1/(β(1−β)) factor the value would vanish at both
     ends (m equals p or q there).
     """
-    if not 0.0 <= beta <= 1.0:
-        raise ValueError(f"jsd: beta must be in [0, 1], got {beta}")
+    JSD.check(beta=beta)
     if beta == 0.0:
         return fkl(draft_logp, target_logp)
     if beta == 1.0:
@@ -94,14 +101,27 @@ def jsd(draft_logp: Tensor, target_logp: Tensor, *, beta: float = 0.5) -> Tensor
     return kl_pm / (1.0 - beta) + kl_qm / beta
 
 
+JSD = LossSpec(
+    jsd,
+    "generalised Jensen-Shannon divergence, from fkl (beta 0) to rkl (beta 1)",
+    (Param("beta", float, 0.5, "p's weight in the mixture m = βp + (1 − β)q", ge=0, le=1),),
+)
+
+
 def tv(draft_logp: Tensor, target_logp: Tensor) -> Tensor:
     """Total variation 1 − α: [..., vocab] x2 -> [...]."""
     return -torch.expm1(log_acceptance(draft_logp, target_logp))
 
 
+TV = LossSpec(tv, "total variation 1 − α: the rejection rate", end_to_end=True)
+
+
 def lk_alpha(draft_logp: Tensor, target_logp: Tensor) -> Tensor:
     """LK^α = −log α: [..., vocab] x2 -> [...]. Equals CE when p is one-hot."""
     return -log_acceptance(draft_logp, target_logp)
+
+
+LK_ALPHA = LossSpec(lk_alpha, "LK^α = −log α")
 
 
 def lk_lambda(
@@ -118,20 +138,42 @@ def lk_lambda(
     ``alpha_bar`` (the API passes the masked mean over valid positions; None means the mean
     over every position given here). ``lambda_mode="token"``: ᾱ is each position's own α.
     """
-    if eta < 0:
-        raise ValueError(f"lk_lambda: eta must be >= 0, got {eta}")
+    LK_LAMBDA.check(eta=eta, lambda_mode=lambda_mode, alpha_bar=alpha_bar)
     log_alpha = log_acceptance(draft_logp, target_logp)
     if lambda_mode == "token":
         if alpha_bar is not None:
             raise ValueError("lk_lambda: alpha_bar is only used with lambda_mode='batch'")
         ref = log_alpha.detach().exp()
-    elif lambda_mode == "batch":
-        ref = log_alpha.detach().exp().mean() if alpha_bar is None else alpha_bar
     else:
-        raise ValueError(f"lk_lambda: lambda_mode must be 'batch' or 'token', got {lambda_mode!r}")
+        ref = log_alpha.detach().exp().mean() if alpha_bar is None else alpha_bar
     ref = torch.as_tensor(ref, dtype=log_alpha.dtype, device=log_alpha.device).detach()
     lam = torch.exp(-eta * ref)
     return lam * fkl(draft_logp, target_logp) - (1.0 - lam) * torch.expm1(log_alpha)
+
+
+LK_LAMBDA = LossSpec(
+    lk_lambda,
+    "LK^λ = λ·KL(p||q) + (1 − λ)·TV, λ = exp(−η·ᾱ)",
+    (
+        Param("eta", float, 3.0, "η: how fast the KL part fades as α grows", ge=0),
+        Param(
+            "lambda_mode",
+            str,
+            "batch",
+            "batch: ᾱ is the batch's mean α; token: each position's own α",
+            choices=("batch", "token"),
+        ),
+        Param(
+            "alpha_bar",
+            float | None,
+            None,
+            "a fixed ᾱ (lambda_mode batch only); null: the batch's mean α",
+            ge=0,
+            le=1,
+        ),
+    ),
+    batch_alpha=lambda params: params["lambda_mode"] == "batch" and params["alpha_bar"] is None,
+)
 
 
 def ce(draft_logp: Tensor, target_logp: Tensor) -> Tensor:
@@ -139,13 +181,25 @@ def ce(draft_logp: Tensor, target_logp: Tensor) -> Tensor:
     return -draft_logp.gather(-1, target_logp.argmax(-1, keepdim=True)).squeeze(-1)
 
 
+CE = LossSpec(ce, "cross-entropy on the target's argmax", ranking=True)
+
+
 def topk_ce(draft_logp: Tensor, target_logp: Tensor, *, k: int = 10) -> Tensor:
     """HASS-style top-k soft CE: −Σ_{x in top-k(p)} p̃(x) log q(x), p̃ = p renormalised
     over its top k: [..., vocab] x2 -> [...]."""
-    if not 1 <= k <= target_logp.shape[-1]:
+    TOPK_CE.check(k=k)
+    if k > target_logp.shape[-1]:  # the vocabulary is known here only
         raise ValueError(f"topk_ce: k must be in [1, vocab={target_logp.shape[-1]}], got {k}")
     top_logp, index = target_logp.topk(k, dim=-1)
     return -(top_logp.softmax(-1) * draft_logp.gather(-1, index)).sum(-1)
+
+
+TOPK_CE = LossSpec(
+    topk_ce,
+    "HASS-style soft cross-entropy on the target's top k",
+    (Param("k", int, 10, "the target's top tokens it is taken over (<= the vocabulary)", ge=1),),
+    ranking=True,
+)
 
 
 def mix(draft_logp: Tensor, target_logp: Tensor, *, parts: dict[str, float], **params) -> Tensor:
@@ -156,9 +210,17 @@ def mix(draft_logp: Tensor, target_logp: Tensor, *, parts: dict[str, float], **p
     """
     check_params("mix", {"parts": parts, **params})
     return sum(
-        weight * NAMES[name](draft_logp, target_logp, **own)
+        weight * DECLARED[name].fn(draft_logp, target_logp, **own)
         for name, weight, own in mix_parts(parts, params)
     )
+
+
+MIX = LossSpec(
+    mix,
+    "a weighted sum of losses, Σ weight · loss",
+    (Param("parts", dict[str, float], REQUIRED, "{loss name: weight}, e.g. {tv: 0.9, fkl: 0.1}"),),
+    composite=True,
+)
 
 
 def tau(
@@ -171,129 +233,100 @@ def tau(
 ) -> Tensor:
     """The accepted-length objective: not a per-position loss, but the one of the draft's
     own γ-token chains (losses/chain.py, losses/tau.py; the training step samples the chains).
-    Declared here for its parameters: ``gamma`` (draft length; None: the recipe's largest
-    eval.speculative.gammas), ``prefixes`` (chain starts per micro-batch row), ``estimator``
-    (``score``: unbiased, pathwise plus score function with a leave-one-out baseline;
-    ``pathwise``: the pathwise terms alone, biased, lower variance)."""
+    Here for its declaration (`TAU`: its parameters ``gamma``, ``prefixes``, ``estimator``);
+    the score estimator is pathwise plus score function with a leave-one-out baseline,
+    pathwise the pathwise terms alone."""
     raise ValueError(
         "tau scores the draft's own chains, not teacher-forced positions: use losses.tau "
         "(tau_loss / chunked_tau_loss) on sampled chains"
     )
 
 
+TAU = LossSpec(
+    tau,
+    "the accepted length of the draft's own chains (docs/theory.md, the accepted-length objective)",
+    (
+        Param(
+            "gamma",
+            int | None,
+            None,
+            "draft length γ of each chain; null: the largest eval.speculative.gammas",
+            ge=1,
+        ),
+        Param("prefixes", int, 32, "chain starts per micro-batch row", ge=1),
+        Param(
+            "estimator",
+            str,
+            "score",
+            "score: unbiased, with a leave-one-out baseline; pathwise: biased, lower variance",
+            choices=ESTIMATORS,
+        ),
+    ),
+    chain=True,
+)
+
+
+# Every loss by name: the one registry the recipe, its reference and the loss library read.
+DECLARED: dict[str, LossSpec] = {
+    spec.name: spec for spec in (FKL, RKL, JSD, TV, LK_ALPHA, LK_LAMBDA, CE, TOPK_CE, MIX, TAU)
+}
+# The per-position losses' functions (what `losses.api.compute_loss` computes), by name.
 LOSSES: dict[str, Callable[..., Tensor]] = {
-    "fkl": fkl,
-    "rkl": rkl,
-    "jsd": jsd,
-    "tv": tv,
-    "lk_alpha": lk_alpha,
-    "lk_lambda": lk_lambda,
-    "ce": ce,
-    "topk_ce": topk_ce,
-    "mix": mix,
+    name: spec.fn for name, spec in DECLARED.items() if not spec.chain
 }
 
 
-# Objectives over sampled chains rather than positions: a recipe's loss.name (and a part of
-# mix) may name them; the training step computes them (train/chains.py), never
-# `losses.api.compute_loss`.
-CHAIN_LOSSES: dict[str, Callable[..., Tensor]] = {"tau": tau}
-NAMES: dict[str, Callable[..., Tensor]] = {**LOSSES, **CHAIN_LOSSES}
+def spec_of(name: str) -> LossSpec:
+    """Loss `name`'s declaration; ValueError for an unknown name."""
+    if name not in DECLARED:
+        raise ValueError(f"unknown loss {name!r}; valid names: {sorted(DECLARED)}")
+    return DECLARED[name]
 
 
-class LossParam(NamedTuple):
-    """A keyword-only parameter of a loss function: its name, annotation and default
-    (``REQUIRED`` when it has none)."""
-
-    name: str
-    type: Any
-    default: Any
+def part_names() -> list[str]:
+    """The losses a composite loss may have as parts: every one that is not a composite."""
+    return sorted(name for name, spec in DECLARED.items() if not spec.composite)
 
 
-REQUIRED = inspect.Parameter.empty
-
-
-def keyword_params(function: Callable) -> dict[str, LossParam]:
-    """The keyword-only parameters of ``function`` in signature order: the one reading of the
-    loss functions' signatures (``losses.api.loss_params`` builds the recipe's view on it)."""
-    return dict(_keyword_params(function))
-
-
-@functools.cache
-def _keyword_params(function: Callable) -> tuple[tuple[str, LossParam], ...]:
-    hints = typing.get_type_hints(function)
-    params = []
-    for p in inspect.signature(function).parameters.values():
-        if p.kind is p.KEYWORD_ONLY:
-            default_type = Any if p.default is p.empty or p.default is None else type(p.default)
-            params.append((p.name, LossParam(p.name, hints.get(p.name, default_type), p.default)))
-    return tuple(params)
+def declared_params(name: str, parts: Iterable[str] = ()) -> dict[str, Param]:
+    """The parameters a caller may give loss `name`, each as first declared: compute_loss's
+    `SETTINGS`, then the loss's own, then for a composite those of each of `parts`."""
+    params: dict[str, Param] = {}
+    for param in (*SETTINGS, *(p for n in (name, *parts) for p in DECLARED[n].params)):
+        params.setdefault(param.name, param)
+    return params
 
 
 def param_names(name: str) -> set[str]:
-    """Keyword params that loss ``name``'s own function takes (for ``mix``: ``parts``)."""
-    return set(keyword_params(NAMES[name]))
+    """The parameters loss `name`'s own function takes (for a composite: `parts`)."""
+    return {param.name for param in spec_of(name).params}
 
 
-def params_of(name: str, params: dict) -> dict:
+def params_of(name: str, params: Mapping[str, Any]) -> dict:
     """The parameters among `params` that loss ``name``'s own function takes."""
     names = param_names(name)
     return {key: value for key, value in params.items() if key in names}
 
 
-def mix_parts(parts: dict[str, float], params: dict) -> list[tuple[str, float, dict]]:
-    """A mix's parts in order: (loss name, weight, the parameters of `params` it takes)."""
+def mix_parts(parts: dict[str, float], params: Mapping[str, Any]) -> list[tuple[str, float, dict]]:
+    """A composite's parts in order: (loss name, weight, the parameters of `params` it takes)."""
     return [(name, weight, params_of(name, params)) for name, weight in parts.items()]
 
 
-def check_params(name: str, params: dict) -> None:
+def check_params(name: str, params: Mapping[str, Any]) -> None:
     """Raise ValueError for an unknown loss name, a bad mixture or a param nobody takes."""
-    if name not in NAMES:
-        raise ValueError(f"unknown loss {name!r}; valid names: {sorted(NAMES)}")
     valid = param_names(name)
-    if name == "mix":
+    if spec_of(name).composite:
         parts = params.get("parts")
         if not isinstance(parts, dict) or not parts:
             raise ValueError(
-                "mix needs parts={loss name: weight, ...}, e.g. {'tv': 0.9, 'fkl': 0.1}"
+                f"{name} needs parts={{loss name: weight, ...}}, e.g. {{'tv': 0.9, 'fkl': 0.1}}"
             )
-        bad = [part for part in parts if part not in NAMES or part == "mix"]
+        names = part_names()
+        bad = [part for part in parts if part not in names]
         if bad:
-            names = sorted(set(NAMES) - {"mix"})
-            raise ValueError(f"mix: unknown parts {bad}; valid parts: {names}")
-        valid = {"parts"}.union(*(param_names(part) for part in parts))
+            raise ValueError(f"{name}: unknown parts {bad}; valid parts: {names}")
+        valid = valid.union(*(param_names(part) for part in parts))
     unknown = sorted(set(params) - valid)
     if unknown:
         raise ValueError(f"loss {name!r}: unknown params {unknown}; valid params: {sorted(valid)}")
-
-
-# The declared values of the loss parameters (and of compute_loss's sampling keywords),
-# checked without any tensor, so that a recipe is validated before a model is loaded. The
-# functions check the same bounds when they run; topk_ce's k <= vocabulary size can only be
-# checked then.
-PARAM_CHECKS: dict[str, tuple[Callable[[Any], bool], str]] = {
-    "beta": (lambda v: 0.0 <= v <= 1.0, "in [0, 1]"),
-    "eta": (lambda v: v >= 0, ">= 0"),
-    "k": (lambda v: v >= 1, ">= 1"),
-    "alpha_bar": (lambda v: v is None or 0.0 <= v <= 1.0, "in [0, 1]"),
-    "lambda_mode": (lambda v: v in ("batch", "token"), "'batch' or 'token'"),
-    "top_p": (lambda v: v is None or 0.0 < v <= 1.0, "in (0, 1]"),
-    "top_k": (lambda v: v is None or v >= 1, ">= 1"),
-    "gamma": (lambda v: v is None or v >= 1, ">= 1"),
-    "prefixes": (lambda v: v >= 1, ">= 1"),
-    "estimator": (lambda v: v in ("score", "pathwise"), "'score' or 'pathwise'"),
-}
-
-
-# compute_loss's keywords that a caller gives beside a loss's own parameters (a recipe's loss
-# section writes them among them): the target's sampling filter and the vocabulary mask.
-SETTINGS = ("top_p", "top_k", "mask_out_of_vocab")
-
-
-def check_param_values(name: str, params: dict) -> None:
-    """Raise ValueError for an unknown parameter or a value outside its declared set."""
-    check_params(name, {k: v for k, v in params.items() if k not in SETTINGS})
-    for key, value in params.items():
-        ok, allowed = PARAM_CHECKS.get(key, (lambda v: True, ""))
-        if not ok(value):
-            raise ValueError(f"{name}: {key} must be {allowed}, got {value!r}")

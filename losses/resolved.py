@@ -4,18 +4,20 @@ before its first micro-batch (train/recipe_loss.py) and then evaluates it withou
 name up or checking a parameter again; the library's entry points (`compute_loss`,
 `multi_depth_loss`, `chunked_loss`) resolve their arguments the same way, once per call.
 
-The one module that knows what a loss name is made of:
+What a loss is made of, read from its declaration (`losses.declaration.LossSpec`), never
+from its name:
 
-- a plain loss (fkl, tv, ...) is one part of weight 1; `mix` is Σ weight · part, each part
-  given the parameters it takes (`eta` to lk_lambda, `beta` to jsd);
-- `tau`, alone or as a part of `mix`, is the accepted length of the draft's own chains
-  (`ChainLoss`), computed on sampled chains (losses/tau.py), never per position; the other
-  parts are the per-token loss (`TokenLoss`);
-- lk_lambda in batch mode without an `alpha_bar` takes the batch's mean α, which the caller
-  computes over the positions its loss sums (`TokenLoss.batch_alpha`);
+- a plain loss (fkl, tv, ...) is one part of weight 1; a composite (`mix`) is
+  Σ weight · part, each part given the parameters it takes (`eta` to lk_lambda, `beta` to jsd);
+- the chain objective (`tau`), alone or as a part of a composite, is the accepted length of
+  the draft's own chains (`ChainLoss`), computed on sampled chains (losses/tau.py), never per
+  position; the other parts are the per-token loss (`TokenLoss`);
+- a part that takes the batch's mean α (lk_lambda in batch mode without an `alpha_bar`)
+  gets it from the caller, over the positions its loss sums (`TokenLoss.batch_alpha`);
 - on a rest bin (a SparseTarget with `rest`) the ranking losses (ce, topk_ce) see the rest
   bin's target as −inf, so that it never ranks;
-- a multi-depth loss weighs its depths by one of `DepthWeighting` (`DepthWeights`).
+- a multi-depth loss weighs its depths by one of `DepthWeighting` (`DepthWeights`); the
+  end_to_end weighting is the product form of the losses declared `end_to_end` (tv).
 """
 
 import typing
@@ -26,13 +28,13 @@ from typing import Any, Literal
 
 from torch import Tensor
 
+from specdistill.losses.declaration import SETTING_NAMES
 from specdistill.losses.divergences import (
-    NAMES,
-    SETTINGS,
+    DECLARED,
     check_params,
-    keyword_params,
     mix_parts,
     params_of,
+    spec_of,
 )
 from specdistill.losses.sampling import check_filters
 
@@ -41,10 +43,6 @@ from specdistill.losses.sampling import check_filters
 DepthWeighting = Literal["geometric", "expected_length", "end_to_end"]
 WEIGHTINGS: tuple[str, ...] = typing.get_args(DepthWeighting)
 GEOMETRIC_DECAY = 0.8  # EAGLE-3's ratio: depth_weighting=geometric without a decay
-# Losses that read the target only through its ranking of tokens (its argmax, its top k): on
-# a rest bin they rank the N known tokens, the rest bin being no token.
-RANKING_LOSSES = ("ce", "topk_ce")
-CHAIN = "tau"  # the objective over the draft's own chains (losses.divergences.CHAIN_LOSSES)
 
 
 @dataclass(frozen=True)
@@ -62,8 +60,8 @@ class Sampling:
 @dataclass(frozen=True)
 class Part:
     """One weighted per-position loss of a `TokenLoss`: ``fn(draft_logp, target_logp,
-    **params)``; `ranking`: it reads the target through its ranking only; `batch_alpha`:
-    lk_lambda in batch mode without an alpha_bar, which takes the batch's mean α."""
+    **params)``; `ranking`: it reads the target through its ranking only; `batch_alpha`: it
+    takes the batch's mean α (its declaration's `batch_alpha` of its parameters)."""
 
     name: str
     fn: Callable[..., Tensor]
@@ -110,9 +108,9 @@ class TokenLoss:
 
 @dataclass(frozen=True)
 class ChainLoss:
-    """The accepted-length part (`tau`): its weight in the loss and tau's own parameters
-    (`losses.divergences.tau`: the draft length γ, chain starts per micro-batch row, the
-    gradient estimator)."""
+    """The accepted-length part (the loss declared `chain`): its weight in the loss and its
+    parameters (`losses.divergences.tau`: the draft length γ, chain starts per micro-batch
+    row, the gradient estimator)."""
 
     weight: float
     gamma: int
@@ -141,42 +139,42 @@ class ResolvedLoss:
 
 
 def token_loss(name: str, params: Mapping[str, Any], mask_out_of_vocab: bool) -> TokenLoss:
-    """Loss `name` with its own parameters (mix: `parts` and its parts'), checked: a
+    """Loss `name` with its own parameters (a composite: `parts` and its parts'), checked: a
     ValueError for an unknown name, a bad mixture or a parameter no part takes."""
     check_params(name, dict(params))
-    if name != "mix":
+    if not spec_of(name).composite:
         return TokenLoss(name, (_part(name, 1.0, params),), mask_out_of_vocab)
     parts = mix_parts(params["parts"], params)
     return TokenLoss(name, tuple(_part(*part) for part in parts), mask_out_of_vocab)
 
 
 def _part(name: str, weight: float, params: Mapping[str, Any]) -> Part:
-    batch_alpha = (
-        name == "lk_lambda"
-        and params.get("lambda_mode", _default("lk_lambda", "lambda_mode")) == "batch"
-        and params.get("alpha_bar") is None
-    )
+    spec = DECLARED[name]
+    batch_alpha = spec.batch_alpha(spec.with_defaults(params))
     own = MappingProxyType(dict(params))
-    return Part(name, NAMES[name], weight, own, name in RANKING_LOSSES, batch_alpha)
-
-
-def _default(name: str, key: str) -> Any:
-    """The default of loss `name`'s keyword `key`, as its function declares it."""
-    return keyword_params(NAMES[name])[key].default
+    return Part(name, spec.fn, weight, own, spec.ranking, batch_alpha)
 
 
 def depth_weights(name: str, weighting: str, decay: float | None) -> DepthWeights:
     """The depth weighting of loss `name`, checked: a ValueError for an unknown weighting,
-    end_to_end with another loss than tv, or a decay with another weighting than geometric."""
+    end_to_end with a loss not declared `end_to_end` (tv), or a decay with another weighting
+    than geometric."""
     if weighting not in WEIGHTINGS:
         raise ValueError(f"weighting must be one of {WEIGHTINGS}, got {weighting!r}")
-    if weighting == "end_to_end" and name != "tv":
+    if weighting == "end_to_end" and not spec_of(name).end_to_end:
+        names = " or ".join(repr(n) for n in end_to_end_losses())
         raise ValueError(
-            f"weighting='end_to_end' is the multi-depth TV loss; use name='tv', got {name!r}"
+            f"weighting='end_to_end' is the multi-depth TV loss; use name={names}, got {name!r}"
         )
     if decay is not None and weighting != "geometric":
         raise ValueError(f"decay is only used with weighting='geometric', got {weighting!r}")
     return DepthWeights(weighting, GEOMETRIC_DECAY if decay is None else decay)
+
+
+def end_to_end_losses() -> list[str]:
+    """The losses whose multi-depth form is the product of acceptances (depth_weighting
+    end_to_end)."""
+    return [name for name, spec in DECLARED.items() if spec.end_to_end]
 
 
 def resolve_loss(
@@ -190,7 +188,7 @@ def resolve_loss(
     """A loss section resolved: `name`, `params` (the loss's own and compute_loss's
     `SETTINGS`), the depth weighting; `default_gamma` is tau's γ where its `gamma` is None.
     ValueError as `token_loss` and `depth_weights`."""
-    own = {key: value for key, value in params.items() if key not in SETTINGS}
+    own = {key: value for key, value in params.items() if key not in SETTING_NAMES}
     check_params(name, own)
     chain, token_name, token_params = _split_chain(name, own, default_gamma)
     mask_out_of_vocab = params.get("mask_out_of_vocab", False)
@@ -207,22 +205,27 @@ def resolve_loss(
 def _split_chain(
     name: str, own: dict, default_gamma: int
 ) -> tuple[ChainLoss | None, str | None, dict]:
-    """(the chain part or None, the per-token loss's name or None, its parameters): `tau`
-    alone is the chain part of weight 1; a `tau` part of `mix` is the chain part of its
-    weight, the other parts (if any) the per-token mix."""
-    parts = own.get("parts") if name == "mix" else None
-    if name != CHAIN and CHAIN not in (parts or {}):
+    """(the chain part or None, the per-token loss's name or None, its parameters): a loss
+    declared `chain` alone is the chain part of weight 1; a chain part of a composite is the
+    chain part of its weight, the other parts (if any) the per-token composite."""
+    spec = DECLARED[name]
+    parts = dict(own["parts"]) if spec.composite else {}
+    chains = [part for part in parts if DECLARED[part].chain]
+    if len(chains) > 1:
+        raise ValueError(f"{name}: at most one part over the draft's chains, got {chains}")
+    chain_name = name if spec.chain else next(iter(chains), None)
+    if chain_name is None:
         return None, name, own
-    given = params_of(CHAIN, own)
-    chain_params = {key: p.default for key, p in keyword_params(NAMES[CHAIN]).items()} | given
+    given = params_of(chain_name, own)
     rest = {key: value for key, value in own.items() if key not in given}
     token_name = None
-    if name == CHAIN:
+    if spec.chain:
         weight = 1.0
     else:
-        others = dict(rest.pop("parts"))
-        weight = others.pop(CHAIN)
-        token_name, rest = ("mix", {**rest, "parts": others}) if others else (None, {})
+        weight = parts.pop(chain_name)
+        rest.pop("parts")
+        token_name, rest = (name, {**rest, "parts": parts}) if parts else (None, {})
+    chain_params = DECLARED[chain_name].with_defaults(given)
     chain = ChainLoss(
         weight,
         chain_params["gamma"] or default_gamma,

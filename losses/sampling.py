@@ -13,13 +13,14 @@ callers handle themselves.
 import torch
 from torch import Tensor
 
+from specdistill.losses.declaration import TOP_K, TOP_P
+
 
 def check_filters(top_p: float | None, top_k: int | None) -> None:
-    """ValueError unless top_p is None or in (0, 1] and top_k is None or >= 1."""
-    if top_p is not None and not 0.0 < top_p <= 1.0:
-        raise ValueError(f"top_p must be in (0, 1], got {top_p}")
-    if top_k is not None and top_k < 1:
-        raise ValueError(f"top_k must be >= 1, got {top_k}")
+    """ValueError unless top_p and top_k are None or within their declared bounds
+    (`losses.declaration.SETTINGS`: top_p in (0, 1], top_k >= 1)."""
+    TOP_P.check(top_p, "top_p")
+    TOP_K.check(top_k, "top_k")
 
 
 def filter_logits(

@@ -23,6 +23,7 @@ from specdistill.train.recipe_types import (
     Dtype,
     Float,
     Ints,
+    LossName,
     LossTemperature,
     MixedPrecision,
     OnPolicySource,
@@ -184,11 +185,9 @@ class DataConfig(Section):
 
 
 class LossConfig(Section):
-    name: str = recipe_key(
+    name: LossName = recipe_key(
         "lk_lambda",
-        "the objective: a loss of the loss library (fkl, rkl, jsd, tv, lk_alpha, "
-        "lk_lambda, ce, topk_ce, mix) or tau, the accepted length of the draft's own "
-        "loss.gamma-token chains (docs/theory.md, the accepted-length objective)",
+        "the objective: a loss of the loss library (the section of losses below)",
     )
     temperature: LossTemperature = recipe_key(
         1.0,

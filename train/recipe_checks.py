@@ -192,11 +192,14 @@ def _cache_checks(recipe: Recipe) -> list[Check]:
 
 
 def _depth_checks(recipe: Recipe) -> list[Check]:
-    lo = recipe.loss
+    from specdistill.losses.resolved import end_to_end_losses
+
+    lo, product_forms = recipe.loss, end_to_end_losses()
     return [
         (
-            lo.depth_weighting != "end_to_end" or lo.name == "tv",
-            "loss.depth_weighting=end_to_end is the multi-depth TV loss; set loss.name=tv",
+            lo.depth_weighting != "end_to_end" or lo.name in product_forms,
+            "loss.depth_weighting=end_to_end is the multi-depth TV loss; set "
+            f"loss.name={' or '.join(product_forms)}",
         ),
         (
             lo.depth_decay is None or lo.depth_weighting == "geometric",

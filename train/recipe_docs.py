@@ -1,5 +1,5 @@
 """The reference of every recipe key, generated from the schema (train/recipe.py) and the
-loss library's parameters (losses.api.loss_params):
+losses' declarations (losses.divergences.DECLARED):
 
     python -m specdistill.train.recipe_docs > docs/recipe-keys.md
 
@@ -75,7 +75,7 @@ def _section(key: str, model: type[Section], description: str, marks: dict) -> l
                     _allowed(field),
                     "yes" if own.get(EAGLE3_ONLY) else "",
                     RESUME_WORDS.get(own.get(RESUME), ""),
-                    (field.description or "").replace("|", "\\|"),
+                    _cell(field.description or ""),
                 ]
             )
             + " |"
@@ -145,37 +145,51 @@ def _value(value: Any) -> str:
     return str(value)
 
 
+def _cell(text: str) -> str:
+    """`text` as a table cell: its `|` escaped."""
+    return text.replace("|", "\\|")
+
+
 def _loss_params() -> str:
-    """The loss parameters, as the loss library declares them (names, types, defaults)."""
-    from specdistill.losses.api import loss_params
-    from specdistill.losses.divergences import NAMES as LOSSES
-    from specdistill.losses.divergences import PARAM_CHECKS, REQUIRED
+    """The losses and their parameters, as each loss declares them
+    (`losses.declaration.LossSpec`): names, types, defaults, bounds and docs."""
+    from specdistill.losses.declaration import REQUIRED, SETTINGS
+    from specdistill.losses.divergences import DECLARED
     from specdistill.train.recipe_loss import recipe_type
 
-    takers: dict[str, list[str]] = {}
-    declared = {}
-    for name in LOSSES:
-        for key, param in loss_params(name).items():
-            takers.setdefault(key, []).append(name)
-            declared.setdefault(key, param)
+    losses = [
+        f"| `{name}` | {_cell(spec.doc)} | {', '.join(f'`loss.{p.name}`' for p in spec.params)} |"
+        for name, spec in DECLARED.items()
+    ]
+    takers = {param.name: ["every loss"] for param in SETTINGS}
+    declared = {param.name: param for param in SETTINGS}
+    for name, spec in DECLARED.items():
+        for param in spec.params:
+            takers.setdefault(param.name, []).append(name)
+            declared.setdefault(param.name, param)
     rows = []
     for key, param in declared.items():
-        losses = takers[key]
         default = "required" if param.default is REQUIRED else f"`{_value(param.default)}`"
         rows.append(
-            f"| `loss.{key}` | {'every loss' if len(losses) == len(LOSSES) else ', '.join(losses)}"
-            f" | {type_text(recipe_type(param.type))} | {default} | "
-            f"{PARAM_CHECKS.get(key, (None, ''))[1]} |"
+            f"| `loss.{key}` | {', '.join(takers[key])} | {type_text(recipe_type(param.type))} "
+            f"| {default} | {param.allowed} | {_cell(param.doc)} |"
         )
     return "\n".join(
         [
+            "## Losses\n",
+            "The values of `loss.name`, each with the parameters it takes besides those every "
+            "loss takes (docs/theory.md §3). A composite (`mix`) also takes those of its "
+            "`parts`.\n",
+            "| loss | what it is | its parameters |",
+            "|---|---|---|",
+            *losses,
+            "",
             "## Loss parameters\n",
-            "Each loss's own parameters, read from the loss library's function signatures "
-            "(`losses.api.loss_params`); written flat (`loss.eta: 3.0`) or under "
-            "`loss.params`. A loss refuses a parameter it does not take; `mix` takes those of "
-            "its `parts` (docs/theory.md §3).\n",
-            "| key | losses | type | default | allowed |",
-            "|---|---|---|---|---|",
+            "Each loss's parameters, as the loss declares them (`losses.declaration`); written "
+            "flat (`loss.eta: 3.0`) or under `loss.params`. A loss refuses a parameter it does "
+            "not take.\n",
+            "| key | losses | type | default | allowed | description |",
+            "|---|---|---|---|---|---|",
             *rows,
             "",
         ]

@@ -1,8 +1,8 @@
-"""The recipe's loss: the parameters, whose names and types depend on `loss.name` (read
-from the loss library, `losses.api.loss_params`), checked and coerced (`validate_loss`), and
-the loss resolved once (`resolved_loss`): the loss library's `ResolvedLoss`, whose parts,
-weights and sampling settings the training step evaluates on every micro-batch without
-checking them again (train/objective.py).
+"""The recipe's loss: the parameters, whose names, types and bounds are those the loss
+`loss.name` declares (`losses.declaration.LossSpec`, in `losses.divergences.DECLARED`), checked
+and coerced (`validate_loss`), and the loss resolved once (`resolved_loss`): the loss
+library's `ResolvedLoss`, whose parts, weights and sampling settings the training step
+evaluates on every micro-batch without checking them again (train/objective.py).
 """
 
 import functools
@@ -39,28 +39,30 @@ def resolved_loss(recipe: Recipe) -> "ResolvedLoss":
 
 
 def validate_loss(lo: LossConfig) -> None:
-    """Check the loss name and the type of each parameter against the loss library's
-    declaration (coercing e.g. `eta: 3` to 3.0), then ask the library for the value checks:
-    it knows each loss's ranges."""
-    from specdistill.losses.api import loss_params
-    from specdistill.losses.divergences import NAMES, check_param_values, param_names
+    """Check the loss's parameters against its declaration (`losses.declaration.LossSpec`,
+    `losses.divergences.DECLARED`): each name, its type (coercing e.g. `eta: 3` to 3.0) and
+    its bounds, every message naming the recipe key; then the library's checks of the whole
+    (a composite's parts). The name itself is the schema's (`recipe_types.LossName`)."""
+    from specdistill.losses.declaration import SETTING_NAMES
+    from specdistill.losses.divergences import DECLARED, check_params, declared_params, part_names
 
-    if lo.name not in NAMES:
-        hint = _hint(lo.name, list(NAMES))
+    if lo.name not in DECLARED:  # the schema's check; a config assigned since is not
+        hint = _hint(lo.name, list(DECLARED))
         raise RecipeError(f"loss: unknown loss {lo.name!r}; {hint}", key="loss.name")
+    spec = DECLARED[lo.name]
     params = dict(lo.params)
     parts: dict = {}
-    own = loss_params(lo.name)
-    if "parts" in own and "parts" in params:  # a mixture: its parts decide which exist
-        params["parts"] = parts = _coerce(params["parts"], own["parts"].type, "loss.parts")
-        names = sorted(name for name in NAMES if "parts" not in param_names(name))
+    if spec.composite and "parts" in params:  # a mixture: its parts decide which exist
+        parts_param = spec.param("parts")
+        params["parts"] = parts = _coerce(params["parts"], parts_param.type, "loss.parts")
+        names = part_names()
         for part in parts:
             if part not in names:
                 raise RecipeError(
                     f"loss: {lo.name}: unknown part {part!r}; {_hint(part, names)}",
                     key="loss.parts",
                 )
-    declared = loss_params(lo.name, parts)
+    declared = declared_params(lo.name, parts)
     own_keys = sorted(set(LossConfig.model_fields) - {"params"})
     for key, value in params.items():
         if key not in declared:
@@ -73,9 +75,13 @@ def validate_loss(lo: LossConfig) -> None:
                 key=f"loss.{key}",
             )
         params[key] = _coerce(value, declared[key].type, f"loss.{key}")
+        try:
+            declared[key].check(params[key], f"loss.{key}")
+        except ValueError as e:
+            raise RecipeError(f"loss: {lo.name}: {e}", key=f"loss.{key}") from None
     lo.params = params
-    try:  # the values each parameter may take, as the loss library declares them
-        check_param_values(lo.name, lo.params)
+    try:  # the whole: a composite's parts
+        check_params(lo.name, {k: v for k, v in params.items() if k not in SETTING_NAMES})
     except ValueError as e:
         raise RecipeError(f"loss: {e}") from None
 
@@ -103,8 +109,9 @@ _RECIPE_TYPES = (bool, int, str, type(None))
 
 
 def recipe_type(tp: Any) -> Any:
-    """The annotation of a loss parameter as a recipe reads it: the parts a recipe cannot
-    write (tensors) dropped, float as the recipe's number (Any if nothing is left)."""
+    """The declared type of a loss parameter (`losses.declaration.Param.type`) as a recipe
+    reads it: float as the recipe's number (an integer too, finite); a type a recipe cannot
+    write is Any (dropped from a union)."""
     origin = typing.get_origin(tp)
     if origin in (types.UnionType, typing.Union):
         kept = [recipe_type(arg) for arg in typing.get_args(tp)]

@@ -141,8 +141,8 @@ def _loss_temperature(value: Any) -> Any:
 class OneOf:
     """A recipe value that must be one of the names `names()` gives when the recipe is
     checked: the keys of a registry in a layer this schema does not import (the drafts
-    layer's types, the loss library's depth weightings), so that the schema loads no model
-    library and a type registered later is a valid value. The reference of the keys
+    layer's types, the loss library's losses and depth weightings), so that the schema loads
+    no model library and a type registered later is a valid value. The reference of the keys
     (train/recipe_docs.py) lists the names as a Literal's."""
 
     names: Callable[[], tuple[str, ...]]
@@ -158,6 +158,12 @@ def _draft_types() -> tuple[str, ...]:
     from specdistill.drafts import TYPES
 
     return tuple(TYPES)
+
+
+def _loss_names() -> tuple[str, ...]:
+    from specdistill.losses.divergences import DECLARED
+
+    return tuple(DECLARED)
 
 
 def _depth_weightings() -> tuple[str, ...]:
@@ -180,6 +186,7 @@ Resume = Annotated[str, BeforeValidator(_resume_value)]
 
 Dtype = Literal["float32", "bfloat16", "float16"]
 DraftType = Annotated[str, BeforeValidator(OneOf(_draft_types))]  # a key of drafts.TYPES
+LossName = Annotated[str, BeforeValidator(OneOf(_loss_names))]  # a loss the library declares
 # losses.resolved.DepthWeighting: how a multi-depth loss weighs its depths
 DepthWeighting = Annotated[str, BeforeValidator(OneOf(_depth_weightings))]
 MixedPrecision = Literal["no", "bf16", "fp16"]

@@ -92,7 +92,7 @@ def test_unknown_key_names_it_and_suggests(tmp_path):
         ),
         ("eval.temperature=-0.5", r"eval.temperature must be >= 0"),
         ("data.pack=maybe", r"data.pack must be true or false"),
-        ("loss.name=nope", r"loss: .*nope"),
+        ("loss.name=nope", r"loss.name must be one of .*got .nope."),
         ("loss.eta=-1", r"loss: .*eta"),
         ("loss.beta=0.5", r"loss: .*beta"),  # lk_lambda takes no beta
         ("loss.lambda_mode=sometimes", r"loss: .*lambda_mode"),
@@ -144,9 +144,9 @@ def test_eagle3_keys_are_refused_when_set_even_to_their_defaults():
 def test_loss_parameters_checked_by_declaration_not_a_dummy_vocabulary():
     """topk_ce's k may exceed 1024 (a 128k vocabulary); declared ranges still apply."""
     assert load_recipe(None, ["loss.name=topk_ce", "loss.k=5000"]).loss.params == {"k": 5000}
-    with pytest.raises(RecipeError, match=r"loss: topk_ce: k must be >= 1, got 0"):
+    with pytest.raises(RecipeError, match=r"loss: topk_ce: loss.k must be >= 1, got 0"):
         load_recipe(None, ["loss.name=topk_ce", "loss.k=0"])
-    with pytest.raises(RecipeError, match=r"loss: jsd: beta must be in \[0, 1\], got 1.5"):
+    with pytest.raises(RecipeError, match=r"loss: jsd: loss.beta must be in \[0, 1\], got 1.5"):
         load_recipe(None, ["loss.name=jsd", "loss.beta=1.5"])
     with pytest.raises(RecipeError, match=r"lambda_mode must be 'batch' or 'token'"):
         load_recipe(None, ["loss.name=lk_lambda", "loss.lambda_mode=tok"])
@@ -227,14 +227,14 @@ def test_reference_doc_is_the_generated_one():
 
 
 def test_loss_parameters_are_read_from_the_library_once():
-    from specdistill.losses.api import loss_params
-    from specdistill.losses.divergences import REQUIRED, param_names
+    from specdistill.losses.declaration import REQUIRED
+    from specdistill.losses.divergences import declared_params, param_names
 
-    jsd = loss_params("jsd")
+    jsd = declared_params("jsd")
     assert list(jsd) == ["top_p", "top_k", "mask_out_of_vocab", "beta"]
     assert jsd["beta"].type is float and jsd["beta"].default == 0.5
-    assert loss_params("mix")["parts"].default is REQUIRED
-    assert {"parts", "beta", "eta"} <= set(loss_params("mix", ["jsd", "lk_lambda"]))
+    assert declared_params("mix")["parts"].default is REQUIRED
+    assert {"parts", "beta", "eta"} <= set(declared_params("mix", ["jsd", "lk_lambda"]))
     assert param_names("lk_lambda") == {"eta", "lambda_mode", "alpha_bar"}
 
 
