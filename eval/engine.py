@@ -81,6 +81,9 @@ class Generation:
     prefill_s: float  # time spent prefilling admitted prompts (inside wall_s)
     stats: list[SpecStats] = field(default_factory=list)  # per request
     cost: dict | None = None  # a per-row policy's cost model at the end (`CostModel.summary`)
+    # per request, with `logprobs`: per generated token (logprob, [(token, logprob)] top-k),
+    # the target's raw log-softmax (T = 1, unfiltered) at the position that chose it
+    logprobs: list[list] | None = None
 
     @property
     def n_tokens(self) -> int:
@@ -110,6 +113,7 @@ def generate(
     attention_mask: torch.Tensor | None = None,
     eos_token_id: int | None = None,
     vocab_size: int | None = None,
+    logprobs: int | None = None,
 ) -> Generation:
     """Speculative decoding of prompts with `draft` proposing and `target` verifying.
 
@@ -125,13 +129,16 @@ def generate(
     arrive at the call's start, and TTFT / latency count from a request's admission).
     vocab_size: logit columns compared (default: the smaller head; an EAGLE-3 head counts
     with its target vocabulary). Rows stop at `max_new_tokens` or after emitting
-    `eos_token_id`.
+    `eos_token_id`. logprobs: k ≥ 0 returns, per request and generated token, the target's
+    log-probability of it and its k most probable tokens (`Generation.logprobs`).
     """
     if temperature < 0:
         raise ValueError(f"temperature must be ≥ 0, got {temperature}")
     check_filters(top_p, top_k)
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be ≥ 1, got {max_new_tokens}")
+    if logprobs is not None and logprobs < 0:
+        raise ValueError(f"logprobs must be ≥ 0 alternatives, got {logprobs}")
     prompts = _as_lists(input_ids, attention_mask)
     if not prompts or min(len(p) for p in prompts) == 0:
         raise ValueError("every prompt needs at least one token")
@@ -157,12 +164,17 @@ def generate(
             vocab_size=vocab_size,
         )
         for prompt in prompts:
-            batch.add(prompt, max_new_tokens)
+            batch.add(prompt, max_new_tokens, logprobs)
+        taken = None if logprobs is None else [[] for _ in prompts]
         while batch.waiting or batch.requests:
-            batch.step()
+            for update in batch.step():
+                if taken is not None:
+                    taken[update.request].extend(update.logprobs)
         sync(device)
         wall = time.perf_counter() - start
-    return _generation(batch, len(prompts), start, wall, policy)
+    generation = _generation(batch, len(prompts), start, wall, policy)
+    generation.logprobs = taken
+    return generation
 
 
 def _generation(

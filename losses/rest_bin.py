@@ -13,14 +13,10 @@ from torch import Tensor
 from specdistill.losses.divergences import LOG_P_FLOOR
 
 
-class RestBinError(ValueError):
-    """A SparseTarget with rest that cannot be compared as asked."""
-
-
 def check_rest_bin(temperature: float, top_p: float | None, top_k: int | None) -> None:
-    """The rest bin is the target at temperature 1, unfiltered: RestBinError otherwise."""
+    """The rest bin is the target at temperature 1, unfiltered: ValueError otherwise."""
     if temperature != 1.0 or top_p is not None or top_k is not None:
-        raise RestBinError(
+        raise ValueError(
             "a SparseTarget with rest is the target at temperature 1, unfiltered: the mass of "
             "its dropped tokens at another temperature or under top-p/top-k is unknown "
             f"(got temperature={temperature}, top_p={top_p}, top_k={top_k})"

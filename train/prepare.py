@@ -94,6 +94,7 @@ def prepare(recipe, *, batch_size: int = 32, print=print) -> list[PreparedSet]:
             limit=s.limit,
             target=target,
             tokenizer=tokenizer,
+            capture_top_n=p.top_n if name == "train" else None,
             print=print,
         )
         out = Path(s.out)
@@ -105,9 +106,14 @@ def prepare(recipe, *, batch_size: int = 32, print=print) -> list[PreparedSet]:
             answer_tokens(out),
             manifest["complete"],
         )
+        captured = manifest.get("captured")
+        kept = (
+            f", their top {p.top_n} kept ({captured['bytes'] / 2**20:,.1f} MiB)" if captured else ""
+        )
         print(
             f"prepare: {name}: {result.answered}/{result.prompts} prompts answered, "
-            f"{result.tokens:,} answer tokens in {out} ({time.monotonic() - started:.0f} s)"
+            f"{result.tokens:,} answer tokens in {out}{kept} "
+            f"({time.monotonic() - started:.0f} s)"
         )
         done.append(result)
     teacher_outputs(recipe, target, tokenizer, print)
@@ -116,21 +122,25 @@ def prepare(recipe, *, batch_size: int = 32, print=print) -> list[PreparedSet]:
 
 def teacher_outputs(recipe, target, tokenizer, print=print) -> dict | None:
     """With `target.cache` set, what training reads from the target instead of running it:
-    its log-probabilities over the recipe's training data (over the draft's own columns for
-    a draft over a reduced vocabulary or an EAGLE-3 head, with the hidden states the head
-    reads, else its top-N: train/target_cache_build.py), built once after the answers; a
-    cache that already serves this data and this draft is kept. -> its manifest."""
+    its log-probabilities over the recipe's training data, built once after the answers; a
+    cache that already serves this data and this draft is kept. With `prepare.top_n`, its
+    top N, read from what the answering kept (train/captured.py) with a forward only for
+    the sequences that did not keep it; else a target pass (train/target_cache_build.py)
+    over the draft's own columns for a draft over a reduced vocabulary or an EAGLE-3 head
+    (with the hidden states the head reads), or its top-N. -> its manifest."""
     from specdistill import drafts
     from specdistill.drafts import hub, planned
+    from specdistill.train.captured import CapturedOutputs
     from specdistill.train.config import recipe_datasets
-    from specdistill.train.target_cache import CacheError, TargetCache
+    from specdistill.train.target_cache import DEFAULT_TOP_N, CacheError, TargetCache
     from specdistill.train.target_cache_build import build_cache
     from specdistill.train.target_cache_vocab import columns_for
 
     r = recipe
     if r.target.cache is None:
         return None
-    columns = columns_for(planned(r.draft).capabilities)
+    top_n = r.prepare.top_n
+    columns = columns_for(planned(r.draft).capabilities, top_n)
     train_data, eval_data = recipe_datasets(r, tokenizer)
     path = Path(r.target.cache)
     if (path / "manifest.json").is_file():
@@ -143,7 +153,7 @@ def teacher_outputs(recipe, target, tokenizer, print=print) -> dict | None:
                 datasets={"train": train_data},
                 vocab_size=hub.shared_vocab_size(target, None, tokenizer),
             )
-            if cache.columns == columns:
+            if cache.columns == columns and (top_n is None or cache.top_n == top_n):
                 # the draft's columns and the hidden states it reads, as distill builds it
                 _, kind = drafts.build(r.draft, target, tokenizer, train_data, print=_quiet)
                 cache.bind(kind)
@@ -153,9 +163,15 @@ def teacher_outputs(recipe, target, tokenizer, print=print) -> dict | None:
             print(f"prepare: rebuilding {path}: {e}")
     started = time.monotonic()
     print(f"prepare: the target's outputs over the training data -> {path} ({columns})")
+    captured = None
+    if top_n is not None:
+        vocab_size = hub.shared_vocab_size(target, None, tokenizer)
+        captured = CapturedOutputs([Path(r.prepare.train.out)], top_n, vocab_size)
     manifest = build_cache(
         r,
         path,
+        top_n=top_n or DEFAULT_TOP_N,
+        captured=captured,
         columns=columns,
         splits=("train",),
         target=target,

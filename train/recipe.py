@@ -399,6 +399,15 @@ class PrepareConfig(Section):
     temperature: Float = recipe_key(0.7, "the target's sampling temperature (0: greedy)", ge=0)
     max_new_tokens: int = recipe_key(256, "tokens per answer", ge=1)
     seed: int = recipe_key(0, "sampling seed")
+    top_n: int | None = recipe_key(
+        None,
+        "keep the target's top N log-probabilities at every training answer token while "
+        "answering; target.cache is then a top-N cache built from them, with a target "
+        "forward only for the sequences they do not serve (docs/cache.md); null: target.cache "
+        "is a separate target pass after answering, over the draft's own columns for a "
+        "reduced vocabulary",
+        ge=1,
+    )
 
 
 class Recipe(Section):

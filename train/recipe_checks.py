@@ -103,7 +103,7 @@ def _draft_checks(recipe: Recipe, can: "Capabilities", explicit: set[str]) -> li
             recipe.loss.chunk_size is not None,
             f"loss.chunk_size is not supported for {kind}: set loss.chunk_size=null",
         ),
-        *_cache_asks(recipe, can, _columns(recipe.target.cache, can)),
+        *_cache_asks(recipe, can, _columns(recipe, can)),
         _asks(
             can,
             "eagle3_keys",
@@ -113,15 +113,16 @@ def _draft_checks(recipe: Recipe, can: "Capabilities", explicit: set[str]) -> li
     ]
 
 
-def _columns(cache: str | None, can: "Capabilities") -> str | None:
-    """The columns of the cache at `cache` ("top-n" or "draft"); None without one. A cache
-    not built yet counts as what `specdistill prepare` would build for this draft type: its
-    own columns for a draft over a reduced vocabulary, else top-N."""
+def _columns(recipe: Recipe, can: "Capabilities") -> str | None:
+    """The columns of the recipe's target cache ("top-n" or "draft"); None without one. A
+    cache not built yet counts as what `specdistill prepare` would build for this draft type
+    (`target_cache_vocab.columns_for`)."""
     from specdistill.train.target_cache_vocab import cache_columns, columns_for
 
+    cache = recipe.target.cache
     if cache is None:
         return None
-    return cache_columns(cache) or columns_for(can)
+    return cache_columns(cache) or columns_for(can, recipe.prepare.top_n)
 
 
 def _cache_asks(recipe: Recipe, can: "Capabilities", columns: str | None) -> list[Check]:

@@ -149,10 +149,14 @@ def regenerate(
     target=None,
     tokenizer=None,
     generate=None,
+    capture_top_n: int | None = None,
+    capture_dtype: str = "float16",
     print=print,
 ) -> dict:
     """Answer the recipe's prompts not yet answered in `out`; return the manifest.
-    `generate` defaults to `eval.engine.generate` (tests pass a wrapper)."""
+    `generate` defaults to `eval.engine.generate` (tests pass a wrapper). `capture_top_n`:
+    also keep the target's top N at every answer token, from the forwards that chose them
+    (OUT/captured/, train/captured.py), its log-probabilities in `capture_dtype`."""
     from specdistill.eval import engine
 
     sampling = (sampling or Sampling()).check()
@@ -168,7 +172,10 @@ def regenerate(
     out = make_dir(out)
     with DirLock(out, "another prepare or regenerate"), writable(out):  # one writer
         sizes = (batch_size, shard_records, retries, text_prompt_tokens, limit)
-        return _regenerate_into(r, out, sampling, sizes, target, tokenizer, generate, print)
+        capture = (capture_top_n, capture_dtype)
+        return _regenerate_into(
+            r, out, sampling, sizes, target, tokenizer, generate, capture, print
+        )
 
 
 def _regenerate_into(
@@ -179,14 +186,17 @@ def _regenerate_into(
     target,
     tokenizer,
     generate: Callable,
+    capture: tuple[int | None, str],
     print: Callable,
 ) -> dict:
     """`regenerate`'s work once OUT is locked: load, read, answer, write the manifest.
-    `sizes`: (batch_size, shard_records, retries, text_prompt_tokens, limit), checked."""
+    `sizes`: (batch_size, shard_records, retries, text_prompt_tokens, limit), checked;
+    `capture`: (top N kept at each answer token or None, their dtype)."""
     batch_size, shard_records, retries, text_prompt_tokens, limit = sizes
     from specdistill.data.sources import read_records
     from specdistill.publish import atomic_write_text
-    from specdistill.train.target_cache import target_identity
+    from specdistill.train.captured import capture_writer
+    from specdistill.train.target_cache import VALUE_DTYPES, target_identity
 
     target, tokenizer = _load_target(r, target, tokenizer)
     identity = target_identity(r.target, target)
@@ -225,6 +235,7 @@ def _regenerate_into(
         failures_path=out / FAILURES,
         failed=failed,
         print=print,
+        capture=capture_writer(out, capture[0], target, tokenizer, VALUE_DTYPES[capture[1]]),
     )
     _answer_all(answering, todo, f"regenerate {out.name}")
     return _finish(out, manifest, jobs, answering, print)
@@ -283,6 +294,7 @@ class _Answering:
     failures_path: Path
     failed: dict[str, dict]
     print: Callable
+    capture: object | None = None  # a train.captured.CaptureWriter: the top N kept too
     failures: list[dict] = field(default_factory=list)
 
     def __post_init__(self) -> None:
@@ -294,23 +306,35 @@ class _Answering:
             else None
         )
 
-    def run(self, batch: list[Job], seed: int) -> list:
+    def run(self, batch: list[Job], seed: int) -> list[tuple]:
+        """Each job's (prompt ids, generated ids, captured entries or None)."""
         sampling = self.sampling
+        prompts = _encode(batch, self.tokenizer)
+        capture, extra, longer = self.capture, {}, 0
+        if capture is not None:  # one token more: the distribution after a cut answer's last
+            extra, longer = {"logprobs": capture.top_n, "vocab_size": capture.vocab_size}, 1
         gen = self.generate(
             self.target,
             None,
-            _encode(batch, self.tokenizer),
+            prompts,
             temperature=sampling.temperature,
             top_p=sampling.top_p,
             top_k=sampling.top_k,
-            max_new_tokens=sampling.max_new_tokens,
+            max_new_tokens=sampling.max_new_tokens + longer,
             seed=seed,
             batch_size=self.batch_size,
             eos_token_id=self.eos,
+            **extra,
         )
-        return gen.sequences
+        entries = getattr(gen, "logprobs", None) or [None] * len(prompts)
+        return list(zip(prompts, gen.sequences, entries, strict=True))
 
-    def write(self, job: Job, ids: list[int]) -> None:
+    def write(self, job: Job, answer: tuple) -> None:
+        """Append `job`'s answer (a `run` result); its captured entries go to the capture."""
+        prompt, ids, entries = answer
+        if self.capture is not None:
+            self.capture.add(prompt, ids, entries)
+        ids = ids[: self.sampling.max_new_tokens]
         stop = [t for t in (self.eos, self.im_end) if t is not None]
         for t in stop:  # the answer ends before the end-of-turn / end-of-text token
             if t in ids:
@@ -326,8 +350,10 @@ class _Answering:
         except Exception as e:  # the batch failed: each prompt on its own, with retries
             self.print(f"regenerate: a batch failed ({type(e).__name__}: {e}); retrying singly")
         else:  # a failed write (a full disk) is no failed answer: it stops the run
-            for job, ids in zip(batch, sequences, strict=True):
-                self.write(job, ids)
+            for job, answer in zip(batch, sequences, strict=True):
+                self.write(job, answer)
+            if self.capture is not None:
+                self.capture.flush()
             return
         for job in batch:
             error = self.answer_alone(job)
@@ -339,11 +365,13 @@ class _Answering:
         error = None
         for attempt in range(1, self.retries + 2):
             try:
-                (ids,) = self.run([job], self.sampling.seed + int(job.hash[:8], 16) + attempt)
+                (answer,) = self.run([job], self.sampling.seed + int(job.hash[:8], 16) + attempt)
             except Exception as e:
                 error = f"{type(e).__name__}: {e}"
                 continue
-            self.write(job, ids)
+            self.write(job, answer)
+            if self.capture is not None:
+                self.capture.flush()
             return None
         return error
 
@@ -404,6 +432,9 @@ def _finish(out: Path, manifest: dict, jobs: list[Job], answering: _Answering, p
         complete=all(j.hash in done for j in jobs),
         finished=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     )
+    capture = answering.capture
+    if capture is not None:  # what the answers' captured top N take on disk
+        manifest["captured"] = {"top_n": capture.top_n, "bytes": capture.bytes_written}
     atomic_write_text(out / MANIFEST, json.dumps(manifest, indent=1))
     print(f"regenerate: {manifest['answered']}/{len(jobs)} answered, {len(failures)} failed")
     return manifest

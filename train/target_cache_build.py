@@ -62,6 +62,7 @@ def build_cache(
     shard_bytes: int = DEFAULT_SHARD_BYTES,
     overwrite: bool = False,
     device: str | torch.device | None = None,
+    captured=None,
     print=print,
 ) -> dict:
     """Build the cache of `recipe`'s target over its data into `out`; return the manifest.
@@ -71,12 +72,12 @@ def build_cache(
     train/target_cache_vocab.py). A recipe that distill would refuse with such a cache is
     refused before anything loads. The models and datasets are loaded as
     `Trainer.from_recipe` loads them unless given. `out` must not exist (or be empty) unless
-    `overwrite`."""
+    `overwrite`. `captured` (`train.captured.CapturedOutputs`, top-N at its N): the rows
+    of the sequences it serves are read from it."""
     from specdistill.drafts import hub
     from specdistill.publish import atomic_write_text, publish_dir
 
-    r = recipe
-    out = Path(out)
+    r, out = recipe, Path(out)
     _check_build_arguments(out, top_n, values_dtype, batch_size, shard_bytes, overwrite)
     _check_build_recipe(r, columns)
     target, tokenizer, train_data, eval_data = _build_inputs(
@@ -84,11 +85,9 @@ def build_cache(
     )
     vocab_size = hub.shared_vocab_size(target, None, tokenizer)
     ids, layers = (None, None)
-    if columns == "draft":
+    if columns == "draft":  # the draft's columns' target ids, the layers its features enter
         ids, layers = _draft_columns(r, target, tokenizer, train_data, print)
-    top_n = top_n if ids is None else len(ids)
-    if top_n > vocab_size:
-        raise CacheError(f"--top-n {top_n} exceeds the vocabulary ({vocab_size} tokens)")
+    top_n = _stored_width(top_n, ids, captured, vocab_size)
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     target = target.eval().requires_grad_(False).to(device)
     dtype = VALUE_DTYPES[values_dtype]
@@ -107,6 +106,7 @@ def build_cache(
         ids=ids,
         feature_layers=layers,
         feature_width=width,
+        captured=captured,
     )
     tmp = out.parent / f".tmp-{out.name}"
     shutil.rmtree(tmp, ignore_errors=True)
@@ -126,6 +126,20 @@ def build_cache(
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return manifest
+
+
+def _stored_width(top_n: int, ids, captured, vocab_size: int) -> int:
+    """The values stored per position: `top_n`, or the draft's columns `ids`; CacheError
+    when it exceeds the vocabulary or differs from the `captured` outputs' N."""
+    width = top_n if ids is None else len(ids)
+    if captured is not None and (ids is not None or captured.top_n != width):
+        stored = "the draft columns" if ids is not None else f"the top {width}"
+        raise CacheError(
+            f"captured outputs hold the top {captured.top_n}; this cache stores {stored}"
+        )
+    if width > vocab_size:
+        raise CacheError(f"--top-n {width} exceeds the vocabulary ({vocab_size} tokens)")
+    return width
 
 
 def _check_build_arguments(
@@ -205,6 +219,9 @@ class _Build:
     ids: torch.Tensor | None = None  # the draft's columns' target ids ("draft"), else top-N
     feature_layers: list[int] | None = None  # the hidden states stored too (an EAGLE-3 head's)
     feature_width: int = 0  # their width: n_layers × the target's hidden size
+    captured: object | None = None  # a train.captured.CapturedOutputs serving top-N rows
+    served: int = 0  # sequences whose rows came from `captured`
+    computed: int = 0  # sequences whose rows took a target forward
 
     def rows(self, batch: dict) -> tuple:
         """The arguments of `ShardWriter.add` for one collated batch: the target's rows, and
@@ -220,21 +237,43 @@ class _Build:
         features = {"features": capture.features(), "attention_mask": batch["attention_mask"]}
         return rows, features
 
-    def write_split(self, tmp: Path, split: str, data, print) -> dict:
-        """Run the target over `data` and write `split`'s shards into `tmp`; return the
-        split's manifest entry."""
+    def rows_of(self, items: list[dict]) -> tuple:
+        """`rows` for dataset items: those the captured outputs serve are read, the others
+        run through the target together."""
         from specdistill.data import collate
+
+        pad = self.tokenizer.pad_token_id
+        if self.captured is None:
+            return self.rows({k: v.to(self.device) for k, v in collate(items, pad).items()})
+        valid = [valid_rows(collate([item], pad))[0] for item in items]
+        served = [
+            self.captured.rows(it["input_ids"], v) for it, v in zip(items, valid, strict=True)
+        ]
+        missing = [it for it, got in zip(items, served, strict=True) if got is None]
+        self.served += len(items) - len(missing)
+        self.computed += len(missing)
+        if missing:
+            batch = {k: v.to(self.device) for k, v in collate(missing, pad).items()}
+            indices, values, rest, counts = self.rows(batch)[0]
+            parts = zip(*(t.split(counts.tolist()) for t in (indices, values, rest)), strict=True)
+            computed = iter(parts)
+            served = [got if got is not None else next(computed) for got in served]
+        indices, values, rest = (torch.cat(t) for t in zip(*served, strict=True))
+        counts = torch.tensor([len(got[0]) for got in served])
+        return (indices, values, rest, counts), {}
+
+    def write_split(self, tmp: Path, split: str, data, print) -> dict:
+        """Run the target over `data` (or read the captured rows) and write `split`'s shards
+        into `tmp`; return the split's manifest entry."""
         from specdistill.drafts.progress import WorkProgress
 
         stored = None if self.feature_layers is None else ShardFeatures(self.dtype)
         writer = ShardWriter(tmp, split, self.max_rows, self.dtype, stored)
-        pad = self.tokenizer.pad_token_id
         progress = WorkProgress(f"cache {split}", len(data)) if len(data) else None
         try:
             for first in range(0, len(data), self.batch_size):
                 items = [data[i] for i in range(first, min(first + self.batch_size, len(data)))]
-                batch = {k: v.to(self.device) for k, v in collate(items, pad).items()}
-                rows, features = self.rows(batch)
+                rows, features = self.rows_of(items)
                 writer.add(*rows, **features)
                 if progress is not None:
                     progress.advance(len(items), f"{first + len(items)}/{len(data)} sequences")
@@ -249,8 +288,18 @@ class _Build:
             "data_hash": data_hash(data),
             "shards": writer.shards,
         }
-        print(f"cache: {split}: {len(data)} sequences, {rows} positions")
+        if self.captured is not None:  # how many the capture served (a build does one split)
+            entry["captured"] = {"served": self.served, "computed": self.computed}
+            self.served = self.computed = 0
+        print(f"cache: {split}: {len(data)} sequences, {rows} positions{_served(entry)}")
         return entry
+
+
+def _served(entry: dict) -> str:
+    """', N of them from the captured outputs' for a split built with them, else ''."""
+    if "captured" not in entry:
+        return ""
+    return f", {entry['captured']['served']} of them from the outputs captured while answering"
 
 
 def _build_manifest(

@@ -21,10 +21,12 @@ import torch
 COLUMNS = ("top-n", "draft")
 
 
-def columns_for(capabilities) -> str:
+def columns_for(capabilities, top_n: int | None = None) -> str:
     """The columns a cache for a draft type of these `Capabilities` holds, as `specdistill
-    prepare` builds it: the draft's own for a draft over a reduced vocabulary, else top-N."""
-    return "draft" if capabilities.vocab_targets else "top-n"
+    prepare` builds it: top-N when it keeps the top `top_n` while answering
+    (`prepare.top_n`), else the draft's own for a draft over a reduced vocabulary, else
+    top-N."""
+    return "draft" if capabilities.vocab_targets and top_n is None else "top-n"
 
 
 def cache_columns(path) -> str | None:
