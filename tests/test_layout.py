@@ -20,9 +20,13 @@ a cycle through a deferred import is still a cycle for the reader.
 No module reads another's private names: `x._name` where `x` is not `self`/`cls` and nothing
 called `_name` is defined in the same module (`getattr`/`hasattr`/`setattr` with a literal
 `"_name"` too), except the few library internals in PRIVATE_ALLOWED, each with its reason.
+
+In the online job (train/online/), imports below a module's top level are counted
+(LAZY_IMPORTS), each with a `# lazy: <reason>` comment: only the CLI's start-up needs one.
 """
 
 import ast
+import re
 import shutil
 import subprocess
 import sys
@@ -353,3 +357,71 @@ def test_no_module_or_class_over_the_size_limits():
         for problem in oversized(path.read_text(), str(path.relative_to(REPO)))
     ]
     assert not found, "split these:\n  " + "\n  ".join(found)
+
+
+# ----------------------------------------------------------------------------- lazy imports
+# Imports below a module's top level in the online job (train/online/): only where the CLI's
+# start-up needs one (a heavy module loaded after the arguments are parsed), each with a
+# `# lazy: <reason>` comment on its line or the comment lines just above it.
+LAZY_FOLDER = REPO / "train" / "online"
+LAZY_IMPORTS = 1  # train/online/cli.py: the job, after the arguments are parsed
+LAZY_REASON = re.compile(r"#\s*lazy:\s*\S")
+
+
+def lazy_imports(source: str, where: str) -> list[tuple[str, bool]]:
+    """(`where:line: import ...`, explained) for each import that is not a statement of the
+    module's own body (one in a function, a class or a block); explained: a `# lazy:` comment
+    with a reason ends its first line or is in the comment lines right above it."""
+    lines = source.splitlines()
+    tree = ast.parse(source, where)
+    found = []
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Import | ast.ImportFrom) or node in tree.body:
+            continue
+        explained = bool(LAZY_REASON.search(lines[node.lineno - 1]))
+        above = node.lineno - 2
+        while not explained and above >= 0 and lines[above].strip().startswith("#"):
+            explained = bool(LAZY_REASON.search(lines[above]))
+            above -= 1
+        found.append((f"{where}:{node.lineno}: {ast.unparse(node)}", explained))
+    return found
+
+
+def test_lazy_import_check_can_fail():
+    source = (
+        "import json\n"
+        "def f():\n"
+        "    import torch  # lazy: heavy\n"
+        "    # lazy: the trainer loads torch;\n"
+        "    # the parser answers first\n"
+        "    from specdistill.train import trainer\n"
+        "    import numpy  # heavy\n"
+        "    # lazy:\n"
+        "    import pandas\n"
+        "if __name__ == '__main__':\n"
+        "    import sys\n"
+    )
+    assert [(line.split(": ", 1)[1], ok) for line, ok in lazy_imports(source, "m.py")] == [
+        ("import torch", True),
+        ("from specdistill.train import trainer", True),
+        ("import numpy", False),
+        ("import pandas", False),
+        ("import sys", False),
+    ]
+
+
+def test_the_online_jobs_lazy_imports_say_why():
+    found = [
+        item
+        for path in sorted(LAZY_FOLDER.rglob("*.py"))
+        for item in lazy_imports(path.read_text(), str(path.relative_to(REPO)))
+    ]
+    unexplained = [line for line, ok in found if not ok]
+    assert not unexplained, (
+        "imports below the top level without a `# lazy: <reason>` comment (move them to the "
+        "module's top unless the CLI's start-up needs them):\n" + "\n".join(unexplained)
+    )
+    assert len(found) == LAZY_IMPORTS, (
+        f"{len(found)} lazy imports in train/online/, LAZY_IMPORTS says {LAZY_IMPORTS}:\n"
+        + "\n".join(line for line, _ in found)
+    )

@@ -13,6 +13,7 @@ imports nothing heavy: --help and a bad argument answer before the job loads tor
 import argparse
 import sys
 
+from specdistill.errors import run_guarded
 from specdistill.train.online.args import job_parser, rollback_parser
 from specdistill.verb_parser import quiet_third_party
 
@@ -31,12 +32,12 @@ def main(argv: list[str] | None = None) -> int:
     else:
         job_parser().parse_args(argv)
     quiet_third_party()
+    # lazy: the job loads torch, transformers and accelerate (seconds); --help and a bad
+    # argument answer before that
     from specdistill.train.online.job import main as online_main
 
     return online_main(argv)
 
 
 if __name__ == "__main__":
-    from specdistill.errors import run_guarded
-
     sys.exit(run_guarded(main, sys.argv[1:]))

@@ -13,10 +13,13 @@ state and logs.
 """
 
 import json
+import shutil
 from pathlib import Path
 
 from specdistill.errors import UserFileError
 from specdistill.publish import DirLock, OutputDirError, atomic_write_text, claim_output_dir
+from specdistill.train.online.args import rollback_parser
+from specdistill.train.online.versions import rollback
 from specdistill.train.run_plan import STATE_FILE
 
 MARKER = ".online-job"  # OUT/.online-job: {"drafts": ROOT}, written when a job takes OUT
@@ -109,8 +112,6 @@ def only_root(out: Path, root: Path) -> bool:
 
 def forget(out: Path) -> None:
     """Delete the job's state and logs in OUT (a fresh start)."""
-    import shutil
-
     shutil.rmtree(out / STATE, ignore_errors=True)
     for name in LOGS:
         (out / name).unlink(missing_ok=True)
@@ -118,9 +119,6 @@ def forget(out: Path) -> None:
 
 def rollback_main(argv: list[str]) -> int:
     """`specdistill online rollback [VERSION] --drafts ROOT`."""
-    from specdistill.train.online.args import rollback_parser
-    from specdistill.train.online.versions import rollback
-
     args = rollback_parser().parse_args(argv)
     root = Path(args.drafts)
     if root.exists() and not root.is_dir():

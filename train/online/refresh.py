@@ -1,40 +1,80 @@
 """The online job's refresh: optimiser steps of the step core (train/step.py) on the new
-records and replay, the gate against the served incumbent, maybe a publish, a commit."""
+records and replay, the gate against the served incumbent, the decision logged; the job
+(train/online/job.py) publishes a promotion (train/online/served.py) and commits."""
 
 import math
 import time
+from dataclasses import dataclass, field
 
+from specdistill.data.dataset import TokenDataset
 from specdistill.formats.published import Manifest
+from specdistill.publish import remove_leftovers
+from specdistill.train.batches import Batches
+from specdistill.train.on_policy import OnPolicy
+from specdistill.train.online import gate  # looked up at each call: a test wraps sequence_alpha
+from specdistill.train.online.context import Context
 from specdistill.train.online.kept import KeptRecord
+from specdistill.train.online.served import Served
+from specdistill.train.online.sparse import RecordTargets
+from specdistill.train.online.versions import next_version
+from specdistill.train.targets import IndexedTargets
+from specdistill.train.temperatures import TrafficShares
 
 
-class Refreshes:
-    """Mixed into OnlineJob (train/online/job.py): uses its recipe, store, step core, target,
-    tokenizer, cursor, counts, faults, logs and the ServedVersions methods."""
+@dataclass(eq=False)
+class Refresh:
+    """Refreshes of the running draft (`ctx.core`) on the shared store, gated against the
+    incumbent that `served` loads. Its own state: the refreshes run and the ids of the
+    records trained (committed with the job's state), the time of the last refresh, the
+    on-policy generator (data.on_policy) and whether the sparse-targets notice was given."""
 
-    def refresh_batches(self, items: list[KeptRecord], sparse: bool):
+    ctx: Context
+    served: Served  # the incumbent (`Served.incumbent`), read after the steps
+    refreshes: int = 0
+    trained_ids: list[str] = field(default_factory=list)
+    last_refresh: float = field(default_factory=time.time)
+    on_policy: OnPolicy | None = field(init=False)
+    _said_sparse: bool = field(default=False, init=False)
+
+    def __post_init__(self) -> None:
+        """The generator of data.on_policy rows (train/on_policy.py), as the offline run's."""
+        r, core = self.ctx.recipe, self.ctx.core
+        self.on_policy = None
+        if r.data.on_policy.fraction > 0:
+            self.on_policy = OnPolicy(
+                r,
+                target=core.target,
+                draft=core.draft_module(),
+                tokenizer=self.ctx.tokenizer,
+                vocab_size=core.vocab_size,
+                device=core.accelerator.device,
+            )
+
+    def state(self) -> dict:
+        """The refreshes' part of the committed state."""
+        return {"trained_ids": self.trained_ids, "refreshes": self.refreshes}
+
+    def load(self, state: dict) -> None:
+        self.trained_ids = state["trained_ids"]
+        self.refreshes = state["refreshes"]
+
+    def refresh_batches(self, items: list[KeptRecord], sparse: bool) -> Batches:
         """The data order of a refresh on `items` (a new one each refresh), with the step
         core's target source set to match: the records' top_logprobs when `sparse`, else
         the live target."""
-        from specdistill.data.dataset import TokenDataset
-        from specdistill.train.batches import Batches
-        from specdistill.train.online.sparse import RecordTargets
-        from specdistill.train.targets import IndexedTargets
-        from specdistill.train.temperatures import TrafficShares
-
+        r, core = self.ctx.recipe, self.ctx.core
         data = TokenDataset([it.tokens() for it in items], n_records=len(items), skipped={})
-        core = self.core
         core.set_targets(
             IndexedTargets(RecordTargets(items, core.kind), core.vocab_size) if sparse else None
         )
         # loss.temperature=traffic: each record at the temperature and top-p it was served with
-        traffic = self.recipe.loss.temperature == "traffic"
+        traffic = r.loss.temperature == "traffic"
         core.set_sampling(TrafficShares(items) if traffic else None)
         batches = Batches(
             data,
-            recipe=self.recipe,
+            recipe=r,
             accelerator=core.accelerator,
-            pad_token_id=self.tokenizer.pad_token_id,
+            pad_token_id=self.ctx.tokenizer.pad_token_id,
             indexed=sparse or traffic,
         )
         if self.on_policy is not None:
@@ -42,17 +82,18 @@ class Refreshes:
         return batches
 
     def due(self, final: bool = False) -> bool:
-        n = len(self.store.new)
-        if n >= self.o.refresh_records:
+        o = self.ctx.online
+        n = len(self.ctx.store.new)
+        if n >= o.refresh_records:
             return True
-        if n >= self.o.min_refresh_records:
-            return final or time.time() - self.last_refresh >= self.o.refresh_seconds
+        if n >= o.min_refresh_records:
+            return final or time.time() - self.last_refresh >= o.refresh_seconds
         return False
 
     def sparse_targets(self, items: list[KeptRecord]) -> bool:
         """Whether a refresh on `items` trains on their top_logprobs (online.sparse_targets):
         every record carries them and the loss can compare a rest bin."""
-        r = self.recipe
+        r, core = self.ctx.recipe, self.ctx.core
         if not (r.online.sparse_targets and all(it.top_logprobs for it in items)):
             return False
         lo = r.loss
@@ -63,8 +104,8 @@ class Refreshes:
                 ("loss.top_p", lo.params.get("top_p"), lo.params.get("top_p") is None),
                 ("loss.top_k", lo.params.get("top_k"), lo.params.get("top_k") is None),
                 ("loss.chunk_size", lo.chunk_size, lo.chunk_size is None),
-                ("loss.name", lo.name, self.core.objective.loss.chain is None),
-                ("draft.type", r.draft.type, self.core.kind.capabilities.sparse_targets),
+                ("loss.name", lo.name, core.objective.loss.chain is None),
+                ("draft.type", r.draft.type, core.kind.capabilities.sparse_targets),
                 (  # the acceptance head's label is α at eval.temperature
                     "eval.temperature",
                     r.eval.temperature,
@@ -73,27 +114,29 @@ class Refreshes:
             )
             if not fine
         ]
-        if why and not getattr(self, "_said_sparse", False):
+        if why and not self._said_sparse:
             self._said_sparse = True
-            self.print(
+            self.ctx.print(
                 "online: the records carry top_logprobs, but the refreshes run the target: "
                 f"sparse targets need loss temperature 1, unfiltered, unchunked, a standalone "
                 f"draft, and eval.temperature 1 for an acceptance head ({', '.join(why)})"
             )
         return not why
 
-    def refresh(self) -> dict:
-        """K optimiser steps on the new records + replay, the gate, maybe a publish, commit.
+    def run(self, cursor: dict) -> tuple[dict, Manifest | None]:
+        """K optimiser steps on the new records + replay, the gate, the decision logged and
+        counted: (the decision, the manifest of the version to publish when promoted; its
+        name is `decision["version"]`). `cursor`: the traffic position, for the manifest.
         A step that diverges stops the job (the step core's `TrainingDiverged`) before
         anything is committed or published; a non-finite loss that reaches the gate is a
         rejection under every policy."""
-        self._follow_external_change()
+        ctx = self.ctx
         fresh, replay = self._refresh_items()
         items = fresh + replay
         sparse = self.sparse_targets(items)
         losses = self._train(items, sparse)
-        student = self.core.draft_module()
-        version, incumbent = self.incumbent()
+        student = ctx.core.draft_module()
+        version, incumbent = self.served.incumbent()
         verdict = self._verdict(losses, student, version, incumbent)
         self.refreshes += 1
         decision = {
@@ -109,26 +152,24 @@ class Refreshes:
             "target": "records' top_logprobs" if sparse else "live",
             **{k: v for k, v in verdict.items() if k not in ("promote", "why")},
         }
-        self.faults("refresh:gated")
-        manifest = self._promotion(verdict, decision, fresh) if verdict["promote"] else None
-        self._log("decisions.jsonl", decision)
-        self.print(refresh_line(self.refreshes, decision, len(fresh), len(replay)))
+        ctx.faults("refresh:gated")
+        manifest = None
+        if verdict["promote"]:
+            manifest = self._promotion(verdict, decision, fresh, cursor)
+        ctx.log("decisions.jsonl", decision)
+        ctx.print(refresh_line(self.refreshes, decision, len(fresh), len(replay)))
         self._count_trained(fresh, verdict["promote"])
-        self._log("metrics.jsonl", self._refresh_metric(decision))
+        ctx.log("metrics.jsonl", self._refresh_metric(decision))
         self.last_refresh = time.time()
-        self.records_since = len(self.store.new)
-        if manifest is not None:
-            self._publish_promotion(student, manifest, decision["version"])
-        self.commit()
-        return decision
+        return decision, manifest
 
     def _refresh_items(self) -> tuple[list[KeptRecord], list[KeptRecord]]:
         """(new records, replay) of this refresh: under OSD (arXiv 2310.07177) the new
         records once and no replay, else the store's mix."""
-        r, o = self.recipe, self.o
+        r, o, store = self.ctx.recipe, self.ctx.online, self.ctx.store
         if o.policy == "osd":
-            return self.store.new_items(), []
-        return self.store.refresh_mix(
+            return store.new_items(), []
+        return store.refresh_mix(
             o.refresh_steps * r.train.global_batch_size,
             o.recent_ratio,
             o.anchor_ratio,
@@ -139,16 +180,17 @@ class Refreshes:
         """The refresh's optimiser steps (the offline run's own step: loss, accumulation,
         clipping): one pass over `items` at least, `online.refresh_steps` at least unless
         OSD. Returns each step's loss."""
+        o = self.ctx.online
         batches = self.refresh_batches(items, sparse)
-        one_pass = math.ceil(len(items) / self.recipe.train.global_batch_size)
-        if self.o.policy == "osd":
+        one_pass = math.ceil(len(items) / self.ctx.recipe.train.global_batch_size)
+        if o.policy == "osd":
             steps = max(1, one_pass)
         else:
-            steps = max(self.o.refresh_steps, one_pass)
+            steps = max(o.refresh_steps, one_pass)
         losses = []
         for s in range(steps):
-            losses.append(self.core.train_step(batches.micro_batches(s)).loss)
-            self.faults("refresh:step")
+            losses.append(self.ctx.core.train_step(batches.micro_batches(s)).loss)
+            self.ctx.faults("refresh:step")
         return losses
 
     def _verdict(self, losses: list[float], student, version, incumbent) -> dict:
@@ -160,42 +202,41 @@ class Refreshes:
                 f"the training loss is not finite ({losses[bad[0]]} at step {bad[0] + 1} "
                 f"of {len(losses)})"
             )
-            return ungated(False, why, len(self.store.holdout))
-        if self.o.policy == "osd":  # no gate: every update is served
+            return ungated(False, why, len(self.ctx.store.holdout))
+        if self.ctx.online.policy == "osd":  # no gate: every update is served
             return ungated(True, "osd policy: no gate, promote always", 0)
         if version is not None and incumbent is None:
             why = f"the served version {version} does not load: roll back to a good one"
-            return ungated(False, why, len(self.store.holdout))
+            return ungated(False, why, len(self.ctx.store.holdout))
         return self._gate(student, incumbent)
 
     def _gate(self, student, incumbent) -> dict:
         """The gate (train/online/gate.py) on the held-out slice: candidate against the
         incumbent, per sequence, and α by the temperature each was served at."""
-        from specdistill.train.online.gate import by_temperature, decide, sequence_alpha
-
-        held = list(self.store.holdout)
-        pad = self.tokenizer.pad_token_id
-        kind = self.core.kind
-        cand = sequence_alpha(kind, self.target, student, held, pad) if held else []
-        inc = sequence_alpha(kind, self.target, incumbent, held, pad) if held else []
-        seed = self.recipe.train.seed + self.refreshes
-        verdict = decide(cand, inc, [it.category for it in held], self.o, seed=seed)
+        ctx = self.ctx
+        held = list(ctx.store.holdout)
+        pad = ctx.tokenizer.pad_token_id
+        kind = ctx.core.kind
+        cand = gate.sequence_alpha(kind, ctx.target, student, held, pad) if held else []
+        inc = gate.sequence_alpha(kind, ctx.target, incumbent, held, pad) if held else []
+        seed = ctx.recipe.train.seed + self.refreshes
+        verdict = gate.decide(cand, inc, [it.category for it in held], ctx.online, seed=seed)
         if held:
-            verdict["by_temperature"] = by_temperature(cand, inc, [it.temperature for it in held])
+            temperatures = [it.temperature for it in held]
+            verdict["by_temperature"] = gate.by_temperature(cand, inc, temperatures)
         return verdict
 
-    def _promotion(self, verdict: dict, decision: dict, fresh: list[KeptRecord]) -> Manifest:
+    def _promotion(
+        self, verdict: dict, decision: dict, fresh: list[KeptRecord], cursor: dict
+    ) -> Manifest:
         """The manifest of the version a promotion publishes; its name goes into
         `decision["version"]` (ROOT's leftovers removed first)."""
-        from specdistill.publish import remove_leftovers
-        from specdistill.train.online.versions import next_version
-
         window = [min(it.time for it in fresh), max(it.time for it in fresh)] if fresh else None
-        remove_leftovers(self.root)
-        decision["version"] = next_version(self.root)
+        remove_leftovers(self.ctx.root)
+        decision["version"] = next_version(self.ctx.root)
         return Manifest(
             reason="promoted",
-            policy=self.o.policy,
+            policy=self.ctx.online.policy,
             traffic_window=window,
             records_trained=len(self.trained_ids) + len(fresh),
             alpha=verdict["alpha_candidate"],
@@ -204,14 +245,14 @@ class Refreshes:
             ci=verdict.get("ci"),
             confidence=verdict.get("confidence"),
             loss=decision["loss"],
-            cursor=self.cursor.as_dict(),
+            cursor=cursor,
         )
 
     def _count_trained(self, fresh: list[KeptRecord], promoted: bool) -> None:
-        self.store.mark_trained(it.id for it in fresh)
+        self.ctx.store.mark_trained(it.id for it in fresh)
         self.trained_ids.extend(it.id for it in fresh)
-        self.counts["records_trained"] += len(fresh)
-        self.counts["promotions" if promoted else "rejections"] += 1
+        self.ctx.counts["records_trained"] += len(fresh)
+        self.ctx.counts["promotions" if promoted else "rejections"] += 1
 
     def _refresh_metric(self, decision: dict) -> dict:
         """The refresh's line of OUT/metrics.jsonl, with the job's counts."""
@@ -224,18 +265,8 @@ class Refreshes:
             "alpha_candidate",
             "alpha_incumbent",
         )
-        return {"kind": "refresh", **{k: decision[k] for k in keys}, "counts": dict(self.counts)}
-
-    def _publish_promotion(self, student, manifest: Manifest, version: str) -> None:
-        """Publish pending: commit the state after this refresh and the version about to be
-        published first, so that a kill from here until the next commit makes the restart
-        finish (or find) the publish instead of training these records again."""
-        self.pending = {"version": version, "manifest": manifest.to_dict()}
-        self.commit()
-        self.faults("refresh:pending")
-        self._publish(student, manifest, version=version)
-        self.faults("refresh:published")
-        self.pending = None
+        counts = dict(self.ctx.counts)
+        return {"kind": "refresh", **{k: decision[k] for k in keys}, "counts": counts}
 
 
 def ungated(promote: bool, why: str, n_heldout: int) -> dict:

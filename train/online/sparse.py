@@ -7,9 +7,12 @@ vocabulary: train/online/screen.py), so they are used as they are here.
 """
 
 import numpy as np
+import torch
 
+from specdistill.drafts.align import target_mask
 from specdistill.formats.traffic import TrafficError
 from specdistill.train.online.kept import KeptRecord
+from specdistill.train.target_cache import place_sparse_rows
 
 
 class RecordTargets:
@@ -21,8 +24,6 @@ class RecordTargets:
         self.items, self.kind = items, kind  # kind: the draft's `drafts.types.DraftType`
 
     def depths(self, draft, batch: dict, vocab_size: int, split: str = "train"):
-        from specdistill.drafts.align import target_mask
-
         mask = target_mask(batch)
         rows = [self.items[i] for i in batch["sequence"].tolist()]
         target = sparse_target(rows, mask, vocab_size)
@@ -34,10 +35,6 @@ def sparse_target(items: list[KeptRecord], mask, vocab_size: int):
     completion token, placed at the valid positions of `mask` (those predicting a completion
     token, in order; train.target_cache.place_sparse_rows). Entries with fewer than k
     alternatives are padded with unused ids of probability 0."""
-    import torch
-
-    from specdistill.train.target_cache import place_sparse_rows
-
     k = max(len(entry) for it in items for entry in it.top_logprobs)
     rows = []
     for it in items:
