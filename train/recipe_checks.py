@@ -103,6 +103,12 @@ def _draft_checks(recipe: Recipe, can: "Capabilities", explicit: set[str]) -> li
             recipe.loss.chunk_size is not None,
             f"loss.chunk_size is not supported for {kind}: set loss.chunk_size=null",
         ),
+        (
+            recipe.prepare.top_n is None or recipe.target.cache is None or can.sparse_targets,
+            f"prepare.top_n keeps the target's top N while answering, and target.cache is "
+            f"then a top-N cache; draft.type={recipe.draft.type} trains on a cache over its "
+            "own columns: unset prepare.top_n",
+        ),
         *_cache_asks(recipe, can, _columns(recipe, can)),
         _asks(
             can,

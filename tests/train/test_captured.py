@@ -241,3 +241,16 @@ def test_prepare_keeps_the_top_n_while_answering_and_distill_trains_from_it(
     assert forwards == [] and "serve this data: kept" in lines[-1]
     monkeypatch.undo()
     assert distill(argv) == 0
+
+
+@pytest.mark.parametrize("kind", ["eagle3", "parallel"])
+def test_prepare_top_n_is_refused_for_a_draft_that_needs_its_own_columns(tiny_pair, tmp_path, kind):
+    from specdistill.train.recipe_errors import RecipeError
+    from tests.train.helpers import prepare_overrides
+
+    extra = {"draft.type": kind, "draft.vocab_size": 50, "target.cache": str(tmp_path / "c")}
+    if kind == "eagle3":
+        extra.update({"draft.model": "null", "draft.aux_layers": "[0, 1]"})
+    argv = prepare_overrides(tiny_pair, tmp_path, **extra, **{"prepare.top_n": 8})
+    with pytest.raises(RecipeError, match="prepare.top_n"):
+        load_recipe(None, argv)
