@@ -7,7 +7,9 @@ settings (temperature, max_new_tokens, seed) into fresh directories, once per co
 the lean forward without oneDNN's prepacked weights (`drafts.lean.PACKED_FROM = 0`), batches
 of 16 handed to the engine one at a time (`regenerate.CHUNK_BATCHES = 1`: a batch waits for
 its longest answer); then with prepacked weights; then as shipped, at each of
-`--batch-sizes`, CHUNK_BATCHES batches at a time (rows refilled as answers end).
+`--batch-sizes`, CHUNK_BATCHES batches at a time (rows refilled as answers end); then at the
+largest batch size keeping the top N of every answer token too (`prepare.top_n`, train/
+captured.py; the recipe's N, else 64), which counts only the tokens written.
 Prints each configuration's answer tokens, seconds and tokens/s, and its ratio to the first,
 measured in the same process. Run it alone on the machine: any other process moves the
 numbers.
@@ -43,16 +45,17 @@ def main(argv: list[str] | None = None) -> None:
     data = recipe.data.model_copy(update={"train": list(p.train.prompts)})
     recipe = recipe.model_copy(update={"data": data})
     shipped, chunks = lean.PACKED_FROM, regen.CHUNK_BATCHES
+    sizes = [int(b) for b in args.batch_sizes.split(",")]
+    top_n = p.top_n or 64
     configs = [
-        ("no prepacked weights, no refill", 0, 16, 1),
-        ("prepacked, no refill", shipped, 16, 1),
+        ("no prepacked weights, no refill", 0, 16, 1, None),
+        ("prepacked, no refill", shipped, 16, 1, None),
     ]
-    configs += [
-        ("prepacked, refilled", shipped, int(b), chunks) for b in args.batch_sizes.split(",")
-    ]
+    configs += [("prepacked, refilled", shipped, b, chunks, None) for b in sizes]
+    configs.append((f"prepacked, refilled, top {top_n} kept", shipped, max(sizes), chunks, top_n))
     rows, base = [], None
     with tempfile.TemporaryDirectory() as tmp:
-        for i, (name, packed_from, batch, chunk_batches) in enumerate(configs):
+        for i, (name, packed_from, batch, chunk_batches, kept) in enumerate(configs):
             lean.PACKED_FROM, regen.CHUNK_BATCHES = packed_from, chunk_batches
             out = Path(tmp) / f"run{i}"
             start = time.perf_counter()
@@ -64,6 +67,7 @@ def main(argv: list[str] | None = None) -> None:
                 limit=args.prompts,
                 target=target,
                 tokenizer=tokenizer,
+                capture_top_n=kept,
                 print=lambda *a, **k: None,
             )
             seconds = time.perf_counter() - start

@@ -124,20 +124,34 @@ class CapturedOutputs:
 
         self.top_n, self.vocab_size = top_n, vocab_size
         self.index: dict[str, tuple] = {}  # prompt key -> (handle, completion span)
-        self.handles = []
-        for out in outs:
+        self.unreadable: list[str] = []  # parts that could not be read: their answers' rows
+        for out in outs:  # are computed, as if they had not been kept
             for path in sorted((Path(out) / CAPTURED).glob("part-*.safetensors")):
-                handle = safe_open(str(path), framework="pt")
-                meta = handle.metadata() or {}
-                if meta.get("top_n") != str(top_n) or meta.get("vocab_size") != str(vocab_size):
-                    continue  # captured at another N or over other columns: not served
-                self.handles.append(handle)
-                self._index(handle)
+                try:
+                    handle = safe_open(str(path), framework="pt")
+                    meta = handle.metadata() or {}
+                    if meta.get("top_n") == str(top_n) and meta.get("vocab_size") == str(
+                        vocab_size
+                    ):  # else kept at another N or over other columns: not served
+                        self._index(handle)
+                except Exception as e:  # a damaged part: its answers take the forward
+                    self.unreadable.append(f"{path}: {type(e).__name__}: {e}")
 
     def _index(self, handle) -> None:
         prompts = handle.get_tensor("prompt_ids")
         p_off = handle.get_tensor("prompt_offsets").tolist()
         c_off = handle.get_tensor("completion_offsets").tolist()
+        rows = c_off[-1]
+        shapes = [handle.get_slice(k).get_shape()[0] for k in ("indices", "logprobs", "rest")]
+        widths = {handle.get_slice(k).get_shape()[1] for k in ("indices", "logprobs")}
+        if (
+            len(p_off) != len(c_off)
+            or p_off[-1] != len(prompts)
+            or handle.get_slice("completion_ids").get_shape()[0] != rows
+            or shapes != [rows] * 3
+            or widths != {self.top_n}
+        ):
+            raise ValueError("its tensors do not agree with its offsets")
         for r in range(len(p_off) - 1):
             key = _prompt_key(prompts[p_off[r] : p_off[r + 1]])
             self.index[key] = (handle, c_off[r], c_off[r + 1])

@@ -167,6 +167,8 @@ def teacher_outputs(recipe, target, tokenizer, print=print) -> dict | None:
     if top_n is not None:
         vocab_size = hub.shared_vocab_size(target, None, tokenizer)
         captured = CapturedOutputs([Path(r.prepare.train.out)], top_n, vocab_size)
+        for problem in captured.unreadable:
+            print(f"prepare: not read, its answers take a target forward: {problem}")
     manifest = build_cache(
         r,
         path,

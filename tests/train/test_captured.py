@@ -181,6 +181,9 @@ def test_a_lost_capture_costs_a_forward_only(tiny_pair, word_target, tmp_path):
     parts = sorted((out / CAPTURED).glob("part-*.safetensors"))
     assert len(parts) >= 1
     parts[-1].unlink()  # killed after the answers were written, before their capture
+    if len(parts) > 1:
+        parts[0].write_bytes(parts[0].read_bytes()[:100])  # a damaged part
+    assert len(CapturedOutputs([out], V, V).unreadable) == (len(parts) > 1)
     build = dict(top_n=V, values_dtype="float32", splits=("train",), print=lambda *a: None)
     made = build_cache(training, tmp_path / "c", captured=CapturedOutputs([out], V, V), **build)
     build_cache(training, tmp_path / "l", **build)
