@@ -124,6 +124,7 @@ class CapturedOutputs:
 
         self.top_n, self.vocab_size = top_n, vocab_size
         self.index: dict[str, tuple] = {}  # prompt key -> (handle, completion span)
+        self.missed: dict[str, int] = {}  # why sequences were not served: how many
         self.unreadable: list[str] = []  # parts that could not be read: their answers' rows
         for out in outs:  # are computed, as if they had not been kept
             for path in sorted((Path(out) / CAPTURED).glob("part-*.safetensors")):
@@ -159,27 +160,29 @@ class CapturedOutputs:
     def __len__(self) -> int:
         return len(self.index)
 
+    def _miss(self, reason: str) -> None:
+        self.missed[reason] = self.missed.get(reason, 0) + 1
+
     def rows(self, input_ids: torch.Tensor, valid: torch.Tensor):
         """(indices [n, N] int64, logprobs [n, N] fp32, rest [n] fp32) at the `valid`
         positions (a sequence's [L − 1] bool, `train.target_cache.valid_rows`) of the
-        sequence `input_ids` [L], or None when it is not a captured answer's tokens."""
+        sequence `input_ids` [L], or None when it is not a captured answer's tokens (the
+        reason counted in `missed`)."""
         where = valid.nonzero().squeeze(-1)
-        if len(where) == 0:
-            return None
-        start = int(where[0]) + 1  # the first trained token; the prompt is what precedes it
-        found = self.index.get(_prompt_key(input_ids[:start]))
-        if found is None:
-            return None
+        start = int(where[0]) + 1 if len(where) else 0  # the first trained token
+        found = self.index.get(_prompt_key(input_ids[:start])) if len(where) else None
+        if found is None:  # the prompt is what precedes the first trained token
+            return self._miss("no kept prompt")
         handle, a, b = found
         steps = where + 1 - start  # the answer token each valid position predicts
         last = int(steps[-1])
         if last >= b - a:
-            return None  # a trained token past the captured distributions
+            return self._miss("more tokens than were generated")
         # step j's distribution is the target's given the prompt and the first j generated
         # tokens, whichever token was then drawn: those tokens must be the sequence's
         conditioning = handle.get_slice("completion_ids")[a : a + last].long()
         if not torch.equal(conditioning, input_ids[start : start + last].long()):
-            return None  # the text tokenizes otherwise than the target generated it
+            return self._miss("tokenized otherwise than generated")
         indices = handle.get_slice("indices")[a:b].long()[steps]
         logprobs = handle.get_slice("logprobs")[a:b].float()[steps]
         rest = handle.get_slice("rest")[a:b].float()[steps]

@@ -289,8 +289,10 @@ class _Build:
             "shards": writer.shards,
         }
         if self.captured is not None:  # how many the capture served (a build does one split)
-            entry["captured"] = {"served": self.served, "computed": self.computed}
+            missed = dict(sorted(self.captured.missed.items()))
+            entry["captured"] = {"served": self.served, "computed": self.computed, "why": missed}
             self.served = self.computed = 0
+            self.captured.missed.clear()
         print(f"cache: {split}: {len(data)} sequences, {rows} positions{_served(entry)}")
         return entry
 

@@ -136,6 +136,7 @@ def test_a_cache_from_the_captured_outputs_equals_a_target_pass(
     served = made["splits"]["train"]["captured"]
     sequences = made["splits"]["train"]["sequences"]
     assert served["served"] + served["computed"] == sequences >= 5
+    assert sum(served["why"].values()) == served["computed"]
     assert served["served"] >= sequences // 2  # most answers tokenize back as generated
     assert sum(forwards) == served["computed"]  # a forward only for those not served
     assert made["splits"]["train"]["data_hash"] == live["splits"]["train"]["data_hash"]
@@ -174,6 +175,18 @@ def test_tokens_other_than_the_generated_ones_take_the_forward(tiny_pair, word_t
     assert captured.rows(ids, valid) is None
     assert captured.rows(item["input_ids"], valid)[0].shape == (int(valid.sum()), 8)
     assert len(CapturedOutputs([out], 16, V)) == 0  # captured at another N: not served
+    fresh = CapturedOutputs([out], 8, V)  # why a sequence is not served, counted
+    assert fresh.rows(ids, valid) is None
+    ids = item["input_ids"].clone()
+    ids[trained[0]] = (ids[trained[0]] + 1) % V
+    assert fresh.rows(ids, valid) is None
+    longer = torch.cat([item["input_ids"], item["input_ids"][-1:].repeat(40)])
+    assert fresh.rows(longer, torch.cat([valid, torch.ones(40, dtype=torch.bool)])) is None
+    assert fresh.missed == {
+        "no kept prompt": 1,
+        "tokenized otherwise than generated": 1,
+        "more tokens than were generated": 1,
+    }
 
 
 def test_a_lost_capture_costs_a_forward_only(tiny_pair, word_target, tmp_path):
