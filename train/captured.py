@@ -27,6 +27,7 @@ then get from the forward.
 import hashlib
 import os
 import re
+from itertools import chain
 from pathlib import Path
 
 import torch
@@ -85,9 +86,9 @@ class CaptureWriter:
         if not self.rows:
             return
         tensors = {
-            "prompt_ids": torch.tensor(sum(self.prompts, []), dtype=torch.int32),
+            "prompt_ids": torch.tensor(list(chain(*self.prompts)), dtype=torch.int32),
             "prompt_offsets": _offsets([len(p) for p in self.prompts]),
-            "completion_ids": torch.tensor(sum(self.completions, []), dtype=torch.int32),
+            "completion_ids": torch.tensor(list(chain(*self.completions)), dtype=torch.int32),
             "completion_offsets": _offsets([len(c) for c in self.completions]),
             "indices": torch.cat([r[0] for r in self.rows]),
             "logprobs": torch.cat([r[1] for r in self.rows]).to(self.dtype),
