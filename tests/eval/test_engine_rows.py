@@ -65,3 +65,30 @@ def test_cancel_frees_the_row():
     while engine.busy:
         seen |= {u.request for u in engine.step()}
     assert seen == {b} and not engine.batch.requests
+
+
+def test_generate_returns_each_tokens_target_distribution_when_asked():
+    """`generate(logprobs=k)`: one entry per generated token, with and without a draft, the
+    target's raw log-softmax at the position that chose it (a teacher-forced forward's)."""
+    import pytest
+
+    from specdistill.eval.engine import generate
+
+    target, draft = _pair()
+    prompts = [[5, 9, 2], [7, 1, 4, 4, 30]]
+    for d in (None, draft):
+        gen = generate(
+            target, d, prompts, temperature=1.0, max_new_tokens=9, batch_size=2, logprobs=4
+        )
+        for prompt, out, entries in zip(prompts, gen.sequences, gen.logprobs, strict=True):
+            assert len(entries) == len(out) > 0
+            ids = torch.tensor([prompt + out])
+            with torch.no_grad():
+                logp = target(ids).logits[0, len(prompt) - 1 : -1].float().log_softmax(-1)
+            for j, (chosen, alternatives) in enumerate(entries):
+                assert chosen == pytest.approx(logp[j, out[j]].item(), abs=1e-4)
+                top = logp[j].topk(4)
+                assert [t for t, _ in alternatives] == top.indices.tolist()
+    assert generate(target, None, prompts, max_new_tokens=2).logprobs is None
+    with pytest.raises(ValueError, match="logprobs"):
+        generate(target, None, prompts, max_new_tokens=2, logprobs=-1)
