@@ -32,6 +32,8 @@ from pathlib import Path
 
 import torch
 
+from specdistill.train.target_cache_shards import rest_mass
+
 CAPTURED = "captured"
 PART = re.compile(r"part-(\d{6})\.safetensors$")
 
@@ -74,7 +76,7 @@ class CaptureWriter:
         values = torch.tensor([[v for _, v in alts[:n]] for _, alts in entries])
         if indices.shape[1] != n:
             raise ValueError(f"captured {indices.shape[1]} alternatives, expected {n}")
-        rest = (1.0 - values.exp().sum(-1)).clamp_min(0.0)
+        rest = rest_mass(values)
         self.prompts.append(list(prompt_ids))
         self.completions.append(list(completion_ids))
         self.rows.append((indices, values, rest))

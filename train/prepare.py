@@ -142,6 +142,7 @@ def teacher_outputs(recipe, target, tokenizer, print=print) -> dict | None:
     top_n = r.prepare.top_n
     columns = columns_for(planned(r.draft).capabilities, top_n)
     train_data, eval_data = recipe_datasets(r, tokenizer)
+    vocab_size = hub.shared_vocab_size(target, None, tokenizer)
     path = Path(r.target.cache)
     if (path / "manifest.json").is_file():
         try:
@@ -151,7 +152,7 @@ def teacher_outputs(recipe, target, tokenizer, print=print) -> dict | None:
                 target_cfg=r.target,
                 target=target,
                 datasets={"train": train_data},
-                vocab_size=hub.shared_vocab_size(target, None, tokenizer),
+                vocab_size=vocab_size,
             )
             if cache.columns == columns and (top_n is None or cache.top_n == top_n):
                 # the draft's columns and the hidden states it reads, as distill builds it
@@ -165,7 +166,6 @@ def teacher_outputs(recipe, target, tokenizer, print=print) -> dict | None:
     print(f"prepare: the target's outputs over the training data -> {path} ({columns})")
     captured = None
     if top_n is not None:
-        vocab_size = hub.shared_vocab_size(target, None, tokenizer)
         captured = CapturedOutputs([Path(r.prepare.train.out)], top_n, vocab_size)
         for problem in captured.unreadable:
             print(f"prepare: not read, its answers take a target forward: {problem}")

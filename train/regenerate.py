@@ -326,7 +326,7 @@ class _Answering:
             eos_token_id=self.eos,
             **extra,
         )
-        entries = getattr(gen, "logprobs", None) or [None] * len(prompts)
+        entries = gen.logprobs or [None] * len(prompts)
         return list(zip(prompts, gen.sequences, entries, strict=True))
 
     def write(self, job: Job, answer: tuple) -> None:
@@ -352,8 +352,6 @@ class _Answering:
         else:  # a failed write (a full disk) is no failed answer: it stops the run
             for job, answer in zip(batch, sequences, strict=True):
                 self.write(job, answer)
-            if self.capture is not None:
-                self.capture.flush()
             return
         for job in batch:
             error = self.answer_alone(job)
@@ -370,8 +368,6 @@ class _Answering:
                 error = f"{type(e).__name__}: {e}"
                 continue
             self.write(job, answer)
-            if self.capture is not None:
-                self.capture.flush()
             return None
         return error
 
@@ -410,6 +406,8 @@ def _answer_all(answering: _Answering, todo: list[Job], name: str) -> None:
             if progress is not None and start:  # the chunk before this one is done
                 progress.advance(chunk, f"{start}/{len(todo)} prompts")
             answering.answer(batch)
+            if answering.capture is not None:  # the chunk's kept outputs, as one part
+                answering.capture.flush()
         if progress is not None:
             progress.advance(len(todo) - progress.done, f"{len(todo)}/{len(todo)} prompts")
     finally:

@@ -311,26 +311,22 @@ class TargetCache:
 
     def depths(self, draft, batch: dict, vocab_size: int, split: str = "train"):
         """The draft's (drafts, targets, masks) with the target from the cache, as the draft
-        type's `depths` returns them with the live target: over the draft's own columns, the
-        type's `stored_depths` (with the stored features it reads); a top-N cache, a
-        standalone draft's one depth. `batch["sequence"]` [B]: the dataset index of each
-        row."""
-        from specdistill.drafts.align import shifted_logits
-
+        type's `depths` returns them with the live target: the bound type's `stored_depths`
+        of the stored rows (over the draft's own columns with the stored features it reads,
+        or the top N over the target's ids). `batch["sequence"]` [B]: the dataset index of
+        each row."""
+        if self._kind is None:
+            raise CacheError(f"target.cache {self.path}: bind() it to the draft type first")
         mask = valid_rows(batch)
         sequences = batch["sequence"].tolist()
-        if self.columns == "draft":
-            if self._kind is None:
-                raise CacheError(f"target.cache {self.path}: bind() it to the draft type first")
-            features = None
-            if self._kind.feature_layers is not None:
-                features = self.stored_features(split, sequences, batch["attention_mask"])
-            target = self.vocab_target(split, sequences, mask)
-            return self._kind.stored_depths(draft, batch, target, features)
-        target = self.sparse_target(split, sequences, mask)
-        if self._kind is not None:  # the N target ids; a draft over V_d compares them via d2t
+        if self.columns != "draft":
+            target = self.sparse_target(split, sequences, mask)
             return self._kind.stored_depths(draft, batch, target)
-        return [shifted_logits(draft, batch, vocab_size)], [target], [mask]
+        features = None
+        if self._kind.feature_layers is not None:
+            features = self.stored_features(split, sequences, batch["attention_mask"])
+        target = self.vocab_target(split, sequences, mask)
+        return self._kind.stored_depths(draft, batch, target, features)
 
 
 def place_sparse_rows(mask: torch.Tensor, top_n: int, rows: list, mismatch):

@@ -27,7 +27,7 @@ from specdistill.train.target_cache import (
     tokenizer_hash,
     valid_rows,
 )
-from specdistill.train.target_cache_shards import FORMAT, ShardFeatures, ShardWriter
+from specdistill.train.target_cache_shards import FORMAT, ShardFeatures, ShardWriter, rest_mass
 from specdistill.train.target_cache_vocab import vocab_rows
 
 
@@ -42,8 +42,7 @@ def top_n_rows(target, batch: dict, vocab_size: int, top_n: int):
     mask = valid_rows(batch)
     logp = logits[mask].float().log_softmax(-1)
     values, indices = logp.topk(top_n, dim=-1)  # sorted, most probable first
-    rest = (1.0 - values.exp().sum(-1)).clamp_min(0.0)
-    return indices, values, rest, mask.sum(1)
+    return indices, values, rest_mass(values), mask.sum(1)
 
 
 def build_cache(
@@ -220,8 +219,6 @@ class _Build:
     feature_layers: list[int] | None = None  # the hidden states stored too (an EAGLE-3 head's)
     feature_width: int = 0  # their width: n_layers × the target's hidden size
     captured: object | None = None  # a train.captured.CapturedOutputs serving top-N rows
-    served: int = 0  # sequences whose rows came from `captured`
-    computed: int = 0  # sequences whose rows took a target forward
 
     def rows(self, batch: dict) -> tuple:
         """The arguments of `ShardWriter.add` for one collated batch: the target's rows, and
@@ -245,13 +242,12 @@ class _Build:
         pad = self.tokenizer.pad_token_id
         if self.captured is None:
             return self.rows({k: v.to(self.device) for k, v in collate(items, pad).items()})
-        valid = [valid_rows(collate([item], pad))[0] for item in items]
+        valid = valid_rows(collate(items, pad))  # right-padded: item b's are its first L_b − 1
         served = [
-            self.captured.rows(it["input_ids"], v) for it, v in zip(items, valid, strict=True)
+            self.captured.rows(it["input_ids"], valid[b, : len(it["input_ids"]) - 1])
+            for b, it in enumerate(items)
         ]
         missing = [it for it, got in zip(items, served, strict=True) if got is None]
-        self.served += len(items) - len(missing)
-        self.computed += len(missing)
         if missing:
             batch = {k: v.to(self.device) for k, v in collate(missing, pad).items()}
             indices, values, rest, counts = self.rows(batch)[0]
@@ -290,8 +286,9 @@ class _Build:
         }
         if self.captured is not None:  # how many the capture served (a build does one split)
             missed = dict(sorted(self.captured.missed.items()))
-            entry["captured"] = {"served": self.served, "computed": self.computed, "why": missed}
-            self.served = self.computed = 0
+            computed = sum(missed.values())  # each sequence asked once, each miss counted
+            served = len(data) - computed
+            entry["captured"] = {"served": served, "computed": computed, "why": missed}
             self.captured.missed.clear()
         print(f"cache: {split}: {len(data)} sequences, {rows} positions{_served(entry)}")
         return entry

@@ -14,6 +14,12 @@ import torch
 FORMAT = "specdistill-target-cache"
 
 
+def rest_mass(logprobs: torch.Tensor) -> torch.Tensor:
+    """[..., N] stored log-probabilities -> [...] the mass they leave, 1 − Σ p (≥ 0): a
+    shard row's `rest`."""
+    return (1.0 - logprobs.exp().sum(-1)).clamp_min(0.0)
+
+
 def shard_problem(
     path: Path,
     split: str,

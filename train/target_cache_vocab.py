@@ -18,6 +18,8 @@ from pathlib import Path
 
 import torch
 
+from specdistill.train.target_cache_shards import rest_mass
+
 COLUMNS = ("top-n", "draft")
 
 
@@ -49,8 +51,7 @@ def vocab_rows(target, batch: dict, vocab_size: int, ids: torch.Tensor):
     logits = shifted_logits(target, batch, vocab_size)
     mask = target_mask(batch)
     logp = logits[mask].float().log_softmax(-1).index_select(-1, ids.to(logits.device))
-    rest = (1.0 - logp.exp().sum(-1)).clamp_min(0.0)
-    return logp.new_zeros((len(logp), 0), dtype=torch.long), logp, rest, mask.sum(1)
+    return logp.new_zeros((len(logp), 0), dtype=torch.long), logp, rest_mass(logp), mask.sum(1)
 
 
 def place_rows(mask: torch.Tensor, width: int, rows: list, mismatch) -> torch.Tensor:

@@ -93,7 +93,9 @@ def test_float16_top_n_cache_is_the_coarsened_target(tiny_pair, tmp_path):
         if top_n == VOCAB:  # no token outside the N: no rest bin
             p_bins, q_bins = p, q
         expected = (torch.xlogy(p_bins, p_bins) - torch.xlogy(p_bins, q_bins)).sum()
-        live.cache = TargetCache(out)
+        cache = TargetCache(out)
+        cache.bind(live.core.kind)
+        live.cache = cache
         loss_c, alpha_c, _ = _loss_and_grads(live, live.micro_batches(0)[0])
         live.cache = None
         assert loss_c == pytest.approx(float(expected), rel=2e-3), top_n
