@@ -8,6 +8,12 @@ accepts three shapes:
     {"messages": [{"role": "user", "content": "..."}, ...]}     OpenAI chat
     {"conversations": [{"from": "human", "value": "..."}, ...]} ShareGPT chat
 
+A conversation whose last turn is the answer a model generated may carry the token ids it was
+generated as (what `specdistill prepare` writes), so that training reads the tokens the model
+drew rather than a re-tokenization of their text:
+
+    {"messages": [...], "token_ids": {"prompt": [ids], "answer": [ids]}}
+
 `origin` says where a record came from (`path`, `path:line`, `org/name:train[i]`) so that
 every later error can point at it.
 """
@@ -31,6 +37,7 @@ REASONS = (
     ("starts with an assistant message", "starts with assistant"),
     ("not prefix-stable", "template not prefix-stable"),
     ("chat template failed", "template error"),
+    ("'token_ids'", "bad token ids"),
 )
 OTHER_REASON = "malformed record"  # e.g. a turn without 'content', content not text
 
@@ -51,10 +58,20 @@ class TextRecord:
     origin: str
 
 
+@dataclass(frozen=True)
+class TokenIds:
+    """A generated answer's token ids: the prompt as encoded (chat template and generation
+    prompt included) and the tokens drawn, its end-of-turn token included."""
+
+    prompt: tuple[int, ...]
+    answer: tuple[int, ...]
+
+
 @dataclass
 class ChatRecord:
     messages: list[dict[str, str]]  # [{"role": system|user|assistant, "content": str}, ...]
     origin: str
+    token_ids: TokenIds | None = None  # the last (assistant) turn as generated
 
 
 Record = TextRecord | ChatRecord
@@ -75,7 +92,9 @@ def record_from_row(row: Any, origin: str) -> Record | None:
     if not isinstance(row, dict):
         raise DataError(f"{origin}: expected a JSON object, got {_type_name(row)}")
     if row.get("messages") is not None:
-        return _text_only(ChatRecord(_openai_messages(row["messages"], origin), origin))
+        messages = _openai_messages(row["messages"], origin)
+        ids = _token_ids(row.get("token_ids"), messages, origin)
+        return _text_only(ChatRecord(messages, origin, ids))
     if row.get("conversations") is not None:
         return _text_only(ChatRecord(_sharegpt_messages(row["conversations"], origin), origin))
     if row.get("text") is not None:
@@ -87,6 +106,33 @@ def record_from_row(row: Any, origin: str) -> Record | None:
         f"{origin}: missing field: expected 'text', 'messages' or 'conversations' "
         f"(keys: {', '.join(map(str, row)) or 'none'})"
     )
+
+
+MAX_TOKEN_ID = 2**31 - 1  # token ids are stored as int32
+MAX_IDS = 1 << 20  # per prompt or answer: far beyond any context a record can train on
+
+
+def _token_ids(value: Any, messages: list[dict[str, str]], origin: str) -> TokenIds | None:
+    """A row's 'token_ids' (None when absent): {"prompt": [int], "answer": [int]}, non-empty
+    lists of token ids, on a conversation that ends with the answer they encode."""
+    if value is None:
+        return None
+    where = f"{origin}: 'token_ids'"
+    if not isinstance(value, dict) or set(value) != {"prompt", "answer"}:
+        raise DataError(f"{where} must be an object with 'prompt' and 'answer' lists of ids")
+    if messages[-1]["role"] != "assistant":
+        raise DataError(f"{where}: the conversation must end with the answer the ids encode")
+    parts = []
+    for key in ("prompt", "answer"):
+        ids = value[key]
+        ok = isinstance(ids, list) and 0 < len(ids) <= MAX_IDS
+        if not ok or not all(type(t) is int and 0 <= t <= MAX_TOKEN_ID for t in ids):
+            raise DataError(
+                f"{where}['{key}'] must be a list of 1 to {MAX_IDS} token ids "
+                f"(integers in [0, {MAX_TOKEN_ID}])"
+            )
+        parts.append(tuple(ids))
+    return TokenIds(*parts)
 
 
 def lone_surrogate(value: str) -> int | None:

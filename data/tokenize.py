@@ -27,6 +27,15 @@ How the assistant tokens are found, for any template:
    template separators. A turn with no special token keeps all its tokens, a token
    straddling its end included.
 
+A conversation that carries the token ids it was generated as (`TokenIds`, written by
+`specdistill prepare`) is those ids: the prompt's, then the answer's, the answer's all loss
+tokens (its end-of-turn token included). A non-canonical split the sampler drew stays as
+drawn, which the text would not reproduce. The ids are used only where this tokenizer
+encodes the conversation's prompt (its messages before the answer, rendered with the
+generation prompt) to exactly the recorded prompt ids and knows every answer id; otherwise
+(another tokenizer or template made them) the record is tokenized from its text, and a
+warning counts such records.
+
 Limits: a conversation may not start with an assistant message (the empty conversation
 before it cannot be rendered). A template that writes role headers but ignores
 add_generation_prompt would leave the assistant header inside the masked turn; ChatML,
@@ -34,6 +43,7 @@ Llama 3, Gemma and Mistral templates do not do that.
 """
 
 import itertools
+import logging
 from typing import NamedTuple
 
 import numpy as np
@@ -41,6 +51,7 @@ import numpy as np
 from specdistill.data.records import ChatRecord, DataError, Record, TextRecord
 
 BATCH = 1024  # records per tokenizer call: fast tokenizers encode a batch in parallel
+logger = logging.getLogger(__name__)
 
 
 class Tokens(NamedTuple):
@@ -93,9 +104,11 @@ def tokenize_chats(tokenizer, records: list[ChatRecord]) -> list[Tokens | DataEr
             "tokenizer; load it with AutoTokenizer.from_pretrained(..., use_fast=True)"
         )
     special = np.array(sorted(special_token_ids(tokenizer)), dtype=np.int64)
-    out: list[Tokens | DataError | None] = [None] * len(records)
+    out: list[Tokens | DataError | None] = generated_tokens(tokenizer, records)
     rendered = []  # (index, text, spans)
     for i, record in enumerate(records):
+        if out[i] is not None:
+            continue
         try:
             rendered.append((i, *render_with_spans(tokenizer, record)))
         except DataError as exc:
@@ -115,6 +128,43 @@ def tokenize_chats(tokenizer, records: list[ChatRecord]) -> list[Tokens | DataEr
                 out[i] = exc
                 continue
             out[i] = Tokens(ids, mask)
+    return out
+
+
+def generated_tokens(tokenizer, records: list[ChatRecord]) -> list[Tokens | DataError | None]:
+    """Per record, the `Tokens` of its recorded token ids (module doc), or None where it has
+    none or this tokenizer did not make them (the text is tokenized instead)."""
+    out: list[Tokens | DataError | None] = [None] * len(records)
+    todo = []  # (index, the prompt's rendering)
+    for i, record in enumerate(records):
+        if record.token_ids is not None:
+            try:
+                todo.append((i, _render(tokenizer, record.messages[:-1], record.origin, True)))
+            except DataError as exc:
+                out[i] = exc
+    vocab, foreign = len(tokenizer), []
+    for start in range(0, len(todo), BATCH):
+        chunk = todo[start : start + BATCH]
+        encoded = _encode(tokenizer, [text for _, text in chunk])["input_ids"]
+        for (i, _), prompt in zip(chunk, encoded, strict=True):
+            ids = records[i].token_ids
+            if tuple(prompt) != ids.prompt or max(ids.answer) >= vocab:
+                foreign.append(records[i].origin)
+                continue
+            n = len(ids.prompt)
+            mask = np.zeros(n + len(ids.answer), dtype=bool)
+            mask[n:] = True
+            out[i] = Tokens(np.array(ids.prompt + ids.answer, dtype=np.int32), mask)
+    if foreign:
+        logger.warning(
+            "%d of %d records carry token ids this tokenizer does not make (e.g. %s: its "
+            "prompt encodes otherwise, or an id is outside its %d tokens); their text is "
+            "tokenized instead",
+            len(foreign),
+            len(todo),
+            foreign[0],
+            vocab,
+        )
     return out
 
 

@@ -116,9 +116,12 @@ def jobs_from_records(records, tokenizer, text_prompt_tokens: int) -> tuple[list
     return jobs, duplicates
 
 
-def _record(job: Job, answer: str, n_tokens: int) -> dict:
+def _record(job: Job, answer: str, n_tokens: int, token_ids: dict) -> dict:
+    """The shard line of `job`'s answer; a chat answer carries the `token_ids` it was
+    generated as (data/records.py)."""
     if isinstance(job.prompt, list):
-        body = {"messages": [*job.prompt, {"role": "assistant", "content": answer}]}
+        messages = [*job.prompt, {"role": "assistant", "content": answer}]
+        body = {"messages": messages, "token_ids": token_ids}
     else:
         body = {"text": job.prompt + answer}
     return {**body, "prompt_hash": job.hash, "origin": job.origin, "completion_tokens": n_tokens}
@@ -334,13 +337,16 @@ class _Answering:
         prompt, ids, entries = answer
         if self.capture is not None:
             self.capture.add(prompt, ids, entries)
-        ids = ids[: self.sampling.max_new_tokens]
+        drawn = list(ids)  # a cut answer's next token too, where the capture asked for it
         stop = [t for t in (self.eos, self.im_end) if t is not None]
         for t in stop:  # the answer ends before the end-of-turn / end-of-text token
             if t in ids:
+                drawn = drawn[: drawn.index(t) + 1]
                 ids = ids[: ids.index(t)]
+        ids = ids[: self.sampling.max_new_tokens]
         answer = self.tokenizer.decode(ids, skip_special_tokens=True)
-        self.writer.append(_record(job, answer, len(ids)))
+        token_ids = {"prompt": list(prompt), "answer": drawn}
+        self.writer.append(_record(job, answer, len(ids), token_ids))
 
     def answer(self, batch: list[Job]) -> None:
         """Answer `batch` together; when that fails, each prompt on its own, with retries."""

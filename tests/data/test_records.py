@@ -1,6 +1,14 @@
+import re
+
 import pytest
 
-from specdistill.data.records import ChatRecord, DataError, TextRecord, record_from_row
+from specdistill.data.records import (
+    ChatRecord,
+    DataError,
+    TextRecord,
+    TokenIds,
+    record_from_row,
+)
 
 
 def test_text_row():
@@ -100,3 +108,45 @@ def test_a_lone_surrogate_is_not_text(row):
     assert info.value.reason == "not UTF-8"
     paired = {"text": "a pair \U0001f600 is text"}  # what json.loads makes of a valid pair
     assert record_from_row(paired, "f.jsonl:4") == TextRecord(paired["text"], "f.jsonl:4")
+
+
+def test_token_ids_ride_with_the_answer_they_encode():
+    row = {
+        "messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}],
+        "token_ids": {"prompt": [5, 6], "answer": [7, 0]},
+    }
+    record = record_from_row(row, "f:1")
+    assert record.token_ids == TokenIds((5, 6), (7, 0))
+
+
+@pytest.mark.parametrize(
+    ("token_ids", "problem"),
+    [
+        ([1, 2], "must be an object with 'prompt' and 'answer'"),
+        ({"prompt": [1]}, "must be an object with 'prompt' and 'answer'"),
+        ({"prompt": [], "answer": [1]}, "'prompt'] must be a list of 1 to"),
+        ({"prompt": [1], "answer": [-1]}, "'answer'] must be a list of 1 to"),
+        ({"prompt": [1], "answer": [2**31]}, "'answer'] must be a list of 1 to"),
+        ({"prompt": [1.0], "answer": [1]}, "'prompt'] must be a list of 1 to"),
+        ({"prompt": [True], "answer": [1]}, "'prompt'] must be a list of 1 to"),
+        ({"prompt": "12", "answer": [1]}, "'prompt'] must be a list of 1 to"),
+    ],
+)
+def test_malformed_token_ids_are_refused_by_name(token_ids, problem):
+    row = {
+        "messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}],
+        "token_ids": token_ids,
+    }
+    with pytest.raises(DataError, match=re.escape(problem)) as raised:
+        record_from_row(row, "f:3")
+    assert str(raised.value).startswith("f:3: 'token_ids'")
+    assert raised.value.reason == "bad token ids"
+
+
+def test_token_ids_need_the_answer_last():
+    row = {
+        "messages": [{"role": "user", "content": "q"}],
+        "token_ids": {"prompt": [1], "answer": [2]},
+    }
+    with pytest.raises(DataError, match="must end with the answer the ids encode"):
+        record_from_row(row, "f:1")

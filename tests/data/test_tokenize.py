@@ -5,7 +5,7 @@ from hypothesis import strategies as st
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
-from specdistill.data.records import ChatRecord, DataError, TextRecord
+from specdistill.data.records import ChatRecord, DataError, TextRecord, TokenIds
 from specdistill.data.tokenize import Tokens, tokenize_records
 from tests.data.helpers import EOS, make_tokenizer
 from tests.helpers import make_tokenizer as make_train_tokenizer
@@ -332,3 +332,60 @@ def test_masked_tokens_decode_to_assistant_contents(turns):
         merged = content[:1].isspace() and run == "\n" + content + END
         assert run == content + END or merged
     assert int(np.sum(tokens.mask)) <= len(tokens.ids)
+
+
+def _generated(tokenizer, question: str, answer_ids: list[int], prompt_ids=None) -> ChatRecord:
+    """A one-turn conversation carrying the ids it was generated as (data/records.py)."""
+    messages = [{"role": "user", "content": question}]
+    if prompt_ids is None:
+        rendered = tokenizer.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=True
+        )
+        prompt_ids = tokenizer(rendered, add_special_tokens=False)["input_ids"]
+    answer = tokenizer.decode(answer_ids, skip_special_tokens=True)
+    ids = TokenIds(tuple(prompt_ids), tuple(answer_ids))
+    return ChatRecord([*messages, {"role": "assistant", "content": answer}], "gen:1", ids)
+
+
+def _split_otherwise(tokenizer, text: str) -> list[int]:
+    """`text`'s tokens with the longest one drawn as its characters: a split the tokenizer
+    never makes but a sampler can draw."""
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    longest = max(range(len(ids)), key=lambda i: len(tokenizer.convert_ids_to_tokens(ids[i])))
+    pieces = list(tokenizer.convert_ids_to_tokens(ids[longest]))
+    assert len(pieces) > 1
+    return ids[:longest] + tokenizer.convert_tokens_to_ids(pieces) + ids[longest + 1 :]
+
+
+def test_generated_ids_are_trained_as_drawn(tiny_tokenizer):
+    end = tiny_tokenizer.convert_tokens_to_ids(END)
+    drawn = [*_split_otherwise(tiny_tokenizer, "def f(x): return x"), end]
+    record = _generated(tiny_tokenizer, "hi there", drawn)
+    (tokens,) = tokenize_records(tiny_tokenizer, [record])
+    prompt = list(record.token_ids.prompt)
+    assert tokens.ids.tolist() == prompt + drawn
+    assert tokens.mask.tolist() == [False] * len(prompt) + [True] * len(drawn)
+    (text,) = tokenize_records(tiny_tokenizer, [ChatRecord(record.messages, "gen:1")])
+    assert text.ids[text.mask].tolist() != drawn  # the text re-tokenizes otherwise
+    assert tokenizer_decode(tiny_tokenizer, text.ids[text.mask]) == tokenizer_decode(
+        tiny_tokenizer, np.array(drawn)
+    )
+
+
+def tokenizer_decode(tokenizer, ids: np.ndarray) -> str:
+    return tokenizer.decode(ids.tolist())
+
+
+@pytest.mark.parametrize("problem", ["another prompt", "an id outside the vocabulary"])
+def test_ids_this_tokenizer_did_not_make_fall_back_to_the_text(tiny_tokenizer, caplog, problem):
+    drawn = tiny_tokenizer("return x", add_special_tokens=False)["input_ids"]
+    record = _generated(tiny_tokenizer, "hi there", drawn)
+    if problem == "another prompt":  # e.g. another tokenizer's or template's encoding
+        record = _generated(tiny_tokenizer, "hi there", drawn, [1, *record.token_ids.prompt])
+    else:
+        record = _generated(tiny_tokenizer, "hi there", [*drawn, len(tiny_tokenizer)])
+    (tokens,) = tokenize_records(tiny_tokenizer, [record])
+    (text,) = tokenize_records(tiny_tokenizer, [ChatRecord(record.messages, "gen:1")])
+    assert tokens.ids.tolist() == text.ids.tolist()
+    assert tokens.mask.tolist() == text.mask.tolist()
+    assert "1 of 1 records carry token ids this tokenizer does not make (e.g. gen:1" in caplog.text
