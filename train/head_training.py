@@ -33,6 +33,7 @@ from specdistill.drafts.acceptance_head import (
     load_acceptance_head,
 )
 from specdistill.losses.resolved import Sampling
+from specdistill.train.forward import Hidden, Outputs
 from specdistill.train.temperatures import Share
 
 
@@ -114,6 +115,18 @@ class HeadTraining:
             and share.loss_temperature == share.temperature
             and (sampling.top_p, sampling.top_k) == (self.top_p, self.top_k)
         )
+
+    def loss_on(self, outputs: Outputs, d2t, labels=None) -> HeadLoss:
+        """The head's loss on a micro-batch's forward (train/forward.py): per depth (`loss`),
+        or chunk by chunk (`chunked_loss`); with gradients also where the draft's forward ran
+        without them (train.only=acceptance_head)."""
+        with torch.enable_grad():
+            if isinstance(outputs, Hidden):
+                target = (outputs.target, outputs.target_head)
+                return self.chunked_loss(
+                    outputs.draft, outputs.draft_head, target, outputs.mask, outputs.chunk_size
+                )
+            return self.loss(outputs.recorded, *outputs.depths, d2t, labels)
 
     def loss(
         self, recorded: HeadInputs, draft_logits, target_logits, masks, d2t, labels=None

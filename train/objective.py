@@ -21,6 +21,7 @@ from specdistill.losses.chunked import chunked_sums
 from specdistill.losses.multi_depth import aligned_depths, depth_sums
 from specdistill.losses.resolved import ResolvedLoss, Sampling, TokenLoss
 from specdistill.losses.tau import chunked_tau_loss, tau_loss
+from specdistill.train.forward import Hidden, Outputs
 from specdistill.train.temperatures import Share
 
 
@@ -52,6 +53,16 @@ class Objective:
         return Sampling(**share.params(asdict(self.loss.sampling)))
 
     # --------------------------------------------------------------- per-token part
+    def token_part(self, outputs: Outputs, shares: list[Share], d2t, labels=None) -> Sums:
+        """The per-token loss on a micro-batch's forward (train/forward.py): per depth
+        (`token_sums`; labels: its `positions`), or chunk by chunk (`chunked_token_sums`)."""
+        if isinstance(outputs, Hidden):
+            target = (outputs.target, outputs.target_head)
+            return self.chunked_token_sums(
+                outputs.draft, outputs.draft_head, target, outputs.mask, shares, outputs.chunk_size
+            )
+        return self.token_sums(outputs.depths, shares, d2t, labels)
+
     def token_sums(self, depths, shares: list[Share], d2t, positions: list | None = None) -> Sums:
         """The per-token loss on teacher-forced depths (d_logits, t_logits, masks).
 

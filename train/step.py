@@ -7,6 +7,12 @@ and the number of processes do not change it. The target's numbers come from a
 `TargetSource` (train/targets.py): the live target, the top-N cache or the traffic records'
 logprobs. Which sequences a step sees is the data order's business (train/batches.py).
 
+`DistillStep.train_step` tells a step's story in order, one call per stage: the data's valid
+positions (`global_batch`), then per micro-batch its served sampling (`shares`), the forward
+of the target and the draft (`forward`, train/forward.py), the losses (`micro_losses`: the
+draft's from train/objective.py, the head's from train/head_training.py) and `backward`;
+then `update` and `metrics`.
+
 With acceptance_head.enabled the step also trains the draft's acceptance head
 (train/head_training.py) on the same depths, with its own optimiser; the draft carries the
 head, so saving the draft saves it. With train.only=acceptance_head the draft is frozen and
@@ -15,7 +21,7 @@ only the head trains.
 
 import gc
 import math
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -23,16 +29,10 @@ import torch
 from accelerate import Accelerator
 
 from specdistill.drafts.acceptance_head import HeadLoss, attach_head, attached_head
-from specdistill.drafts.align import shifted_hidden, target_mask
 from specdistill.errors import UserError
 from specdistill.train.config import RecipeError
-from specdistill.train.distributed import (
-    full_head_weight,
-    is_sharded,
-    load_full,
-    meta_copy,
-    prepare_sharded_draft,
-)
+from specdistill.train.distributed import is_sharded, load_full, meta_copy, prepare_sharded_draft
+from specdistill.train.forward import Outputs, TeacherForced, hidden, output_heads, teacher_forced
 from specdistill.train.head_training import HeadTraining, saved_head
 from specdistill.train.objective import Objective
 from specdistill.train.recipe_loss import resolved_loss
@@ -136,6 +136,15 @@ def check_finite(metrics: StepMetrics, nonfinite: int) -> None:
         raise TrainingDiverged(diverged_message(metrics.step, numbers, nonfinite))
 
 
+@dataclass(frozen=True)
+class GlobalBatch:
+    """The step's denominator: the valid positions of the whole global batch, and the factor
+    of each process's backward that makes the step's gradient Σ loss / tokens."""
+
+    tokens: int
+    scale: float
+
+
 class StepLosses(NamedTuple):
     """One micro-batch's terms: the draft's Σ loss (with its graph), the detached Σ α at
     depth 0, and the acceptance head's loss (None without a head)."""
@@ -143,6 +152,33 @@ class StepLosses(NamedTuple):
     loss_sum: torch.Tensor
     alpha_sum: torch.Tensor
     head: HeadLoss | None
+
+
+@dataclass
+class StepSums:
+    """This process's running sums over its micro-batches, float64: [Σ loss, Σ α] (+ Σ head
+    loss with an acceptance head)."""
+
+    values: torch.Tensor
+
+    @classmethod
+    def zeros(cls, head: bool, device) -> "StepSums":
+        return cls(torch.zeros(3 if head else 2, dtype=torch.float64, device=device))
+
+    def add(self, losses: StepLosses) -> None:
+        self.values[0] += losses.loss_sum.detach().double()
+        self.values[1] += losses.alpha_sum.double()
+        if losses.head is not None:
+            self.values[2] += losses.head.loss_sum.detach().double()
+
+
+@dataclass(frozen=True)
+class Update:
+    """What an update reports: the draft's gradient norm before clipping and learning rate
+    (the head's with train.only=acceptance_head, where the draft does not train)."""
+
+    grad_norm: float
+    lr: float
 
 
 class DistillStep:
@@ -248,64 +284,82 @@ class DistillStep:
 
     # ----------------------------------------------------------------------------- step
     def train_step(self, batches: list[dict]) -> StepMetrics:
-        """One optimiser step on this process's micro-batches of the global batch.
-        `TrainingDiverged` (on every process alike) when the step's loss is not finite or
-        its update leaves a trained parameter non-finite."""
-        acc, head = self.accelerator, self.head_training
+        """One optimiser step on this process's micro-batches of the global batch, top to
+        bottom. `TrainingDiverged` (on every process alike) when the step's loss is not
+        finite or its update leaves a trained parameter non-finite."""
         self._calls = 0
+        global_batch = self.global_batch(batches)  # data: the valid positions, the scale
+        sums = StepSums.zeros(self.head_training is not None, self.accelerator.device)
+        for i, batch in enumerate(batches):
+            with self.micro_batch(last=i == len(batches) - 1):
+                shares = self.shares(batch)  # the served sampling the loss is taken at
+                outputs = self.forward(batch)  # the target's outputs, then the draft's
+                losses = self.micro_losses(batch, shares, outputs)  # the draft's, the head's
+                self.backward(losses, global_batch.scale)
+            sums.add(losses)
+        update = self.update()  # clip, optimiser and schedule steps
+        return self.metrics(sums, update, global_batch)  # over processes, checked finite
+
+    def global_batch(self, batches: list[dict]) -> GlobalBatch:
+        """The valid positions of the global batch (every process's `batches`)."""
+        acc = self.accelerator
         n_local = sum(int(self.kind.count_mask(b).sum()) for b in batches)
         n_global = acc.reduce(torch.tensor(n_local, device=acc.device), "sum").item()
         # DDP averages gradients over processes; scale by the world size so the step's
         # gradient is Σ loss / n_global exactly.
-        scale = acc.num_processes / max(n_global, 1)
-        # [Σ loss, Σ α] (+ Σ head loss with an acceptance head)
-        stats = torch.zeros(2 if head is None else 3, dtype=torch.float64, device=acc.device)
-        for i, batch in enumerate(batches):
-            sync = i == len(batches) - 1
-            with acc.no_sync(self.draft) if not sync else nullcontext(), acc.autocast():
-                parts = self.losses(batch)
-                self.backward(parts, scale)
-            stats[0] += parts.loss_sum.detach().double()
-            stats[1] += parts.alpha_sum.double()
-            if parts.head is not None:
-                stats[2] += parts.head.loss_sum.detach().double()
-        if self.frozen:
-            grad_norm = head.update()
-            lr = head.lr()
-        else:
-            grad_norm = acc.clip_grad_norm_(self.draft.parameters(), self.max_grad_norm)
-            self.optimizer.step()
-            self.scheduler.step()
-            self.optimizer.zero_grad(set_to_none=True)
-            lr = self.scheduler.get_last_lr()[0]
-            if head is not None:
-                head.update()
-        # the count of non-finite trained parameters rides along with the sums
-        stats = torch.cat([stats, nonfinite_count(self.trained_parameters(), acc.device)[None]])
-        stats = acc.reduce(stats, "sum")
-        denom = max(n_global, 1)
-        self.step += 1
-        metrics = StepMetrics(
-            step=self.step,
-            loss=stats[0].item() / denom,
-            alpha=stats[1].item() / denom,
-            lr=lr,
-            grad_norm=float(grad_norm),
-            tokens=n_global,
-            head_loss=None if head is None else stats[2].item() / denom,
-        )
-        check_finite(metrics, int(stats[-1].item()))
-        return metrics
+        return GlobalBatch(n_global, acc.num_processes / max(n_global, 1))
 
-    def trained_parameters(self) -> list[torch.Tensor]:
-        """The parameters the optimisers update: the draft's (unless frozen) and its
-        acceptance head's."""
-        optimizers = [] if self.frozen else [self.optimizer]
-        if self.head_training is not None:
-            optimizers.append(self.head_training.optimizer)
-        return [p for opt in optimizers for group in opt.param_groups for p in group["params"]]
+    @contextmanager
+    def micro_batch(self, last: bool):
+        """Around a micro-batch's forward and backward: accelerate's autocast and, on all but
+        the step's last micro-batch, no gradient sync between processes."""
+        acc = self.accelerator
+        with acc.no_sync(self.draft) if not last else nullcontext(), acc.autocast():
+            yield
 
-    def backward(self, parts: "StepLosses", scale: float) -> None:
+    def shares(self, batch: dict):
+        """The served-sampling shares the loss of `batch` is taken at (train/temperatures.py)."""
+        if self.sampling is None:
+            raise RecipeError(
+                "loss.temperature=traffic needs the traffic records' sampling (the online job)"
+            )
+        self._calls += 1
+        return self.sampling.shares(batch)
+
+    def forward(self, batch: dict) -> Outputs | None:
+        """The target's outputs and the draft's on `batch` (train/forward.py): per depth from
+        the target source, or hidden states with loss.chunk_size. None where no loss reads
+        them (the draft's own chains alone: they run their own forwards). A frozen draft
+        (train.only=acceptance_head) runs without gradients."""
+        head = self.head_training
+        if self.objective.token is None and head is None:
+            return None
+        with torch.no_grad() if self.frozen else nullcontext():
+            chunk = self.loss_cfg.chunk_size
+            if chunk is not None:
+                return hidden(
+                    self.target, self.draft, batch, self.draft_module(), self.vocab_size, chunk
+                )
+            recorder = head.inputs(self.draft_module()) if head is not None else None
+            return teacher_forced(self.targets, self.draft, batch, recorder)
+
+    def micro_losses(self, batch: dict, shares, outputs: Outputs | None) -> StepLosses:
+        """The draft's loss and α (the per-token part on `outputs`, the chain part on the
+        draft's own chains: train/objective.py) and the acceptance head's loss of one
+        micro-batch. Where the loss is at the head's temperature, its α are the head's
+        labels (`HeadTraining.labels_from`)."""
+        head, objective = self.head_training, self.objective
+        per_depth = isinstance(outputs, TeacherForced)
+        labels = _head_labels(head, objective, shares) if per_depth else None
+        with torch.no_grad() if self.frozen else nullcontext():
+            token = None
+            if objective.token is not None:
+                token = objective.token_part(outputs, shares, self.vocab_map(), labels)
+            sums = objective.sums(self, batch, shares, token, self._calls)
+        head_loss = None if head is None else head.loss_on(outputs, self.vocab_map(), labels)
+        return StepLosses(sums.loss_sum, sums.alpha_sum, head_loss)
+
+    def backward(self, parts: StepLosses, scale: float) -> None:
         """The backward passes of one micro-batch: the draft's loss through accelerate, the
         head's (weighted) on its own graph, or, with acceptance_head.stop_gradient=false,
         added to the draft's."""
@@ -321,68 +375,60 @@ class DistillStep:
         else:
             self.accelerator.backward((parts.loss_sum + head_term) * scale)
 
+    def update(self) -> Update:
+        """After the step's backward passes: clip the gradients, step the optimisers and
+        schedules (the draft's, then the head's)."""
+        head = self.head_training
+        if self.frozen:
+            grad_norm = head.update()
+            return Update(grad_norm, head.lr())
+        grad_norm = self.accelerator.clip_grad_norm_(self.draft.parameters(), self.max_grad_norm)
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        lr = self.scheduler.get_last_lr()[0]
+        if head is not None:
+            head.update()
+        return Update(float(grad_norm), lr)
+
+    def metrics(self, sums: StepSums, update: Update, global_batch: GlobalBatch) -> StepMetrics:
+        """The step's numbers, summed over processes and divided by the global batch's valid
+        positions; the step counter advances. `TrainingDiverged` unless they are finite."""
+        acc = self.accelerator
+        # the count of non-finite trained parameters rides along with the sums
+        nonfinite = nonfinite_count(self.trained_parameters(), acc.device)
+        stats = acc.reduce(torch.cat([sums.values, nonfinite[None]]), "sum")
+        denom = max(global_batch.tokens, 1)
+        self.step += 1
+        metrics = StepMetrics(
+            step=self.step,
+            loss=stats[0].item() / denom,
+            alpha=stats[1].item() / denom,
+            lr=update.lr,
+            grad_norm=update.grad_norm,
+            tokens=global_batch.tokens,
+            head_loss=None if self.head_training is None else stats[2].item() / denom,
+        )
+        check_finite(metrics, int(stats[-1].item()))
+        return metrics
+
+    def trained_parameters(self) -> list[torch.Tensor]:
+        """The parameters the optimisers update: the draft's (unless frozen) and its
+        acceptance head's."""
+        optimizers = [] if self.frozen else [self.optimizer]
+        if self.head_training is not None:
+            optimizers.append(self.head_training.optimizer)
+        return [p for opt in optimizers for group in opt.param_groups for p in group["params"]]
+
     def loss(self, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
         """(Σ loss over valid positions, detached Σ α at depth 0) for one micro-batch."""
         parts = self.losses(batch)
         return parts.loss_sum, parts.alpha_sum
 
-    def losses(self, batch: dict) -> "StepLosses":
-        """The draft's loss and α, and the acceptance head's loss, of one micro-batch. A
-        frozen draft (train.only=acceptance_head) runs without gradients."""
-        with torch.no_grad() if self.frozen else nullcontext():
-            if self.loss_cfg.chunk_size is None:
-                return self._direct(batch)
-            return self._chunked(batch)
-
-    def _shares(self, batch: dict):
-        if self.sampling is None:
-            raise RecipeError(
-                "loss.temperature=traffic needs the traffic records' sampling (the online job)"
-            )
-        self._calls += 1
-        return self.sampling.shares(batch)
-
-    def _direct(self, batch: dict) -> "StepLosses":
-        head, objective = self.head_training, self.objective
-        shares = self._shares(batch)
-        token = head_part = None
-        if objective.token is not None or head is not None:
-            record = head.inputs(self.draft_module()) if head is not None else nullcontext()
-            with record:
-                depths = self.targets.depths(self.draft, batch)
-            labels = _head_labels(head, objective, shares)
-            if objective.token is not None:
-                token = objective.token_sums(depths, shares, self.vocab_map(), labels)
-            if head is not None:
-                with torch.enable_grad():
-                    head_part = head.loss(record, *depths, self.vocab_map(), labels)
-        sums = objective.sums(self, batch, shares, token, self._calls)
-        return StepLosses(sums.loss_sum, sums.alpha_sum, head_part)
-
-    def _chunked(self, batch: dict) -> "StepLosses":
-        lo, head, objective = self.loss_cfg, self.head_training, self.objective
-        shares = self._shares(batch)
-        if objective.token is None and head is None:
-            return StepLosses(*objective.sums(self, batch, shares, None, self._calls), None)
-        mask = target_mask(batch)
-        # Chunked: logits exist one chunk of positions at a time, for both models.
-        with torch.no_grad():
-            t_hidden = shifted_hidden(self.target, batch)
-        d_hidden = shifted_hidden(self.draft, batch)
-        t_head, d_head = self.heads()
-        token = None
-        if objective.token is not None:  # α from the chunks the loss computes: no second pass
-            token = objective.chunked_token_sums(
-                d_hidden, d_head, (t_hidden, t_head), mask, shares, lo.chunk_size
-            )
-        loss_sum, alpha_sum = objective.sums(self, batch, shares, token, self._calls)
-        head_part = None
-        if head is not None:
-            with torch.enable_grad():
-                head_part = head.chunked_loss(
-                    d_hidden, d_head, (t_hidden, t_head), mask, lo.chunk_size
-                )
-        return StepLosses(loss_sum, alpha_sum, head_part)
+    def losses(self, batch: dict) -> StepLosses:
+        """One micro-batch's losses outside a step: its sampling, forward and losses."""
+        shares = self.shares(batch)
+        return self.micro_losses(batch, shares, self.forward(batch))
 
     def vocab_map(self):
         """An EAGLE-3 head's d2t (draft id -> target id offsets), read from the running head,
@@ -393,25 +439,9 @@ class DistillStep:
         return self.draft_module().d2t
 
     def heads(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """Output-head weights [vocab_size, hidden] of target and draft, for chunked losses.
-        The draft's is its whole, trained parameter also when FSDP shards the draft
-        (train/distributed.py `full_head_weight`)."""
-        weights = []
-        for role, model in (("target", self.target), ("draft", self.draft_module())):
-            head = model.get_output_embeddings()
-            if hasattr(head, "base_layer"):  # a peft LoRA layer: .weight misses its delta
-                raise RecipeError(
-                    f"loss.chunk_size cannot use the {role}'s output head: a LoRA adapter "
-                    "wraps it (set loss.chunk_size=null)"
-                )
-            if head.bias is not None:
-                raise RecipeError(
-                    f"loss.chunk_size needs a bias-free output head; the {role}'s has a bias "
-                    "(set loss.chunk_size=null)"
-                )
-            weight = head.weight if role == "target" else full_head_weight(head)
-            weights.append(weight[: self.vocab_size])
-        return weights[0], weights[1]
+        """Output-head weights [vocab_size, hidden] of target and draft, for chunked losses
+        (train/forward.py `output_heads`)."""
+        return output_heads(self.target, self.draft_module(), self.vocab_size)
 
     def full_draft(self):
         """The trained draft as one plain module on the main process, None on the others;
