@@ -13,7 +13,7 @@ whose target never saw code; "tiny" / "tiny-draft" builds in seconds for the tes
 
 `resolve_model("embedded:code-deep")` builds the model on first use (its build time on a
 machine is in benchmarks/RESULTS.md; the build shows its progress with an ETA measured as it
-goes, drafts/progress.py), caches it as an ordinary Hugging Face model directory under
+goes, specdistill/progress.py), caches it as an ordinary Hugging Face model directory under
 `<cache>/embedded/code-deep/` and returns that path, which then goes through the same
 `from_pretrained` calls as a hub model. The cache root is `$SPECDISTILL_CACHE` or
 `~/.cache/specdistill`. Build by hand with

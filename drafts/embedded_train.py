@@ -33,7 +33,7 @@ from specdistill.drafts.embedded_specs import (
     EmbeddedSpec,
 )
 from specdistill.drafts.model_lock import model_lock
-from specdistill.drafts.progress import WorkProgress
+from specdistill.progress import WorkProgress
 from specdistill.threads import ThreadPolicy
 
 PREFIX = "[specdistill embedded] "

@@ -197,10 +197,10 @@ def _run(args, prompts) -> dict:
     from specdistill import drafts
     from specdistill.drafts import target_spec
     from specdistill.drafts.hub import check_tokenizers, load_draft, load_tokenizer
-    from specdistill.drafts.progress import WorkProgress, usable_cores
     from specdistill.eval import report, sweep
     from specdistill.eval.prompts import encode_prompts
     from specdistill.eval.report_console import console_summary
+    from specdistill.progress import WorkProgress, usable_cores
 
     spec = target_spec.TargetSpec.from_args(args)
     tokenizer = target_spec.load_tokenizer(spec)  # first: the draft is checked against it

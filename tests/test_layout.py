@@ -4,8 +4,9 @@ Layers, lowest first (an arrow may only point down):
 
     data, losses        depend on nothing else in the project but the errors utility
     publish, errors,    utilities: atomic writes, one-line errors, the verbs' argument parser,
-    verb_parser,        thread counts, bounds on numbers (stdlib only; errors may use publish,
-    threads, bounds     threads and bounds use errors)
+    verb_parser,        thread counts, bounds on numbers, the progress display of long work
+    threads, bounds,    (stdlib only; errors may use publish, threads and bounds use errors,
+    progress            progress uses threads)
     formats             the files the server and the online job share (the traffic record, its
                         shards, the published versions); may use errors only
     drafts              what differs between draft types; may use losses, data, utilities
@@ -38,7 +39,7 @@ import pytest
 
 from tests.package_modules import REPO, modules
 
-UTILITIES = {"publish", "errors", "verb_parser", "threads", "bounds"}
+UTILITIES = {"publish", "errors", "verb_parser", "threads", "bounds", "progress"}
 ALLOWED = {
     # specdistill/errors.py defines the project's error base classes (stdlib only)
     "data": {"errors"},
@@ -48,6 +49,7 @@ ALLOWED = {
     "verb_parser": set(),
     "threads": {"errors", "bounds"},  # ThreadsError, max_threads; stdlib (torch lazily)
     "bounds": {"errors"},  # BoundsError; the standard library otherwise
+    "progress": {"threads"},  # usable_cores; the standard library otherwise (tqdm lazily)
     "formats": {"errors"},  # pydantic and the standard library otherwise
     # the embedded default target is built from the data layer's corpus (drafts/embedded.py)
     "drafts": {"losses", "data"} | UTILITIES,

@@ -396,7 +396,7 @@ CHUNK_BATCHES = 4
 
 def _answer_all(answering: _Answering, todo: list[Job], name: str) -> None:
     """Answer `todo` chunk by chunk, with a progress line; the shard is closed after."""
-    from specdistill.drafts.progress import WorkProgress
+    from specdistill.progress import WorkProgress
 
     chunk = answering.batch_size * CHUNK_BATCHES
     progress = WorkProgress(name, len(todo)) if todo else None

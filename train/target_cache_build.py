@@ -261,7 +261,7 @@ class _Build:
     def write_split(self, tmp: Path, split: str, data, print) -> dict:
         """Run the target over `data` (or read the captured rows) and write `split`'s shards
         into `tmp`; return the split's manifest entry."""
-        from specdistill.drafts.progress import WorkProgress
+        from specdistill.progress import WorkProgress
 
         stored = None if self.feature_layers is None else ShardFeatures(self.dtype)
         writer = ShardWriter(tmp, split, self.max_rows, self.dtype, stored)
