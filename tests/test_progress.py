@@ -8,7 +8,7 @@ import io
 import pytest
 
 from specdistill import progress
-from specdistill.drafts import embedded, embedded_train
+from specdistill.models import embedded, embedded_train
 from specdistill.progress import Load, WorkProgress, format_seconds
 
 

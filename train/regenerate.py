@@ -242,10 +242,10 @@ def _regenerate_into(
 
 
 def _load_target(r, target, tokenizer) -> tuple:
-    """(target, tokenizer): the recipe's, each loaded unless given (drafts/target_spec.py); a
+    """(target, tokenizer): the recipe's, each loaded unless given (models/target_spec.py); a
     loaded target starts the recipe's threads and moves to the GPU when there is one."""
     from specdistill import threads
-    from specdistill.drafts.target_spec import TargetSpec, load_target_and_tokenizer
+    from specdistill.models.target_spec import TargetSpec, load_target_and_tokenizer
 
     given = target is not None
     target, tokenizer = load_target_and_tokenizer(
