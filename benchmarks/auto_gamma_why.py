@@ -35,7 +35,6 @@ import torch
 
 from specdistill import drafts
 from specdistill.drafts.confidence import acceptance_head, predicted_acceptance
-from specdistill.drafts.kv_cache import KVStream
 from specdistill.eval.calibration import calibration
 from specdistill.eval.cli_args import DEFAULT_MAX_GAMMA
 from specdistill.eval.engine import AutoGamma, generate
@@ -44,6 +43,7 @@ from specdistill.eval.sampling import Sampler
 from specdistill.eval.verify import verify_greedy, verify_sampled
 from specdistill.losses.acceptance_head import acceptance_label
 from specdistill.losses.sampling import probabilities
+from specdistill.models.kv_cache import KVStream
 
 RAGGED = [1, 7, 2, 6, 3, 5, 4, 4]  # any even-length prefix has mean 4
 
@@ -381,8 +381,9 @@ def main(argv=None) -> dict:
     if args.threads:
         torch.set_num_threads(args.threads)
 
-    from specdistill.drafts.hub import load_draft, load_target, load_tokenizer
+    from specdistill.drafts.loader import load_draft
     from specdistill.eval.prompts import encode_prompts, load_prompts
+    from specdistill.models.hub import load_target, load_tokenizer
 
     parts = set(args.parts.split(","))
     tokenizer = load_tokenizer(args.target)

@@ -82,7 +82,7 @@ def decompose(recipe_path: str, out: Path, overrides: list[str], runs: list[str]
     the mass both put there (p: the rest, q: the draft's), and the coarsened α a rest-bin
     loss sees (Σ_{top N} min(p, q) + min(rest_p, rest_q)). Keyed by run, then N."""
     from specdistill.drafts.align import shifted_logits, target_mask
-    from specdistill.drafts.hub import load_draft
+    from specdistill.drafts.loader import load_draft
 
     AcceleratorState._reset_state(True)
     GradientState._reset_state()

@@ -41,9 +41,10 @@ import torch
 from accelerate.state import AcceleratorState, GradientState
 
 from benchmarks import results as results_md
-from specdistill.drafts.hub import load_draft, load_model, load_tokenizer
+from specdistill.drafts.loader import load_draft
 from specdistill.eval.prompts import encode_prompts, load_prompts
 from specdistill.eval.sweep import Settings, sweep
+from specdistill.models.hub import load_model, load_tokenizer
 from specdistill.train.config import load_recipe
 from specdistill.train.trainer import Trainer
 

@@ -142,9 +142,10 @@ def main(argv=None) -> dict:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
 
-    from specdistill.drafts import hub
+    from specdistill.drafts import loader
     from specdistill.eval import drift
     from specdistill.eval.prompts import load_prompts
+    from specdistill.models import hub
 
     ft = finetune_adapter(args.base, out / "adapter", [(help_topics()[0], 8)], args.ft_steps)
     print(f"fine-tune: {ft} ({time.time() - t0:.0f}s)", flush=True)
@@ -153,7 +154,7 @@ def main(argv=None) -> dict:
     tokenizer = hub.load_tokenizer(args.base)
     before = hub.load_target(args.base)
     after = hub.load_target(args.base, str(out / "adapter"))
-    old = hub.load_draft(args.draft)
+    old = loader.load_draft(args.draft)
     settings = dict(temperature=args.temperature, max_new_tokens=args.max_new_tokens,
                     min_samples=10, bootstrap=1000, batch_size=16)  # fmt: skip
     eval_prompts = load_prompts(eval_file)
@@ -168,8 +169,8 @@ def main(argv=None) -> dict:
     start, repair = run_repair(args, out)
     print(f"repair done ({time.time() - t0:.0f}s)", flush=True)
 
-    repaired = hub.load_draft(repair["refit_draft"])
-    scratch = hub.load_draft(str(out / "repair" / "from-start" / "final"))
+    repaired = loader.load_draft(repair["refit_draft"])
+    scratch = loader.load_draft(str(out / "repair" / "from-start" / "final"))
     after_repair, _ = drift.measure(before, after, repaired, tokenizer, eval_prompts, **settings)
     from_start, _ = drift.measure(before, after, scratch, tokenizer, eval_prompts, **settings)
     measured = Measured(report, after_repair, from_start)

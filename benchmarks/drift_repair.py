@@ -35,7 +35,7 @@ def fresh_start(draft: str, out: Path, seed: int = 0) -> str:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from specdistill.drafts import hub
+    from specdistill.models import hub
 
     path = hub.local_model_dir(draft) or draft
     torch.manual_seed(seed)

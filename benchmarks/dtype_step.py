@@ -6,7 +6,7 @@
 
 After a 64-token prefill, batch 1, it times forwards of k = 1 and k = 5 new tokens (rolled
 back after each), the median of 20 after 5 warm-up ones, in each dtype, and prints their
-times and the bfloat16 / float32 ratio (drafts/lean.py `packed_from`). Run it alone on the
+times and the bfloat16 / float32 ratio (models/lean.py `packed_from`). Run it alone on the
 machine: any other process moves the numbers.
 """
 
@@ -16,9 +16,9 @@ import time
 
 import torch
 
-from specdistill.drafts import lean
-from specdistill.drafts.hub import load_target
-from specdistill.drafts.kv_cache import KVStream
+from specdistill.models import lean
+from specdistill.models.hub import load_target
+from specdistill.models.kv_cache import KVStream
 
 
 def step_ms(model, k: int, repeats: int = 25) -> float:

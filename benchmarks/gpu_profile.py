@@ -23,10 +23,11 @@ from pathlib import Path
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from specdistill.drafts.hub import load_draft, load_target, load_tokenizer
-from specdistill.drafts.kv_cache import sync
+from specdistill.drafts.loader import load_draft
 from specdistill.eval.engine import generate
 from specdistill.eval.prompts import encode_prompts, load_prompts
+from specdistill.models.hub import load_target, load_tokenizer
+from specdistill.models.kv_cache import sync
 
 COUNTED = {  # summary key -> profiler event names counted for it
     "dtype_conversions": ("aten::_to_copy",),

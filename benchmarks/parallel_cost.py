@@ -3,7 +3,7 @@ standalone drafter (γ forwards), next to the target's verification forward.
 
     python -m benchmarks.parallel_cost --threads 1 --gammas 1,2,3,4,6 --repeats 30
 
-Models of the embedded default's shapes (drafts/embedded_specs.py: the 20-layer `code-deep`
+Models of the embedded default's shapes (models/embedded_specs.py: the 20-layer `code-deep`
 target, the 1-layer `code-deep-draft`) with random weights: only the cost is measured here,
 not acceptance, so no trained model is needed. Batch of one row with a 128-token prompt, the
 engine's own drafters and KV streams (the lean CPU forward), greedy drafting; each round is
@@ -21,9 +21,9 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from benchmarks import results as results_md
-from specdistill.drafts.kv_cache import KVStream
 from specdistill.drafts.parallel import ParallelDrafter, add_mask_token
 from specdistill.drafts.standalone import StandaloneDrafter
+from specdistill.models.kv_cache import KVStream
 
 VOCAB = 4096
 

@@ -4,7 +4,7 @@
 
 Answers the first `--prompts` training prompts of the recipe's `prepare` section at its
 settings (temperature, max_new_tokens, seed) into fresh directories, once per configuration:
-the lean forward without oneDNN's prepacked weights (`drafts.lean.PACKED_FROM = 0`), batches
+the lean forward without oneDNN's prepacked weights (`models.lean.PACKED_FROM = 0`), batches
 of 16 handed to the engine one at a time (`regenerate.CHUNK_BATCHES = 1`: a batch waits for
 its longest answer); then with prepacked weights; then as shipped, at each of
 `--batch-sizes`, CHUNK_BATCHES batches at a time (rows refilled as answers end); then at the
@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from specdistill.drafts import hub, lean
+from specdistill.models import hub, lean
 from specdistill.train import regenerate as regen
 from specdistill.train.config import load_recipe
 from specdistill.train.prepare import answer_tokens

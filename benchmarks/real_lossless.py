@@ -22,8 +22,9 @@ import json
 import torch
 from scipy.stats import chisquare
 
-from specdistill.drafts.hub import load_draft, load_target, load_tokenizer
+from specdistill.drafts.loader import load_draft
 from specdistill.eval import engine
+from specdistill.models.hub import load_target, load_tokenizer
 
 HUMANEVAL = "benchmarks/prompts/HumanEval.jsonl.gz"
 

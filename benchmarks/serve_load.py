@@ -249,7 +249,7 @@ def main(argv=None) -> int:
         import torch
 
         torch.set_num_threads(args.threads)
-    from specdistill.drafts.hub import load_tokenizer
+    from specdistill.models.hub import load_tokenizer
 
     tokenizer = load_tokenizer(args.target)
     prompts = encode_prompts(

@@ -87,7 +87,7 @@ def untrained_like(name: str, out: Path) -> str:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from specdistill.drafts.embedded import BUILD_RECORD, EMBEDDED, EOS, cache_root
+    from specdistill.models.embedded import BUILD_RECORD, EMBEDDED, EOS, cache_root
 
     spec = EMBEDDED[name]
     tokenizer_dir = cache_root() / "embedded" / "tokenizers" / spec.corpus.name

@@ -479,8 +479,8 @@ def run(s: Settings) -> dict:
 
 
 def identity_of(target: str) -> str:
-    from specdistill.drafts.hub import load_target
-    from specdistill.drafts.identity import model_identity
+    from specdistill.models.hub import load_target
+    from specdistill.models.identity import model_identity
 
     return model_identity(target, load_target(target))
 
@@ -488,7 +488,7 @@ def identity_of(target: str) -> str:
 def _context(target: str) -> int:
     from transformers import AutoConfig
 
-    from specdistill.drafts.hub import local_model_dir
+    from specdistill.models.hub import local_model_dir
 
     path = local_model_dir(target) or target
     return int(AutoConfig.from_pretrained(path).max_position_embeddings)

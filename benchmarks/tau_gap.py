@@ -21,9 +21,10 @@ import torch
 
 from benchmarks import results
 from specdistill.data.dataset import build_datasets, collate
-from specdistill.drafts import hub
+from specdistill.drafts import loader
 from specdistill.drafts.chains import sample_chains
 from specdistill.losses.chain import row_terms
+from specdistill.models import hub
 from specdistill.verb_parser import quiet_third_party
 
 ENTROPY_EDGES = (0.0, 1.0, 2.0, 3.0, 4.0, 5.0, float("inf"))
@@ -163,7 +164,7 @@ def main(argv=None) -> None:
     gaps = {}
     for spec in args.draft:
         label, _, path = spec.partition("=")
-        draft = hub.load_draft(path).eval()
+        draft = loader.load_draft(path).eval()
         vocab = min(target.config.vocab_size, draft.config.vocab_size)
         gaps[label] = measure(
             target,

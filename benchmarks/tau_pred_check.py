@@ -37,12 +37,12 @@ from benchmarks import results
 from benchmarks.tau_table import tau_standard_error
 from specdistill import drafts
 from specdistill.data.dataset import build_datasets
-from specdistill.drafts import hub
 from specdistill.eval import stats
 from specdistill.eval.chain_tau import first_start, summarise_chains, text_survival
 from specdistill.eval.engine import generate
 from specdistill.eval.offline import held_out_texts
 from specdistill.eval.prompts import encode_prompts, load_prompts
+from specdistill.models import hub
 from specdistill.train.recipe import DraftConfig
 from specdistill.verb_parser import quiet_third_party
 

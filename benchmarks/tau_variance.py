@@ -21,7 +21,7 @@ import torch
 
 from benchmarks import results
 from benchmarks.tau_gap import load_target_and_text
-from specdistill.drafts import hub
+from specdistill.drafts import loader
 from specdistill.drafts.chains import prefix_groups, sample_chains
 from specdistill.losses.chain import chain_weights, row_terms, weighted_terms
 
@@ -62,7 +62,7 @@ def main(argv=None) -> None:
     results.add_argument(parser)
     args = parser.parse_args(argv)
     target, batches = load_target_and_text(args)
-    draft = hub.load_draft(args.draft).eval()
+    draft = loader.load_draft(args.draft).eval()
     vocab = min(target.config.vocab_size, draft.config.vocab_size)
     rows, first = [], None
     for baseline, per_start in CONFIGS:

@@ -4,7 +4,7 @@
 
 For each forward (transformers' own; the lean CPU forward with the K-major layout only; with
 the row-major layout for 2..FEW_ROWS rows and no prepacked weights; as shipped, oneDNN's
-prepacked weights from PACKED_FROM rows, see drafts/lean.py) it times a target forward of
+prepacked weights from PACKED_FROM rows, see models/lean.py) it times a target forward of
 k + 1 tokens after `--context` cached tokens, batch 1, rolled back after each, for
 k = 0..--max-k. The forwards take turns within each repeat, so a machine that slows down slows
 all of them; each v(k) is the median over the repeats. Prints v(k) in ms and v(k) / v(0), the
@@ -20,9 +20,9 @@ import time
 
 import torch
 
-from specdistill.drafts import lean
-from specdistill.drafts.hub import load_target
-from specdistill.drafts.kv_cache import KVStream
+from specdistill.models import lean
+from specdistill.models.hub import load_target
+from specdistill.models.kv_cache import KVStream
 
 FORWARDS = {  # name -> (lean.enabled, lean.FEW_ROWS, lean.PACKED_FROM)
     "transformers": (False, lean.FEW_ROWS, lean.PACKED_FROM),

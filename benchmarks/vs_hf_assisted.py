@@ -38,12 +38,12 @@ from pathlib import Path
 import torch
 
 from benchmarks import results as results_md
-from specdistill.drafts import lean
-from specdistill.drafts.hub import check_tokenizers, load_model, load_tokenizer
-from specdistill.drafts.kv_cache import sync
 from specdistill.eval import stats
 from specdistill.eval.engine import generate
 from specdistill.eval.prompts import encode_prompts, load_prompts
+from specdistill.models import lean
+from specdistill.models.hub import check_tokenizers, load_model, load_tokenizer
+from specdistill.models.kv_cache import sync
 
 HUMANEVAL = Path(__file__).resolve().parent / "prompts" / "HumanEval.jsonl.gz"
 
@@ -212,7 +212,7 @@ def main() -> None:
     parser.add_argument(
         "--no-lean",
         action="store_true",
-        help="the engine runs transformers' forward, not drafts/lean.py's (CPU Llama family)",
+        help="the engine runs transformers' forward, not models/lean.py's (CPU Llama family)",
     )
     args = parser.parse_args()
     args.temperatures = [float(t) for t in args.temperatures.split(",")]
@@ -225,7 +225,7 @@ def main() -> None:
         f"{args.max_new_tokens} tokens, batch 1, fastest of {args.repeats} runs per prompt, "
         f"{args.device} {args.dtype}, "
         f"{torch.get_num_threads()} threads, engine forward: "
-        f"{'transformers' if args.no_lean else 'lean where supported (drafts/lean.py)'}"
+        f"{'transformers' if args.no_lean else 'lean where supported (models/lean.py)'}"
     )
     rows = [
         [t, *(f"{r[key]:.{digits}f}" for _, key, digits in COLUMNS)] for t, r in results.items()

@@ -113,7 +113,7 @@ def large_vocab_models(work: Path) -> tuple[str, str]:
     embedded tokenizer padded with unused entries to that size."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from specdistill.drafts.embedded import resolve_model
+    from specdistill.models.embedded import resolve_model
 
     source = Path(resolve_model("embedded:code"))
     tokenizer = json.loads((source / "tokenizer.json").read_text())

@@ -125,7 +125,7 @@ def run_trl(spec: dict) -> dict:
     os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
     from trl.experimental.gkd import GKDTrainer
 
-    from specdistill.drafts import hub
+    from specdistill.models import hub
     from specdistill.train.config import recipe_datasets
 
     hf_logging.set_verbosity_error()
@@ -271,7 +271,7 @@ def _gkd_config(spec: dict, r):
 
 def run_before(spec: dict) -> dict:
     """Held-out α of the initial draft."""
-    from specdistill.drafts import hub
+    from specdistill.models import hub
     from specdistill.train.config import recipe_datasets
 
     r = _recipe(spec)

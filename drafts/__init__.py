@@ -6,7 +6,7 @@ batch into K aligned (draft logits, target logits, mask) depths (`depths`, `coun
 saves a trained draft (`save`), and knows its own directories (`detect`). Both go to
 `losses.multi_depth_loss` (K = 1 is the plain per-position loss) and to `eval.offline` for
 α per depth. For a loaded draft module, `type_of` gives its type, whose `drafter` (also
-`drafter_for`) is the engine's proposer on its own KV cache (drafts/kv_cache.py), whose
+`drafter_for`) is the engine's proposer on its own KV cache (models/kv_cache.py), whose
 `vocab_size_of` counts its logit columns and whose `path_logits` gives the teacher-forced
 logits of the offline α along generated text (eval/stats.py).
 

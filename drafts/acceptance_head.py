@@ -42,13 +42,13 @@ import torch
 from torch import Tensor, nn
 from torch.nn import functional as F
 
-from specdistill.drafts.weights import (
+from specdistill.losses import SparseTarget
+from specdistill.losses.acceptance_head import acceptance_head_loss, acceptance_label
+from specdistill.models.weights import (
     IncompleteDraftError,
     check_state_file,
     read_safetensors,
 )
-from specdistill.losses import SparseTarget
-from specdistill.losses.acceptance_head import acceptance_head_loss, acceptance_label
 
 WEIGHTS = "acceptance_head.safetensors"
 CONFIG = "acceptance_head.json"

@@ -3,7 +3,7 @@ version) and the online job's published versions.
 
 Before the model is built, the config's shapes are checked against the weight files' headers
 (`check_before_loading`), so a config of other shapes allocates nothing; then the draft is
-loaded all or nothing (drafts/hub.py) and checked against the target: its tokenizer (a draft
+loaded all or nothing (drafts/loader.py) and checked against the target: its tokenizer (a draft
 with its own) or the vocabulary it covers, and the hidden size an EAGLE-3 head was built for.
 """
 
@@ -11,8 +11,9 @@ import json
 from pathlib import Path
 
 from specdistill import drafts
-from specdistill.drafts.hub import check_tokenizers, load_draft, load_tokenizer
+from specdistill.drafts.loader import load_draft
 from specdistill.errors import UserError
+from specdistill.models.hub import check_tokenizers, load_tokenizer
 
 
 def implied_shapes(path: str) -> tuple[dict[str, tuple], list[set[str]]]:
@@ -49,7 +50,7 @@ def check_before_loading(path: str) -> None:
     """Refuse (`IncompleteDraftError`) a local draft directory whose weight files' headers
     lack tensors its config implies or hold them in other shapes, before any tensor is
     allocated."""
-    from specdistill.drafts.weights import check_header_shapes
+    from specdistill.models.weights import check_header_shapes
 
     if not (Path(path) / "config.json").is_file():
         return  # not a local model directory: the loader says what it is

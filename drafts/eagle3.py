@@ -23,11 +23,11 @@ from specdistill.drafts.eagle3_head import (
     is_sglang_eagle3_dir,
 )
 from specdistill.drafts.eagle3_vocab import token_counts
-from specdistill.drafts.kv_cache import left_pad, left_pad_rows
 from specdistill.drafts.reduced_vocab import ReducedVocabError, compared_ids
 from specdistill.drafts.standalone import StandaloneDrafter
 from specdistill.drafts.types import Capabilities, Depths
 from specdistill.losses import VocabTarget
+from specdistill.models.kv_cache import left_pad, left_pad_rows
 
 
 class Eagle3:
@@ -84,7 +84,7 @@ class Eagle3:
         """(head, its type) for a recipe's `draft` section: a fresh head on `target` (its V_d
         from the loss-masked tokens of `train_data`) when `cfg.model` is null, else the head
         saved in that directory, which must cover the target's vocabulary."""
-        from specdistill.drafts import hub
+        from specdistill.models import hub
 
         vocab_size = hub.shared_vocab_size(target, None, tokenizer)
         if cfg.vocab_size is not None:  # before a head of that many rows is allocated

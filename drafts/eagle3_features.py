@@ -67,7 +67,7 @@ class FeatureCapture:
 
     def record(self, i: int, hidden: Tensor) -> None:
         """Store the hidden states entering layer i if it is captured. For forwards that do not
-        call the layer modules, so hooks cannot see them (drafts/lean.py)."""
+        call the layer modules, so hooks cannot see them (models/lean.py)."""
         if i in self.layer_ids:
             self._captured[i] = hidden
 

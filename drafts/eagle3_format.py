@@ -12,8 +12,8 @@ from torch import Tensor
 from transformers import LlamaConfig
 
 from specdistill.drafts.eagle3_vocab import check_vocab_map
-from specdistill.drafts.weights import IncompleteDraftError, describe, read_safetensors
 from specdistill.errors import UserError
+from specdistill.models.weights import IncompleteDraftError, describe, read_safetensors
 
 SPECULATORS_VERSION = "0.9.0"  # the format version written (and tested in tests/interop)
 # speculative_tokens written for a head whose training depth is unknown (vLLM's proposal length)

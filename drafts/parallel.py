@@ -30,7 +30,6 @@ from torch import Tensor, nn
 
 from specdistill.drafts.align import target_mask
 from specdistill.drafts.confidence import acceptance_head, predicted_acceptance
-from specdistill.drafts.kv_cache import left_pad
 from specdistill.drafts.reduced_vocab import (
     ReducedHead,
     add_input_row,
@@ -48,6 +47,7 @@ from specdistill.drafts.standalone import (
 from specdistill.drafts.types import Capabilities, Depths, DraftControl, Proposal
 from specdistill.errors import UserError
 from specdistill.losses import VocabTarget
+from specdistill.models.kv_cache import left_pad
 
 MASK_FIELD = "pard_token"  # config.json's mask token id; vLLM's parallel drafting reads it
 DEPTHS_FIELD = "parallel_depths"  # config.json: the block length K the draft was trained for
@@ -193,7 +193,7 @@ class Parallel:
         a mask token when it has none; with `cfg.vocab_size`, or when it has one already, its
         output head reduced to V_d as a standalone draft's (`ReducedParallel`); trained in
         full."""
-        from specdistill.drafts import hub
+        from specdistill.models import hub
 
         if cfg.lora.r > 0:
             raise UserError(cls.capabilities.refusals["lora"])

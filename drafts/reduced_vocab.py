@@ -14,8 +14,8 @@ there, so verification stays lossless: a token outside V_d is never proposed), o
 `full_vocab=False` the K columns themselves, which is what training compares (with `d2t`,
 losses/api.py). Saved by `save_pretrained` as an ordinary model directory (config.json's
 `model_type` is `MODEL_TYPE`); this module registers the classes with transformers' Auto
-classes when the drafts package is imported, so `drafts.hub.load_model` loads it with the
-same all-or-nothing weight checks as any draft. The lean CPU forward (drafts/lean.py) runs
+classes when the drafts package is imported, so `models.hub.load_model` loads it with the
+same all-or-nothing weight checks as any draft. The lean CPU forward (models/lean.py) runs
 the K-row head and maps its columns the same way (`ReducedHead.to_target_vocab`).
 """
 
@@ -36,6 +36,7 @@ from specdistill.drafts.eagle3_vocab import (
     token_counts,
 )
 from specdistill.errors import UserError
+from specdistill.models import lean
 
 MODEL_TYPE = "specdistill_reduced_llama"  # config.json's model_type of a reduced-vocab draft
 # The causal LMs a reduced output head can be put on (their modules are Llama's).
@@ -167,7 +168,7 @@ class ReducedVocabLlamaForCausalLM(LlamaForCausalLM):
     def from_pretrained(cls, *args, **kwargs):
         """transformers' load, then the vocabulary map checked (`VocabMapError`) when the
         weights loaded whole; a partial load is left to the caller's weight checks
-        (drafts/weights.py), which name the missing tensors."""
+        (models/weights.py), which name the missing tensors."""
         asked = kwargs.get("output_loading_info", False)
         kwargs["output_loading_info"] = True
         model, info = super().from_pretrained(*args, **kwargs)
@@ -178,6 +179,7 @@ class ReducedVocabLlamaForCausalLM(LlamaForCausalLM):
 
 AutoConfig.register(MODEL_TYPE, ReducedVocabLlamaConfig, exist_ok=True)
 AutoModelForCausalLM.register(ReducedVocabLlamaConfig, ReducedVocabLlamaForCausalLM, exist_ok=True)
+lean.support(MODEL_TYPE, ReducedHead)  # the lean CPU forward runs its K-row head
 
 
 def is_reduced(model) -> bool:

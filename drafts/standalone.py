@@ -35,7 +35,6 @@ from specdistill.drafts.align import shifted_logits, target_mask
 from specdistill.drafts.chains import Chains, sample_chains
 from specdistill.drafts.confidence import acceptance_head, predicted_acceptance
 from specdistill.drafts.draft_init import draft_from_target, layers_spec
-from specdistill.drafts.kv_cache import KVStream, left_pad
 from specdistill.drafts.reduced_vocab import (
     ReducedHead,
     ReducedVocabError,
@@ -45,6 +44,7 @@ from specdistill.drafts.reduced_vocab import (
     reduce_for_data,
 )
 from specdistill.drafts.types import Capabilities, Depths, DraftControl, Proposal
+from specdistill.models.kv_cache import KVStream, left_pad
 
 
 @dataclass(frozen=True)
@@ -76,7 +76,7 @@ class Standalone:
         """(draft LM, its type) for a recipe's `draft` section: the model of `load_or_init`;
         with `cfg.vocab_size`, or when it has one already, its output head reduced to V_d
         (`ReducedStandalone`); wrapped in a peft LoRA adapter when `cfg.lora.r` > 0."""
-        from specdistill.drafts import hub
+        from specdistill.models import hub
 
         draft = load_or_init(cfg, target, tokenizer)
         if cfg.vocab_size is not None or is_reduced(draft):
@@ -197,7 +197,7 @@ class ReducedStandalone(Standalone):
         draft with a reduced head already is kept (its saved map; `cfg.vocab_size` must be
         null or its K), else its head is cut to the `cfg.vocab_size` most frequent
         loss-masked tokens of `train_data` (rows taken from its own head)."""
-        from specdistill.drafts import hub
+        from specdistill.models import hub
 
         vocab_size = hub.shared_vocab_size(target, None, tokenizer)
         rows = draft.get_input_embeddings().weight.shape[0]
@@ -329,7 +329,7 @@ class StandaloneDrafter:
     def _hidden_inputs(self) -> dict:
         """Extra arguments of the stream's forward that make it keep the hidden state the
         acceptance head reads (for a head). `hidden=True` keeps the stream on the lean forward
-        (drafts/lean.py) where it runs the model, and on transformers' forward otherwise."""
+        (models/lean.py) where it runs the model, and on transformers' forward otherwise."""
         return {"hidden": True}
 
     def _last_hidden(self) -> Tensor:
@@ -367,7 +367,7 @@ def load_or_init(cfg, target, tokenizer):
     """The causal LM a recipe's `draft` section names: for `cfg.model` target-layers:...,
     one made of the target's own layers (drafts/draft_init.py), else the model `cfg.model`
     loaded like any HF model and checked to share the target's tokenizer; in `cfg.dtype`."""
-    from specdistill.drafts import hub
+    from specdistill.models import hub
 
     layers = layers_spec(cfg.model)
     if layers is not None:

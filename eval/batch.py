@@ -5,7 +5,7 @@ Per round: the draft proposes d_1..d_γ autoregressively on its own KV cache; th
 scores [pending, d_1..d_γ] in one forward pass; the drafts are verified (eval/verify.py,
 through the sampler of eval/sampling.py); each row commits its accepted drafts and the
 next token, and both caches are rolled back to the committed tokens, row by row
-(drafts/kv_cache.py). Finished rows leave the batch and waiting requests take their place
+(models/kv_cache.py). Finished rows leave the batch and waiting requests take their place
 (continuous batching).
 
 The draft length is a `LengthPolicy` (eval/length_policy.py), asked for each round's plan:
@@ -22,11 +22,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from specdistill.drafts.kv_cache import KVStream, left_pad, sync
 from specdistill.drafts.types import Proposal
 from specdistill.eval.length_policy import LengthPolicy
 from specdistill.eval.round_stats import Round, SpecStats, Update
 from specdistill.eval.sampling import Sampling, logprob_entries
+from specdistill.models.kv_cache import KVStream, left_pad, sync
 
 __all__ = ["Batch", "Round", "RowState", "SpecStats", "Update"]
 

@@ -34,11 +34,11 @@ from torch import Tensor
 
 from specdistill import losses
 from specdistill.drafts.chains import Chains
-from specdistill.drafts.kv_cache import eval_mode
 from specdistill.eval import stats
 from specdistill.eval.sampling import is_greedy
 from specdistill.losses.api import prepare
 from specdistill.losses.chain import row_terms
+from specdistill.models.kv_cache import eval_mode
 
 # The draft's greedy chain, through the types' sampled `chains`: softmax(logits / 1e-6)
 # leaves no mass off the argmax unless two logits lie within about 1e-4 of each other.

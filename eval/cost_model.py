@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from specdistill.drafts.kv_cache import KVStream, sync
+from specdistill.models.kv_cache import KVStream, sync
 
 # Scratch context the start-up measurement verifies after (tokens per row).
 CONTEXT = 32

@@ -14,7 +14,7 @@
     specdistill drift ... --traffic logs/traffic --fail-if-drop-above 0.02
 
 A target is a model directory, a hub id, `embedded:<name>`, or a base plus a peft LoRA
-adapter (`--adapter-before` / `--adapter-after`), loaded unmerged (`drafts.hub.load_target`).
+adapter (`--adapter-before` / `--adapter-after`), loaded unmerged (`models.hub.load_target`).
 
 What is measured (docs/theory.md §1). Each target generates a response to every prompt (the
 project's engine, greedy at --temperature 0, else sampled). On its own responses each
@@ -65,6 +65,7 @@ first, and a run that fails before writing removes the DIR it created.
 import argparse
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from specdistill import threads
@@ -341,18 +342,17 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _run(args, prompts) -> DriftRun:
     """Load the models once, measure each temperature, write the reports and the gate."""
-    from pathlib import Path
-
     import numpy as np
 
     from specdistill import drafts
     from specdistill.bounds import context_limit
-    from specdistill.drafts import target_spec
-    from specdistill.drafts.hub import check_tokenizers, load_draft, load_tokenizer
+    from specdistill.drafts.loader import load_draft
     from specdistill.eval.drift import measure_scores
     from specdistill.eval.drift_gate import judge, markdown
     from specdistill.eval.drift_report import markdown as report_markdown
     from specdistill.eval.drift_report import write
+    from specdistill.models import target_spec
+    from specdistill.models.hub import check_tokenizers, load_tokenizer
 
     quiet_third_party()
     args.device = resolve_device(args.device)
@@ -422,8 +422,8 @@ def _run(args, prompts) -> DriftRun:
 
 
 def _target_specs(args) -> tuple:
-    """(before, after): the `drafts.target_spec.TargetSpec` of each target's flags."""
-    from specdistill.drafts.target_spec import TargetSpec
+    """(before, after): the `models.target_spec.TargetSpec` of each target's flags."""
+    from specdistill.models.target_spec import TargetSpec
 
     return (
         TargetSpec(args.target_before, args.adapter_before, dtype=args.dtype),

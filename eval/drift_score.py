@@ -82,8 +82,8 @@ def score_prompt(
     after-text positions, grouped by the after-target's argmax.
     """
     from specdistill import drafts
-    from specdistill.drafts.kv_cache import eval_mode
     from specdistill.losses.sampling import probabilities
+    from specdistill.models.kv_cache import eval_mode
 
     kind = drafts.type_of(draft)
     sampling = (temperature, top_p, top_k)

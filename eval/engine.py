@@ -13,7 +13,7 @@ q = softmax(draft logits / T), unfiltered (docs/theory.md §1). The output is di
 exactly as sampling from the processed target, since verification uses the q each draft was
 drawn from.
 
-Batching: every row accepts on its own (per-row KV rollback, drafts/kv_cache.py), finished
+Batching: every row accepts on its own (per-row KV rollback, models/kv_cache.py), finished
 rows leave the batch and waiting prompts take their place (continuous batching). The draft
 type's drafter (drafts/standalone.py, drafts/eagle3.py) keeps the draft's cache; an EAGLE-3
 head's drafter asks the target to capture its features and to sample each prompt's first
@@ -36,7 +36,6 @@ from dataclasses import dataclass, field
 import torch
 
 from specdistill import drafts
-from specdistill.drafts.kv_cache import eval_mode, sync
 from specdistill.eval.batch import Batch, Round, RowState, SpecStats, Update
 from specdistill.eval.cli_args import DEFAULT_GAMMA
 from specdistill.eval.length_policy import (
@@ -48,6 +47,7 @@ from specdistill.eval.length_policy import (
 )
 from specdistill.eval.sampling import RowSampler, Sampler, Sampling
 from specdistill.losses.sampling import check_filters
+from specdistill.models.kv_cache import eval_mode, sync
 
 GREEDY = Sampling()  # a request's default sampling: argmax
 

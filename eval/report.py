@@ -133,7 +133,7 @@ class SpeculateMeta(_Strict):
     threads: int
     cores: int | None = None  # the cores the run could use
     # The highest 1-minute load average seen while the machine counted as busy (more
-    # processes wanting a core than cores, drafts/progress.py); None: never busy.
+    # processes wanting a core than cores, specdistill/progress.py); None: never busy.
     busy_load_average: Number | None = None
 
 

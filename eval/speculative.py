@@ -23,7 +23,7 @@ from the residual at the first rejection or a bonus token when all γ are kept. 
 Temperature, top-k and top-p make the target's distribution p; the draft samples from its
 unfiltered q at the same temperature (docs/theory.md §1). The output is distributed exactly
 as sampling from the processed target. Rows accept independently (per-row KV rollback) and
-finished rows give their place to waiting prompts (continuous batching, drafts/kv_cache.py).
+finished rows give their place to waiting prompts (continuous batching, models/kv_cache.py).
 """
 
 import argparse
@@ -195,12 +195,13 @@ def _run(args, prompts) -> dict:
 
     args.device = resolve_device(args.device)
     from specdistill import drafts
-    from specdistill.drafts import target_spec
-    from specdistill.drafts.hub import check_tokenizers, load_draft, load_tokenizer
-    from specdistill.drafts.progress import WorkProgress, usable_cores
+    from specdistill.drafts.loader import load_draft
     from specdistill.eval import report, sweep
     from specdistill.eval.prompts import encode_prompts
     from specdistill.eval.report_console import console_summary
+    from specdistill.models import target_spec
+    from specdistill.models.hub import check_tokenizers, load_tokenizer
+    from specdistill.progress import WorkProgress, usable_cores
 
     spec = target_spec.TargetSpec.from_args(args)
     tokenizer = target_spec.load_tokenizer(spec)  # first: the draft is checked against it

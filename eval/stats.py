@@ -19,8 +19,8 @@ import numpy as np
 import torch
 
 from specdistill import drafts, losses
-from specdistill.drafts.kv_cache import eval_mode
 from specdistill.eval.engine import Round
+from specdistill.models.kv_cache import eval_mode
 
 # ----------------------------------------------------------------------------- τ formulas
 

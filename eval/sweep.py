@@ -26,12 +26,12 @@ from copy import copy
 from dataclasses import asdict, dataclass
 
 from specdistill import drafts
-from specdistill.drafts.progress import WorkProgress
 from specdistill.eval import stats
 from specdistill.eval.cli_args import DEFAULT_MAX_GAMMA
 from specdistill.eval.engine import AdaptiveGamma, Generation, generate
 from specdistill.eval.length_policy import length_policy
 from specdistill.eval.lossless import GreedyChecker
+from specdistill.progress import WorkProgress
 
 # |measured τ − predicted τ| / predicted τ within which the i.i.d. prediction agrees.
 TAU_TOLERANCE = 0.10

@@ -46,7 +46,7 @@ class Manifest:
     version: str | None = None
     parent: str | None = None
     time: float | None = None
-    target: dict | None = None  # {"name", "identity"} (specdistill.drafts.identity)
+    target: dict | None = None  # {"name", "identity"} (specdistill.models.identity)
     draft_type: str | None = None
     reason: str | None = None  # "initial draft" or "promoted"
     records_trained: int = 0

@@ -43,8 +43,8 @@ def main(argv: list[str] | None = None) -> int:
     inputs = input_files(Path(args.input))
     check_out(Path(args.out))  # before the tokenizer loads
     quiet_third_party()
-    from specdistill.drafts.hub import load_tokenizer
-    from specdistill.drafts.identity import model_identity
+    from specdistill.models.hub import load_tokenizer
+    from specdistill.models.identity import model_identity
 
     tokenizer = load_tokenizer(args.target)
     identity = args.target_identity or model_identity(args.target, adapter=args.target_adapter)

@@ -7,7 +7,7 @@ A published root: ROOT/vNNNNNN/ versions and ROOT/current naming the one served
 `DraftWatcher` polls `current` every `poll_s` seconds; a version it has not seen is loaded
 beside the running one, checked against the target (tokenizer or vocabulary,
 drafts/checked_load.py) and handed to the worker, which switches between rounds. Loading is
-all or nothing (drafts.hub): a version whose weights do not cover its config, or whose
+all or nothing (models.hub): a version whose weights do not cover its config, or whose
 weights file is cut short, does not load. A version that fails to load or to match is logged
 and skipped (not retried until `current` names it again after another version), and the
 previous one keeps serving.

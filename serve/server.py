@@ -66,11 +66,11 @@ class Server:
     # ------------------------------------------------------------------ start-up steps
     def _load_target(self, device: str):
         """(the target on `device`, its tokenizer, its identity), loaded from the options
-        (drafts/target_spec.py). A peft adapter stays unmerged; the identity the traffic records
+        (models/target_spec.py). A peft adapter stays unmerged; the identity the traffic records
         carry covers its files, so the online job refuses records of another adapter or of the
         bare base."""
-        from specdistill.drafts.identity import model_identity
-        from specdistill.drafts.target_spec import TargetSpec, load_target_and_tokenizer
+        from specdistill.models.identity import model_identity
+        from specdistill.models.target_spec import TargetSpec, load_target_and_tokenizer
 
         o = self.options
         target, tokenizer = load_target_and_tokenizer(TargetSpec.from_args(o, device=device))

@@ -17,8 +17,8 @@ from tests.helpers import TEXT, make_lora_adapter, make_model, make_tokenizer
 
 # The tests that decode through the engine's streams (plain, EAGLE-3 and peft-wrapped models).
 STRICT_WARNINGS = (
-    "tests/drafts/test_internals.py",
-    "tests/drafts/test_lean.py",
+    "tests/models/test_internals.py",
+    "tests/models/test_lean.py",
     "tests/eval/test_drift.py",
     "tests/eval/test_engine_rows.py",
     "tests/eval/test_reduced_vocab_engine.py",

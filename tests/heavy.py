@@ -19,7 +19,7 @@ HEAVY = {
     "tests/train/test_eagle3.py::test_eagle3_two_processes_match_one_process",
     "tests/train/test_trainer.py::test_two_processes_match_one_process_at_equal_global_batch",
     "tests/train/test_sharded.py::test_fsdp2_over_gloo_with_two_processes_trains_as_one_process",
-    "tests/drafts/test_embedded.py::test_concurrent_processes_build_once",
+    "tests/models/test_embedded.py::test_concurrent_processes_build_once",
     "tests/train/test_acceptance_head_training.py::test_two_processes_train_the_head_as_one_process",
     # kill tests and servers in subprocesses
     "tests/train/online/test_online.py::test_sigkill_mid_refresh_then_resume",
@@ -38,7 +38,7 @@ HEAVY = {
     "tests/train/test_export.py::test_cli_as_a_script",
     "tests/test_layout.py::test_cli_lists_and_runs_verbs[export]",
     # the real registry model: fetched from the package index on first use (98 MB)
-    "tests/drafts/test_registry.py::test_the_real_smollm2_package_answers_and_speculates_losslessly",
+    "tests/models/test_registry.py::test_the_real_smollm2_package_answers_and_speculates_losslessly",
 }
 
 ROOT = Path(__file__).resolve().parents[1]

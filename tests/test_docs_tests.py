@@ -28,12 +28,12 @@ def test_every_test_named_in_reliability_md_exists():
 
 
 def test_every_source_file_named_in_the_docs_exists():
-    """README.md and docs/*.md name files by their paths in the repository (`drafts/lean.py`,
+    """README.md and docs/*.md name files by their paths in the repository (`models/lean.py`,
     `recipes/code.yaml`): every such path exists, so a moved module cannot leave a stale
     pointer behind."""
     root = Path(__file__).resolve().parents[1]
     pattern = re.compile(
-        r"(?<![\w/.-])((?:data|losses|drafts|eval|serve|train|specdistill|benchmarks|tests|"
+        r"(?<![\w/.-])((?:data|losses|models|drafts|eval|serve|train|specdistill|benchmarks|tests|"
         r"recipes)/[\w/.-]*\.(?:py|yaml))"
     )
     missing = [

@@ -61,7 +61,7 @@ def test_decorators_and_a_function_at_the_limit_pass():
 
 def test_the_checked_files_include_every_layer_and_the_benchmarks():
     folders = {path.relative_to(REPO).parts[0] for path in checked_files()}
-    assert {"specdistill", "eval", "train", "serve", "drafts", "benchmarks"} <= folders
+    assert {"specdistill", "eval", "train", "serve", "models", "drafts", "benchmarks"} <= folders
     assert "tests" not in folders
 
 

@@ -4,12 +4,18 @@ Layers, lowest first (an arrow may only point down):
 
     data, losses        depend on nothing else in the project but the errors utility
     publish, errors,    utilities: atomic writes, one-line errors, the verbs' argument parser,
-    verb_parser,        thread counts, bounds on numbers (stdlib only; errors may use publish,
-    threads, bounds     threads and bounds use errors)
+    verb_parser,        thread counts, bounds on numbers, the progress display of long work
+    threads, bounds,    (stdlib only; errors may use publish, threads and bounds use errors,
+    progress            progress uses threads)
     formats             the files the server and the online job share (the traffic record, its
                         shards, the published versions); may use errors only
-    drafts              what differs between draft types; may use losses, data, utilities
-    eval                may use drafts, formats, data, losses, utilities; never serve or train
+    models              models whatever the draft type: loading a target, its tokenizer or any
+                        causal LM, identity, the embedded and registry models, the KV stream,
+                        the lean CPU forward; may use data, utilities
+    drafts              what differs between draft types; may use models, losses, data,
+                        utilities
+    eval                may use drafts, models, formats, data, losses, utilities; never serve
+                        or train
     serve, train        may use eval, formats and everything below; never each other
     online_demo         serve and train together (the online demo): everything below cli
     cli, cli_docs       dispatch to the verbs, document them (import anything, lazily)
@@ -38,7 +44,7 @@ import pytest
 
 from tests.package_modules import REPO, modules
 
-UTILITIES = {"publish", "errors", "verb_parser", "threads", "bounds"}
+UTILITIES = {"publish", "errors", "verb_parser", "threads", "bounds", "progress"}
 ALLOWED = {
     # specdistill/errors.py defines the project's error base classes (stdlib only)
     "data": {"errors"},
@@ -48,18 +54,41 @@ ALLOWED = {
     "verb_parser": set(),
     "threads": {"errors", "bounds"},  # ThreadsError, max_threads; stdlib (torch lazily)
     "bounds": {"errors"},  # BoundsError; the standard library otherwise
+    "progress": {"threads"},  # usable_cores; the standard library otherwise (tqdm lazily)
     "formats": {"errors"},  # pydantic and the standard library otherwise
-    # the embedded default target is built from the data layer's corpus (drafts/embedded.py)
-    "drafts": {"losses", "data"} | UTILITIES,
-    "eval": {"data", "losses", "drafts", "formats"} | UTILITIES,
-    "serve": {"data", "losses", "drafts", "eval", "formats"} | UTILITIES,
-    "train": {"data", "losses", "drafts", "eval", "formats"} | UTILITIES,
+    # the embedded default target is built from the data layer's corpus (models/embedded.py)
+    "models": {"data"} | UTILITIES,
+    "drafts": {"models", "losses", "data"} | UTILITIES,
+    "eval": {"data", "losses", "models", "drafts", "formats"} | UTILITIES,
+    "serve": {"data", "losses", "models", "drafts", "eval", "formats"} | UTILITIES,
+    "train": {"data", "losses", "models", "drafts", "eval", "formats"} | UTILITIES,
     # specdistill/online_demo/: a server and an online job run together
-    "online_demo": {"data", "losses", "drafts", "eval", "formats", "serve", "train", "root"}
+    "online_demo": {
+        "data",
+        "losses",
+        "models",
+        "drafts",
+        "eval",
+        "formats",
+        "serve",
+        "train",
+        "root",
+    }
     | UTILITIES,
     "recipes": set(),
     "root": set(),  # specdistill/__init__.py
-    "cli": {"data", "losses", "drafts", "eval", "formats", "serve", "train", "online_demo", "root"}
+    "cli": {
+        "data",
+        "losses",
+        "models",
+        "drafts",
+        "eval",
+        "formats",
+        "serve",
+        "train",
+        "online_demo",
+        "root",
+    }
     | UTILITIES,
 }
 
@@ -177,6 +206,7 @@ def test_checks_can_fail():
         "specdistill.eval.a",
     ]
     assert "train" not in ALLOWED[layer("specdistill.eval.a")]
+    assert "drafts" not in ALLOWED[layer("specdistill.models.a")]
     assert "eval -> train" in folder_graph(planted)
 
 
@@ -235,13 +265,13 @@ def test_cli_unknown_verb_suggests():
 
 # name -> why reading it is allowed
 PRIVATE_ALLOWED = {
-    "_version": "torch's per-tensor version counter; drafts/lean.py checks it is there first "
+    "_version": "torch's per-tensor version counter; models/lean.py checks it is there first "
     "and keeps transformers' forward when it is not (missing_internal)",
     "_attn_implementation": "transformers' attention backend on a config: the documented way "
     "to read it (read with a default)",
     "_hf_hook": "accelerate's hook attribute, tested with hasattr to refuse offloaded models",
     "_reorder_linear_weight": "oneDNN's weight prepacking op (torch.ops.mkldnn, what "
-    "torch.compile's CPU backend emits); drafts/lean.py tries it once (packed_ops) and keeps "
+    "torch.compile's CPU backend emits); models/lean.py tries it once (packed_ops) and keeps "
     "the K-major kernel when it is missing or disagrees",
     "_linear_pointwise": "oneDNN's linear on prepacked weights (torch.ops.mkldnn); checked as "
     "_reorder_linear_weight is",

@@ -111,7 +111,7 @@ class CaptureWriter:
 def capture_writer(out: Path, top_n: int | None, target, tokenizer, dtype=torch.float16):
     """The writer of a regenerate run's captured top N (None without), over the columns the
     target cache compares (`hub.shared_vocab_size`)."""
-    from specdistill.drafts import hub
+    from specdistill.models import hub
 
     if top_n is None:
         return None

@@ -5,7 +5,7 @@ The fine-tuned targets of the demos and benchmarks: `benchmarks/drift_demo.py` (
 fine-tuned on prose, to measure α drift), `benchmarks/real_drift.py` (SFTs of a real
 instruction model that change its answers' style) and `specdistill online demo --shift
 target` (a served target that knows a domain its draft was never fit on). The adapter is
-saved unmerged; `drafts.hub.load_target` loads it on top of the base (docs/drift.md).
+saved unmerged; `models.hub.load_target` loads it on top of the base (docs/drift.md).
 `merge_adapter` writes the merged target as well, as users also ship one.
 """
 
@@ -46,7 +46,7 @@ def finetune_adapter(
     it, unmerged, at `out`. Each step's batch takes `rows` random rows of `seq` tokens from
     each (texts, rows) source, so a mix such as [(prose, 4), (code, 4)] teaches the new domain
     while holding the old one. Returns the first and the last losses."""
-    from specdistill.drafts import hub
+    from specdistill.models import hub
 
     tokenizer = hub.load_tokenizer(base)
     data = [(token_blocks(tokenizer, texts, seq), rows) for texts, rows in sources]
@@ -76,7 +76,7 @@ def sft_adapter(
     on the assistant's tokens only (data/tokenize.py's mask), `batch_size` random records per
     step. The adapter is saved unmerged at `out`; returns the first and the last losses."""
     from specdistill.data.dataset import build_datasets, collate
-    from specdistill.drafts import hub
+    from specdistill.models import hub
 
     tokenizer = hub.load_tokenizer(base)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
@@ -111,7 +111,7 @@ def train_lora(
     unmerged at `out`. Returns {steps, loss_first, loss_last (mean of the last five)}."""
     from peft import LoraConfig, get_peft_model
 
-    from specdistill.drafts import hub
+    from specdistill.models import hub
 
     if steps < 1:
         raise UserError(f"a fine-tune needs at least one step; got {steps}")
@@ -139,7 +139,7 @@ def train_lora(
 def merge_adapter(base: str, adapter: Path, out: Path) -> Path:
     """The merged target (base weights + the LoRA's s·B·A) saved at `out` with the base's
     tokenizer: a plain model directory any engine or `--target` loads."""
-    from specdistill.drafts import hub
+    from specdistill.models import hub
 
     model = hub.load_target(base, str(adapter)).merge_and_unload()
     model.save_pretrained(out)

@@ -24,8 +24,8 @@ import time
 import torch
 
 from specdistill.data import collate
-from specdistill.drafts.kv_cache import KVStream, eval_mode, sync
 from specdistill.losses.sampling import probabilities
+from specdistill.models.kv_cache import KVStream, eval_mode, sync
 
 
 def row_seed(*parts) -> int:

@@ -8,7 +8,7 @@ import shutil
 from pathlib import Path
 
 from specdistill.drafts.acceptance_head import attach_head, attached_head
-from specdistill.drafts.embedded import resolve_model
+from specdistill.models.embedded import resolve_model
 from specdistill.publish import atomic_write_text, publish_dir
 from specdistill.train.run_plan import quiet_library_bars
 

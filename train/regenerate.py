@@ -245,10 +245,10 @@ def _regenerate_into(
 
 
 def _load_target(r, target, tokenizer) -> tuple:
-    """(target, tokenizer): the recipe's, each loaded unless given (drafts/target_spec.py); a
+    """(target, tokenizer): the recipe's, each loaded unless given (models/target_spec.py); a
     loaded target starts the recipe's threads and moves to the GPU when there is one."""
     from specdistill import threads
-    from specdistill.drafts.target_spec import TargetSpec, load_target_and_tokenizer
+    from specdistill.models.target_spec import TargetSpec, load_target_and_tokenizer
 
     given = target is not None
     target, tokenizer = load_target_and_tokenizer(
@@ -402,7 +402,7 @@ CHUNK_BATCHES = 4
 
 def _answer_all(answering: _Answering, todo: list[Job], name: str) -> None:
     """Answer `todo` chunk by chunk, with a progress line; the shard is closed after."""
-    from specdistill.drafts.progress import WorkProgress
+    from specdistill.progress import WorkProgress
 
     chunk = answering.batch_size * CHUNK_BATCHES
     progress = WorkProgress(name, len(todo)) if todo else None

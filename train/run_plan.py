@@ -17,8 +17,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from specdistill import publish
-from specdistill.drafts.weights import check_state_file
 from specdistill.errors import UserError
+from specdistill.models.weights import check_state_file
 from specdistill.train.config import Recipe, RecipeError, load_recipe, recipe_to_dict
 from specdistill.train.recipe import harmless_keys
 

@@ -89,9 +89,9 @@ def data_hash(dataset) -> str:
 
 
 def target_identity(target_cfg, model=None) -> dict:
-    """What names the target's distributions: its model (`drafts.identity.model_identity`,
+    """What names the target's distributions: its model (`models.identity.model_identity`,
     sha256 of config and weights), adapter (when the recipe has `target.adapter`), dtype."""
-    from specdistill.drafts.identity import model_identity
+    from specdistill.models.identity import model_identity
 
     adapter = getattr(target_cfg, "adapter", None)
     identity = model_identity(target_cfg.model, model, adapter)  # the adapter's files too

@@ -73,7 +73,7 @@ def build_cache(
     `Trainer.from_recipe` loads them unless given. `out` must not exist (or be empty) unless
     `overwrite`. `captured` (`train.captured.CapturedOutputs`, top-N at its N): the rows
     of the sequences it serves are read from it."""
-    from specdistill.drafts import hub
+    from specdistill.models import hub
     from specdistill.publish import atomic_write_text, publish_dir
 
     r, out = recipe, Path(out)
@@ -189,9 +189,9 @@ def _draft_columns(r, target, tokenizer, train_data, print) -> tuple:
 
 def _build_inputs(r, target, tokenizer, train_data, eval_data) -> tuple:
     """(target, tokenizer, train_data, eval_data): each loaded from the recipe unless given,
-    as `Trainer.from_recipe` loads them (drafts/target_spec.py: the tokenizer pads with its
+    as `Trainer.from_recipe` loads them (models/target_spec.py: the tokenizer pads with its
     eos token if unset)."""
-    from specdistill.drafts.target_spec import TargetSpec, load_target_and_tokenizer
+    from specdistill.models.target_spec import TargetSpec, load_target_and_tokenizer
     from specdistill.train.config import recipe_datasets
 
     target, tokenizer = load_target_and_tokenizer(
@@ -261,7 +261,7 @@ class _Build:
     def write_split(self, tmp: Path, split: str, data, print) -> dict:
         """Run the target over `data` (or read the captured rows) and write `split`'s shards
         into `tmp`; return the split's manifest entry."""
-        from specdistill.drafts.progress import WorkProgress
+        from specdistill.progress import WorkProgress
 
         stored = None if self.feature_layers is None else ShardFeatures(self.dtype)
         writer = ShardWriter(tmp, split, self.max_rows, self.dtype, stored)

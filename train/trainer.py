@@ -26,8 +26,8 @@ from accelerate.utils import set_seed
 from tqdm.auto import tqdm
 
 from specdistill import drafts
-from specdistill.drafts import hub as models
-from specdistill.drafts.target_spec import (
+from specdistill.models import hub
+from specdistill.models.target_spec import (
     TargetSpec,
     load_target_and_tokenizer,
     with_pad_token,
@@ -200,7 +200,7 @@ class Trainer:
             train_data, eval_data = recipe_datasets(r, tokenizer)
             try:
                 draft, kind = drafts.build(r.draft, target, tokenizer, train_data, print=acc.print)
-            except models.TokenizerMismatchError:
+            except hub.TokenizerMismatchError:
                 raise
             except ValueError as e:  # a draft that does not fit this target or recipe
                 raise RecipeError(str(e)) from None

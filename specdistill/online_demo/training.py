@@ -33,7 +33,7 @@ def context_cut(target: str, length: int) -> int:
     demo's sequences never run past what the target saw (a tiny test target has 128)."""
     from transformers import AutoConfig
 
-    from specdistill.drafts import hub
+    from specdistill.models import hub
 
     path = hub.local_model_dir(target)
     if path is None:  # a hub id: its config is read where the model loads

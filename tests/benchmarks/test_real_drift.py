@@ -38,7 +38,7 @@ def test_the_styles_rewrite_answers(tmp_path):
 def test_real_fine_tune_drift_gate_and_repair_at_a_small_size(tmp_path):
     from specdistill.data.instructions import stdlib_instructions
     from specdistill.drafts.draft_init import init_from_target
-    from specdistill.drafts.hub import load_target, load_tokenizer
+    from specdistill.models.hub import load_target, load_tokenizer
 
     torch.set_num_threads(1)
     name = "registry:smollm2-135m-instruct"

@@ -31,14 +31,10 @@ from specdistill.drafts.acceptance_head import (
 from specdistill.drafts.align import shifted_hidden, shifted_logits
 from specdistill.drafts.eagle3 import Eagle3
 from specdistill.drafts.eagle3_head import Eagle3Head, build_vocab_map
-from specdistill.drafts.hub import (
-    BrokenWeightsError,
-    IncompleteDraftError,
-    load_draft,
-    load_tokenizer,
-)
+from specdistill.drafts.loader import load_draft
 from specdistill.drafts.standalone import Standalone
 from specdistill.losses import SparseTarget, acceptance, acceptance_head_loss, acceptance_label
+from specdistill.models.hub import BrokenWeightsError, IncompleteDraftError, load_tokenizer
 
 
 def trained_head(hidden_size: int, seed: int = 0, **fields) -> AcceptanceHead:

@@ -1,6 +1,6 @@
 """A draft whose weights hold a NaN or an infinity (what a diverged training run writes) is
 refused by every loader, with one line naming the weights file and the first bad tensor:
-`--draft` (speculate / serve: drafts.hub.load_draft), hot swap, and export."""
+`--draft` (speculate / serve: drafts.loader.load_draft), hot swap, and export."""
 
 import math
 import shutil
@@ -18,8 +18,9 @@ from specdistill.drafts.acceptance_head import (
     AcceptanceHeadConfig,
     save_acceptance_head,
 )
-from specdistill.drafts.hub import NonFiniteWeightsError, load_draft, load_tokenizer
-from specdistill.drafts.weights import check_finite
+from specdistill.drafts.loader import load_draft
+from specdistill.models.hub import NonFiniteWeightsError, load_tokenizer
+from specdistill.models.weights import check_finite
 from specdistill.publish import atomic_write_text
 from specdistill.train.export_cli import main as export_main
 from tests.train.helpers import one_line_error

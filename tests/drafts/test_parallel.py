@@ -182,14 +182,14 @@ def test_sampling_is_lossless(small_parallel_pair, gamma, temperature):
 
 
 def test_save_detect_load_round_trip(parallel_pair, tmp_path):
-    from specdistill.drafts import hub
+    from specdistill.drafts import loader
     from tests.helpers import make_tokenizer
 
     target, draft = parallel_pair
     kind = Parallel(VOCAB, 3, VOCAB)
     kind.save(draft, tmp_path / "d", make_tokenizer(), "target")
     assert drafts.detect(tmp_path / "d") is Parallel
-    loaded = hub.load_draft(str(tmp_path / "d"))
+    loaded = loader.load_draft(str(tmp_path / "d"))
     assert drafts.type_of(loaded) is Parallel and mask_token(loaded) == VOCAB
     ids = torch.tensor([[1, 2, 3, 4]])
     with torch.no_grad():
@@ -214,9 +214,9 @@ def test_the_trainer_adapts_a_standalone_draft(tiny_pair, tmp_path):
     }
     result = Trainer.from_recipe(load_recipe(None, overrides(tiny_pair, out, **extra))).run()
     assert drafts.detect(out / "final") is Parallel
-    from specdistill.drafts import hub
+    from specdistill.drafts import loader
 
-    loaded = hub.load_draft(str(out / "final"))
+    loaded = loader.load_draft(str(out / "final"))
     assert mask_token(loaded) is not None and loaded.config.parallel_depths == 3
     assert 0.0 <= result["alpha"] <= 1.0
 

@@ -11,7 +11,7 @@ from safetensors.torch import load_file, save_file
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from specdistill import drafts
-from specdistill.drafts import hub, lean
+from specdistill.drafts import loader
 from specdistill.drafts.draft_init import (
     DraftInitError,
     choose_layers,
@@ -20,11 +20,12 @@ from specdistill.drafts.draft_init import (
     layers_spec,
 )
 from specdistill.drafts.eagle3_vocab import VocabMapError, build_vocab_map
-from specdistill.drafts.kv_cache import KVStream
 from specdistill.drafts.reduced_vocab import ReducedVocabError, with_reduced_head
-from specdistill.drafts.weights import IncompleteDraftError
+from specdistill.models import hub, lean
+from specdistill.models.kv_cache import KVStream
+from specdistill.models.weights import IncompleteDraftError
 from specdistill.train.config import RecipeError, load_recipe
-from tests.drafts.helpers import SIZES, VOCAB, run_stream
+from tests.models.helpers import SIZES, VOCAB, run_stream
 
 K = 40
 
@@ -101,7 +102,7 @@ def test_init_from_target_writes_a_loadable_directory(tiny_pair, tmp_path):
     target = hub.load_target(str(tiny_pair[0]))
     tokenizer = hub.load_tokenizer(str(tiny_pair[0]))
     out = init_from_target(target, tokenizer, 1, tmp_path / "draft")
-    draft = hub.load_draft(str(out))
+    draft = loader.load_draft(str(out))
     assert draft.config.num_hidden_layers == 1
     hub.check_tokenizers(tokenizer, hub.load_tokenizer(str(out)), "target", "draft")
     assert drafts.detect(out) is drafts.Standalone
@@ -131,7 +132,7 @@ def test_q_is_zero_outside_the_draft_vocabulary(tied):
 def test_save_load_round_trip_checks_the_map(tmp_path):
     _, draft, _ = reduced(tied=True)
     draft.save_pretrained(tmp_path / "d")
-    loaded = hub.load_draft(str(tmp_path / "d"))
+    loaded = loader.load_draft(str(tmp_path / "d"))
     assert drafts.detect(tmp_path / "d") is drafts.ReducedStandalone
     assert torch.equal(loaded.lm_head.d2t, draft.lm_head.d2t)
     assert torch.equal(loaded.lm_head.t2d, draft.lm_head.t2d)
@@ -143,10 +144,10 @@ def test_save_load_round_trip_checks_the_map(tmp_path):
     bad["lm_head.d2t"] = torch.zeros_like(state["lm_head.d2t"])  # every draft id -> id i
     save_file(bad, weights)
     with pytest.raises(VocabMapError, match="t2d"):
-        hub.load_draft(str(tmp_path / "d"))
+        loader.load_draft(str(tmp_path / "d"))
     save_file({k: v for k, v in state.items() if k != "lm_head.t2d"}, weights)
     with pytest.raises(IncompleteDraftError, match="lm_head.t2d"):
-        hub.load_draft(str(tmp_path / "d"))
+        loader.load_draft(str(tmp_path / "d"))
 
 
 def test_reduced_head_errors():

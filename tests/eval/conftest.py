@@ -12,17 +12,20 @@ from tests.eval.helpers import N_NEW, V_SMALL, perturbed, reference_greedy, tiny
 
 @pytest.fixture
 def no_models(monkeypatch):
-    """Stand-in for specdistill.drafts.hub that records every load instead of loading."""
+    """Stand-ins for specdistill.models.hub and specdistill.drafts.loader that record every
+    load instead of loading."""
     calls = []
-    fake = types.ModuleType("specdistill.drafts.hub")
+    fake = types.ModuleType("specdistill.models.hub")
+    fake_loader = types.ModuleType("specdistill.drafts.loader")
 
     def load(name, *args, **kwargs):
         calls.append(name)
         raise RuntimeError("stop: a model would load here")
 
-    fake.load_tokenizer = fake.load_model = fake.load_draft = fake.load_target = load
+    fake.load_tokenizer = fake.load_model = fake.load_target = fake_loader.load_draft = load
     fake.check_tokenizers = lambda *args: None
-    monkeypatch.setitem(sys.modules, "specdistill.drafts.hub", fake)
+    monkeypatch.setitem(sys.modules, "specdistill.models.hub", fake)
+    monkeypatch.setitem(sys.modules, "specdistill.drafts.loader", fake_loader)
     return calls
 
 

@@ -1,4 +1,4 @@
-"""α drift (eval/drift.py) and peft targets (drafts/hub.load_target) on the tiny pair."""
+"""α drift (eval/drift.py) and peft targets (models/hub.py load_target) on the tiny pair."""
 
 import json
 
@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 import torch
 
-from specdistill.drafts import hub
 from specdistill.eval import drift, drift_cli
 from specdistill.eval.prompts import load_prompts
+from specdistill.models import hub
 from tests.helpers import make_lora_adapter
 
 

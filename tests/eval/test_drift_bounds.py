@@ -97,7 +97,7 @@ def test_a_tiny_temperature_is_measured_greedily(tiny_pair, tmp_path):
 def two_depth_head(tiny_pair, tmp_path):
     """An EAGLE-3 head on the tiny target, saved as trained at 2 depths (ttt_steps 2)."""
     from specdistill.drafts.eagle3_head import Eagle3Head
-    from specdistill.drafts.hub import load_model, load_tokenizer
+    from specdistill.models.hub import load_model, load_tokenizer
 
     head = Eagle3Head.from_target(load_model(str(tiny_pair[0])), aux_layers=[0, 1])
     head.ttt_steps = 2
@@ -111,7 +111,7 @@ def test_depth_beyond_an_eagle3_drafts_trained_depths_is_one_line(
     tiny_pair, two_depth_head, tmp_path, capsys
 ):
     from specdistill import drafts
-    from specdistill.drafts.hub import load_draft
+    from specdistill.drafts.loader import load_draft
     from specdistill.errors import run_guarded
 
     target, _, _ = tiny_pair

@@ -22,8 +22,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import AutoModelForCausalLM
 
-from specdistill.drafts import kv_cache
 from specdistill.eval.engine import generate
+from specdistill.models import kv_cache
 
 GAMMA = 3
 PROMPTS = [[5, 17, 30, 44, 9], [7, 8, 9]]

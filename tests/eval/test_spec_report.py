@@ -69,15 +69,17 @@ def test_cli_writes_report(tmp_path, tokenizer, monkeypatch, capsys):
     vocab = len(WORDS)
     target = tiny_llama(0, vocab=vocab, hidden=32, layers=2, init=0.2)
     draft = perturbed(target, 0.02, seed=1)
-    fake = types.ModuleType("specdistill.drafts.hub")
+    fake = types.ModuleType("specdistill.models.hub")
     fake.load_tokenizer = lambda name, revision=None: tokenizer
     fake.load_model = lambda name, dtype: {"tiny:target": target, "tiny:draft": draft}[name]
-    fake.load_draft = fake.load_model
     fake.load_target = lambda name, adapter=None, dtype="float32", revision=None: fake.load_model(
         name, dtype
     )
     fake.check_tokenizers = lambda *args: None
-    monkeypatch.setitem(sys.modules, "specdistill.drafts.hub", fake)
+    fake_loader = types.ModuleType("specdistill.drafts.loader")
+    fake_loader.load_draft = fake.load_model
+    monkeypatch.setitem(sys.modules, "specdistill.models.hub", fake)
+    monkeypatch.setitem(sys.modules, "specdistill.drafts.loader", fake_loader)
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text(
         "\n".join(json.dumps({"prompt": p}) for p in ["a b c", "d e f g h", "i", "j k"])

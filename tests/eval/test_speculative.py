@@ -7,13 +7,13 @@ import pytest
 import torch
 
 from specdistill import losses
-from specdistill.drafts import kv_cache as cache
 from specdistill.eval import engine, verify
 from specdistill.eval import sampling as engine_sampling
 from specdistill.eval import stats as metrics
 from specdistill.eval.stats import tau_iid
 from specdistill.eval.sweep import Settings, sweep
 from specdistill.losses import sampling
+from specdistill.models import kv_cache as cache
 from tests.eval.helpers import (
     N_NEW,
     PREFIX,

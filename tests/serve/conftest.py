@@ -65,8 +65,8 @@ def client(server):
 @pytest.fixture
 def traffic_target(tiny_pair):
     """(path, tokenizer, the records' `target` field) of the tiny target, for conversion."""
-    from specdistill.drafts.hub import load_tokenizer
-    from specdistill.drafts.identity import model_identity
+    from specdistill.models.hub import load_tokenizer
+    from specdistill.models.identity import model_identity
 
     path = str(tiny_pair[0])
     return path, load_tokenizer(path), {"name": path, "identity": model_identity(path)}

@@ -4,9 +4,9 @@ import openai
 import pytest
 from transformers import AutoTokenizer
 
-from specdistill.drafts import hub
-from specdistill.drafts.identity import model_identity
 from specdistill.formats.traffic_shards import read_traffic
+from specdistill.models import hub
+from specdistill.models.identity import model_identity
 from tests.helpers import hf_greedy
 
 PROMPTS = ["def add(a, b):", "class Point:\n    def", "for i in range(10):"]

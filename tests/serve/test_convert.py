@@ -6,8 +6,8 @@ import pickle
 
 import pytest
 
-from specdistill.drafts.identity import model_identity
 from specdistill.formats.traffic_shards import read_traffic
+from specdistill.models.identity import model_identity
 from specdistill.serve.convert import convert
 from specdistill.serve.convert_cli import main
 from tests.serve.helpers import GenerateReqInput, vllm_lines

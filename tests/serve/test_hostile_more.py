@@ -263,7 +263,7 @@ def test_the_openapi_pages_need_the_key(keyed, path):
 @pytest.fixture
 def no_loading(monkeypatch):
     """Loading a tokenizer or a model fails the test: the checks must come first."""
-    import specdistill.drafts.hub as hub
+    import specdistill.models.hub as hub
 
     def refuse(*args, **kwargs):
         raise AssertionError("a model was loaded before the options were checked")

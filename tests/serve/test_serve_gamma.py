@@ -162,7 +162,7 @@ def test_default_gamma_follows_the_acceptance_head(tiny_pair, tmp_path):
         AcceptanceHeadConfig,
         save_acceptance_head,
     )
-    from specdistill.drafts.hub import load_draft
+    from specdistill.drafts.loader import load_draft
 
     _, draft_dir, _ = tiny_pair
     plain = load_draft(str(draft_dir))

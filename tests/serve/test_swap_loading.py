@@ -7,7 +7,7 @@ import shutil
 import pytest
 import torch
 
-from specdistill.drafts.hub import IncompleteDraftError, load_tokenizer
+from specdistill.models.hub import IncompleteDraftError, load_tokenizer
 from specdistill.publish import atomic_write_text
 from specdistill.serve.drafts import DraftWatcher
 from tests.train.helpers import seven_layer_config

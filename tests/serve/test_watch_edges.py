@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from specdistill.drafts.hub import load_tokenizer
+from specdistill.models.hub import load_tokenizer
 from specdistill.publish import atomic_write_text
 from specdistill.serve.drafts import DraftWatcher
 

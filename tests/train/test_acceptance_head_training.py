@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import load_file
 
 from specdistill.drafts.acceptance_head import CONFIG, WEIGHTS, load_acceptance_head
-from specdistill.drafts.hub import load_draft
+from specdistill.drafts.loader import load_draft
 from specdistill.train.config import RecipeError, load_recipe
 from specdistill.train.trainer import Trainer
 from tests.train.helpers import Killed, metrics, overrides, run_cli
@@ -199,12 +199,12 @@ def test_a_saved_head_stays_attached_untrained_when_the_head_is_off(tiny_pair, t
     from accelerate import Accelerator
 
     from specdistill import drafts
-    from specdistill.drafts import hub
     from specdistill.drafts.acceptance_head import (
         AcceptanceHead,
         AcceptanceHeadConfig,
         save_acceptance_head,
     )
+    from specdistill.models import hub
     from specdistill.train.step import DistillStep
 
     target_dir, draft_dir, _ = tiny_pair

@@ -97,7 +97,7 @@ def test_cache_refuses_up_front_what_distill_would_refuse(
     tiny_pair, tmp_path, monkeypatch, extra, columns, match
 ):
     """Refused before the target loads: nothing is built, nothing is written."""
-    from specdistill.drafts import hub
+    from specdistill.models import hub
 
     monkeypatch.setattr(hub, "load_target", lambda *a, **k: 1 / 0)
     out = tmp_path / "cache"

@@ -145,7 +145,7 @@ def test_tokens_other_than_the_generated_ones_take_the_forward(tiny_pair, word_t
     training, out = _answered(tiny_pair, word_target, tmp_path, top_n=8, dtype="float16")
     captured = CapturedOutputs([out], 8, V)
     from specdistill.data import collate
-    from specdistill.drafts.target_spec import TargetSpec, load_target_and_tokenizer
+    from specdistill.models.target_spec import TargetSpec, load_target_and_tokenizer
     from specdistill.train.config import recipe_datasets
     from specdistill.train.target_cache import valid_rows
 

@@ -299,8 +299,8 @@ def test_eagle3_recipe_errors(tiny_pair, tmp_path):
 def test_shipped_eagle3_recipe_runs_on_the_embedded_tiny_target(tmp_path, monkeypatch):
     """recipes/code-eagle3.yaml end to end on the embedded path (the 2-layer "tiny" target,
     built in seconds, on the stdlib corpus), then the saved head drafts in the engine."""
-    from specdistill.drafts.embedded import resolve_model
     from specdistill.eval.engine import generate
+    from specdistill.models.embedded import resolve_model
 
     monkeypatch.setenv("SPECDISTILL_CACHE", str(tmp_path / "cache"))
     overrides = [

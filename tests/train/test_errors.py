@@ -9,9 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from specdistill.drafts import hub as models
-from specdistill.drafts.hub import ModelNotFoundError, load_draft, load_model, load_tokenizer
+from specdistill.drafts.loader import load_draft
 from specdistill.errors import run_guarded
+from specdistill.models import hub
+from specdistill.models.hub import ModelNotFoundError, load_model, load_tokenizer
 from specdistill.train import distill
 from specdistill.train.config import RecipeError, load_recipe
 from tests.processes import free_port
@@ -108,9 +109,9 @@ def test_model_directories_embedded_names_and_hub_ids_still_resolve(tiny_pair, m
     target, draft, _ = tiny_pair
     assert len(load_tokenizer(str(target))) > 0
     assert load_draft(str(draft)).config.num_hidden_layers == 1
-    monkeypatch.setattr(models, "resolve_model", lambda name: str(target))
-    assert models.local_model_dir("embedded:code") == str(target)
-    assert models.local_model_dir("Qwen/Qwen2.5-0.5B") is None  # a hub id
+    monkeypatch.setattr(hub, "resolve_model", lambda name: str(target))
+    assert hub.local_model_dir("embedded:code") == str(target)
+    assert hub.local_model_dir("Qwen/Qwen2.5-0.5B") is None  # a hub id
 
 
 # 19: the hub when offline ----------------------------------------------------------------
@@ -123,7 +124,7 @@ def _no_connectivity_check():
 @pytest.mark.parametrize("loader", [load_tokenizer, load_model])
 def test_hub_offline_fails_fast(monkeypatch, loader):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    monkeypatch.setattr(models, "hub_reachable", _no_connectivity_check)
+    monkeypatch.setattr(hub, "hub_reachable", _no_connectivity_check)
     start = time.monotonic()
     with pytest.raises(ModelNotFoundError, match="some-org/some-model: .*hub is unreachable"):
         loader("some-org/some-model")
@@ -133,7 +134,7 @@ def test_hub_offline_fails_fast(monkeypatch, loader):
 @pytest.mark.parametrize("loader", [load_tokenizer, load_model])
 def test_unreachable_hub_fails_fast(monkeypatch, loader):
     monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
-    monkeypatch.setattr(models, "hub_reachable", lambda: False)
+    monkeypatch.setattr(hub, "hub_reachable", lambda: False)
     start = time.monotonic()
     with pytest.raises(ModelNotFoundError, match="hub is unreachable .*pass a local model dir"):
         loader("some-org/some-model")
@@ -145,14 +146,14 @@ def test_connectivity_check_uses_hf_endpoint(monkeypatch):
     for key in ("HTTPS_PROXY", "https_proxy"):
         monkeypatch.delenv(key, raising=False)
     monkeypatch.setenv("HF_ENDPOINT", f"http://127.0.0.1:{port}")
-    assert models.hub_address() == ("127.0.0.1", port)
-    models.hub_reachable.cache_clear()
+    assert hub.hub_address() == ("127.0.0.1", port)
+    hub.hub_reachable.cache_clear()
     try:
         start = time.monotonic()
-        assert models.hub_reachable() is False
+        assert hub.hub_reachable() is False
         assert time.monotonic() - start < 3
     finally:
-        models.hub_reachable.cache_clear()
+        hub.hub_reachable.cache_clear()
 
 
 # 13: scripts: one line and exit 2, the traceback with --debug -----------------------------

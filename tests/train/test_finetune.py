@@ -7,8 +7,8 @@ import json
 import pytest
 import torch
 
-from specdistill.drafts import hub
 from specdistill.errors import UserError
+from specdistill.models import hub
 from specdistill.train.finetune import merge_adapter, sft_adapter
 
 

@@ -1,4 +1,4 @@
-"""Loading is all or nothing (drafts/weights.py): a draft, a head, an export or a checkpoint
+"""Loading is all or nothing (models/weights.py): a draft, a head, an export or a checkpoint
 whose weights do not cover its config is refused, naming the tensors; a cut-short weights
 file is a one-line error naming it; `train.resume: no` means no."""
 
@@ -11,12 +11,8 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoConfig, LlamaForCausalLM
 
 from specdistill.drafts.eagle3_head import Eagle3Head
-from specdistill.drafts.hub import (
-    BrokenWeightsError,
-    IncompleteDraftError,
-    load_draft,
-    load_target,
-)
+from specdistill.drafts.loader import load_draft
+from specdistill.models.hub import BrokenWeightsError, IncompleteDraftError, load_target
 from specdistill.train.config import RecipeError, load_recipe
 from specdistill.train.export_cli import main as export_main
 from tests.train.helpers import Killed, kill_at, one_line_error, seven_layer_config, train
@@ -35,7 +31,7 @@ def seven(tiny_pair, tmp_path) -> Path:
     return seven_layer_config(tiny_pair[1], tmp_path / "seven")
 
 
-# ----------------------------------------------------------------------------- drafts.hub
+# ----------------------------------------------------------------------------- models.hub
 
 
 def test_a_draft_whose_weights_do_not_cover_its_config_is_refused(seven):

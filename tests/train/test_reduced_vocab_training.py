@@ -5,7 +5,8 @@ the same draft with its map."""
 import torch
 
 from specdistill import drafts
-from specdistill.drafts import hub
+from specdistill.drafts import loader
+from specdistill.models import hub
 from specdistill.train.config import load_recipe
 from specdistill.train.trainer import Trainer
 from tests.train.helpers import overrides
@@ -18,7 +19,7 @@ def test_distill_a_reduced_draft_of_the_targets_layers(tiny_pair, tmp_path):
     assert 0 < result["alpha"] <= 1
     final = out / "final"
     assert drafts.detect(final) is drafts.ReducedStandalone
-    draft = hub.load_draft(str(final))
+    draft = loader.load_draft(str(final))
     target = hub.load_target(str(tiny_pair[0]))
     assert draft.config.num_hidden_layers == 1 and draft.lm_head.weight.shape[0] == 100
     # the layer it was made of was trained, the target's was not
@@ -41,7 +42,7 @@ def test_distill_a_reduced_parallel_draft(tiny_pair, tmp_path):
     assert 0 < result["alpha"] <= 1
     final = out / "final"
     assert drafts.detect(final) is drafts.ReducedParallel
-    draft = hub.load_draft(str(final))
+    draft = loader.load_draft(str(final))
     assert draft.lm_head.weight.shape[0] == 100 and draft.config.pard_token == len(
         hub.load_tokenizer(str(final))
     )

@@ -6,8 +6,8 @@ import json
 import pytest
 
 from specdistill.data import build_datasets
-from specdistill.drafts.hub import load_tokenizer
 from specdistill.eval import engine
+from specdistill.models.hub import load_tokenizer
 from specdistill.train import regenerate as regenerate_module
 from specdistill.train.config import load_recipe
 from specdistill.train.regenerate import RegenerateError, Sampling, regenerate

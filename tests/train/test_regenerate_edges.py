@@ -85,8 +85,8 @@ def test_a_rerun_records_each_failing_prompt_once(tiny_pair, tmp_path):
             raise RuntimeError("batch failed")
         return engine.generate(target, draft, prompts, **kwargs)
 
-    from specdistill.drafts.hub import load_tokenizer
     from specdistill.eval.prompts import Prompt, encode_prompts
+    from specdistill.models.hub import load_tokenizer
 
     tokenizer = load_tokenizer(str(tiny_pair[0]))
     first = encode_prompts(

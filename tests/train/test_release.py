@@ -10,7 +10,7 @@ from accelerate import Accelerator
 from torch.nn.parallel import DistributedDataParallel
 
 from specdistill import drafts
-from specdistill.drafts import hub
+from specdistill.models import hub
 from specdistill.train.config import load_recipe
 from specdistill.train.step import DistillStep
 from tests.train.helpers import overrides

@@ -14,7 +14,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
 
 from specdistill import publish
-from specdistill.drafts import hub as models
+from specdistill.models import hub
 from specdistill.train.config import RecipeError, load_recipe
 from specdistill.train.distill import main as distill_main
 from specdistill.train.run_plan import CheckpointError, TiedHeadWarningFilter
@@ -84,8 +84,8 @@ def test_the_readme_recipe_run_twice_reports_the_finished_run(
     def no_loading(*args, **kwargs):
         raise AssertionError("a finished run loaded a model")
 
-    monkeypatch.setattr(models, "load_model", no_loading)
-    monkeypatch.setattr(models, "load_tokenizer", no_loading)
+    monkeypatch.setattr(hub, "load_model", no_loading)
+    monkeypatch.setattr(hub, "load_tokenizer", no_loading)
     assert distill_main(args) == 0
     second = capsys.readouterr().out
     assert "already holds the finished run" in second
@@ -135,8 +135,8 @@ def test_a_bad_resume_is_refused_before_loading_and_writes_nothing(
     def no_loading(*args, **kwargs):
         raise AssertionError("loaded a model before validating the output_dir")
 
-    monkeypatch.setattr(models, "load_model", no_loading)
-    monkeypatch.setattr(models, "load_tokenizer", no_loading)
+    monkeypatch.setattr(hub, "load_model", no_loading)
+    monkeypatch.setattr(hub, "load_tokenizer", no_loading)
     bad = [
         ({"train.resume": str(tmp_path / "nowhere")}, "is not a checkpoint directory"),
         ({"train.resume": str(out)}, "is not a checkpoint directory"),  # the run, not a step

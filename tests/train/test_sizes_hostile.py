@@ -105,7 +105,7 @@ def test_an_eagle3_vocabulary_other_than_the_saved_heads_is_one_recipe_error(
     tiny_pair, tmp_path, capsys
 ):
     from specdistill.drafts.eagle3_head import Eagle3Head
-    from specdistill.drafts.hub import load_model
+    from specdistill.models.hub import load_model
 
     head = Eagle3Head.from_target(load_model(str(tiny_pair[0])), aux_layers=[0, 1])
     head.save_pretrained(tmp_path / "head", verifier=str(tiny_pair[0]))

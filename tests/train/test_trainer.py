@@ -3,7 +3,7 @@ import json
 import pytest
 import torch
 
-from specdistill.drafts.hub import TokenizerMismatchError, check_tokenizers, load_tokenizer
+from specdistill.models.hub import TokenizerMismatchError, check_tokenizers, load_tokenizer
 from specdistill.train.config import load_recipe
 from specdistill.train.trainer import Trainer
 from tests.train.helpers import Killed, draft_weights, metrics, overrides, run_cli

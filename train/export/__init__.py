@@ -31,7 +31,7 @@ run's `final/`), else 3, with a note.
 
 Before anything is written the draft is checked: its weight files must be readable (a
 `BrokenWeightsError` naming a cut-short file) and cover its config (an `IncompleteDraftError`
-naming the missing, unexpected or other-shaped tensors: drafts/weights.py) and hold no NaN or
+naming the missing, unexpected or other-shaped tensors: models/weights.py) and hold no NaN or
 infinity (a `NonFiniteWeightsError` naming the file and the tensor); for a head, its
 d2t / t2d map (a `VocabMapError` when missing or inconsistent); what the format can hold; the
 verifier; the tokenizer files. A
@@ -56,7 +56,7 @@ from torch import nn
 from specdistill import bounds, drafts
 from specdistill.bounds import MAX_GAMMA
 from specdistill.drafts.eagle3_head import VocabMapError
-from specdistill.drafts.weights import check_module_finite, check_weight_files
+from specdistill.models.weights import check_module_finite, check_weight_files
 from specdistill.publish import publish_dir
 from specdistill.train.export import hf, sglang, vllm
 from specdistill.train.export.common import ExportError, Options, Plan
@@ -112,7 +112,7 @@ def _read(directory: Path) -> tuple[type, nn.Module]:
 
 def load_draft(draft) -> tuple[type, nn.Module]:
     """(draft type, module) for a draft directory, or an in-memory `Eagle3Head` / causal LM;
-    a `NonFiniteWeightsError` when its weights hold a NaN or an infinity (drafts/weights.py)."""
+    a `NonFiniteWeightsError` when its weights hold a NaN or an infinity (models/weights.py)."""
     if isinstance(draft, nn.Module):
         check_module_finite("the draft in memory", draft)
         return drafts.detect(draft), draft
@@ -188,7 +188,7 @@ def _tokenizer_source(kind: type, options: Options) -> Path | None:
 def _check_tokenizer_fits(tokenizer: Path, kind: type, model, source: Path | None) -> None:
     """ExportError unless `--tokenizer` is the draft's: its vocabulary equal to the tokenizer
     the draft directory carries (when it carries one), and no id past the draft's vocabulary."""
-    from specdistill.drafts.hub import TokenizerMismatchError, check_tokenizers, load_tokenizer
+    from specdistill.models.hub import TokenizerMismatchError, check_tokenizers, load_tokenizer
 
     try:
         given = load_tokenizer(str(tokenizer))

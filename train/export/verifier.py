@@ -24,8 +24,8 @@ def recipe_target(directory: Path | None) -> str | None:
 def resolve_name(name: str) -> str:
     """`embedded:<name>` -> its built directory when built (never builds); `registry:<name>`
     -> the hub model it was quantized from, which engines load; else unchanged."""
-    from specdistill.drafts import registry
-    from specdistill.drafts.embedded import PREFIX, _model_dir
+    from specdistill.models import registry
+    from specdistill.models.embedded import PREFIX, _model_dir
 
     if name.startswith(registry.PREFIX):
         try:

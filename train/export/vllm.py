@@ -21,7 +21,7 @@ from pathlib import Path
 from torch import nn
 
 from specdistill.drafts.eagle3_head import Eagle3Head, check_vocab_map
-from specdistill.drafts.weights import (
+from specdistill.models.weights import (
     BrokenWeightsError,
     IncompleteDraftError,
     NonFiniteWeightsError,
@@ -73,9 +73,9 @@ def write_causal_lm(model: nn.Module, options: Options) -> Plan:
 
 def read_causal_lm(directory: Path) -> nn.Module:
     """The causal LM of `directory` in its saved dtype, refused unless its weights cover its
-    config and hold no NaN or infinity (drafts.hub.load_model: `IncompleteDraftError`,
+    config and hold no NaN or infinity (models.hub.load_model: `IncompleteDraftError`,
     `BrokenWeightsError`, `NonFiniteWeightsError`)."""
-    from specdistill.drafts import hub
+    from specdistill.models import hub
 
     try:
         return hub.load_model(str(directory), dtype="auto")

@@ -15,8 +15,8 @@ from accelerate import Accelerator
 
 from specdistill import drafts
 from specdistill.data.dataset import TokenDataset
-from specdistill.drafts.identity import model_identity
-from specdistill.drafts.target_spec import TargetSpec, load_target_and_tokenizer
+from specdistill.models.identity import model_identity
+from specdistill.models.target_spec import TargetSpec, load_target_and_tokenizer
 from specdistill.train.batches import accumulation_steps
 from specdistill.train.online.screen import load_anchor
 from specdistill.train.online.store import Store
@@ -37,7 +37,7 @@ class Context:
     root: Path  # ROOT (online.drafts): the published versions
     target: torch.nn.Module  # frozen; the step core holds the same model
     tokenizer: object
-    identity: str  # the target's identity (drafts/identity.py), as the server computes it
+    identity: str  # the target's identity (models/identity.py), as the server computes it
     vocab_size: int  # len(tokenizer): the ids a record may hold
     core: DistillStep  # the running draft, its optimiser, the step (train/step.py)
     store: Store  # recent, reservoir, anchor, held-out (store.py)

@@ -10,8 +10,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from specdistill.drafts.checked_load import load_checked
-from specdistill.drafts.embedded import resolve_model
 from specdistill.formats.published import Manifest, read_current, read_manifest, version_draft_dir
+from specdistill.models.embedded import resolve_model
 from specdistill.publish import atomic_write_text
 from specdistill.train.online.context import Context
 from specdistill.train.online.versions import publish_version, versions

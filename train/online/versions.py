@@ -14,7 +14,7 @@ import shutil
 import time
 from pathlib import Path
 
-from specdistill.drafts.hub import load_draft
+from specdistill.drafts.loader import load_draft
 from specdistill.errors import UserError
 from specdistill.formats.published import (
     VERSION,
@@ -41,7 +41,7 @@ def versions(root) -> list[str]:
 
 
 def check_loads(root, version: str) -> None:
-    """Load ROOT/`version` as the server would (drafts.hub.load_draft: all of its config's
+    """Load ROOT/`version` as the server would (drafts.loader.load_draft: all of its config's
     tensors from its weights); a ValueError naming the version and the problem if it fails."""
     path = Path(root) / version
     try:

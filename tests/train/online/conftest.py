@@ -11,7 +11,7 @@ def traffic_pool(tiny_pair):
     """(identity, records): 96 records (code and prose) completed by the tiny target, greedy."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from specdistill.drafts.identity import model_identity
+    from specdistill.models.identity import model_identity
 
     target_dir = str(tiny_pair[0])
     tok = AutoTokenizer.from_pretrained(target_dir)

@@ -20,7 +20,7 @@ def trained_head(tiny_pair, traffic_pool, tmp_path_factory):
     from specdistill.data.dataset import TokenDataset
     from specdistill.drafts.eagle3 import token_counts
     from specdistill.drafts.eagle3_head import Eagle3Head, build_vocab_map
-    from specdistill.drafts.hub import load_model, load_tokenizer
+    from specdistill.models.hub import load_model, load_tokenizer
 
     _, pool = traffic_pool
     target = load_model(str(tiny_pair[0]))
@@ -59,8 +59,8 @@ def test_online_refreshes_gates_and_publishes_an_eagle3_head(
 ):
     from specdistill import drafts
     from specdistill.drafts.eagle3_head import Eagle3Head
-    from specdistill.drafts.hub import load_model, load_tokenizer
     from specdistill.eval.engine import Engine
+    from specdistill.models.hub import load_model, load_tokenizer
     from specdistill.serve.drafts import DraftWatcher
     from specdistill.train.online.versions import rollback
 

@@ -273,8 +273,9 @@ def test_a_shard_rewritten_under_the_cursor_is_read_again_not_skipped(
 
 
 def publish_two(tiny_pair, root):
-    from specdistill.drafts.hub import load_draft, load_tokenizer
+    from specdistill.drafts.loader import load_draft
     from specdistill.formats.published import Manifest
+    from specdistill.models.hub import load_tokenizer
     from specdistill.train.online.versions import publish_version
 
     tok = load_tokenizer(str(tiny_pair[0]))

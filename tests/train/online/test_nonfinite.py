@@ -30,7 +30,8 @@ def only_the_initial_draft(root) -> bool:
 def scored(tiny_pair, traffic_pool):
     """(held-out items, kind, target, tokenizer, incumbent draft) of the tiny pair."""
     from specdistill.drafts import Standalone
-    from specdistill.drafts.hub import load_draft, load_model, load_tokenizer
+    from specdistill.drafts.loader import load_draft
+    from specdistill.models.hub import load_model, load_tokenizer
 
     _, pool = traffic_pool
     tok = load_tokenizer(str(tiny_pair[0]))

@@ -62,7 +62,7 @@ def test_one_pass_screens_trains_gates_and_publishes(tiny_pair, traffic_pool, tm
     for key in ("traffic_window", "records_trained", "alpha", "ci", "loss", "time"):
         assert key in manifest
     # the server's loader takes the published version
-    from specdistill.drafts.hub import load_model, load_tokenizer
+    from specdistill.models.hub import load_model, load_tokenizer
     from specdistill.serve.drafts import DraftWatcher
 
     watcher = DraftWatcher(
@@ -170,8 +170,9 @@ def test_sigkill_mid_refresh_then_resume(tiny_pair, traffic_pool, tmp_path):
 
 @pytest.mark.parametrize("point", ["publish:saved", "publish:manifest", "publish:renamed"])
 def test_crashed_publish_never_exposes_a_partial_version(tiny_pair, tmp_path, point):
-    from specdistill.drafts.hub import load_draft, load_tokenizer
+    from specdistill.drafts.loader import load_draft
     from specdistill.formats.published import Manifest, read_current
+    from specdistill.models.hub import load_tokenizer
     from specdistill.train.online import versions as ov
 
     root = tmp_path / "drafts"
@@ -208,8 +209,9 @@ def test_worse_candidate_is_rejected_and_a_promotion_rolled_back(tiny_pair, traf
 
     from specdistill.cli import main as cli
     from specdistill.drafts import Standalone
-    from specdistill.drafts.hub import load_draft, load_model, load_tokenizer
+    from specdistill.drafts.loader import load_draft
     from specdistill.formats.published import Manifest
+    from specdistill.models.hub import load_model, load_tokenizer
     from specdistill.train.online.gate import decide, sequence_alpha
     from specdistill.train.online.versions import publish_version
 

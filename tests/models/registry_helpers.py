@@ -1,5 +1,5 @@
 """A tiny GGUF model and a wheel shipping it, as the registry packages ship theirs: the inputs
-of the registry's tests (tests/drafts/test_registry*.py; the `tiny_gguf` fixture is in
+of the registry's tests (tests/models/test_registry*.py; the `tiny_gguf` fixture is in
 conftest.py)."""
 
 import hashlib
@@ -12,7 +12,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from specdistill.drafts import registry
+from specdistill.models import registry
 
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 CHAT_TEMPLATE = (

@@ -17,9 +17,10 @@ On a terminal this is a tqdm bar; anywhere else (a log file, a pipe) one line ev
 `machine_load()` reads the 1-minute load average against the cores this process may run on;
 `Load.busy` is True when the processes wanting a core outnumber the cores by half a core or
 more, which slows every multi-threaded CPU job on the machine (the ETA then follows the
-measured, slower speed, and the bar says why). The embedded build (drafts/embedded_train.py)
-and `specdistill speculate` (eval/sweep.py) use it; the server logs it at start-up
-(serve/server.py).
+measured, slower speed, and the bar says why). The embedded build (models/embedded_train.py),
+`specdistill speculate` (eval/sweep.py), the target cache's build and `regenerate` use it.
+A utility: the standard library and specdistill/threads.py at import (tqdm when a bar is
+drawn).
 """
 
 import math

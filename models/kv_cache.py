@@ -15,7 +15,7 @@ batching) are prefilled in their own forward pass and their caches join the batc
 left-padded.
 
 Speed (CPU decoding is bound by per-call costs, not FLOPs). A supported Llama-family model on
-CPU runs drafts/lean.py's forward instead of transformers' (same weights, same cache, same
+CPU runs models/lean.py's forward instead of transformers' (same weights, same cache, same
 logits to float rounding). Each cache layer appends into
 spare capacity (`GrowingLayer`) instead of concatenating the whole cache every step, and a
 multi-token forward on a filled cache (the target's verification pass) gets a prepared
@@ -41,8 +41,8 @@ import torch
 from transformers import DynamicCache, PreTrainedModel
 from transformers.cache_utils import DynamicLayer
 
-from specdistill.drafts import lean as lean_forward
-from specdistill.drafts.lean import additive_mask
+from specdistill.models import lean as lean_forward
+from specdistill.models.lean import additive_mask
 
 # Compact (gather) a cache once padding + holes exceed this fraction of its length.
 _COMPACT_FRACTION = 0.25
@@ -182,7 +182,7 @@ def growing_cache(config) -> DynamicCache:
         _PROBED.append(growing_layer_problem())
         if _PROBED[0]:
             log.warning(
-                "drafts.kv_cache: GrowingLayer does not match this transformers' DynamicLayer "
+                "models.kv_cache: GrowingLayer does not match this transformers' DynamicLayer "
                 "(%s); caches keep transformers' own layers",
                 _PROBED[0],
             )
@@ -205,7 +205,7 @@ class KVStream:
             and getattr(model.config, "_attn_implementation", None) in _ADDITIVE_MASK_ATTENTION
         )
         self.cache_kw = cache_keyword(model)
-        # lean=None: drafts/lean.py's `enabled` decides.
+        # lean=None: models/lean.py's `enabled` decides.
         use = lean_forward.enabled if lean is None else lean
         self.lean = lean_forward.decoder(model) if use else None
         self.mask = torch.zeros(0, 0, dtype=torch.bool, device=device)

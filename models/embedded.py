@@ -13,12 +13,12 @@ whose target never saw code; "tiny" / "tiny-draft" builds in seconds for the tes
 
 `resolve_model("embedded:code-deep")` builds the model on first use (its build time on a
 machine is in benchmarks/RESULTS.md; the build shows its progress with an ETA measured as it
-goes, drafts/progress.py), caches it as an ordinary Hugging Face model directory under
+goes, specdistill/progress.py), caches it as an ordinary Hugging Face model directory under
 `<cache>/embedded/code-deep/` and returns that path, which then goes through the same
 `from_pretrained` calls as a hub model. The cache root is `$SPECDISTILL_CACHE` or
 `~/.cache/specdistill`. Build by hand with
 
-    python -c "from specdistill.drafts.embedded import resolve_model as r; r('embedded:code-deep')"
+    python -c "from specdistill.models.embedded import resolve_model as r; r('embedded:code-deep')"
 
 The corpus is the running interpreter's standard library (`data.stdlib`): the tokenizer
 and models train on the "train" split and report next-token loss on the "heldout" split.
@@ -32,7 +32,7 @@ writes into a temporary directory next to the cache and is renamed into place on
 complete, so an interrupted build never leaves a directory at the final path; leftovers
 are removed by the next build.
 
-Modules: drafts/embedded_specs.py names and specifies the models, drafts/embedded_train.py
+Modules: models/embedded_specs.py names and specifies the models, models/embedded_train.py
 trains a tokenizer and a model; this one resolves names, caches, locks and publishes builds.
 """
 
@@ -47,7 +47,8 @@ from pathlib import Path
 
 import torch
 
-from specdistill.drafts.embedded_specs import (
+from specdistill.errors import UserError
+from specdistill.models.embedded_specs import (
     BUILD_RECORD,
     BUILD_VERSION,
     CHAT_TEMPLATE,
@@ -63,8 +64,7 @@ from specdistill.drafts.embedded_specs import (
     record_spec,
     same_spec,
 )
-from specdistill.drafts.embedded_train import log, new_tokenizer, train_model
-from specdistill.errors import UserError
+from specdistill.models.embedded_train import log, new_tokenizer, train_model
 from specdistill.publish import publish_dir, waiting_lock
 from specdistill.threads import ThreadPolicy
 

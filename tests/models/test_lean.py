@@ -1,4 +1,4 @@
-"""The lean CPU decoding forward (drafts/lean.py): logits equal transformers' for every supported
+"""The lean CPU decoding forward (models/lean.py): logits equal transformers' for every supported
 family through a stream's prefill, padding, holes and verification passes; when it is used and
 when transformers' forward is kept; weights changed in place; EAGLE-3 feature capture."""
 
@@ -6,10 +6,10 @@ import pytest
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel, MistralConfig, MistralForCausalLM
 
-from specdistill.drafts import lean
 from specdistill.drafts.eagle3_head import FeatureCapture
-from specdistill.drafts.kv_cache import KVStream
-from tests.drafts.helpers import FAMILIES, SIZES, VOCAB, build, run_stream
+from specdistill.models import lean
+from specdistill.models.kv_cache import KVStream
+from tests.models.helpers import FAMILIES, SIZES, VOCAB, build, run_stream
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))

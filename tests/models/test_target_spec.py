@@ -1,4 +1,4 @@
-"""drafts/target_spec.py: the target spec of a recipe or of a verb's flags, the one loader of a
+"""models/target_spec.py: the target spec of a recipe or of a verb's flags, the one loader of a
 target and its tokenizer, and that nothing else in the package loads a target itself."""
 
 import ast
@@ -10,8 +10,8 @@ from types import SimpleNamespace
 import pytest
 from transformers import AutoTokenizer
 
-from specdistill.drafts import hub
-from specdistill.drafts.target_spec import (
+from specdistill.models import hub
+from specdistill.models.target_spec import (
     TargetSpec,
     load_target_and_tokenizer,
     load_tokenizer,
@@ -19,11 +19,11 @@ from specdistill.drafts.target_spec import (
 from specdistill.train.recipe import TargetConfig
 from tests.package_modules import REPO, modules
 
-LOADER = "drafts/target_spec.py"
+LOADER = "models/target_spec.py"
 # Package modules that call hub.load_target for something that is no run's target, each
 # with its reason.
 ALLOWED_CALLERS = {
-    "drafts/hub.py": "defines load_target (and loads a base model to check an adapter on it)",
+    "models/hub.py": "defines load_target (and loads a base model to check an adapter on it)",
     LOADER: "the loader itself",
     "train/finetune.py": "merges a fine-tune's adapter into its base model to save the merged "
     "model (export of a fine-tune), which is not a target a run decodes or trains against",
@@ -73,12 +73,12 @@ def test_the_loader_passes_every_field_of_the_spec(monkeypatch):
 
 
 def test_the_loader_uses_the_hub_module_of_the_moment(monkeypatch):
-    """A stand-in for drafts/hub.py put in sys.modules after the loader was imported (the
+    """A stand-in for models/hub.py put in sys.modules after the loader was imported (the
     verbs' tests do) is the one that loads."""
-    fake = types.ModuleType("specdistill.drafts.hub")
+    fake = types.ModuleType("specdistill.models.hub")
     fake.load_tokenizer = lambda name, revision=None: SimpleNamespace(pad_token_id=0)
     fake.load_target = lambda name, adapter=None, *, dtype, revision: f"fake {name}"
-    monkeypatch.setitem(sys.modules, "specdistill.drafts.hub", fake)
+    monkeypatch.setitem(sys.modules, "specdistill.models.hub", fake)
     assert load_target_and_tokenizer(TargetSpec("m"))[0] == "fake m"
 
 
@@ -104,7 +104,7 @@ def test_the_loader_sets_the_pad_token(no_pad_target):
 
 def target_loads(source: str) -> list[int]:
     """Lines of `source` that call `load_target` (any `x.load_target(...)` or a bare
-    `load_target(...)`) or import it from drafts.hub."""
+    `load_target(...)`) or import it from models.hub."""
     lines = []
     for node in ast.walk(ast.parse(source)):
         if isinstance(node, ast.Call):
@@ -119,8 +119,8 @@ def target_loads(source: str) -> list[int]:
 
 
 def test_the_scan_sees_a_direct_load():
-    assert target_loads("from specdistill.drafts import hub\nhub.load_target('m')\n") == [2]
-    assert target_loads("from specdistill.drafts.hub import load_target\n") == [1]
+    assert target_loads("from specdistill.models import hub\nhub.load_target('m')\n") == [2]
+    assert target_loads("from specdistill.models.hub import load_target\n") == [1]
     assert target_loads("models.load_target(\n  'm', None)\n") == [1]
     assert target_loads("load_target_and_tokenizer(spec)\n") == []
 
@@ -135,7 +135,7 @@ def test_no_module_loads_a_target_but_through_the_loader():
         for line in target_loads(path.read_text())
     ]
     assert not found, (
-        "load the target through drafts/target_spec.py `load_target_and_tokenizer` "
+        "load the target through models/target_spec.py `load_target_and_tokenizer` "
         "(it passes the adapter, revision and dtype and sets the pad token):\n  "
         + "\n  ".join(found)
     )

@@ -1,4 +1,4 @@
-"""A converted registry model (drafts/registry.py) is checked on every resolve against the
+"""A converted registry model (models/registry.py) is checked on every resolve against the
 checksums written when it was converted: changed bytes, a missing or replaced file and a
 source record that is not an object are one line saying to convert again; a cache that is a
 file or a lock that is a directory are one line too, never a traceback."""
@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 from specdistill import cli
-from specdistill.drafts import registry
-from tests.drafts.registry_helpers import installed_package, registry_entry
+from specdistill.models import registry
+from tests.models.registry_helpers import installed_package, registry_entry
 
 
 @pytest.fixture

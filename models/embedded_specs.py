@@ -1,6 +1,6 @@
 """The embedded models' specifications: their names (`EMBEDDED`), tokenizer families
 (`CorpusSpec`), architectures and training budgets (`EmbeddedSpec`), and the spec as a
-build record stores it (`record_spec`). drafts/embedded.py builds and caches them.
+build record stores it (`record_spec`). models/embedded.py builds and caches them.
 """
 
 import json

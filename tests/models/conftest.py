@@ -1,8 +1,8 @@
-"""Fixtures of the drafts tests."""
+"""Fixtures of the models tests."""
 
 import pytest
 
-from tests.drafts.registry_helpers import tiny_model, tiny_tokenizer, write_gguf
+from tests.models.registry_helpers import tiny_model, tiny_tokenizer, write_gguf
 
 
 @pytest.fixture(scope="module")

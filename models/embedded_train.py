@@ -1,7 +1,7 @@
 """Pretraining an embedded model from scratch: the corpus (`corpus_texts`), the family's
 tokenizer (`new_tokenizer`) and the model (`train_model`: packed blocks, AdamW with warmup
 and cosine decay, optional progressive stacking, held-out loss). Deterministic for a spec.
-drafts/embedded.py calls these under its build lock and publishes the results.
+models/embedded.py calls these under its build lock and publishes the results.
 """
 
 import math
@@ -24,7 +24,7 @@ from transformers import (
 )
 
 from specdistill.data.stdlib import stdlib_files, stdlib_prose
-from specdistill.drafts.embedded_specs import (
+from specdistill.models.embedded_specs import (
     BUILD_RECORD,
     CHAT_TEMPLATE,
     EOS,
@@ -32,8 +32,8 @@ from specdistill.drafts.embedded_specs import (
     CorpusSpec,
     EmbeddedSpec,
 )
-from specdistill.drafts.model_lock import model_lock
-from specdistill.drafts.progress import WorkProgress
+from specdistill.models.model_lock import model_lock
+from specdistill.progress import WorkProgress
 from specdistill.threads import ThreadPolicy
 
 PREFIX = "[specdistill embedded] "
@@ -202,7 +202,7 @@ def train_model(
     threads: ThreadPolicy | None = None,
 ) -> dict:
     """Pretrain `spec` from scratch and save model and tokenizer into `out`; the build
-    record's fields about the run (drafts/embedded.py writes the record). `threads`, when
+    record's fields about the run (models/embedded.py writes the record). `threads`, when
     given, is re-checked between steps (specdistill/threads.py)."""
     start = time.perf_counter()
     corpus = _TokenCorpus.load(spec, tokenizer_dir)

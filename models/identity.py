@@ -10,11 +10,11 @@ from pathlib import Path
 def model_identity(name: str, model=None, adapter: str | None = None) -> str:
     """sha256 over a model directory's config and weight files: `sha256:<hex>`; for a hub id
     without a local directory, over the name and the config. With `adapter` (a peft adapter
-    directory put on top of `name`, unmerged, as `drafts.hub.load_target` does), the identity
+    directory put on top of `name`, unmerged, as `models.hub.load_target` does), the identity
     is `<base identity>+adapter:sha256:<hex>`, the second hash over the adapter directory's
     adapter_config.json and weight files: a server and an online job agree on it exactly when
     they use the same base and the same adapter files, and a bare base never matches it."""
-    from specdistill.drafts.hub import local_model_dir
+    from specdistill.models.hub import local_model_dir
 
     h = hashlib.sha256()
     path = None

@@ -28,7 +28,7 @@ from safetensors import SafetensorError, safe_open
 
 from specdistill.errors import UserError
 
-log = logging.getLogger("specdistill.drafts")
+log = logging.getLogger("specdistill.models")
 SHOWN = 4  # names shown per kind of problem
 
 

@@ -1,4 +1,4 @@
-"""Models for the lean decoder's tests: one tiny random model of each family drafts/lean.py
+"""Models for the lean decoder's tests: one tiny random model of each family models/lean.py
 supports (`build`), a stream run through a ragged prefill, a padded token and rolled-back
 tails (`run_stream`), and each transformers/torch internal the lean decoder reads, changed on
 a model as a release it was not written for might change it (`CHANGES`)."""
@@ -16,7 +16,7 @@ from transformers import (
 )
 from transformers.models.llama.modeling_llama import LlamaAttention
 
-from specdistill.drafts.kv_cache import KVStream
+from specdistill.models.kv_cache import KVStream
 
 VOCAB = 96
 

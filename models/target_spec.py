@@ -6,10 +6,10 @@ its weights and the device it moves to (None: where it loads). It comes from a r
 `target` section (`TargetSpec.from_recipe`) or from a verb's flags (`TargetSpec.from_args`:
 `--target`, `--target-adapter`, `--dtype`).
 
-`load_target_and_tokenizer` loads both through drafts/hub.py with every field of the spec,
+`load_target_and_tokenizer` loads both through models/hub.py with every field of the spec,
 and gives the tokenizer a pad token (its eos token) when it has none, as batching needs one.
 Every verb, the trainer, the online job, `prepare`, `regenerate` and `cache` load their
-target here; drafts/hub.py's `load_target` itself is called nowhere else but where a base
+target here; models/hub.py's `load_target` itself is called nowhere else but where a base
 model is merged with a fine-tune's adapter (train/finetune.py), which is no run's target.
 """
 
@@ -57,8 +57,8 @@ def with_pad_token(tokenizer):
 
 def load_tokenizer(spec: TargetSpec):
     """The target's tokenizer (at the spec's revision), with a pad token."""
-    # drafts/hub.py is looked up at each call, as the verbs did: tests stand a fake in for it.
-    from specdistill.drafts.hub import load_tokenizer as hub_tokenizer
+    # models/hub.py is looked up at each call, as the verbs did: tests stand a fake in for it.
+    from specdistill.models.hub import load_tokenizer as hub_tokenizer
 
     return with_pad_token(hub_tokenizer(spec.model, spec.revision))
 
@@ -68,7 +68,7 @@ def load_target_and_tokenizer(spec: TargetSpec, *, target=None, tokenizer=None) 
     the tokenizer first to check a draft against it). The tokenizer, given or loaded, pads with
     its eos token if it has no pad token; a loaded target is `hub.load_target`'s (the adapter
     unmerged, the revision and dtype of the spec), moved to `spec.device` when one is set."""
-    from specdistill.drafts.hub import load_target
+    from specdistill.models.hub import load_target
 
     tokenizer = load_tokenizer(spec) if tokenizer is None else with_pad_token(tokenizer)
     if target is None:

@@ -1,4 +1,4 @@
-"""The transformers/torch internals drafts/lean.py and drafts/kv_cache.py read: present in the
+"""The transformers/torch internals models/lean.py and models/kv_cache.py read: present in the
 installed versions; when one is missing (as in a release they were not written for), the
 stream keeps transformers' forward / transformers' own cache layers, gives the same logits,
 and one warning names what was missing. A peft-wrapped model gets the cache as `cache`."""
@@ -10,9 +10,9 @@ import pytest
 import torch
 from transformers.cache_utils import DynamicLayer
 
-from specdistill.drafts import kv_cache, lean
-from specdistill.drafts.kv_cache import GrowingLayer, KVStream, cache_keyword
-from tests.drafts.helpers import CHANGES, VOCAB, build, run_stream
+from specdistill.models import kv_cache, lean
+from specdistill.models.kv_cache import GrowingLayer, KVStream, cache_keyword
+from tests.models.helpers import CHANGES, VOCAB, build, run_stream
 
 CPU = torch.device("cpu")
 
@@ -80,7 +80,7 @@ def test_a_cache_layer_protocol_change_keeps_transformers_layers_with_one_warnin
 
 @torch.no_grad()
 def test_a_peft_target_gets_the_cache_without_deprecated_arguments(tiny_pair, tiny_adapter):
-    from specdistill.drafts.hub import load_target
+    from specdistill.models.hub import load_target
 
     model = load_target(str(tiny_pair[0]), adapter=str(tiny_adapter)).eval()
     assert hasattr(model, "get_base_model") and cache_keyword(model) == "cache"

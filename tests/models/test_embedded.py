@@ -12,7 +12,7 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from specdistill.data.stdlib import stdlib_files
-from specdistill.drafts import embedded, embedded_train
+from specdistill.models import embedded, embedded_train
 
 
 @pytest.fixture(scope="module")

@@ -2,7 +2,7 @@
 
 transformers swaps `PreTrainedModel.tie_weights` for a no-op during `from_pretrained` and
 puts back what it saw on entry, so two overlapping loads can put the no-op back for good
-(drafts/model_lock.py). Every model built afterwards then has an untied, random lm_head.
+(models/model_lock.py). Every model built afterwards then has an untied, random lm_head.
 """
 
 import threading
@@ -11,7 +11,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedModel
 
-from specdistill.drafts import hub, model_lock
+from specdistill.models import hub, model_lock
 
 
 @pytest.fixture(scope="module")

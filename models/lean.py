@@ -2,7 +2,7 @@
 
 Small models decoding on a CPU are bound by per-call costs, not FLOPs: one token through a
 narrow layer is some twenty small tensor ops, and transformers' modules add their own Python
-work per layer. `KVStream` (drafts/kv_cache.py) therefore runs a supported model through
+work per layer. `KVStream` (models/kv_cache.py) therefore runs a supported model through
 this forward instead, with the model's own parameters and the same cache:
 
 - projections multiply by copies of the weights laid out for the number of rows, q/k/v and
@@ -20,11 +20,12 @@ this forward instead, with the model's own parameters and the same cache:
 Everything else is transformers' math: RMSNorm in float32 as `LlamaRMSNorm`, SDPA with the
 module's scale and the same masks, keys/values appended to the same cache layers (so a cache
 filled by transformers' forward continues here and the other way round). Logits equal
-transformers' to float rounding (tests/drafts/test_lean.py).
+transformers' to float rounding (tests/models/test_lean.py).
 
 Supported: `model_type` llama, mistral (no sliding window), qwen2 (q/k/v biases) and qwen3
-(q/k norms), and a Llama draft with a reduced output vocabulary (drafts/reduced_vocab.py: its
-K-row head runs here, its K columns then placed among the target's ids, −inf elsewhere);
+(q/k norms), and a Llama draft with a reduced output vocabulary (drafts/reduced_vocab.py, which
+names its model type and head class here when imported, `support`: its K-row head runs here,
+its K columns then placed among the target's ids, −inf elsewhere);
 SiLU MLPs, full attention in every layer, plain `nn.Linear`/`nn.Embedding` modules (no peft
 adapters, no quantized layers, no accelerate hooks), on CPU, with gradients off, and at most
 `MAX_WEIGHT_BYTES` (2 GiB) of weights, since the copies can more than double them (each
@@ -37,7 +38,7 @@ The copies are rebuilt when a parameter changes: in place (its `_version` moves:
 step, `load_state_dict`) or by a new storage (`.data = ...`, `.to(dtype)`), and a new decoder
 is made when a module was replaced; a draft evaluated during training never runs stale
 weights. Not seen: in-place writes through `.data` (`p.data.add_(...)` bumps no version
-counter); code that updates weights that way should set `drafts.lean.enabled = False`.
+counter); code that updates weights that way should set `models.lean.enabled = False`.
 
 Internals it reads, each checked before a decoder is made (`missing_internal(model)`): the
 attention modules' `scaling`, the RMSNorms' `variance_epsilon`, the rotary module called as
@@ -54,10 +55,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from specdistill.drafts.reduced_vocab import MODEL_TYPE as REDUCED_LLAMA
-from specdistill.drafts.reduced_vocab import ReducedHead
-
-_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", REDUCED_LLAMA)
+# The model types run here, and the output head classes besides nn.Linear: more by `support`.
+_FAMILIES = ["llama", "mistral", "qwen2", "qwen3"]
+_HEADS = [nn.Linear]
 # Streams use the lean forward for supported models unless this is False (benchmarks turn it
 # off to measure transformers' forward: `python -m benchmarks.vs_hf_assisted --no-lean`).
 enabled = True
@@ -69,12 +69,24 @@ log = logging.getLogger(__name__)
 _WARNED: set[str] = set()  # internals already named in a warning (one warning each per process)
 
 
+def support(model_type: str, head: type[nn.Linear] | None = None) -> None:
+    """Run `model_type` here too: a causal LM with Llama's modules whose output head is a plain
+    `nn.Linear` or a `head` (a subclass of it whose `to_target_vocab(logits)` places its columns
+    among the target's ids). A draft type with a model class of its own calls this when it is
+    imported (drafts/reduced_vocab.py), as it registers the class with transformers' Auto
+    classes: a model of the type cannot be loaded or built before then."""
+    if model_type not in _FAMILIES:
+        _FAMILIES.append(model_type)
+    if head is not None and head not in _HEADS:
+        _HEADS.append(head)
+
+
 def why_not(model) -> str | None:
     """None when `LeanDecoder` can run `model`, else the reason it cannot."""
     config = getattr(model, "config", None)
     family = getattr(config, "model_type", None)
     if family not in _FAMILIES:
-        return f"model_type {family!r} is not one of {_FAMILIES}"
+        return f"model_type {family!r} is not one of {tuple(_FAMILIES)}"
     base = getattr(model, "model", None)
     if base is None or not hasattr(base, "rotary_emb") or not hasattr(base, "layers"):
         return "no model.model.layers / rotary_emb"
@@ -92,7 +104,7 @@ def why_not(model) -> str | None:
         return "sliding-window layers"
     if type(base.embed_tokens) is not nn.Embedding:
         return "the embedding is not a plain nn.Embedding"
-    if type(model.lm_head) not in (nn.Linear, ReducedHead):
+    if type(model.lm_head) not in _HEADS:
         return "the output head is not a plain nn.Linear (adapter, quantized layer)"
     linears = []
     for layer in base.layers:
@@ -154,7 +166,7 @@ def _warn_once(what: str) -> None:
     if what not in _WARNED:
         _WARNED.add(what)
         log.warning(
-            "drafts.lean: %s is missing or changed in this transformers/torch; "
+            "models.lean: %s is missing or changed in this transformers/torch; "
             "such models keep transformers' forward",
             what,
         )
@@ -195,7 +207,7 @@ def decoder(model) -> "LeanDecoder | None":
 #   (`torch.ops.mkldnn._reorder_linear_weight` / `_linear_pointwise`): a verification of 3-9
 #   rows then costs 1.1-1.4 one-row steps, where MKL's `x @ Wᵀ` cost 2.4-2.75 beyond 4 rows.
 #   Its rows do not depend on how many rows share the call: row i of a k-row product is
-#   bitwise the same for every k >= PACKED_FROM (tests/drafts/test_lean.py), so what
+#   bitwise the same for every k >= PACKED_FROM (tests/models/test_lean.py), so what
 #   verification scores for a drafted token does not depend on how many were drafted.
 #   Where oneDNN or the ops are missing (`packed_ops()`), or a weight's dtype cannot be
 #   packed, those rows take `x @ Wᵀ`.

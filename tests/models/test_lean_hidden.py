@@ -1,4 +1,4 @@
-"""The final hidden state next to the logits (drafts/lean.py `with_hidden`, KVStream's
+"""The final hidden state next to the logits (models/lean.py `with_hidden`, KVStream's
 `hidden`): equal to transformers' `hidden_states[-1]`; a standalone drafter with an acceptance
 head drafts on the lean forward and predicts the acceptances transformers' forward gives; when
 an internal the lean forward reads is missing, transformers' forward still gives the hidden
@@ -7,10 +7,10 @@ state."""
 import pytest
 import torch
 
-from specdistill.drafts import lean
 from specdistill.drafts.acceptance_head import AcceptanceHead, AcceptanceHeadConfig, attach_head
 from specdistill.drafts.standalone import StandaloneDrafter
-from tests.drafts.helpers import CHANGES, VOCAB, build
+from specdistill.models import lean
+from tests.models.helpers import CHANGES, VOCAB, build
 
 CPU = torch.device("cpu")
 PROMPTS = [[5, 6, 7, 9, 11], [8, 3]]
@@ -35,7 +35,7 @@ def ragged_hidden(stream, seed: int = 0) -> list[tuple[torch.Tensor, torch.Tenso
 @pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
 @torch.no_grad()
 def test_lean_hidden_equals_transformers(family):
-    from specdistill.drafts.kv_cache import KVStream
+    from specdistill.models.kv_cache import KVStream
 
     model = build(family)
     fast, plain = KVStream(model, VOCAB, CPU), KVStream(model, VOCAB, CPU, lean=False)
