@@ -14,6 +14,7 @@ from torch import Tensor, nn
 from specdistill.bounds import check_int
 from specdistill.drafts.acceptance_head import align_hidden
 from specdistill.drafts.eagle3_chains import sample_head_chains
+from specdistill.drafts.eagle3_format import head_from_config, read_config
 from specdistill.drafts.eagle3_head import (
     Eagle3Head,
     FeatureCapture,
@@ -24,12 +25,14 @@ from specdistill.drafts.eagle3_head import (
 )
 from specdistill.drafts.eagle3_vocab import token_counts
 from specdistill.drafts.reduced_vocab import ReducedVocabError, compared_ids
-from specdistill.drafts.standalone import StandaloneDrafter
+from specdistill.drafts.registry import register
+from specdistill.drafts.standalone import Standalone, StandaloneDrafter
 from specdistill.drafts.types import Capabilities, Depths
 from specdistill.losses import VocabTarget
 from specdistill.models.kv_cache import left_pad, left_pad_rows
 
 
+@register(10)
 class Eagle3:
     """The EAGLE-3 draft type (a `drafts.types.DraftType`): K = `steps` depths over the
     target's `vocab_size` columns; `d2t` maps the head's draft vocabulary into the target's
@@ -65,6 +68,28 @@ class Eagle3:
     def detect(path) -> bool:
         """A head in the speculators layout: config.json with speculators_model_type eagle3."""
         return is_eagle3_dir(path)
+
+    @staticmethod
+    def detect_loaded(model) -> bool:
+        """An EAGLE-3 head (it says `is_eagle3`)."""
+        return getattr(model, "is_eagle3", False)
+
+    @staticmethod
+    def load(name: str, *, dtype: str, revision: str | None = None) -> Eagle3Head:
+        """The head saved in the local directory `name`, refused unless its weights cover its
+        config and hold no NaN or infinity (`revision` is a hub name's: unused)."""
+        from specdistill.models import hub
+        from specdistill.models.weights import check_module_finite
+
+        path = hub.local_model_dir(name) or name
+        model = Eagle3Head.from_pretrained(path, dtype=hub.DTYPES[dtype])
+        check_module_finite(path, model)
+        return model
+
+    @staticmethod
+    def meta_model(path) -> Eagle3Head:
+        """The head its speculators config describes, under the caller's (meta) device."""
+        return head_from_config(Eagle3Head, read_config(path))
 
     @classmethod
     def planned(cls, cfg):
@@ -225,6 +250,7 @@ class Eagle3:
         return out
 
 
+@register(20, variant=True)
 class SGLangEagle3(Eagle3):
     """An EAGLE-3 head in SGLang's layout (an SGLang export read back as a draft): the same
     draft type, in another directory layout."""
@@ -235,6 +261,15 @@ class SGLangEagle3(Eagle3):
     def detect(path) -> bool:
         """config.json with architectures [LlamaForCausalLMEagle3]."""
         return is_sglang_eagle3_dir(path)
+
+    @staticmethod
+    def detect_loaded(model) -> bool:
+        """Never: a loaded head is the `Eagle3` type, whatever layout it was read from."""
+        return False
+
+    # loaded as what its config.json claims (a Llama causal LM), which its weights refuse
+    load = staticmethod(Standalone.load)
+    meta_model = staticmethod(Standalone.meta_model)
 
 
 class Eagle3Drafter(StandaloneDrafter):
