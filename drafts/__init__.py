@@ -1,7 +1,7 @@
 """Draft types: everything that differs between a standalone draft and an EAGLE-3 head.
 
 The trainer, the offline evaluation, the engine and the export ask this layer and never
-branch on the type themselves. A draft type (drafts/standalone.py, drafts/eagle3.py) turns a
+branch on the type themselves. A draft type (drafts/standalone/, drafts/eagle3/) turns a
 batch into K aligned (draft logits, target logits, mask) depths (`depths`, `count_mask`),
 saves a trained draft (`save`), and knows its own directories (`detect`). Both go to
 `losses.multi_depth_loss` (K = 1 is the plain per-position loss) and to `eval.offline` for
@@ -19,19 +19,20 @@ trains (`planned`), and never the type's name.
 `compared_vocab_size` is the one rule for the logit columns a target and a loaded draft are
 compared over (the engine, the offline α, drift).
 
-A standalone draft with a reduced output vocabulary (FR-Spec, drafts/reduced_vocab.py) is
-the `ReducedStandalone` variant of the standalone type (drafts/standalone.py): its
+A standalone draft with a reduced output vocabulary (FR-Spec, drafts/standalone/reduced_vocab.py) is
+the `ReducedStandalone` variant of the standalone type (drafts/standalone/): its
 `name` is "standalone", `Standalone.build` returns it for `draft.vocab_size`, and `detect` /
 `type_of` tell it apart (it trains over V_d and exports as hf only). A parallel draft with a
-reduced output vocabulary is likewise `ReducedParallel` (drafts/parallel.py).
+reduced output vocabulary is likewise `ReducedParallel` (drafts/parallel/).
 
-Each type registers itself (drafts/registry.py `register`, a decorator on its class, with a
-priority): `TYPES` (the recipe's `draft.type` names), `detect` (a directory), `type_of` (a
-loaded module) and the loader (drafts/loader.py, drafts/checked_load.py) ask the registry, in
-priority order, and never name a type. Adding a type (an MTP or DFlash-style head): a module
-here with a class that satisfies `DraftType`, declares its `capabilities` and registers
-itself, imported below; the export writes it by its `capabilities.export_as` (train/export/:
-a new row only for a new way of writing).
+Each type is a subpackage (drafts/standalone/, drafts/parallel/, drafts/eagle3/) holding its
+model, its hooks and its registration (drafts/registry.py `register`, a decorator on its
+class, with a priority): `TYPES` (the recipe's `draft.type` names), `detect` (a directory),
+`type_of` (a loaded module) and the loader (drafts/loader.py, drafts/checked_load.py) ask the
+registry, in priority order, and never name a type. Adding a type (an MTP or DFlash-style
+head): a subpackage here with a class that satisfies `DraftType`, declares its
+`capabilities` and registers itself, imported below; the export writes it by its
+`capabilities.export_as` (train/export/: a new row only for a new way of writing).
 """
 
 from torch import nn

@@ -1,7 +1,7 @@
 """Loading a draft by its type: the type the registry finds for it (drafts/registry.py
 `loading`: a local directory's detected type, else the fallback for a hub name) loads it with
 its `load` hook (a standalone or parallel draft: an ordinary causal LM, loaded by
-models/hub.py's `load_model`; an EAGLE-3 head: drafts/eagle3_head.py), and the acceptance head
+models/hub.py's `load_model`; an EAGLE-3 head: drafts/eagle3/head.py), and the acceptance head
 saved beside it is attached (drafts/acceptance_head.py).
 
 The load is all or nothing, as every load through models/hub.py is: weights that do not cover
@@ -30,7 +30,7 @@ def load_draft(
     use_acceptance_head: bool = True,
 ):
     """A draft of any registered type, by name or directory (a standalone draft like
-    `load_model`, an EAGLE-3 head directory: drafts/eagle3_head.py), refused
+    `load_model`, an EAGLE-3 head directory: drafts/eagle3/head.py), refused
     (IncompleteDraftError, BrokenWeightsError) unless its weights cover its config.
 
     A local draft directory with an acceptance head (drafts/acceptance_head.py) gives a draft

@@ -2,7 +2,7 @@
 
 The trainer, the offline evaluation, the engine, the server and the export call a draft type
 through these members only and never branch on which type it is. A type's class
-(drafts/standalone.py `Standalone`, drafts/eagle3.py `Eagle3`) declares what it can do
+(drafts/standalone/ `Standalone`, drafts/eagle3/ `Eagle3`) declares what it can do
 (`capabilities`: what the recipe checks, the online job and the export ask) and answers the
 questions about a recipe's `draft` section (`planned`), about a loaded draft module
 (`detect_loaded`, `vocab_size_of`, `drafter`, `path_logits`, `per_depth_alpha`,

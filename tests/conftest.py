@@ -96,7 +96,7 @@ def tiny_head_dir(tiny_pair, tmp_path_factory):
     """An EAGLE-3 head on the tiny target (V_d 100 of the target's vocabulary), saved."""
     from transformers import LlamaForCausalLM
 
-    from specdistill.drafts.eagle3_head import Eagle3Head, build_vocab_map
+    from specdistill.drafts.eagle3.head import Eagle3Head, build_vocab_map
 
     target = LlamaForCausalLM.from_pretrained(tiny_pair[0])
     torch.manual_seed(0)

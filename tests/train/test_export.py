@@ -18,7 +18,7 @@ from transformers import (
     Qwen2ForCausalLM,
 )
 
-from specdistill.drafts.eagle3_head import Eagle3Head, VocabMapError
+from specdistill.drafts.eagle3.head import Eagle3Head, VocabMapError
 from specdistill.train.export import FORMATS, ExportError, export, load_export
 from specdistill.train.export_cli import main
 from tests.eagle3_heads import DRAFT_VOCAB, HIDDEN, VOCAB, tiny_config, trained_head

@@ -8,9 +8,9 @@ The draft is a model the recipe names (`draft.model`) or one made of the target'
 (`draft.model: target-layers:...`, drafts/draft_init.py): `load_or_init`.
 
 `ReducedStandalone` is this type for a draft whose output head keeps V_d rows only
-(`draft.vocab_size`, FR-Spec; the model: drafts/reduced_vocab.py). Its `name` is "standalone"
-and its drafter and offline α are the standalone draft's, reading the full-vocabulary logits
-its forward (and the lean forward) returns, −inf outside V_d, so verification is lossless as
+(`draft.vocab_size`, FR-Spec; the model: drafts/standalone/reduced_vocab.py). Its `name` is
+"standalone" and its drafter and offline α are the standalone draft's, reading the full-vocabulary
+logits its forward (and the lean forward) returns, −inf outside V_d, so verification is lossless as
 for any draft (tests/eval/test_reduced_vocab_engine.py). What differs:
 
 - training compares the draft's K columns with the target on V_d: `depths` asks the draft
@@ -35,7 +35,8 @@ from specdistill.drafts.align import shifted_logits, target_mask
 from specdistill.drafts.chains import Chains, sample_chains
 from specdistill.drafts.confidence import acceptance_head, predicted_acceptance
 from specdistill.drafts.draft_init import draft_from_target, layers_spec
-from specdistill.drafts.reduced_vocab import (
+from specdistill.drafts.registry import register
+from specdistill.drafts.standalone.reduced_vocab import (
     ReducedHead,
     ReducedVocabError,
     compared_ids,
@@ -43,7 +44,6 @@ from specdistill.drafts.reduced_vocab import (
     is_reduced_dir,
     reduce_for_data,
 )
-from specdistill.drafts.registry import register
 from specdistill.drafts.types import Capabilities, Depths, DraftControl, Proposal
 from specdistill.models.kv_cache import KVStream, left_pad
 

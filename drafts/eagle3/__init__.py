@@ -1,8 +1,12 @@
-"""The EAGLE-3 draft type: a head on the target's features (the module: drafts/eagle3_head.py).
+"""The EAGLE-3 draft type: a head on the target's features (the module: drafts/eagle3/head.py).
 
 K = `draft.ttt_steps` depths of training-time test, each aligned with the target by
 `align_depths`; the target's features are captured in the same forward that gives its
 logits. Saved in the `speculators` layout vLLM loads (docs/theory.md §4, §5).
+
+This subpackage is the whole type: the head (head.py), its checkpoint format and directory
+detection (checkpoint.py), the target's feature capture (features.py), its chains for the
+accepted-length loss (chains.py), and here the type with its hooks and registration.
 """
 
 from collections.abc import Sequence
@@ -13,9 +17,9 @@ from torch import Tensor, nn
 
 from specdistill.bounds import check_int
 from specdistill.drafts.acceptance_head import align_hidden
-from specdistill.drafts.eagle3_chains import sample_head_chains
-from specdistill.drafts.eagle3_format import head_from_config, read_config
-from specdistill.drafts.eagle3_head import (
+from specdistill.drafts.eagle3.chains import sample_head_chains
+from specdistill.drafts.eagle3.checkpoint import head_from_config, read_config
+from specdistill.drafts.eagle3.head import (
     Eagle3Head,
     FeatureCapture,
     align_depths,
@@ -23,11 +27,11 @@ from specdistill.drafts.eagle3_head import (
     is_eagle3_dir,
     is_sglang_eagle3_dir,
 )
-from specdistill.drafts.eagle3_vocab import token_counts
-from specdistill.drafts.reduced_vocab import ReducedVocabError, compared_ids
 from specdistill.drafts.registry import register
 from specdistill.drafts.standalone import Standalone, StandaloneDrafter
+from specdistill.drafts.standalone.reduced_vocab import ReducedVocabError, compared_ids
 from specdistill.drafts.types import Capabilities, Depths
+from specdistill.drafts.vocab_map import token_counts
 from specdistill.losses import VocabTarget
 from specdistill.models.kv_cache import left_pad, left_pad_rows
 
@@ -186,7 +190,7 @@ class Eagle3:
         return compared_ids(self.d2t, self.vocab_size)
 
     def chains(self, draft, target, batch: dict, starts: list[int], **sampling):
-        """The head's own chains from `starts`, scored by the target (drafts/eagle3_chains.py),
+        """The head's own chains from `starts`, scored by the target (drafts/eagle3/chains.py),
         for loss.name=tau."""
         _, features = self.target_forward(target, batch)
         head = getattr(draft, "module", draft)  # the bare head's d2t under a DDP wrapper
@@ -273,7 +277,7 @@ class SGLangEagle3(Eagle3):
 
 
 class Eagle3Drafter(StandaloneDrafter):
-    """An EAGLE-3 head (drafts/eagle3_head.py) drafting from the target's features.
+    """An EAGLE-3 head (drafts/eagle3/head.py) drafting from the target's features.
 
     Its cache holds one entry per committed position j < n whose target feature is known:
     (fc(feature_j), token j+1), at position j. The target gives the features of the tokens

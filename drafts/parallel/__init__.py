@@ -30,14 +30,6 @@ from torch import Tensor, nn
 
 from specdistill.drafts.align import target_mask
 from specdistill.drafts.confidence import acceptance_head, predicted_acceptance
-from specdistill.drafts.reduced_vocab import (
-    ReducedHead,
-    add_input_row,
-    compared_ids,
-    is_reduced,
-    is_reduced_dir,
-    output_columns,
-)
 from specdistill.drafts.registry import register
 from specdistill.drafts.standalone import (
     ReducedStandalone,
@@ -45,6 +37,14 @@ from specdistill.drafts.standalone import (
     StandaloneDrafter,
     load_or_init,
     reduced_head,
+)
+from specdistill.drafts.standalone.reduced_vocab import (
+    ReducedHead,
+    add_input_row,
+    compared_ids,
+    is_reduced,
+    is_reduced_dir,
+    output_columns,
 )
 from specdistill.drafts.types import Capabilities, Depths, DraftControl, Proposal
 from specdistill.errors import UserError
