@@ -1,7 +1,7 @@
 """Draft types: everything that differs between a standalone draft and an EAGLE-3 head.
 
 The trainer, the offline evaluation, the engine and the export ask this layer and never
-branch on the type themselves. A draft type (drafts/standalone.py, drafts/eagle3.py) turns a
+branch on the type themselves. A draft type (drafts/standalone/, drafts/eagle3/) turns a
 batch into K aligned (draft logits, target logits, mask) depths (`depths`, `count_mask`),
 saves a trained draft (`save`), and knows its own directories (`detect`). Both go to
 `losses.multi_depth_loss` (K = 1 is the plain per-position loss) and to `eval.offline` for
@@ -19,43 +19,30 @@ trains (`planned`), and never the type's name.
 `compared_vocab_size` is the one rule for the logit columns a target and a loaded draft are
 compared over (the engine, the offline α, drift).
 
-A standalone draft with a reduced output vocabulary (FR-Spec, drafts/reduced_vocab.py) is
-the `ReducedStandalone` variant of the standalone type (drafts/standalone.py): its
+A standalone draft with a reduced output vocabulary (FR-Spec, drafts/standalone/reduced_vocab.py) is
+the `ReducedStandalone` variant of the standalone type (drafts/standalone/): its
 `name` is "standalone", `Standalone.build` returns it for `draft.vocab_size`, and `detect` /
 `type_of` tell it apart (it trains over V_d and exports as hf only). A parallel draft with a
-reduced output vocabulary is likewise `ReducedParallel` (drafts/parallel.py).
+reduced output vocabulary is likewise `ReducedParallel` (drafts/parallel/).
 
-Adding a type (an MTP or DFlash-style head): a module here with a class that satisfies
-`DraftType` and declares its `capabilities`, one entry in `TYPES` (the recipe's `draft.type`
-takes its keys) and one in `DETECTED` (before `Standalone`, the fallback); the export writes
-it by its `capabilities.export_as` (train/export/: a new row only for a new way of writing).
+Each type is a subpackage (drafts/standalone/, drafts/parallel/, drafts/eagle3/) holding its
+model, its hooks and its registration (drafts/registry.py `register`, a decorator on its
+class, with a priority): `TYPES` (the recipe's `draft.type` names), `detect` (a directory),
+`type_of` (a loaded module) and the loader (drafts/loader.py, drafts/checked_load.py) ask the
+registry, in priority order, and never name a type. Adding a type (an MTP or DFlash-style
+head): a subpackage here with a class that satisfies `DraftType`, declares its
+`capabilities` and registers itself, imported below; the export writes it by its
+`capabilities.export_as` (train/export/: a new row only for a new way of writing).
 """
-
-from pathlib import Path
 
 from torch import nn
 
+from specdistill.drafts import registry
 from specdistill.drafts.eagle3 import Eagle3, SGLangEagle3
-from specdistill.drafts.parallel import Parallel, ReducedParallel, mask_token
-from specdistill.drafts.reduced_vocab import is_reduced
+from specdistill.drafts.parallel import Parallel, ReducedParallel
+from specdistill.drafts.registry import TYPES, type_of
 from specdistill.drafts.standalone import ReducedStandalone, Standalone
 from specdistill.drafts.types import Capabilities, Drafter, DraftType
-from specdistill.errors import UserError
-
-TYPES: dict[str, type[DraftType]] = {
-    "standalone": Standalone,
-    "eagle3": Eagle3,
-    "parallel": Parallel,
-}
-# Asked in this order by `detect`; Standalone (any HF model directory) is the fallback, last.
-DETECTED: tuple[type[DraftType], ...] = (
-    Eagle3,
-    SGLangEagle3,
-    ReducedParallel,
-    Parallel,
-    ReducedStandalone,
-    Standalone,
-)
 
 
 def build(cfg, target, tokenizer, train_data, *, print=print):
@@ -72,34 +59,14 @@ def planned(cfg) -> type[DraftType]:
 
 
 def detect(draft) -> type[DraftType]:
-    """The draft type class of a directory (or of an in-memory draft module).
-
-    Each class's `detect(path)` recognises its own directories; `SGLangEagle3` is an EAGLE-3
-    head in SGLang's layout (its `name` is "eagle3"). Raises ValueError for a directory
-    without config.json, which is no draft of any type.
-    """
+    """The draft type class of a directory (`registry.detect`: each class's `detect(path)`
+    recognises its own directories, asked in priority order; `SGLangEagle3` is an EAGLE-3
+    head in SGLang's layout, its `name` "eagle3"), or of an in-memory draft module
+    (`type_of`). Raises a UserError (a ValueError) for a directory without config.json,
+    which is no draft of any type."""
     if isinstance(draft, nn.Module):
         return type_of(draft)
-    path = Path(draft)
-    if not (path / "config.json").is_file():
-        raise UserError(
-            f"{path}: no config.json; a draft directory is an EAGLE-3 head (speculators or "
-            "SGLang layout) or a Hugging Face causal LM directory"
-        )
-    return next(kind for kind in DETECTED if kind.detect(path))
-
-
-def type_of(model) -> type[DraftType]:
-    """The draft type class of a loaded draft module: `Eagle3` for an EAGLE-3 head (it says
-    `is_eagle3`), `Parallel` for a causal LM with a mask token (`ReducedParallel` with a
-    reduced output vocabulary), `ReducedStandalone` for a
-    causal LM with a reduced output vocabulary, else `Standalone` (a causal LM). The one
-    place that tells them apart."""
-    if getattr(model, "is_eagle3", False):
-        return Eagle3
-    if mask_token(model) is not None:
-        return ReducedParallel if is_reduced(model) else Parallel
-    return ReducedStandalone if is_reduced(model) else Standalone
+    return registry.detect(draft)
 
 
 def drafter_for(model, vocab_size: int, device) -> Drafter:
@@ -123,7 +90,6 @@ def compared_vocab_size(*targets, draft=None) -> int:
 
 
 __all__ = [
-    "DETECTED",
     "TYPES",
     "Capabilities",
     "DraftType",

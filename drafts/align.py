@@ -2,7 +2,7 @@
 
 Position t of a sequence predicts token t+1: the logits (or hidden states) at t are
 compared with the target's at t, and the pair counts when token t+1 is a training target
-(`target_mask`). An EAGLE-3 head's depth k adds k to that offset (drafts/eagle3.py
+(`target_mask`). An EAGLE-3 head's depth k adds k to that offset (drafts/eagle3/
 `align_depths`).
 """
 

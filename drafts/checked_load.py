@@ -7,43 +7,28 @@ loaded all or nothing (drafts/loader.py) and checked against the target: its tok
 with its own) or the vocabulary it covers, and the hidden size an EAGLE-3 head was built for.
 """
 
-import json
 from pathlib import Path
 
-from specdistill import drafts
 from specdistill.drafts.loader import load_draft
+from specdistill.drafts.registry import detect, type_of
 from specdistill.errors import UserError
 from specdistill.models.hub import check_tokenizers, load_tokenizer
 
 
 def implied_shapes(path: str) -> tuple[dict[str, tuple], list[set[str]]]:
     """(name -> shape of every tensor the config at `path` implies, groups of names sharing
-    one tensor), from the model built on the meta device: nothing is allocated."""
+    one tensor), from the model its type (`detect`) builds on the meta device (`meta_model`):
+    nothing is allocated."""
     import torch
 
-    from specdistill.drafts.eagle3_head import Eagle3Head, is_eagle3_dir
-
     with torch.device("meta"):
-        if is_eagle3_dir(path):
-            model = _meta_eagle3(Eagle3Head, Path(path))
-        else:
-            from transformers import AutoConfig, AutoModelForCausalLM
-
-            model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path))
+        model = detect(path).meta_model(path)
     state = model.state_dict(keep_vars=True)
     groups: dict[int, set[str]] = {}
     for name, tensor in state.items():
         groups.setdefault(id(tensor), set()).add(name)
     tied = [names for names in groups.values() if len(names) > 1]
     return {name: tuple(t.shape) for name, t in state.items()}, tied
-
-
-def _meta_eagle3(cls, directory: Path):
-    """An EAGLE-3 head of the speculators config in `directory`, under the caller's device
-    context."""
-    from specdistill.drafts.eagle3_format import head_from_config
-
-    return head_from_config(cls, json.loads((directory / "config.json").read_text()))
 
 
 def check_before_loading(path: str) -> None:
@@ -63,7 +48,7 @@ def load_checked(path: str, target, tokenizer, *, dtype: str = "float32"):
     config's shapes are checked against its weights before the model is built."""
     check_before_loading(path)
     draft = load_draft(path, dtype=dtype)
-    kind = drafts.type_of(draft)
+    kind = type_of(draft)
     if kind.own_tokenizer:
         check_tokenizers(tokenizer, load_tokenizer(path), "target", path)
     head = kind.vocab_size_of(draft)

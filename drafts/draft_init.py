@@ -6,7 +6,7 @@ the chosen decoder layers' weights (in the order given, renumbered 0..n−1), it
 and its output head (tied to the embeddings when the target's is). A draft made of all the
 target's layers is the target (tests/drafts/test_draft_init.py). `init_from_target` writes
 such a draft as a Hugging Face model directory with the target's tokenizer; a recipe asks
-for one with `draft.model: target-layers:...` (`layers_spec`; drafts/standalone.py
+for one with `draft.model: target-layers:...` (`layers_spec`; drafts/standalone/
 `load_or_init`).
 
 Layers are given as indices (`[0, 15, 29]`, in a recipe `target-layers:0,15,29`) or as a

@@ -1,6 +1,8 @@
-"""Loading a draft by its type: a standalone draft (an ordinary causal LM, loaded by
-models/hub.py's `load_model`) or an EAGLE-3 head directory (drafts/eagle3_head.py), with the
-acceptance head saved beside it (drafts/acceptance_head.py).
+"""Loading a draft by its type: the type the registry finds for it (drafts/registry.py
+`loading`: a local directory's detected type, else the fallback for a hub name) loads it with
+its `load` hook (a standalone or parallel draft: an ordinary causal LM, loaded by
+models/hub.py's `load_model`; an EAGLE-3 head: drafts/eagle3/head.py), and the acceptance head
+saved beside it is attached (drafts/acceptance_head.py).
 
 The load is all or nothing, as every load through models/hub.py is: weights that do not cover
 the config are an `IncompleteDraftError`, a file that cannot be read a `BrokenWeightsError`,
@@ -15,8 +17,9 @@ from pathlib import Path
 
 from specdistill.drafts.acceptance_head import WEIGHTS as HEAD_WEIGHTS
 from specdistill.drafts.acceptance_head import attach_saved_head
+from specdistill.drafts.registry import loading
 from specdistill.models import hub
-from specdistill.models.weights import check_finite, check_module_finite
+from specdistill.models.weights import check_finite
 
 
 def load_draft(
@@ -26,22 +29,16 @@ def load_draft(
     revision: str | None = None,
     use_acceptance_head: bool = True,
 ):
-    """A standalone draft (like `load_model`) or an EAGLE-3 head dir (drafts/eagle3_head.py),
-    refused (IncompleteDraftError, BrokenWeightsError) unless its weights cover its config.
+    """A draft of any registered type, by name or directory (a standalone draft like
+    `load_model`, an EAGLE-3 head directory: drafts/eagle3/head.py), refused
+    (IncompleteDraftError, BrokenWeightsError) unless its weights cover its config.
 
     A local draft directory with an acceptance head (drafts/acceptance_head.py) gives a draft
     carrying it as `model.acceptance_head`, checked like the draft's own weights; without the
     head's files, or with `use_acceptance_head=False`, the draft has no such attribute.
     Weights (the head's too) holding a NaN or an infinity are a `NonFiniteWeightsError`."""
-    path = hub.local_model_dir(name)  # checks a local path before the imports
-    # The head's own check (what `drafts.Eagle3.detect` uses), imported once the path is.
-    from specdistill.drafts.eagle3_head import Eagle3Head, is_eagle3_dir
-
-    if path is not None and is_eagle3_dir(path):
-        model = Eagle3Head.from_pretrained(path, dtype=hub.DTYPES[dtype])
-        check_module_finite(path, model)
-    else:
-        model = hub.load_model(name, dtype=dtype, revision=revision)
+    path = hub.local_model_dir(name)  # None: a hub name, which the fallback type loads
+    model = loading(path).load(name, dtype=dtype, revision=revision)
     if use_acceptance_head and path is not None:
         head = attach_saved_head(model, path)
         if head is not None:

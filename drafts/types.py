@@ -2,13 +2,14 @@
 
 The trainer, the offline evaluation, the engine, the server and the export call a draft type
 through these members only and never branch on which type it is. A type's class
-(drafts/standalone.py `Standalone`, drafts/eagle3.py `Eagle3`) declares what it can do
+(drafts/standalone/ `Standalone`, drafts/eagle3/ `Eagle3`) declares what it can do
 (`capabilities`: what the recipe checks, the online job and the export ask) and answers the
 questions about a recipe's `draft` section (`planned`), about a loaded draft module
-(`vocab_size_of`, `drafter`, `path_logits`, `per_depth_alpha`, `own_tokenizer`) and about
-directories (`detect`, `layout`); an instance, built with the draft for training (`build`),
-answers the training-time ones (`depths`, `count_mask`, `save`, `vocab_size`, `d2t`).
-Instances are never mutated after `build`.
+(`detect_loaded`, `vocab_size_of`, `drafter`, `path_logits`, `per_depth_alpha`,
+`own_tokenizer`) and about directories (`detect`, `layout`, `load`, `meta_model`); each
+registers itself (drafts/registry.py), which asks these in its declared priority order;
+an instance, built with the draft for training (`build`), answers the training-time ones
+(`depths`, `count_mask`, `save`, `vocab_size`, `d2t`). Instances are never mutated after `build`.
 """
 
 from collections.abc import Callable, Mapping, Sequence
@@ -139,6 +140,23 @@ class DraftType(Protocol):
     @staticmethod
     def detect(path) -> bool:
         """Whether a directory holds a draft of this type (in this layout)."""
+        ...
+
+    @staticmethod
+    def detect_loaded(model) -> bool:
+        """Whether a loaded draft module is of this type (drafts/registry.py `type_of`)."""
+        ...
+
+    @staticmethod
+    def load(name: str, *, dtype: str, revision: str | None = None) -> Any:
+        """The draft module `name` (a directory this type `detect`s, or a hub name for the
+        fallback type), all or nothing (drafts/loader.py)."""
+        ...
+
+    @staticmethod
+    def meta_model(path) -> Any:
+        """The module the config in directory `path` describes, built under the caller's
+        device context (the meta device: drafts/checked_load.py reads its shapes)."""
         ...
 
     @classmethod

@@ -15,7 +15,7 @@ drawn from.
 
 Batching: every row accepts on its own (per-row KV rollback, models/kv_cache.py), finished
 rows leave the batch and waiting prompts take their place (continuous batching). The draft
-type's drafter (drafts/standalone.py, drafts/eagle3.py) keeps the draft's cache; an EAGLE-3
+type's drafter (drafts/standalone/, drafts/eagle3/) keeps the draft's cache; an EAGLE-3
 head's drafter asks the target to capture its features and to sample each prompt's first
 token (`capture`, `target_first_token`).
 
@@ -119,7 +119,7 @@ def generate(
 
     input_ids: [B, P] tensor (with `attention_mask` for padding) or a list of token lists.
     draft: a causal LM sharing the target's tokenizer, an EAGLE-3 head
-    (drafts/eagle3_head.py), or None to decode with the target alone (the baseline).
+    (drafts/eagle3/head.py), or None to decode with the target alone (the baseline).
     gamma: draft tokens per round, "auto" (a fresh `AutoGamma`) or a `LengthPolicy` (used
     for this call: an `AdaptiveGamma`, an `AutoGamma` whose start-up cost measurement runs
     before the clock starts, like a server's start-up).

@@ -33,7 +33,7 @@ from pathlib import Path
 from urllib.parse import urlparse
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from specdistill.errors import UserError, UserFileError
 from specdistill.models import registry
@@ -106,6 +106,12 @@ def load_model(
     if finite:
         check_module_finite(name, model)
     return model
+
+
+def meta_causal_lm(path: str):
+    """The causal LM the config.json at `path` describes, built under the caller's device
+    context (`torch.device("meta")`: its shapes, nothing allocated); no weights are read."""
+    return AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path))
 
 
 # Config fields that must agree between an adapter's base model and the base it is put on.

@@ -1,7 +1,7 @@
 """A model's decoding state for a batch of rows: KV cache, key mask and position ids.
 
 The speculative decoding engine (eval/engine.py) keeps one `KVStream` for the target and
-one inside each drafter (drafts/standalone.py, drafts/eagle3.py).
+one inside each drafter (drafts/standalone/, drafts/eagle3/).
 
 Batching (per-sequence acceptance). A stream holds one `DynamicCache` for the batch plus a
 2-D key mask [batch, cache_len] and the next position id per row. Rows are right-aligned
@@ -211,7 +211,7 @@ class KVStream:
         self.mask = torch.zeros(0, 0, dtype=torch.bool, device=device)
         self.pos = torch.zeros(0, dtype=torch.long, device=device)
         self.vocab_size = vocab_size
-        self.capture = capture  # a drafts.eagle3_head.FeatureCapture: also return features
+        self.capture = capture  # a drafts.eagle3.head.FeatureCapture: also return features
         self.output = None  # the last forward's model output
         self.features = None  # the last forward's captured features (with a capture)
         self.hidden = None  # the last forward's final hidden states (when asked for)

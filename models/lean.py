@@ -23,11 +23,11 @@ filled by transformers' forward continues here and the other way round). Logits 
 transformers' to float rounding (tests/models/test_lean.py).
 
 Supported: `model_type` llama, mistral (no sliding window), qwen2 (q/k/v biases) and qwen3
-(q/k norms), and a Llama draft with a reduced output vocabulary (drafts/reduced_vocab.py, which
-names its model type and head class here when imported, `support`: its K-row head runs here,
-its K columns then placed among the target's ids, −inf elsewhere);
-SiLU MLPs, full attention in every layer, plain `nn.Linear`/`nn.Embedding` modules (no peft
-adapters, no quantized layers, no accelerate hooks), on CPU, with gradients off, and at most
+(q/k norms), and a Llama draft with a reduced output vocabulary
+(drafts/standalone/reduced_vocab.py, which names its model type and head class here when imported,
+`support`: its K-row head runs here, its K columns then placed among the target's ids, −inf
+elsewhere); SiLU MLPs, full attention in every layer, plain `nn.Linear`/`nn.Embedding` modules (no
+peft adapters, no quantized layers, no accelerate hooks), on CPU, with gradients off, and at most
 `MAX_WEIGHT_BYTES` (2 GiB) of weights, since the copies can more than double them (each
 layout a forward has used: K-major, row-major for the fused q/k/v and gate/up, prepacked).
 Anything else keeps transformers' forward: `why_not(model)` says why. Not used on GPUs, where
@@ -73,7 +73,7 @@ def support(model_type: str, head: type[nn.Linear] | None = None) -> None:
     """Run `model_type` here too: a causal LM with Llama's modules whose output head is a plain
     `nn.Linear` or a `head` (a subclass of it whose `to_target_vocab(logits)` places its columns
     among the target's ids). A draft type with a model class of its own calls this when it is
-    imported (drafts/reduced_vocab.py), as it registers the class with transformers' Auto
+    imported (drafts/standalone/reduced_vocab.py), as it registers the class with transformers' Auto
     classes: a model of the type cannot be loaded or built before then."""
     if model_type not in _FAMILIES:
         _FAMILIES.append(model_type)
@@ -363,7 +363,8 @@ class LeanDecoder:
             raise ValueError(f"LeanDecoder cannot run this model: {reason}")
         # Submodules only, never `model` itself: the shared table holds models weakly.
         self.base, self.lm_head = model.model, model.lm_head
-        # A reduced head's K columns -> the target's ids (drafts/reduced_vocab.py), else None.
+        # A reduced head's K columns -> the target's ids (drafts/standalone/reduced_vocab.py),
+        # else None.
         self.to_target = getattr(self.lm_head, "to_target_vocab", None)
         c = model.config
         self.heads, self.kv_heads = c.num_attention_heads, c.num_key_value_heads

@@ -96,7 +96,7 @@ def tiny_head_dir(tiny_pair, tmp_path_factory):
     """An EAGLE-3 head on the tiny target (V_d 100 of the target's vocabulary), saved."""
     from transformers import LlamaForCausalLM
 
-    from specdistill.drafts.eagle3_head import Eagle3Head, build_vocab_map
+    from specdistill.drafts.eagle3.head import Eagle3Head, build_vocab_map
 
     target = LlamaForCausalLM.from_pretrained(tiny_pair[0])
     torch.manual_seed(0)
@@ -107,3 +107,16 @@ def tiny_head_dir(tiny_pair, tmp_path_factory):
     path = tmp_path_factory.mktemp("head")
     head.save_pretrained(path, verifier=str(tiny_pair[0]), verifier_arch=["LlamaForCausalLM"])
     return path
+
+
+@pytest.fixture
+def draft_registry():
+    """The draft type registry (drafts/registry.py), as it was before the test once it ends:
+    a test registers a type of its own with `draft_registry.register(priority)(cls)`."""
+    from specdistill.drafts import registry
+
+    types, order = dict(registry.TYPES), list(registry.ORDER)
+    yield registry
+    registry.TYPES.clear()
+    registry.TYPES.update(types)
+    registry.ORDER[:] = order

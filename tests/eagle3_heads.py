@@ -5,7 +5,7 @@ map, every weight moved off its init) for export and interop."""
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
-from specdistill.drafts.eagle3_head import Eagle3Head, build_vocab_map
+from specdistill.drafts.eagle3.head import Eagle3Head, build_vocab_map
 
 VOCAB, DRAFT_VOCAB, HIDDEN = 64, 40, 32
 

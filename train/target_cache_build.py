@@ -223,7 +223,7 @@ class _Build:
     def rows(self, batch: dict) -> tuple:
         """The arguments of `ShardWriter.add` for one collated batch: the target's rows, and
         the hidden states entering `feature_layers`, captured in the same forward."""
-        from specdistill.drafts.eagle3_features import FeatureCapture
+        from specdistill.drafts.eagle3.features import FeatureCapture
 
         if self.ids is None:
             return top_n_rows(self.target, batch, self.vocab_size, self.top_n), {}

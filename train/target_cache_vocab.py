@@ -1,9 +1,9 @@
 """The target cache over a draft's own columns: `specdistill cache --columns draft`.
 
-A draft over a reduced vocabulary (`draft.vocab_size`, drafts/reduced_vocab.py) compares its
-K columns with the target's log-probabilities of the same K tokens, taken from the softmax over
-the whole vocabulary (they sum to the target's mass on V_d). Stored once per valid position,
-those K values are all that its losses, α and acceptance-head labels read
+A draft over a reduced vocabulary (`draft.vocab_size`, drafts/standalone/reduced_vocab.py)
+compares its K columns with the target's log-probabilities of the same K tokens, taken from the
+softmax over the whole vocabulary (they sum to the target's mass on V_d). Stored once per valid
+position, those K values are all that its losses, α and acceptance-head labels read
 (`losses.VocabTarget`): training then runs no target forward and no softmax over the
 target's vocabulary, and gives the live target's losses and gradients (tests/train/test_cache.py).
 

@@ -30,7 +30,7 @@ from specdistill.drafts.acceptance_head import (
 )
 from specdistill.drafts.align import shifted_hidden, shifted_logits
 from specdistill.drafts.eagle3 import Eagle3
-from specdistill.drafts.eagle3_head import Eagle3Head, build_vocab_map
+from specdistill.drafts.eagle3.head import Eagle3Head, build_vocab_map
 from specdistill.drafts.loader import load_draft
 from specdistill.drafts.standalone import Standalone
 from specdistill.losses import SparseTarget, acceptance, acceptance_head_loss, acceptance_label

@@ -1,11 +1,11 @@
-"""An EAGLE-3 head's own chains (drafts/eagle3_chains.py): each chain position gets the
+"""An EAGLE-3 head's own chains (drafts/eagle3/chains.py): each chain position gets the
 logits the head gives a text that continues with the chain, and the target's logits on
 prefix + chain; the tokens are the head's own samples."""
 
 import torch
 
-from specdistill.drafts.eagle3_chains import sample_head_chains
-from specdistill.drafts.eagle3_head import FeatureCapture
+from specdistill.drafts.eagle3.chains import sample_head_chains
+from specdistill.drafts.eagle3.head import FeatureCapture
 from tests.eagle3_heads import VOCAB, head_for, tiny_target
 
 

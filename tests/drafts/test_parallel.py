@@ -1,4 +1,4 @@
-"""The parallel draft type (drafts/parallel.py): the training forward sees what the drafter
+"""The parallel draft type (drafts/parallel/): the training forward sees what the drafter
 sees, the engine stays exact (greedy) and lossless (χ²) with a block drafted in one forward,
 save / detect / load, and the depths feed the library's multi-depth loss."""
 

@@ -1,6 +1,6 @@
 """A standalone draft made of the target's layers (drafts/draft_init.py) and one with a reduced
-output vocabulary (drafts/reduced_vocab.py, `ReducedStandalone` in drafts/standalone.py): q = 0
-outside V_d, save / load through the project's loader with its map checked, the lean forward,
+output vocabulary (drafts/standalone/reduced_vocab.py, `ReducedStandalone` in drafts/standalone/):
+q = 0 outside V_d, save / load through the project's loader with its map checked, the lean forward,
 the recipe's build, training depths and chains, and export."""
 
 import json
@@ -19,8 +19,8 @@ from specdistill.drafts.draft_init import (
     init_from_target,
     layers_spec,
 )
-from specdistill.drafts.eagle3_vocab import VocabMapError, build_vocab_map
-from specdistill.drafts.reduced_vocab import ReducedVocabError, with_reduced_head
+from specdistill.drafts.standalone.reduced_vocab import ReducedVocabError, with_reduced_head
+from specdistill.drafts.vocab_map import VocabMapError, build_vocab_map
 from specdistill.models import hub, lean
 from specdistill.models.kv_cache import KVStream
 from specdistill.models.weights import IncompleteDraftError

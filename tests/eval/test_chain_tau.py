@@ -9,7 +9,7 @@ import torch
 
 from specdistill import losses
 from specdistill.drafts import Eagle3, Standalone
-from specdistill.drafts.eagle3_head import Eagle3Head, build_vocab_map
+from specdistill.drafts.eagle3.head import Eagle3Head, build_vocab_map
 from specdistill.eval import engine, stats
 from specdistill.eval.chain_tau import (
     chain_tau_pred,

@@ -12,7 +12,7 @@ from pydantic import ValidationError
 
 from specdistill import drafts
 from specdistill.drafts import Eagle3, Parallel, Standalone
-from specdistill.drafts.eagle3_head import Eagle3Head
+from specdistill.drafts.eagle3.head import Eagle3Head
 from specdistill.drafts.types import Drafter, DraftType
 from specdistill.eval.drift_report import DriftReport
 from specdistill.eval.engine import Engine, RowState, Sampling
@@ -29,6 +29,9 @@ DRAFT_TYPE_MEMBERS = {
     "vocab_size",
     "d2t",
     "detect",
+    "detect_loaded",
+    "load",
+    "meta_model",
     "chains",
     "planned",
     "build",
@@ -82,11 +85,12 @@ def test_every_draft_type_satisfies_the_protocol(models):
 
 
 def test_the_reduced_vocabulary_variant_is_the_standalone_type(models):
-    """A standalone draft with a reduced output head (drafts/reduced_vocab.py) is a variant of
-    the standalone type, not a fourth type: same name, its own V_d map and export formats."""
+    """A standalone draft with a reduced output head (drafts/standalone/reduced_vocab.py) is a
+    variant of the standalone type, not a fourth type: same name, its own V_d map and export
+    formats."""
     from specdistill.drafts import ReducedStandalone
-    from specdistill.drafts.eagle3_vocab import build_vocab_map
-    from specdistill.drafts.reduced_vocab import with_reduced_head
+    from specdistill.drafts.standalone.reduced_vocab import with_reduced_head
+    from specdistill.drafts.vocab_map import build_vocab_map
 
     target, draft, _ = models
     d2t, t2d = build_vocab_map(torch.arange(96), 64)

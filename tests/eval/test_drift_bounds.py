@@ -96,7 +96,7 @@ def test_a_tiny_temperature_is_measured_greedily(tiny_pair, tmp_path):
 @pytest.fixture
 def two_depth_head(tiny_pair, tmp_path):
     """An EAGLE-3 head on the tiny target, saved as trained at 2 depths (ttt_steps 2)."""
-    from specdistill.drafts.eagle3_head import Eagle3Head
+    from specdistill.drafts.eagle3.head import Eagle3Head
     from specdistill.models.hub import load_model, load_tokenizer
 
     head = Eagle3Head.from_target(load_model(str(tiny_pair[0])), aux_layers=[0, 1])

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from specdistill.drafts.confidence import predicted_acceptance
-from specdistill.drafts.eagle3_head import Eagle3Head
+from specdistill.drafts.eagle3.head import Eagle3Head
 from specdistill.drafts.standalone import StandaloneDrafter
 from specdistill.eval import engine, verify
 from specdistill.eval.cli_args import parse_gamma

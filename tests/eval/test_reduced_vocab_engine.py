@@ -1,5 +1,5 @@
 """The speculative decoding engine with a reduced-vocabulary standalone or parallel draft
-(drafts/reduced_vocab.py, drafts/parallel.py) stays lossless: greedy output is the target's
+(drafts/standalone/reduced_vocab.py, drafts/parallel/) stays lossless: greedy output is the target's
 greedy output, and at T = 1 the first two sampled tokens follow the target's distribution
 (chi-square), although the draft never proposes a token outside V_d and the target often
 wants one."""
@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from specdistill import drafts
-from specdistill.drafts.eagle3_vocab import build_vocab_map
 from specdistill.drafts.parallel import add_mask_token
-from specdistill.drafts.reduced_vocab import with_reduced_head
+from specdistill.drafts.standalone.reduced_vocab import with_reduced_head
+from specdistill.drafts.vocab_map import build_vocab_map
 from specdistill.eval import engine
 from tests.eval.helpers import (
     N_NEW,

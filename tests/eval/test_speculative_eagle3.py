@@ -12,7 +12,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from specdistill import losses
 from specdistill.drafts import Eagle3
 from specdistill.drafts.eagle3 import Eagle3Drafter
-from specdistill.drafts.eagle3_head import Eagle3Head, build_vocab_map
+from specdistill.drafts.eagle3.head import Eagle3Head, build_vocab_map
 from specdistill.eval import engine, verify
 from specdistill.eval import stats as metrics
 from specdistill.eval.sweep import Settings, sweep

@@ -16,7 +16,7 @@ from speculators import SpeculatorModel, SpeculatorModelConfig  # noqa: E402
 from speculators.models.eagle3 import Eagle3DraftModel, Eagle3SpeculatorConfig  # noqa: E402
 from transformers import LlamaConfig, LlamaForCausalLM, PretrainedConfig  # noqa: E402
 
-from specdistill.drafts.eagle3_head import SPECULATORS_VERSION, Eagle3Head  # noqa: E402
+from specdistill.drafts.eagle3.head import SPECULATORS_VERSION, Eagle3Head  # noqa: E402
 from specdistill.train.export import export  # noqa: E402
 from tests.eagle3_heads import HIDDEN, VOCAB, tiny_config, trained_head  # noqa: E402
 

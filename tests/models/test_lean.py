@@ -6,7 +6,7 @@ import pytest
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel, MistralConfig, MistralForCausalLM
 
-from specdistill.drafts.eagle3_head import FeatureCapture
+from specdistill.drafts.eagle3.head import FeatureCapture
 from specdistill.models import lean
 from specdistill.models.kv_cache import KVStream
 from tests.models.helpers import FAMILIES, SIZES, VOCAB, build, run_stream

@@ -110,8 +110,8 @@ def test_the_real_smollm2_package_answers_and_speculates_losslessly():
     forward equals transformers' on the real architecture, and a draft of its first 2 layers
     with a reduced head leaves the greedy output unchanged."""
     from specdistill.drafts.draft_init import draft_from_target
-    from specdistill.drafts.eagle3_vocab import build_vocab_map
-    from specdistill.drafts.reduced_vocab import with_reduced_head
+    from specdistill.drafts.standalone.reduced_vocab import with_reduced_head
+    from specdistill.drafts.vocab_map import build_vocab_map
     from specdistill.eval import engine
     from specdistill.models import lean
     from specdistill.models.kv_cache import KVStream

@@ -11,7 +11,7 @@ from transformers import DynamicCache, LlamaForCausalLM
 from specdistill import losses
 from specdistill.drafts import Eagle3
 from specdistill.drafts.eagle3 import token_counts
-from specdistill.drafts.eagle3_head import (
+from specdistill.drafts.eagle3.head import (
     Eagle3Head,
     FeatureCapture,
     VocabMapError,

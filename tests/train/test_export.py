@@ -18,7 +18,7 @@ from transformers import (
     Qwen2ForCausalLM,
 )
 
-from specdistill.drafts.eagle3_head import Eagle3Head, VocabMapError
+from specdistill.drafts.eagle3.head import Eagle3Head, VocabMapError
 from specdistill.train.export import FORMATS, ExportError, export, load_export
 from specdistill.train.export_cli import main
 from tests.eagle3_heads import DRAFT_VOCAB, HIDDEN, VOCAB, tiny_config, trained_head
@@ -597,10 +597,10 @@ def test_draft_types_detect_their_directories(head_dir, standalone_dir, tmp_path
     assert not drafts.Eagle3.detect(tmp_path / "empty")
 
 
-def test_a_third_draft_type_plugs_in(standalone_dir, tmp_path, monkeypatch):
+def test_a_third_draft_type_plugs_in(standalone_dir, tmp_path, monkeypatch, draft_registry):
     """A new type written unlike the others: a class in drafts/ (name, capabilities with its
-    formats and export_as, layout, detect) and, per format it supports, a writer, a hint and
-    (in its layout's module) a reader keyed by its export_as."""
+    formats and export_as, layout, detect), registered, and, per format it supports, a
+    writer, a hint and (in its layout's module) a reader keyed by its export_as."""
     from specdistill import drafts
     from specdistill.train.export import vllm
     from specdistill.train.export.common import Plan
@@ -619,7 +619,7 @@ def test_a_third_draft_type_plugs_in(standalone_dir, tmp_path, monkeypatch):
 
         return Plan(write, None, options.speculative_tokens or 1)
 
-    monkeypatch.setattr(drafts, "DETECTED", (Toy, *drafts.DETECTED))
+    draft_registry.register(0)(Toy)
     monkeypatch.setitem(vllm.WRITERS, "toy", write_toy)
     monkeypatch.setitem(vllm.READERS, "toy", lambda directory: torch.nn.Identity())
     monkeypatch.setitem(vllm.HINTS, "toy", "toy-serve {out} {tokens}")

@@ -10,7 +10,7 @@ import pytest
 from safetensors.torch import load_file, save_file
 from transformers import AutoConfig, LlamaForCausalLM
 
-from specdistill.drafts.eagle3_head import Eagle3Head
+from specdistill.drafts.eagle3.head import Eagle3Head
 from specdistill.drafts.loader import load_draft
 from specdistill.models.hub import BrokenWeightsError, IncompleteDraftError, load_target
 from specdistill.train.config import RecipeError, load_recipe

@@ -104,7 +104,7 @@ def test_the_default_prompt_length_is_cut_to_a_shorter_context(tiny_pair, tmp_pa
 def test_an_eagle3_vocabulary_other_than_the_saved_heads_is_one_recipe_error(
     tiny_pair, tmp_path, capsys
 ):
-    from specdistill.drafts.eagle3_head import Eagle3Head
+    from specdistill.drafts.eagle3.head import Eagle3Head
     from specdistill.models.hub import load_model
 
     head = Eagle3Head.from_target(load_model(str(tiny_pair[0])), aux_layers=[0, 1])

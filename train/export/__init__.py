@@ -55,7 +55,7 @@ from torch import nn
 
 from specdistill import bounds, drafts
 from specdistill.bounds import MAX_GAMMA
-from specdistill.drafts.eagle3_head import VocabMapError
+from specdistill.drafts.eagle3.head import VocabMapError
 from specdistill.models.weights import check_module_finite, check_weight_files
 from specdistill.publish import publish_dir
 from specdistill.train.export import hf, sglang, vllm

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from specdistill.drafts.eagle3_head import DEFAULT_SPECULATIVE_TOKENS, read_config
+from specdistill.drafts.eagle3.head import DEFAULT_SPECULATIVE_TOKENS, read_config
 from specdistill.errors import UserError
 
 WEIGHTS = "model.safetensors"
@@ -121,7 +121,7 @@ def check_head_files(directory: Path, vocab_size: int, layer: str) -> None:
     decoder layer's prefix, `layers.0.` or `midlayer.`)."""
     from safetensors import safe_open
 
-    from specdistill.drafts.eagle3_head import check_vocab_map
+    from specdistill.drafts.eagle3.head import check_vocab_map
 
     config = config_of(directory) or {}
     with safe_open(str(directory / WEIGHTS), framework="pt") as f:

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from specdistill.drafts.eagle3_head import SGLANG_ARCH, Eagle3Head, check_vocab_map
+from specdistill.drafts.eagle3.head import SGLANG_ARCH, Eagle3Head, check_vocab_map
 from specdistill.models.weights import read_safetensors
 from specdistill.train.export import verifier, vllm
 from specdistill.train.export.common import (

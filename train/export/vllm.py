@@ -11,7 +11,7 @@ the verifier named in the config and proposes that many tokens.
 Standalone draft: config.json, model.safetensors and the generation config of the causal LM,
 which vLLM loads as a draft model path. SGLang and the hf format write the same directory.
 
-Parallel draft (drafts/parallel.py): the same causal-LM directory; its config.json keeps
+Parallel draft (drafts/parallel/): the same causal-LM directory; its config.json keeps
 `pard_token`, the mask token id that vLLM's parallel drafting (`"parallel_drafting": true`
 with `"method": "draft_model"`) reads from the draft's config. Not an SGLang format.
 """
@@ -20,7 +20,7 @@ from pathlib import Path
 
 from torch import nn
 
-from specdistill.drafts.eagle3_head import Eagle3Head, check_vocab_map
+from specdistill.drafts.eagle3.head import Eagle3Head, check_vocab_map
 from specdistill.models.weights import (
     BrokenWeightsError,
     IncompleteDraftError,

@@ -19,7 +19,7 @@ def trained_head(tiny_pair, traffic_pool, tmp_path_factory):
     completion tokens), saved as `specdistill distill` saves one."""
     from specdistill.data.dataset import TokenDataset
     from specdistill.drafts.eagle3 import token_counts
-    from specdistill.drafts.eagle3_head import Eagle3Head, build_vocab_map
+    from specdistill.drafts.eagle3.head import Eagle3Head, build_vocab_map
     from specdistill.models.hub import load_model, load_tokenizer
 
     _, pool = traffic_pool
@@ -58,7 +58,7 @@ def test_online_refreshes_gates_and_publishes_an_eagle3_head(
     tiny_pair, traffic_pool, trained_head, tmp_path
 ):
     from specdistill import drafts
-    from specdistill.drafts.eagle3_head import Eagle3Head
+    from specdistill.drafts.eagle3.head import Eagle3Head
     from specdistill.eval.engine import Engine
     from specdistill.models.hub import load_model, load_tokenizer
     from specdistill.serve.drafts import DraftWatcher
@@ -125,7 +125,7 @@ def test_online_refreshes_gates_and_publishes_an_eagle3_head(
 def test_a_fresh_eagle3_head_takes_its_draft_vocabulary_from_the_anchor_set(
     tiny_pair, traffic_pool, tmp_path
 ):
-    from specdistill.drafts.eagle3_head import Eagle3Head
+    from specdistill.drafts.eagle3.head import Eagle3Head
     from specdistill.train.config import RecipeError
 
     _, pool = traffic_pool

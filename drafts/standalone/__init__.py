@@ -8,9 +8,9 @@ The draft is a model the recipe names (`draft.model`) or one made of the target'
 (`draft.model: target-layers:...`, drafts/draft_init.py): `load_or_init`.
 
 `ReducedStandalone` is this type for a draft whose output head keeps V_d rows only
-(`draft.vocab_size`, FR-Spec; the model: drafts/reduced_vocab.py). Its `name` is "standalone"
-and its drafter and offline α are the standalone draft's, reading the full-vocabulary logits
-its forward (and the lean forward) returns, −inf outside V_d, so verification is lossless as
+(`draft.vocab_size`, FR-Spec; the model: drafts/standalone/reduced_vocab.py). Its `name` is
+"standalone" and its drafter and offline α are the standalone draft's, reading the full-vocabulary
+logits its forward (and the lean forward) returns, −inf outside V_d, so verification is lossless as
 for any draft (tests/eval/test_reduced_vocab_engine.py). What differs:
 
 - training compares the draft's K columns with the target on V_d: `depths` asks the draft
@@ -35,7 +35,8 @@ from specdistill.drafts.align import shifted_logits, target_mask
 from specdistill.drafts.chains import Chains, sample_chains
 from specdistill.drafts.confidence import acceptance_head, predicted_acceptance
 from specdistill.drafts.draft_init import draft_from_target, layers_spec
-from specdistill.drafts.reduced_vocab import (
+from specdistill.drafts.registry import register
+from specdistill.drafts.standalone.reduced_vocab import (
     ReducedHead,
     ReducedVocabError,
     compared_ids,
@@ -47,6 +48,7 @@ from specdistill.drafts.types import Capabilities, Depths, DraftControl, Proposa
 from specdistill.models.kv_cache import KVStream, left_pad
 
 
+@register(100)  # the fallback: any Hugging Face causal LM
 @dataclass(frozen=True)
 class Standalone:
     """The standalone draft type (a `drafts.types.DraftType`); `vocab_size` is the logit
@@ -65,6 +67,25 @@ class Standalone:
     def detect(path) -> bool:
         """Any Hugging Face model directory: the fallback after the other types (`detect`)."""
         return (Path(path) / "config.json").is_file()
+
+    @staticmethod
+    def detect_loaded(model) -> bool:
+        """Any causal LM: the fallback after the other types (`drafts.type_of`)."""
+        return True
+
+    @staticmethod
+    def load(name: str, *, dtype: str, revision: str | None = None):
+        """A causal LM by name or directory (`models.hub.load_model`, all or nothing)."""
+        from specdistill.models import hub
+
+        return hub.load_model(name, dtype=dtype, revision=revision)
+
+    @staticmethod
+    def meta_model(path):
+        """The causal LM its config.json describes, under the caller's (meta) device."""
+        from specdistill.models import hub
+
+        return hub.meta_causal_lm(str(path))
 
     @classmethod
     def planned(cls, cfg):
@@ -156,6 +177,7 @@ def reduced_head(draft) -> ReducedHead:
     return getattr(draft, "module", draft).get_output_embeddings()
 
 
+@register(90, variant=True)
 @dataclass(frozen=True)
 class ReducedStandalone(Standalone):
     """A standalone draft over V_d (module docstring): `vocab_size` the target's columns
@@ -190,6 +212,11 @@ class ReducedStandalone(Standalone):
     def detect(path) -> bool:
         """A model directory whose config.json says model_type specdistill_reduced_llama."""
         return is_reduced_dir(path)
+
+    @staticmethod
+    def detect_loaded(model) -> bool:
+        """A causal LM whose output head is reduced (`is_reduced`)."""
+        return is_reduced(model)
 
     @classmethod
     def reduce(cls, draft, cfg, target, tokenizer, train_data):

@@ -1,8 +1,12 @@
-"""The EAGLE-3 draft type: a head on the target's features (the module: drafts/eagle3_head.py).
+"""The EAGLE-3 draft type: a head on the target's features (the module: drafts/eagle3/head.py).
 
 K = `draft.ttt_steps` depths of training-time test, each aligned with the target by
 `align_depths`; the target's features are captured in the same forward that gives its
 logits. Saved in the `speculators` layout vLLM loads (docs/theory.md §4, §5).
+
+This subpackage is the whole type: the head (head.py), its checkpoint format and directory
+detection (checkpoint.py), the target's feature capture (features.py), its chains for the
+accepted-length loss (chains.py), and here the type with its hooks and registration.
 """
 
 from collections.abc import Sequence
@@ -13,8 +17,9 @@ from torch import Tensor, nn
 
 from specdistill.bounds import check_int
 from specdistill.drafts.acceptance_head import align_hidden
-from specdistill.drafts.eagle3_chains import sample_head_chains
-from specdistill.drafts.eagle3_head import (
+from specdistill.drafts.eagle3.chains import sample_head_chains
+from specdistill.drafts.eagle3.checkpoint import head_from_config, read_config
+from specdistill.drafts.eagle3.head import (
     Eagle3Head,
     FeatureCapture,
     align_depths,
@@ -22,14 +27,16 @@ from specdistill.drafts.eagle3_head import (
     is_eagle3_dir,
     is_sglang_eagle3_dir,
 )
-from specdistill.drafts.eagle3_vocab import token_counts
-from specdistill.drafts.reduced_vocab import ReducedVocabError, compared_ids
-from specdistill.drafts.standalone import StandaloneDrafter
+from specdistill.drafts.registry import register
+from specdistill.drafts.standalone import Standalone, StandaloneDrafter
+from specdistill.drafts.standalone.reduced_vocab import ReducedVocabError, compared_ids
 from specdistill.drafts.types import Capabilities, Depths
+from specdistill.drafts.vocab_map import token_counts
 from specdistill.losses import VocabTarget
 from specdistill.models.kv_cache import left_pad, left_pad_rows
 
 
+@register(10)
 class Eagle3:
     """The EAGLE-3 draft type (a `drafts.types.DraftType`): K = `steps` depths over the
     target's `vocab_size` columns; `d2t` maps the head's draft vocabulary into the target's
@@ -65,6 +72,28 @@ class Eagle3:
     def detect(path) -> bool:
         """A head in the speculators layout: config.json with speculators_model_type eagle3."""
         return is_eagle3_dir(path)
+
+    @staticmethod
+    def detect_loaded(model) -> bool:
+        """An EAGLE-3 head (it says `is_eagle3`)."""
+        return getattr(model, "is_eagle3", False)
+
+    @staticmethod
+    def load(name: str, *, dtype: str, revision: str | None = None) -> Eagle3Head:
+        """The head saved in the local directory `name`, refused unless its weights cover its
+        config and hold no NaN or infinity (`revision` is a hub name's: unused)."""
+        from specdistill.models import hub
+        from specdistill.models.weights import check_module_finite
+
+        path = hub.local_model_dir(name) or name
+        model = Eagle3Head.from_pretrained(path, dtype=hub.DTYPES[dtype])
+        check_module_finite(path, model)
+        return model
+
+    @staticmethod
+    def meta_model(path) -> Eagle3Head:
+        """The head its speculators config describes, under the caller's (meta) device."""
+        return head_from_config(Eagle3Head, read_config(path))
 
     @classmethod
     def planned(cls, cfg):
@@ -161,7 +190,7 @@ class Eagle3:
         return compared_ids(self.d2t, self.vocab_size)
 
     def chains(self, draft, target, batch: dict, starts: list[int], **sampling):
-        """The head's own chains from `starts`, scored by the target (drafts/eagle3_chains.py),
+        """The head's own chains from `starts`, scored by the target (drafts/eagle3/chains.py),
         for loss.name=tau."""
         _, features = self.target_forward(target, batch)
         head = getattr(draft, "module", draft)  # the bare head's d2t under a DDP wrapper
@@ -225,6 +254,7 @@ class Eagle3:
         return out
 
 
+@register(20, variant=True)
 class SGLangEagle3(Eagle3):
     """An EAGLE-3 head in SGLang's layout (an SGLang export read back as a draft): the same
     draft type, in another directory layout."""
@@ -236,9 +266,18 @@ class SGLangEagle3(Eagle3):
         """config.json with architectures [LlamaForCausalLMEagle3]."""
         return is_sglang_eagle3_dir(path)
 
+    @staticmethod
+    def detect_loaded(model) -> bool:
+        """Never: a loaded head is the `Eagle3` type, whatever layout it was read from."""
+        return False
+
+    # loaded as what its config.json claims (a Llama causal LM), which its weights refuse
+    load = staticmethod(Standalone.load)
+    meta_model = staticmethod(Standalone.meta_model)
+
 
 class Eagle3Drafter(StandaloneDrafter):
-    """An EAGLE-3 head (drafts/eagle3_head.py) drafting from the target's features.
+    """An EAGLE-3 head (drafts/eagle3/head.py) drafting from the target's features.
 
     Its cache holds one entry per committed position j < n whose target feature is known:
     (fc(feature_j), token j+1), at position j. The target gives the features of the tokens

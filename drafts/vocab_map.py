@@ -1,5 +1,5 @@
 """A draft vocabulary V_d inside the target's V: d2t / t2d maps (an EAGLE-3 head's, and a
-reduced-vocabulary standalone draft's, drafts/reduced_vocab.py).
+reduced-vocabulary standalone draft's, drafts/standalone/reduced_vocab.py).
 
 target_id = i + d2t[i] for draft id i; t2d[v] is True for the V_d target ids. The map is
 built from token frequencies (`token_counts`, `build_vocab_map`) and checked on every load

@@ -11,7 +11,7 @@ import torch
 from torch import Tensor
 from transformers import LlamaConfig
 
-from specdistill.drafts.eagle3_vocab import check_vocab_map
+from specdistill.drafts.vocab_map import check_vocab_map
 from specdistill.errors import UserError
 from specdistill.models.weights import IncompleteDraftError, describe, read_safetensors
 

@@ -20,8 +20,8 @@ d2t / t2d map the draft vocabulary V_d into the target's V: target_id = i + d2t[
 t2d[v] is True for the V_d target ids. Every load and save checks the map (`check_vocab_map`).
 
 Modules: this one holds the head's layers, its drafting forward and its training-time test
-(`unroll`, `align_depths`); drafts/eagle3_vocab.py the vocabulary map, drafts/eagle3_features.py
-the target's feature capture, drafts/eagle3_format.py the on-disk layout. Their public names
+(`unroll`, `align_depths`); drafts/vocab_map.py the vocabulary map, drafts/eagle3/features.py
+the target's feature capture, drafts/eagle3/checkpoint.py the on-disk layout. Their public names
 are importable from here too.
 """
 
@@ -38,13 +38,8 @@ from transformers.models.llama.modeling_llama import (
     apply_rotary_pos_emb,
 )
 
-from specdistill.drafts import eagle3_format
-from specdistill.drafts.eagle3_features import (
-    FeatureCapture,
-    decoder_layers,
-    default_aux_layers,
-)
-from specdistill.drafts.eagle3_format import (
+from specdistill.drafts.eagle3 import checkpoint as eagle3_format
+from specdistill.drafts.eagle3.checkpoint import (
     DEFAULT_SPECULATIVE_TOKENS,
     SGLANG_ARCH,
     SPECULATORS_VERSION,
@@ -52,7 +47,12 @@ from specdistill.drafts.eagle3_format import (
     is_sglang_eagle3_dir,
     read_config,
 )
-from specdistill.drafts.eagle3_vocab import (
+from specdistill.drafts.eagle3.features import (
+    FeatureCapture,
+    decoder_layers,
+    default_aux_layers,
+)
+from specdistill.drafts.vocab_map import (
     VocabMapError,
     build_vocab_map,
     check_vocab_map,
@@ -327,7 +327,7 @@ class Eagle3Head(nn.Module):
 
         `next_ids(step, logits)`, when given, feeds steps ≥ 1 the head's own tokens instead:
         it gets the previous step's logits [B, T, V_d] and returns [B, T] target-vocabulary
-        ids (the accepted-length objective's chains, drafts/eagle3_chains.py).
+        ids (the accepted-length objective's chains, drafts/eagle3/chains.py).
         """
         b, t = input_ids.shape
         layer, attn = self.layers[0], self.layers[0].self_attn
@@ -374,7 +374,7 @@ class Eagle3Head(nn.Module):
     def speculators_config(
         self, verifier: str | None = None, verifier_arch=None, speculative_tokens: int | None = None
     ) -> dict:
-        """The speculators config.json (drafts/eagle3_format.py)."""
+        """The speculators config.json (drafts/eagle3/checkpoint.py)."""
         return eagle3_format.speculators_config(self, verifier, verifier_arch, speculative_tokens)
 
     def save_pretrained(

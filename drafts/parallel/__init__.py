@@ -30,19 +30,21 @@ from torch import Tensor, nn
 
 from specdistill.drafts.align import target_mask
 from specdistill.drafts.confidence import acceptance_head, predicted_acceptance
-from specdistill.drafts.reduced_vocab import (
+from specdistill.drafts.registry import register
+from specdistill.drafts.standalone import (
+    ReducedStandalone,
+    Standalone,
+    StandaloneDrafter,
+    load_or_init,
+    reduced_head,
+)
+from specdistill.drafts.standalone.reduced_vocab import (
     ReducedHead,
     add_input_row,
     compared_ids,
     is_reduced,
     is_reduced_dir,
     output_columns,
-)
-from specdistill.drafts.standalone import (
-    ReducedStandalone,
-    StandaloneDrafter,
-    load_or_init,
-    reduced_head,
 )
 from specdistill.drafts.types import Capabilities, Depths, DraftControl, Proposal
 from specdistill.errors import UserError
@@ -139,6 +141,7 @@ def shifted_depths(blocks: list[Tensor], t_logits: Tensor, base_mask: Tensor) ->
     return d_out, t_out, m_out
 
 
+@register(40)
 @dataclass(frozen=True)
 class Parallel:
     """The parallel draft type (a `drafts.types.DraftType`): `vocab_size` logit columns
@@ -179,6 +182,15 @@ class Parallel:
 
         config = Path(path) / "config.json"
         return config.is_file() and json.loads(config.read_text()).get(MASK_FIELD) is not None
+
+    @staticmethod
+    def detect_loaded(model) -> bool:
+        """A causal LM whose config names a mask token."""
+        return mask_token(model) is not None
+
+    # saved as a causal-LM directory, loaded and sized as one
+    load = staticmethod(Standalone.load)
+    meta_model = staticmethod(Standalone.meta_model)
 
     @classmethod
     def planned(cls, cfg):
@@ -311,6 +323,7 @@ class Parallel:
         return out
 
 
+@register(30, variant=True)
 @dataclass(frozen=True)
 class ReducedParallel(Parallel):
     """A parallel draft over V_d (FR-Spec, as `drafts.standalone.ReducedStandalone`): its
@@ -341,6 +354,11 @@ class ReducedParallel(Parallel):
     def detect(path) -> bool:
         """A parallel draft's directory whose config.json says a reduced head's model_type."""
         return Parallel.detect(path) and is_reduced_dir(path)
+
+    @staticmethod
+    def detect_loaded(model) -> bool:
+        """A parallel draft whose output head is reduced (`is_reduced`)."""
+        return mask_token(model) is not None and is_reduced(model)
 
     def save(self, draft, out: Path, tokenizer, verifier: str) -> None:
         """`Parallel.save`, after checking the map the draft carries (`check_vocab_map`)."""

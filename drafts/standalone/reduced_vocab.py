@@ -3,7 +3,7 @@
 A small draft's cost on a large-vocabulary target is dominated by its output head (SmolLM2:
 576 × 49,152). This draft keeps the target's whole input embedding (it reads any token) but
 only K rows of the output head: the K most frequent target tokens of the training data, V_d.
-The map is the EAGLE-3 head's (drafts/eagle3_vocab.py): target_id = i + d2t[i] for draft id
+The map is the EAGLE-3 head's (drafts/vocab_map.py): target_id = i + d2t[i] for draft id
 i, t2d[v] True for the V_d target ids, checked on every build and load (`check_vocab_map`).
 
 The model is a Hugging Face Llama causal LM (`ReducedVocabLlamaForCausalLM`, config
@@ -29,7 +29,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig, LlamaFor
 from transformers.modeling_outputs import CausalLMOutputWithPast
 from transformers.models.llama.modeling_llama import LlamaModel, LlamaPreTrainedModel
 
-from specdistill.drafts.eagle3_vocab import (
+from specdistill.drafts.vocab_map import (
     build_vocab_map,
     check_vocab_map,
     logits_to_target,
