@@ -43,7 +43,7 @@ from specdistill.eval.engine import generate
 from specdistill.eval.offline import held_out_texts
 from specdistill.eval.prompts import encode_prompts, load_prompts
 from specdistill.models import hub
-from specdistill.train.recipe import DraftConfig
+from specdistill.train.recipe_draft import draft_section
 from specdistill.verb_parser import quiet_third_party
 
 REPO = Path(__file__).resolve().parent.parent
@@ -56,7 +56,7 @@ def load_pair(args):
     recipe's `draft.model` is (`drafts.build`), which gives the type its instance."""
     tokenizer = hub.load_tokenizer(args.target)
     target = hub.load_target(args.target, None).eval()
-    cfg = DraftConfig(type=drafts.detect(args.draft).name, model=args.draft)
+    cfg = draft_section({"type": drafts.detect(args.draft).name, "model": args.draft})
     draft, kind = drafts.build(cfg, target, tokenizer, None, print=lambda *a, **k: None)
     return tokenizer, target, draft.eval(), kind
 

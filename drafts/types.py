@@ -59,7 +59,6 @@ class Capabilities:
     vocab_targets: bool = False
     accepted_length: bool = True  # loss tau: the accepted length of the draft's own chains
     writes_text: bool = True  # data.on_policy.source=draft: it drafts a text on its own
-    eagle3_keys: bool = False  # the recipe's EAGLE-3 head keys (draft.ttt_steps, ...)
     formats: tuple[str, ...] = ("hf",)  # export formats (train/export/)
     format_note: str | None = None  # why the formats are fewer, for the export's refusal
     # the export tables' row (train/export/): how a saved draft is written and read back

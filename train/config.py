@@ -18,11 +18,8 @@ import yaml
 from pydantic import ValidationError
 
 from specdistill.train.recipe import (
-    EAGLE3_KEYS,
     DataConfig,
-    DraftConfig,
     EvalConfig,
-    LoraConfig,
     LossConfig,
     OnlineConfig,
     OnPolicyConfig,
@@ -34,6 +31,16 @@ from specdistill.train.recipe import (
     harmless_keys,
 )
 from specdistill.train.recipe_checks import validate
+from specdistill.train.recipe_draft import (
+    DraftConfig,
+    DraftSection,
+    Eagle3Draft,
+    LoraConfig,
+    ParallelDraft,
+    StandaloneDraft,
+    draft_section,
+    own_keys,
+)
 from specdistill.train.recipe_errors import RecipeError, translate
 from specdistill.train.recipe_files import EXTENDS, TOO_DEEP, read_recipe, recipe_path
 from specdistill.train.recipe_types import (
@@ -47,13 +54,14 @@ from specdistill.train.recipe_types import (
 )
 
 __all__ = [
-    "EAGLE3_KEYS",
     "RESUME_VALUES",
     "DataConfig",
     "DepthWeighting",
     "DraftConfig",
+    "DraftSection",
     "DraftType",
     "Dtype",
+    "Eagle3Draft",
     "EvalConfig",
     "LoraConfig",
     "LossConfig",
@@ -61,17 +69,21 @@ __all__ = [
     "OnPolicyConfig",
     "OnPolicySource",
     "OnlineConfig",
+    "ParallelDraft",
     "Recipe",
     "RecipeError",
     "ResolvedRecipe",
     "SpeculativeEvalConfig",
+    "StandaloneDraft",
     "TargetConfig",
     "TrainConfig",
     "WandbConfig",
     "WandbMode",
+    "draft_section",
     "dump_recipe",
     "harmless_keys",
     "load_recipe",
+    "own_keys",
     "parse_override",
     "recipe_datasets",
     "recipe_from_dict",
@@ -95,14 +107,9 @@ def recipe_from_dict(raw: dict) -> Recipe:
 
 
 def recipe_to_dict(recipe: Recipe) -> dict:
-    """The recipe as plain data, loadable again: a draft type without the EAGLE-3 head keys
-    leaves them out (setting them is an error there); the loss parameters are written flat."""
-    from specdistill import drafts
-
+    """The recipe as plain data, loadable again: the draft section holds its type's keys only;
+    the loss parameters are written flat."""
     d = recipe.model_dump()
-    if not drafts.planned(recipe.draft).capabilities.eagle3_keys:
-        for key in EAGLE3_KEYS:
-            d["draft"].pop(key.removeprefix("draft."))
     d["loss"] = {**{k: v for k, v in d["loss"].items() if k != "params"}, **d["loss"]["params"]}
     return d
 

@@ -1,6 +1,6 @@
 """The recipe schema: one pydantic model per section, the single source of every key's type,
-default, allowed values or range, description, and whether it applies to EAGLE-3 heads
-only or may change when a run resumes.
+default, allowed values or range, description, and whether it may change when a run resumes.
+The draft section is one model per draft type, picked by `draft.type` (train/recipe_draft.py).
 
 Loading a YAML file and the `key.sub=value` overrides is train/config.py; the checks that
 relate several keys are train/recipe_checks.py (what the recipe asks of its draft type,
@@ -14,15 +14,13 @@ from typing import Any
 from pydantic import model_validator
 
 from specdistill.bounds import MAX_BATCH, MAX_CONTEXT
+from specdistill.train.recipe_draft import DraftConfig, StandaloneDraft
 from specdistill.train.recipe_online import OnlineConfig
 from specdistill.train.recipe_types import (
-    EAGLE3_ONLY,
     RESUME,
     DepthWeighting,
-    DraftType,
     Dtype,
     Float,
-    Ints,
     LossName,
     LossTemperature,
     MixedPrecision,
@@ -34,22 +32,8 @@ from specdistill.train.recipe_types import (
     TrainOnly,
     WandbMode,
     recipe_key,
+    sections_of,
 )
-
-
-class LoraConfig(Section):
-    r: int = recipe_key(
-        0,
-        "0: full fine-tuning of the draft; > 0: train a peft LoRA adapter of this "
-        "rank instead, merged into final/",
-        ge=0,
-    )
-    alpha: int = recipe_key(16, "LoRA alpha (scale alpha / r)")
-    dropout: Float = recipe_key(0.0, "LoRA dropout")
-    target_modules: Strings = recipe_key(
-        description="the draft's modules that get an adapter",
-        factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"],
-    )
 
 
 class TargetConfig(Section):
@@ -69,58 +53,6 @@ class TargetConfig(Section):
         "specdistill cache: the loss reads the target's stored log-probabilities (its top-N, "
         "or a reduced draft vocabulary's columns) instead of running it (standalone drafts); "
         "null: the live target",
-    )
-
-
-class DraftConfig(Section):
-    type: DraftType = recipe_key(
-        "standalone",
-        "standalone: a small causal LM; eagle3: a head on the target's features; parallel: a "
-        "causal LM with a mask token that drafts a block in one forward (docs/parallel.md)",
-    )
-    model: str | None = recipe_key(
-        "embedded:code-deep-draft",
-        "standalone: HF id, local directory or embedded:<name>; or target-layers:N (the "
-        "target's first N layers: an early exit) or "
-        "target-layers:0,15,29 (those layers): a draft made of the target's own layers, "
-        "embeddings, final norm and output head (drafts/draft_init.py). "
-        "eagle3: null for a fresh head built on the target, or an EAGLE-3 checkpoint directory "
-        "to continue from",
-    )
-    dtype: Dtype = recipe_key(
-        "float32", "master weights; the compute precision comes from train.mixed_precision"
-    )
-    revision: str | None = recipe_key(None, "HF revision (branch, tag or commit) of draft.model")
-    lora: LoraConfig = recipe_key(
-        description="A LoRA adapter instead of full fine-tuning (standalone drafts).",
-        factory=LoraConfig,
-    )
-    vocab_size: int | None = recipe_key(
-        None,
-        "V_d: the draft's output vocabulary, the most frequent loss-masked training tokens; "
-        "eagle3: the head's; standalone and parallel: the draft's output head keeps only "
-        "those rows (FR-Spec; q = 0 outside V_d, exported as hf only). null: the target's V "
-        "(or the V_d a reduced draft.model was saved with)",
-        ge=1,
-    )
-    aux_layers: Ints | None = recipe_key(
-        None, "target layers whose input is fused into the head; null: automatic", eagle3_only=True
-    )
-    ttt_steps: int = recipe_key(3, "training-time-test depth K", eagle3_only=True, ge=1)
-    intermediate_size: int | None = recipe_key(
-        None, "the head's MLP width; null: the target's", eagle3_only=True
-    )
-    norm_before_residual: bool = recipe_key(
-        False, "as vLLM's flag of the same name; SGLang supports only false", eagle3_only=True
-    )
-    freeze_lm_head: bool = recipe_key(
-        False, "keep lm_head at the target's rows of V_d (not trained)", eagle3_only=True
-    )
-    parallel_depths: int = recipe_key(
-        4,
-        "draft.type=parallel: the depths K trained per position (the block: the last "
-        "committed token and K - 1 mask tokens)",
-        ge=1,
     )
 
 
@@ -415,7 +347,10 @@ class Recipe(Section):
         description="The model the draft learns from.", factory=TargetConfig
     )
     draft: DraftConfig = recipe_key(
-        description="The model trained: a standalone draft or an EAGLE-3 head.", factory=DraftConfig
+        description="The model trained: a standalone draft, an EAGLE-3 head or a parallel "
+        "draft. `draft.type` picks the section: the keys every type takes, and the type's own "
+        "(train/recipe_draft.py).",
+        factory=StandaloneDraft,
     )
     data: DataConfig = recipe_key(
         description="Training and held-out text (text files, JSONL with text, chat JSONL).",
@@ -453,13 +388,15 @@ class Recipe(Section):
 
 
 def leaf_keys(model: type[Section] = Recipe, prefix: str = "") -> dict[str, Any]:
-    """Every dotted key of `model` and its FieldInfo, sections expanded, in schema order."""
+    """Every dotted key of `model` and its FieldInfo, sections expanded (the draft section's
+    every type's keys), in schema order."""
     keys = {}
     for name, field in model.model_fields.items():
         key = f"{prefix}{name}"
-        if isinstance(field.annotation, type) and issubclass(field.annotation, Section):
-            keys.update(leaf_keys(field.annotation, f"{key}."))
-        else:
+        sections = sections_of(field.annotation)
+        for section in sections:
+            keys.update({k: v for k, v in leaf_keys(section, f"{key}.").items() if k not in keys})
+        if not sections:
             keys[key] = field
     return keys
 
@@ -470,10 +407,11 @@ def _section_marks(model: type[Section] = Recipe, prefix: str = "") -> dict[str,
     marks = {}
     for name, field in model.model_fields.items():
         key, own = f"{prefix}{name}", dict(field.json_schema_extra or {})
-        if isinstance(field.annotation, type) and issubclass(field.annotation, Section):
-            for sub, sub_marks in _section_marks(field.annotation, f"{key}.").items():
+        sections = sections_of(field.annotation)
+        for section in sections:
+            for sub, sub_marks in _section_marks(section, f"{key}.").items():
                 marks[sub] = {**own, **sub_marks}
-        else:
+        if not sections:
             marks[key] = own
     return marks
 
@@ -485,7 +423,3 @@ def keys_marked(name: str, value: Any = True) -> set[str]:
 def harmless_keys() -> set[str]:
     """The keys a resumed run may change: they do not change the trained draft."""
     return keys_marked(RESUME, "harmless")
-
-
-# Keys that configure an EAGLE-3 head; setting one on a standalone draft is a mistake.
-EAGLE3_KEYS = keys_marked(EAGLE3_ONLY)

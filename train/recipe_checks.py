@@ -12,7 +12,7 @@ import os
 from typing import TYPE_CHECKING
 
 from specdistill.bounds import max_threads
-from specdistill.train.recipe import EAGLE3_KEYS, Recipe, Section
+from specdistill.train.recipe import Recipe
 from specdistill.train.recipe_errors import RecipeError
 from specdistill.train.recipe_loss import resolved_loss
 
@@ -23,27 +23,12 @@ if TYPE_CHECKING:
 Check = tuple[bool, str]
 
 
-def explicit_keys(section: Section, prefix: str = "") -> set[str]:
-    """The dotted keys that were given (by the recipe file or an override), not defaulted."""
-    keys = set()
-    for name in section.model_fields_set:
-        value = getattr(section, name)
-        keys.add(f"{prefix}{name}")
-        if isinstance(value, Section):
-            keys |= explicit_keys(value, f"{prefix}{name}.")
-    return keys
-
-
-def validate(recipe: Recipe, explicit: set[str] | None = None) -> "ResolvedLoss":
+def validate(recipe: Recipe) -> "ResolvedLoss":
     """The checks across keys, then the loss parameters (coerced in place: `eta: 3` -> 3.0),
-    then the checks of the loss's chain part; returns the loss resolved.
-
-    explicit: the dotted keys the recipe file and overrides set (default: the ones the
-    recipe's sections were given)."""
+    then the checks of the loss's chain part; returns the loss resolved. (A key of another
+    draft type is refused by the schema: the draft section is its type's.)"""
     from specdistill.drafts import planned
 
-    if explicit is None:
-        explicit = explicit_keys(recipe)
     t, can = recipe.train, planned(recipe.draft).capabilities
     _first_failure(
         [
@@ -57,7 +42,7 @@ def validate(recipe: Recipe, explicit: set[str] | None = None) -> "ResolvedLoss"
                 f"train.threads ({t.threads}) must be at most {max_threads()} (4 per core of "
                 "this machine), or null: chosen",
             ),
-            *_draft_checks(recipe, can, explicit),
+            *_draft_checks(recipe, can),
             *_cache_checks(recipe),
             *_depth_checks(recipe),
             *_on_policy_checks(recipe, can),
@@ -83,10 +68,9 @@ def _asks(can: "Capabilities", capability: str, asked: bool, generic: str) -> Ch
     return not asked or refusal is None, refusal or ""
 
 
-def _draft_checks(recipe: Recipe, can: "Capabilities", explicit: set[str]) -> list[Check]:
+def _draft_checks(recipe: Recipe, can: "Capabilities") -> list[Check]:
     """What the recipe asks of its draft type."""
     d, kind = recipe.draft, f"draft.type={recipe.draft.type}"
-    head_keys = sorted(explicit & EAGLE3_KEYS)
     return [
         _asks(
             can,
@@ -110,12 +94,6 @@ def _draft_checks(recipe: Recipe, can: "Capabilities", explicit: set[str]) -> li
             "own columns: unset prepare.top_n",
         ),
         *_cache_asks(recipe, can, _columns(recipe, can)),
-        _asks(
-            can,
-            "eagle3_keys",
-            bool(head_keys),
-            f"{', '.join(head_keys)} apply to draft.type=eagle3 only",
-        ),
     ]
 
 

@@ -11,9 +11,10 @@ import types
 import typing
 from typing import Annotated, Any, Literal
 
-from specdistill.train.recipe import EAGLE3_ONLY, RESUME, Recipe, Section
+from specdistill.train.recipe import RESUME, Recipe, Section
+from specdistill.train.recipe_draft import DRAFT_SECTIONS, DraftSection, own_fields
 from specdistill.train.recipe_errors import bounds_of, nullable, range_text, strip_optional
-from specdistill.train.recipe_types import OneOf
+from specdistill.train.recipe_types import OneOf, sections_of
 
 DOC = "docs/recipe-keys.md"
 COMMAND = "python -m specdistill.train.recipe_docs > docs/recipe-keys.md"
@@ -38,29 +39,57 @@ and the overrides apply last. `specdistill recipe show RECIPE` prints the result
 with the file and line, override or default that set it
 ([training.md](training.md#a-recipe-that-extends-another-and-specdistill-recipe-show)).
 
+The `draft` section is one per draft type, picked by `draft.type`: the keys every type takes,
+then each type's own; a key of another type is refused (`draft.ttt_steps apply to
+draft.type=eagle3 only, not draft.type=standalone`).
+
 Columns: **type** (a list key also takes a single value, read as a one-element list; a number
-key takes an integer too), **allowed** (the values or the range), **EAGLE-3** (the key
-configures an EAGLE-3 head and is refused with `draft.type: standalone`), **resume** (what a
-resumed run, `train.resume`, may do with it: *may change* does not change the trained draft;
-every other key must keep the checkpoint's value).
+key takes an integer too), **allowed** (the values or the range), **resume** (what a resumed
+run, `train.resume`, may do with it: *may change* does not change the trained draft; every
+other key must keep the checkpoint's value).
 """
 
 
 def render() -> str:
     parts = [INTRO]
     for name, field in Recipe.model_fields.items():
-        parts += _section(name, field.annotation, field.description, _marks(field))
+        if len(sections_of(field.annotation)) > 1:
+            parts += _draft_sections(name, field.description, _marks(field))
+        else:
+            parts += _section(name, field.annotation, field.description, _marks(field))
     parts.append(_loss_params())
     return "\n".join(parts)
+
+
+def _draft_sections(key: str, description: str, marks: dict) -> list[str]:
+    """The draft section: the keys every type takes, then each type's own."""
+    parts = _section(key, DraftSection, description, marks)
+    for kind, section in DRAFT_SECTIONS.items():
+        fields = own_fields(section)
+        about = " ".join((section.__doc__ or "").split())
+        if not fields:
+            about += " No keys of its own: the keys above."
+            parts += [f"## `{key}` with `type: {kind}`\n", f"{about}\n"]
+            continue
+        parts += _section(f"{key}", section, about, marks, fields, f" with `type: {kind}`")
+    return parts
 
 
 def _marks(field) -> dict:
     return dict(field.json_schema_extra or {})
 
 
-def _section(key: str, model: type[Section], description: str, marks: dict) -> list[str]:
+def _section(
+    key: str,
+    model: type[Section],
+    description: str,
+    marks: dict,
+    fields: dict | None = None,
+    title: str = "",
+) -> list[str]:
+    """The section's table (of `fields`: default all the model's), then its subsections'."""
     rows, subsections = [], []
-    for name, field in model.model_fields.items():
+    for name, field in (model.model_fields if fields is None else fields).items():
         own = {**marks, **_marks(field)}
         if isinstance(field.annotation, type) and issubclass(field.annotation, Section):
             subsections += _section(f"{key}.{name}", field.annotation, field.description, own)
@@ -73,7 +102,6 @@ def _section(key: str, model: type[Section], description: str, marks: dict) -> l
                     type_text(field.annotation),
                     f"`{_value(field.get_default(call_default_factory=True))}`",
                     _allowed(field),
-                    "yes" if own.get(EAGLE3_ONLY) else "",
                     RESUME_WORDS.get(own.get(RESUME), ""),
                     _cell(field.description or ""),
                 ]
@@ -81,10 +109,10 @@ def _section(key: str, model: type[Section], description: str, marks: dict) -> l
             + " |"
         )
     head = [
-        f"## `{key}`\n",
+        f"## `{key}`{title}\n",
         f"{description}\n",
-        "| key | type | default | allowed | EAGLE-3 | resume | description |",
-        "|---|---|---|---|---|---|---|",
+        "| key | type | default | allowed | resume | description |",
+        "|---|---|---|---|---|---|",
         *rows,
         "",
     ]

@@ -8,7 +8,7 @@ import types
 import typing
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel, Tag, ValidationError
 from pydantic.fields import FieldInfo
 
 from specdistill.errors import UserError
@@ -82,7 +82,8 @@ def translate(error: ValidationError, root: Any, prefix: str = "") -> RecipeErro
     root: the model (or type) that was validated; prefix: the dotted key it sits at."""
     errors = error.errors()
     first = next((e for e in errors if e["type"] == "extra_forbidden"), errors[0])
-    key = dotted(first["loc"], prefix)
+    loc = untagged(root, first["loc"])
+    key = dotted(loc, prefix)
     parent, annotation, bounds = resolve(root, first["loc"])
     kind = first["type"]
     value = first.get("input")
@@ -151,7 +152,9 @@ def resolve(root: Any, loc: tuple) -> tuple[Any, Any, dict]:
     parent, annotation, bounds = root, root, {}
     for part in loc:
         inner = strip_optional(annotation)
-        if isinstance(part, str) and _is_model(inner):
+        if (member := tagged_member(inner, part)) is not None:
+            annotation = member  # a union's tag (the draft section's type): not a key
+        elif isinstance(part, str) and _is_model(inner):
             info = inner.model_fields.get(part)
             if info is None:
                 return inner, None, {}
@@ -164,6 +167,31 @@ def resolve(root: Any, loc: tuple) -> tuple[Any, Any, dict]:
         else:
             return parent, None, {}
     return parent, annotation, bounds
+
+
+def tagged_member(annotation: Any, part: Any) -> Any:
+    """The member of a tagged union (`Annotated[X, Tag(part)]`) that `part` names; None when
+    `annotation` is no such union or has no such tag."""
+    while typing.get_origin(annotation) is Annotated:
+        annotation = typing.get_args(annotation)[0]
+    if typing.get_origin(annotation) is not typing.Union:
+        return None
+    for arg in typing.get_args(annotation):
+        if typing.get_origin(arg) is Annotated:
+            member, *marks = typing.get_args(arg)
+            if any(isinstance(m, Tag) and m.tag == part for m in marks):
+                return member
+    return None
+
+
+def untagged(root: Any, loc: tuple) -> tuple:
+    """`loc` without the tags of the tagged unions it passes through: the recipe's keys."""
+    kept = []
+    for i, part in enumerate(loc):
+        _, annotation, _ = resolve(root, loc[:i])
+        if tagged_member(strip_optional(annotation), part) is None:
+            kept.append(part)
+    return tuple(kept)
 
 
 def _is_model(tp: Any) -> bool:

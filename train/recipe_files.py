@@ -22,18 +22,20 @@ import yaml
 
 from specdistill.train.recipe import LossConfig, Recipe, Section
 from specdistill.train.recipe_errors import RecipeError
+from specdistill.train.recipe_types import sections_of
 
 EXTENDS = "extends"
 TOO_DEEP = "nested too deeply to read (lists or mappings inside each other)"
 
 
 def section_keys(model: type[Section] = Recipe, prefix: str = "") -> set[str]:
-    """The dotted keys whose value is a section (merged key by key), `loss.params` included."""
+    """The dotted keys whose value is a section (merged key by key), `loss.params` included;
+    the draft section is one whatever its type."""
     keys = {"loss.params"} if model is Recipe else set()
     for name, field in model.model_fields.items():
-        if isinstance(field.annotation, type) and issubclass(field.annotation, Section):
+        for section in sections_of(field.annotation):
             keys.add(f"{prefix}{name}")
-            keys |= section_keys(field.annotation, f"{prefix}{name}.")
+            keys |= section_keys(section, f"{prefix}{name}.")
     return keys
 
 

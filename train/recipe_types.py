@@ -4,6 +4,7 @@ as the recipe means it."""
 
 import math
 import re
+import typing
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal
@@ -12,10 +13,9 @@ from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Fie
 
 from specdistill.train.recipe_errors import NotOneOf, RecipeError
 
-# Field metadata (json_schema_extra): EAGLE3_ONLY marks the keys of an EAGLE-3 head; setting
-# one on a standalone draft is refused. RESUME says what a resumed run may do with the key:
+# Field metadata (json_schema_extra): RESUME says what a resumed run may do with the key:
 # "harmless" (change it freely: it does not change the trained draft) or "grow" (raise it).
-EAGLE3_ONLY = "eagle3_only"
+# (The keys of one draft type are its own section's: train/recipe_draft.py.)
 RESUME = "resume"
 
 
@@ -24,17 +24,14 @@ def recipe_key(
     description: str = "",
     *,
     factory=None,
-    eagle3_only=False,
     resume: str | None = None,
     **constraints,
 ) -> Any:
     """A recipe key's pydantic Field: its default (or `factory` for a list or a section), its
     description, its range (`ge=`, `gt=`, `le=`, `lt=`, `min_length=`) and its marks."""
-    extra = {EAGLE3_ONLY: True} if eagle3_only else {}
-    if resume:
-        extra[RESUME] = resume
+    extra = {RESUME: resume} if resume else None
     kwargs = {"default_factory": factory} if factory else {"default": default}
-    return Field(**kwargs, description=description, json_schema_extra=extra or None, **constraints)
+    return Field(**kwargs, description=description, json_schema_extra=extra, **constraints)
 
 
 def _number(value: Any) -> Any:
@@ -154,7 +151,8 @@ class OneOf:
         return value
 
 
-def _draft_types() -> tuple[str, ...]:
+def draft_types() -> tuple[str, ...]:
+    """The names `draft.type` takes: the keys of the drafts layer's registry (`drafts.TYPES`)."""
     from specdistill.drafts import TYPES
 
     return tuple(TYPES)
@@ -185,7 +183,7 @@ ClientIds = Annotated[
 Resume = Annotated[str, BeforeValidator(_resume_value)]
 
 Dtype = Literal["float32", "bfloat16", "float16"]
-DraftType = Annotated[str, BeforeValidator(OneOf(_draft_types))]  # a key of drafts.TYPES
+DraftType = Annotated[str, BeforeValidator(OneOf(draft_types))]  # a key of drafts.TYPES
 LossName = Annotated[str, BeforeValidator(OneOf(_loss_names))]  # a loss the library declares
 # losses.resolved.DepthWeighting: how a multi-depth loss weighs its depths
 DepthWeighting = Annotated[str, BeforeValidator(OneOf(_depth_weightings))]
@@ -202,3 +200,18 @@ class Section(BaseModel):
     list key a single value)."""
 
     model_config = ConfigDict(extra="forbid", strict=True)
+
+
+def sections_of(annotation: Any) -> list[type[Section]]:
+    """The sections a key's value may be: [the section] for a section key, every member of a
+    union of sections (the draft section, one per type: train/recipe_draft.py), [] for a
+    value key."""
+    if isinstance(annotation, type) and issubclass(annotation, Section):
+        return [annotation]
+    if typing.get_origin(annotation) is not typing.Union:
+        return []
+    members = [
+        typing.get_args(a)[0] if typing.get_origin(a) is Annotated else a
+        for a in typing.get_args(annotation)
+    ]
+    return [m for m in members if isinstance(m, type) and issubclass(m, Section)]

@@ -50,7 +50,6 @@ class Eagle3:
         sparse_targets=False,
         vocab_targets=True,  # target.cache over its V_d columns, with the features it reads
         writes_text=False,
-        eagle3_keys=True,
         formats=("vllm", "sglang", "hf"),
         export_as="eagle3_head",
         refusals={

@@ -175,15 +175,19 @@ def test_a_shipped_recipe_by_name(tmp_path, monkeypatch):
 
 
 def test_key_sets_come_from_the_schema_marks():
-    from specdistill.train.config import EAGLE3_KEYS, harmless_keys
+    from specdistill.train.config import harmless_keys, own_keys
     from specdistill.train.run_plan import HARMLESS_KEYS
 
-    assert EAGLE3_KEYS == {
-        "draft.aux_layers",
-        "draft.ttt_steps",
-        "draft.intermediate_size",
-        "draft.norm_before_residual",
-        "draft.freeze_lm_head",
+    assert own_keys() == {
+        "standalone": set(),
+        "eagle3": {
+            "draft.aux_layers",
+            "draft.ttt_steps",
+            "draft.intermediate_size",
+            "draft.norm_before_residual",
+            "draft.freeze_lm_head",
+        },
+        "parallel": {"draft.parallel_depths"},
     }
     assert HARMLESS_KEYS == harmless_keys()
     outside = {
