@@ -83,6 +83,7 @@ __all__ = [
     "dump_recipe",
     "harmless_keys",
     "load_recipe",
+    "load_run_recipe",
     "own_keys",
     "parse_override",
     "recipe_datasets",
@@ -263,6 +264,29 @@ def recipe_datasets(recipe: Recipe, tokenizer):
         skip_malformed=d.skip_malformed,
         seed=recipe.train.seed,
     )
+
+
+# Keys a run's recipe.yaml held for every draft type before the draft section was one per type
+# (`dump_recipe` wrote draft.parallel_depths for a standalone draft and an EAGLE-3 head too).
+UNIFORM_DRAFT_KEYS = ("parallel_depths",)
+
+
+def load_run_recipe(path: str | Path) -> Recipe:
+    """A run's recipe.yaml (`dump_recipe`), as `load_recipe` reads it; one a run wrote before
+    the draft section was one per type holds `UNIFORM_DRAFT_KEYS` for every type: dropped
+    where the type has no such key."""
+    raw, sources, _ = read_recipe(recipe_path(Path(path)))
+    draft = raw.get("draft")
+    if isinstance(draft, dict) and isinstance(draft.get("type"), str):
+        own = own_keys().get(draft["type"], set())
+        for name in UNIFORM_DRAFT_KEYS:
+            if f"draft.{name}" not in own:
+                draft.pop(name, None)
+    try:
+        return recipe_from_dict(raw)
+    except RecipeError as e:
+        where = _where(e.key, sources, [])
+        raise RecipeError(f"{where}{e}", key=e.key) from None
 
 
 def dump_recipe(recipe: Recipe, path: str | Path) -> None:

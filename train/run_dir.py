@@ -26,7 +26,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from specdistill import publish
-from specdistill.train.config import dump_recipe, load_recipe
+from specdistill.train.config import dump_recipe, load_run_recipe
 from specdistill.train.run_plan import (
     CHECKPOINT_PREFIX,
     STATE_FILE,
@@ -194,7 +194,7 @@ class RunDir:
                     file=sys.stderr,
                 )
             say(f"resumed from {path} at step {core.step}")
-            harmless = recipe_changes(load_recipe(path / "recipe.yaml"), recipe)[1]
+            harmless = recipe_changes(load_run_recipe(path / "recipe.yaml"), recipe)[1]
             if harmless:
                 say(
                     "recipe changes since that checkpoint (they do not alter the trained "

@@ -19,7 +19,7 @@ from pathlib import Path
 from specdistill import publish
 from specdistill.errors import UserError
 from specdistill.models.weights import check_state_file
-from specdistill.train.config import Recipe, RecipeError, load_recipe, recipe_to_dict
+from specdistill.train.config import Recipe, RecipeError, load_run_recipe, recipe_to_dict
 from specdistill.train.recipe import harmless_keys
 
 CHECKPOINT_PREFIX = "step-"
@@ -167,7 +167,7 @@ def check_recipe(saved: Path, recipe: Recipe) -> list[str]:
     """Refuse to continue the run whose recipe is `saved` if `recipe` differs from it in a key
     that changes the trained draft; return the harmless changes ('key: old → new')."""
     try:
-        old = load_recipe(saved)
+        old = load_run_recipe(saved)
     except RecipeError as e:
         raise RecipeError(f"train.resume: cannot read the run's recipe {saved}: {e}") from None
     altering, harmless = recipe_changes(old, recipe)

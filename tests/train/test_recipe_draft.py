@@ -15,6 +15,8 @@ from specdistill.train.config import (
     draft_section,
     dump_recipe,
     load_recipe,
+    load_run_recipe,
+    recipe_to_dict,
     resolve_recipe,
 )
 
@@ -118,6 +120,18 @@ def test_each_section_round_trips_through_dump_and_load(tmp_path, overrides, own
     assert not {k for t, keys in others.items() if t != kind for k in keys} & set(written)
     assert {k: written[k] for k in own} == own
     assert load_recipe(tmp_path / "recipe.yaml") == recipe
+    assert load_run_recipe(tmp_path / "recipe.yaml") == recipe
+
+
+def test_a_run_recipe_written_with_every_types_keys_still_loads(tmp_path):
+    """A run's recipe.yaml from before the per-type section held draft.parallel_depths for
+    every type: a resumed run reads it as the recipe it was; a recipe file may not."""
+    d = recipe_to_dict(load_recipe(None))
+    d["draft"]["parallel_depths"] = 4
+    (tmp_path / "recipe.yaml").write_text(yaml.safe_dump(d, sort_keys=False))
+    assert load_run_recipe(tmp_path / "recipe.yaml") == load_recipe(None)
+    with pytest.raises(RecipeError, match="parallel_depths apply to draft.type=parallel only"):
+        load_recipe(tmp_path / "recipe.yaml")
 
 
 def test_extends_merges_the_draft_section_key_by_key(tmp_path):
