@@ -14,7 +14,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV="${SPECVENV:-/tmp/specvenv}"
 PY="${PYTHON:-python}"
-SPECULATORS_VERSION="$("$PY" -c 'from train.eagle3 import SPECULATORS_VERSION as v; print(v)')"
+SPECULATORS_VERSION="$("$PY" -c 'from specdistill.drafts.eagle3.checkpoint import SPECULATORS_VERSION as v; print(v)')"
 
 if [ ! -x "$VENV/bin/python" ]; then
     "$PY" -m venv --system-site-packages "$VENV"

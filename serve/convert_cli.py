@@ -43,10 +43,10 @@ def main(argv: list[str] | None = None) -> int:
     inputs = input_files(Path(args.input))
     check_out(Path(args.out))  # before the tokenizer loads
     quiet_third_party()
-    from specdistill.models.hub import load_tokenizer
     from specdistill.models.identity import model_identity
+    from specdistill.models.target_spec import TargetSpec, load_tokenizer
 
-    tokenizer = load_tokenizer(args.target)
+    tokenizer = load_tokenizer(TargetSpec(model=args.target, adapter=args.target_adapter))
     identity = args.target_identity or model_identity(args.target, adapter=args.target_adapter)
     name = f"{args.target}+{args.target_adapter}" if args.target_adapter else args.target
     target = {"name": name, "identity": identity}
