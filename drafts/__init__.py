@@ -31,8 +31,9 @@ class, with a priority): `TYPES` (the recipe's `draft.type` names), `detect` (a 
 `type_of` (a loaded module) and the loader (drafts/loader.py, drafts/checked_load.py) ask the
 registry, in priority order, and never name a type. Adding a type (an MTP or DFlash-style
 head): a subpackage here with a class that satisfies `DraftType`, declares its
-`capabilities` and registers itself, imported below; the export writes it by its
-`capabilities.export_as` (train/export/: a new row only for a new way of writing).
+`capabilities` and its `exports` (its export writers, readers and serve hints, written in its
+own subpackage: drafts/export.py) and registers itself, imported below; the export verb
+(train/export/) finds its writers through the registry, under its `capabilities.export_as`.
 """
 
 from torch import nn

@@ -11,8 +11,12 @@ standalone type: any Hugging Face causal LM).
 `TYPES` maps a recipe's `draft.type` to its class; a variant of a type (a reduced output
 vocabulary, another directory layout of the same head: `register(..., variant=True)`) is
 detected and loaded but takes no name of its own (its `name` is its base type's).
+
+`read_config` reads a draft directory's config.json, which the types' `detect` hooks and the
+export's writers read.
 """
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -69,3 +73,20 @@ def loading(path: str | None) -> Any:
     """The type class whose `load` loads a draft: the detected type of its local model
     directory `path`, else (None: a hub name) the fallback, the last in priority order."""
     return detect(path) if path is not None else detected()[-1]
+
+
+def read_config(path) -> dict | None:
+    """The config.json of directory `path` as a dict; None when it has none. A UserError
+    when it is no JSON object."""
+    config = Path(path) / "config.json"
+    if not config.is_file():
+        return None
+    try:
+        value = json.loads(config.read_bytes())
+    except (ValueError, RecursionError) as e:  # bad JSON, not UTF-8, nested too deeply
+        raise UserError(f"{config} is not valid JSON: {e}") from e
+    if not isinstance(value, dict):
+        raise UserError(
+            f"{config} must hold a JSON object (a model config), not a {type(value).__name__}"
+        )
+    return value

@@ -6,7 +6,8 @@ through these members only and never branch on which type it is. A type's class
 (`capabilities`: what the recipe checks, the online job and the export ask) and answers the
 questions about a recipe's `draft` section (`planned`), about a loaded draft module
 (`detect_loaded`, `vocab_size_of`, `drafter`, `path_logits`, `per_depth_alpha`,
-`own_tokenizer`) and about directories (`detect`, `layout`, `load`, `meta_model`); each
+`own_tokenizer`) and about directories (`detect`, `layout`, `load`, `meta_model`), and
+contributes its export writers, readers and serve hints (`exports`, drafts/export.py); each
 registers itself (drafts/registry.py), which asks these in its declared priority order;
 an instance, built with the draft for training (`build`), answers the training-time ones
 (`depths`, `count_mask`, `save`, `vocab_size`, `d2t`). Instances are never mutated after `build`.
@@ -19,6 +20,8 @@ from typing import Any, ClassVar, Protocol, runtime_checkable
 
 import torch
 from torch import Tensor
+
+from specdistill.drafts.export import Exports
 
 # K aligned depths: (draft logits per depth, target logits per depth, mask per depth).
 Depths = tuple[list[Tensor], list[Tensor], list[Tensor]]
@@ -61,7 +64,8 @@ class Capabilities:
     writes_text: bool = True  # data.on_policy.source=draft: it drafts a text on its own
     formats: tuple[str, ...] = ("hf",)  # export formats (train/export/)
     format_note: str | None = None  # why the formats are fewer, for the export's refusal
-    # the export tables' row (train/export/): how a saved draft is written and read back
+    # the key of the type's `exports` in the export's tables (train/export/): types written
+    # alike (a type and its variants) share it and one `Exports`
     export_as: str = "causal_lm"
     # capability -> the one-line error of a recipe that asks for it
     refusals: Mapping[str, str] = field(default_factory=dict)
@@ -127,6 +131,8 @@ class DraftType(Protocol):
     name: ClassVar[str]  # "standalone", "eagle3": the recipe's draft.type
     capabilities: ClassVar[Capabilities]  # what it can do (the recipe checks, the export)
     layout: ClassVar[str]  # the export format whose layout a saved draft of this type has
+    # its export writers, readers and serve hints per format (drafts/export.py)
+    exports: ClassVar[Exports]
     per_depth_alpha: ClassVar[bool]  # offline α depends on the drafting depth
     own_tokenizer: ClassVar[bool]  # ships its own tokenizer (which must match the target's)
 

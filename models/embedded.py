@@ -98,7 +98,7 @@ def resolve_model(name_or_path: str) -> str:
     if not name_or_path.startswith(PREFIX):
         return name_or_path
     name = name_or_path.removeprefix(PREFIX)
-    path = _model_dir(name)  # validates the name
+    path = model_dir(name)  # validates the name
     if _is_current(path, EMBEDDED[name]):
         return str(path)
     return str(build(name))
@@ -109,7 +109,7 @@ def build(name: str, *, force: bool = False) -> Path:
 
     Blocks while another process builds; `force` rebuilds the model (not its tokenizer).
     """
-    final = _model_dir(name)
+    final = model_dir(name)
     spec = EMBEDDED[name]
     with waiting_lock(_embedded_root(), log):  # held for the whole build
         if not force and _is_current(final, spec):
@@ -126,7 +126,9 @@ def build(name: str, *, force: bool = False) -> Path:
     return final
 
 
-def _model_dir(name: str) -> Path:
+def model_dir(name: str) -> Path:
+    """The directory the embedded model `name` is built in (built or not); a UserError naming
+    the valid names for an unknown one."""
     if name not in EMBEDDED:
         valid = ", ".join(PREFIX + n for n in EMBEDDED)
         raise UserError(f"unknown embedded model {PREFIX + name!r}; valid names: {valid}")

@@ -17,7 +17,7 @@ such a model an ordinary Hugging Face directory, once, and returns its path:
 From then on the directory is a model like any other: the same loading, the same identity
 hash (models/identity.py), the lean CPU forward. The weights are a dequantization of the
 quantized file, not the original checkpoint: `export` names the original hub model
-(`RegistryModel.hub_id`) as the verifier and says so (train/export/verifier.py).
+(`RegistryModel.hub_id`) as the verifier and says so (drafts/verifier.py).
 Builds are serialised by an `flock` on `<cache>/registry/.lock`; a killed build leaves only
 temporary directories, removed by the next one. The source record lists every converted file
 with its size, mtime and sha256; each resolve checks them (a file whose size and mtime are

@@ -6,7 +6,9 @@ logits. Saved in the `speculators` layout vLLM loads (docs/theory.md §4, §5).
 
 This subpackage is the whole type: the head (head.py), its checkpoint format and directory
 detection (checkpoint.py), the target's feature capture (features.py), its chains for the
-accepted-length loss (chains.py), and here the type with its hooks and registration.
+accepted-length loss (chains.py), its export writers (export.py: the speculators layout of
+the vllm and hf formats; sglang.py: SGLang's), and here the type with its hooks and
+registration.
 """
 
 from collections.abc import Sequence
@@ -17,6 +19,8 @@ from torch import Tensor, nn
 
 from specdistill.bounds import check_int
 from specdistill.drafts.acceptance_head import align_hidden
+from specdistill.drafts.eagle3 import export as speculators
+from specdistill.drafts.eagle3 import sglang
 from specdistill.drafts.eagle3.chains import sample_head_chains
 from specdistill.drafts.eagle3.checkpoint import head_from_config, read_config
 from specdistill.drafts.eagle3.head import (
@@ -27,6 +31,7 @@ from specdistill.drafts.eagle3.head import (
     is_eagle3_dir,
     is_sglang_eagle3_dir,
 )
+from specdistill.drafts.export import Exports
 from specdistill.drafts.registry import register
 from specdistill.drafts.standalone import Standalone, StandaloneDrafter
 from specdistill.drafts.standalone.reduced_vocab import ReducedVocabError, compared_ids
@@ -64,6 +69,20 @@ class Eagle3:
             "head drafts from the target's features and cannot write a text alone; use "
             "data.on_policy.source=target (speculative decoding with the head)",
         },
+    )
+    # its export (drafts/export.py): the speculators layout as vllm and hf, SGLang's as sglang
+    exports = Exports(
+        writers={
+            "vllm": speculators.write_head,
+            "sglang": sglang.write_head,
+            "hf": speculators.write_head,
+        },
+        readers={
+            "vllm": speculators.read_head,
+            "sglang": sglang.read_head,
+            "hf": speculators.read_head,
+        },
+        hints={"vllm": speculators.HINT, "sglang": sglang.HINT, "hf": speculators.HINT},
     )
     layout = "vllm"  # a saved head is in the speculators layout (`Eagle3Head.save_pretrained`)
 

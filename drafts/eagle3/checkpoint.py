@@ -11,6 +11,7 @@ import torch
 from torch import Tensor
 from transformers import LlamaConfig
 
+from specdistill.drafts.registry import read_config
 from specdistill.drafts.vocab_map import check_vocab_map
 from specdistill.errors import UserError
 from specdistill.models.weights import IncompleteDraftError, describe, read_safetensors
@@ -144,22 +145,6 @@ def load_checked(head, state: dict[str, Tensor], source: str) -> None:
     if message:
         raise IncompleteDraftError(message)
     head.load_state_dict(state)
-
-
-def read_config(path) -> dict | None:
-    """The config.json of directory `path` as a dict; None when it has none."""
-    config = Path(path) / "config.json"
-    if not config.is_file():
-        return None
-    try:
-        value = json.loads(config.read_bytes())
-    except (ValueError, RecursionError) as e:  # bad JSON, not UTF-8, nested too deeply
-        raise UserError(f"{config} is not valid JSON: {e}") from e
-    if not isinstance(value, dict):
-        raise UserError(
-            f"{config} must hold a JSON object (a model config), not a {type(value).__name__}"
-        )
-    return value
 
 
 def is_eagle3_dir(path) -> bool:

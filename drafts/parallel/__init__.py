@@ -20,6 +20,9 @@ The drafter proposes the block with one forward on its own KV cache; the γ − 
 are dropped after verification and the accepted drafts become the next round's pending tokens
 (as an EAGLE-3 head's do). Each position's token is drawn from that position's distribution,
 which is what verification receives, so speculative sampling stays lossless.
+
+Exported (`write_parallel_lm`) as the standalone draft's causal-LM directory with `pard_token`
+in its config.json, for vLLM's parallel drafting (formats vllm and hf; not SGLang).
 """
 
 from dataclasses import dataclass, field, replace
@@ -30,6 +33,7 @@ from torch import Tensor, nn
 
 from specdistill.drafts.align import target_mask
 from specdistill.drafts.confidence import acceptance_head, predicted_acceptance
+from specdistill.drafts.export import ExportError, Exports, Options, Plan
 from specdistill.drafts.registry import register
 from specdistill.drafts.standalone import (
     ReducedStandalone,
@@ -37,6 +41,11 @@ from specdistill.drafts.standalone import (
     StandaloneDrafter,
     load_or_init,
     reduced_head,
+)
+from specdistill.drafts.standalone.export import (
+    STANDALONE_TOKENS,
+    read_causal_lm,
+    write_causal_lm,
 )
 from specdistill.drafts.standalone.reduced_vocab import (
     ReducedHead,
@@ -141,6 +150,26 @@ def shifted_depths(blocks: list[Tensor], t_logits: Tensor, base_mask: Tensor) ->
     return d_out, t_out, m_out
 
 
+VLLM_HINT = (
+    "vllm serve {target} --speculative-config "
+    '\'{{"model": "{out}", "num_speculative_tokens": {tokens}, "method": "draft_model", '
+    '"parallel_drafting": true}}\''
+)
+
+
+def write_parallel_lm(model: nn.Module, options: Options) -> Plan:
+    """The export of a parallel draft (drafts/export.py): the standalone draft's causal-LM
+    directory, whose config.json keeps `pard_token` (the mask token id that vLLM's parallel
+    drafting, `"parallel_drafting": true` with `"method": "draft_model"`, reads from the
+    draft's config); the block length is --speculative-tokens, else the depths it was
+    trained with. Not an SGLang format."""
+    if mask_token(model) is None:
+        raise ExportError("a parallel draft's config.json must name its mask token (pard_token)")
+    plan = write_causal_lm(model, options)
+    trained = getattr(model.config, DEPTHS_FIELD, None) or STANDALONE_TOKENS
+    return Plan(plan.write, plan.verifier, options.speculative_tokens or trained)
+
+
 @register(40)
 @dataclass(frozen=True)
 class Parallel:
@@ -172,6 +201,12 @@ class Parallel:
             "standalone draft; a parallel draft's depths compare the target at shifted "
             "positions: unset target.cache",
         },
+    )
+    # its export (drafts/export.py): the causal-LM directory with its mask token
+    exports = Exports(
+        writers={"vllm": write_parallel_lm, "hf": write_parallel_lm},
+        readers={"vllm": read_causal_lm, "hf": read_causal_lm},
+        hints={"vllm": VLLM_HINT, "hf": VLLM_HINT},
     )
     layout = "hf"  # a saved parallel draft is a plain HF directory (with `pard_token`)
 

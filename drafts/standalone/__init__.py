@@ -21,6 +21,8 @@ for any draft (tests/eval/test_reduced_vocab_engine.py). What differs:
   outside V_d, so every sampled token is in V_d) and handed to the loss in draft ids;
 - export: the `hf` format only. vLLM and SGLang load a draft model with the target's whole
   output head; a K-row head with its d2t map is not a layout they read.
+
+Its export writers (the plain causal-LM directory every format takes): export.py.
 """
 
 from collections.abc import Sequence
@@ -35,7 +37,9 @@ from specdistill.drafts.align import shifted_logits, target_mask
 from specdistill.drafts.chains import Chains, sample_chains
 from specdistill.drafts.confidence import acceptance_head, predicted_acceptance
 from specdistill.drafts.draft_init import draft_from_target, layers_spec
+from specdistill.drafts.export import Exports
 from specdistill.drafts.registry import register
+from specdistill.drafts.standalone import export
 from specdistill.drafts.standalone.reduced_vocab import (
     ReducedHead,
     ReducedVocabError,
@@ -61,6 +65,16 @@ class Standalone:
     feature_layers = None  # reads the target's logits only
     # every capability; exported as a plain HF directory, which every format holds
     capabilities = Capabilities(formats=("vllm", "sglang", "hf"))
+    # its export (drafts/export.py): the causal-LM directory in every format (export.py)
+    exports = Exports(
+        writers={
+            "vllm": export.write_causal_lm,
+            "sglang": export.write_causal_lm,
+            "hf": export.write_causal_lm,
+        },
+        readers={"vllm": export.read_causal_lm, "hf": export.read_causal_lm},
+        hints={"vllm": export.VLLM_HINT, "sglang": export.SGLANG_HINT, "hf": export.VLLM_HINT},
+    )
     layout = "hf"  # the export format whose layout a saved standalone draft has
 
     @staticmethod

@@ -8,7 +8,8 @@ project does not name anywhere.
 
 A head with a folder format of its own (`head_package`) is one package in a temporary folder
 and one registry entry (drafts/registry.py `register`): the generic paths (`drafts.detect`,
-`drafts.type_of`, `load_draft`, `load_checked`) find, load and check it.
+`drafts.type_of`, `load_draft`, `load_checked`) find, load and check it, and `specdistill
+export` writes it with the writer it contributes (its `exports`, drafts/export.py).
 """
 
 from dataclasses import dataclass, replace
@@ -116,13 +117,14 @@ HEAD_PACKAGE = '''
 (`stand_in_head`: its sizes) and its weights in stand_in_head.safetensors."""
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from types import SimpleNamespace
 
 from safetensors.torch import load_file, save_file
 from torch import nn
 
+from specdistill.drafts.export import Exports, Plan
 from specdistill.drafts.registry import register
 from specdistill.drafts.standalone import Standalone
 from specdistill.models.hub import DTYPES
@@ -156,11 +158,22 @@ def sizes(path) -> dict | None:
     return json.loads((Path(path) / "config.json").read_text()).get(FIELD)
 
 
+def write_head(head, options) -> Plan:
+    """Its export (the hf format): its own folder format."""
+    return Plan(head.save, options.verifier, options.speculative_tokens or 1)
+
+
+def read_head(directory):
+    return StandInHead.load(str(directory), dtype="float32")
+
+
 @register(5)
 @dataclass(frozen=True)
 class StandInHead(Standalone):
     name = "stand_in_head"
     own_tokenizer = False  # a head: the target's tokenizer
+    capabilities = replace(Standalone.capabilities, formats=("hf",), export_as="stand_in_head")
+    exports = Exports(writers={"hf": write_head}, readers={"hf": read_head})
 
     @staticmethod
     def detect(path) -> bool:
@@ -263,3 +276,38 @@ def test_the_checked_load_refuses_its_weights_of_other_shapes_before_loading(
     (saved / "config.json").write_text(json.dumps({"stand_in_head": {"vocab": 16, "hidden": 4}}))
     with pytest.raises(IncompleteDraftError, match="embed.weight"):
         check_before_loading(str(saved))
+
+
+def test_specdistill_export_writes_it_with_the_writer_it_contributes(
+    head_package, tmp_path, capsys
+):
+    """The head's writer and reader (its `exports`) join the export's tables through the
+    registry; `specdistill export` writes the head in its own folder format, reads it back
+    and refuses a format it does not list."""
+    import torch
+
+    from specdistill import cli
+    from specdistill.train.export import formats, load_export
+
+    package, _, _ = head_package
+    assert formats.writers("hf")["stand_in_head"] is package.write_head
+    assert "stand_in_head" not in formats.writers("vllm")
+    torch.manual_seed(0)
+    head = package.Head(16, 8)
+    saved = tmp_path / "head"
+    head.save(saved)
+    out = tmp_path / "out"
+    argv = ["export", "--draft", str(saved), "--format", "hf", "--out", str(out)]
+    assert cli.main(argv) == 0
+    printed = capsys.readouterr().out
+    assert f"wrote hf export of the stand_in_head draft to {out}" in printed
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "stand_in_head.safetensors"]
+    assert drafts.detect(out) is package.StandInHead
+    ids = torch.tensor([[1, 2, 3]])
+    assert torch.equal(load_export(out, "hf")(ids), head(ids))
+    argv = ["export", "--draft", str(saved), "--format", "vllm", "--out", str(tmp_path / "v")]
+    assert cli.main(argv) == 2
+    assert "a stand_in_head draft cannot be exported as vllm; formats: hf" in (
+        capsys.readouterr().err
+    )
+    assert not (tmp_path / "v").exists()

@@ -24,6 +24,7 @@ DRAFT_TYPE_MEMBERS = {
     "name",
     "capabilities",
     "layout",
+    "exports",
     "per_depth_alpha",
     "own_tokenizer",
     "vocab_size",

@@ -597,21 +597,14 @@ def test_draft_types_detect_their_directories(head_dir, standalone_dir, tmp_path
     assert not drafts.Eagle3.detect(tmp_path / "empty")
 
 
-def test_a_third_draft_type_plugs_in(standalone_dir, tmp_path, monkeypatch, draft_registry):
+def test_a_third_draft_type_plugs_in(standalone_dir, tmp_path, draft_registry):
     """A new type written unlike the others: a class in drafts/ (name, capabilities with its
-    formats and export_as, layout, detect), registered, and, per format it supports, a
-    writer, a hint and (in its layout's module) a reader keyed by its export_as."""
+    formats and export_as, layout, detect), registered, whose `exports` holds, per format it
+    supports, a writer and a hint, and a reader of its layout: the export's tables take them
+    from the registry, and nothing in train/export/ changes."""
     from specdistill import drafts
-    from specdistill.train.export import vllm
-    from specdistill.train.export.common import Plan
-
-    class Toy:
-        name, layout = "toy", "vllm"
-        capabilities = drafts.Capabilities(formats=("vllm",), export_as="toy")
-
-        @staticmethod
-        def detect(path) -> bool:
-            return json.loads((Path(path) / "config.json").read_text()).get("toy", False)
+    from specdistill.drafts.export import Exports, Plan
+    from specdistill.train.export import formats
 
     def write_toy(model, options):
         def write(out):
@@ -619,10 +612,22 @@ def test_a_third_draft_type_plugs_in(standalone_dir, tmp_path, monkeypatch, draf
 
         return Plan(write, None, options.speculative_tokens or 1)
 
+    class Toy:
+        name, layout = "toy", "vllm"
+        capabilities = drafts.Capabilities(formats=("vllm",), export_as="toy")
+        exports = Exports(
+            writers={"vllm": write_toy},
+            readers={"vllm": lambda directory: torch.nn.Identity()},
+            hints={"vllm": "toy-serve {out} {tokens}"},
+        )
+
+        @staticmethod
+        def detect(path) -> bool:
+            return json.loads((Path(path) / "config.json").read_text()).get("toy", False)
+
+    assert "toy" not in formats.writers("vllm")
     draft_registry.register(0)(Toy)
-    monkeypatch.setitem(vllm.WRITERS, "toy", write_toy)
-    monkeypatch.setitem(vllm.READERS, "toy", lambda directory: torch.nn.Identity())
-    monkeypatch.setitem(vllm.HINTS, "toy", "toy-serve {out} {tokens}")
+    assert formats.writers("vllm")["toy"] is write_toy and "toy" not in formats.writers("sglang")
     src = tmp_path / "toy"
     src.mkdir()
     (src / "config.json").write_text('{"toy": true}\n')
@@ -632,6 +637,29 @@ def test_a_third_draft_type_plugs_in(standalone_dir, tmp_path, monkeypatch, draf
     with pytest.raises(ExportError, match="cannot be exported as sglang"):
         export(src, "sglang", tmp_path / "sgl")
     assert not (tmp_path / "sgl").exists()
+    assert main(["--draft", str(src), "--format", "vllm", "--out", str(tmp_path / "cli")]) == 0
+
+
+def test_the_tables_hold_one_record_per_way_of_writing(draft_registry):
+    """The tables are keyed by `export_as`: a type and its variants share one record; a type
+    that claims another's key with a record of its own is refused."""
+    from specdistill import drafts
+    from specdistill.drafts.export import Exports
+    from specdistill.train.export import formats
+
+    assert sorted(formats.writers("vllm")) == ["causal_lm", "eagle3_head", "parallel_lm"]
+    assert sorted(formats.writers("sglang")) == ["causal_lm", "eagle3_head"]
+    assert formats.writers("hf") == formats.writers("vllm")
+    assert formats.hints("hf") == formats.hints("vllm")
+    assert drafts.SGLangEagle3.exports is drafts.Eagle3.exports
+    assert formats.readers("sglang")["eagle3_head"] is not formats.readers("vllm")["eagle3_head"]
+
+    class Impostor(drafts.Standalone):
+        exports = Exports(writers={}, readers={})
+
+    draft_registry.register(95, variant=True)(Impostor)
+    with pytest.raises(ValueError, match="both export as 'causal_lm'"):
+        formats.writers("vllm")
 
 
 def test_nothing_left_beside_out(head_dir, tmp_path):
@@ -677,12 +705,12 @@ def copy_of(model):
     return copy.deepcopy(model)
 
 
-def test_the_parallel_type_lives_in_drafts_and_the_export_writers():
-    """Adding the parallel draft type touched only the drafts layer and the export writers
-    (and the recipe's type name and its one key): no other module names it, imports it or
-    branches on it; the trainer, the engine, the server and the sweep reach it through
-    `drafts.TYPES`, `drafts.detect` and `drafts.type_of`."""
-    allowed = {"drafts", "train/export"}
+def test_the_parallel_type_lives_in_its_folder():
+    """Adding the parallel draft type touched only its folder, drafts/parallel/ (its export
+    writer included), the drafts package's import of it and the recipe's type name and its
+    one key: no other module names it, imports it or branches on it; the trainer, the engine,
+    the server, the sweep and the export reach it through `drafts.TYPES`, `drafts.detect`,
+    `drafts.type_of` and its `exports`."""
     recipe = {  # the recipe's type name and its one key (its section: recipe_draft.py)
         "train/recipe.py",
         "train/recipe_types.py",
@@ -697,11 +725,73 @@ def test_the_parallel_type_lives_in_drafts_and_the_export_writers():
         text = path.read_text()
         if re.search(r'drafts\.parallel|\bParallel(Drafter)?\b|pard_token|"parallel"', text):
             found.append(rel)
-    outside = [
-        rel
-        for rel in found
-        if not any(rel.startswith(a + "/") for a in allowed) and rel not in recipe
-    ]
+    allowed = {"drafts/__init__.py"} | recipe  # the package imports each type (registration)
+    outside = [rel for rel in found if not rel.startswith("drafts/parallel/") and rel not in allowed]
     assert outside == [], outside
-    assert any(rel.startswith("drafts/") for rel in found)
-    assert "train/export/vllm.py" in found
+    assert "drafts/parallel/__init__.py" in found
+
+
+def code_words(source: str) -> set[str]:
+    """The identifiers and the words of the string constants of a module's code (its
+    docstrings left out)."""
+    import ast
+
+    tree = ast.parse(source)
+    docstrings = {
+        id(node.body[0].value)
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Module | ast.ClassDef | ast.FunctionDef)
+        and node.body
+        and isinstance(node.body[0], ast.Expr)
+        and isinstance(node.body[0].value, ast.Constant)
+    }
+    words = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Constant) and isinstance(node.value, str):
+            if id(node) not in docstrings:
+                words |= set(re.findall(r"\w+", node.value))
+        elif isinstance(node, ast.Name):
+            words.add(node.id)
+        elif isinstance(node, ast.Attribute):
+            words.add(node.attr)
+        elif isinstance(node, ast.alias):
+            words |= set((node.asname or node.name).split("."))
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            words |= set(node.module.split("."))
+        elif isinstance(node, ast.FunctionDef | ast.ClassDef):
+            words.add(node.name)
+    return words
+
+
+def test_each_types_export_code_lives_in_its_own_folder():
+    """A draft type's export writers, readers and serve hints are written in its own folder
+    (drafts/<type>/) and reach the export through its `exports`: the verb and its tables
+    (train/export/) and the drafts layer's shared export modules (drafts/export.py,
+    drafts/verifier.py) import no type's folder and name no type, no type class and no
+    `export_as` key in their code."""
+    import inspect
+
+    from specdistill.drafts import registry
+
+    kinds = registry.detected()
+    folders = {kind.__module__.split(".")[2] for kind in kinds}
+    assert folders == {"standalone", "parallel", "eagle3"}
+    named = (
+        folders
+        | {kind.name for kind in kinds}
+        | {kind.__name__ for kind in kinds}
+        | {kind.capabilities.export_as for kind in kinds}
+        | {"Eagle3Head"}
+    )
+    generic = [*sorted((ROOT / "train" / "export").glob("*.py"))]
+    generic += [ROOT / "drafts" / "export.py", ROOT / "drafts" / "verifier.py"]
+    for path in generic:
+        assert not code_words(path.read_text()) & named, path.relative_to(ROOT)
+    for kind in kinds:
+        rows = kind.exports
+        for hook in [*rows.writers.values(), *rows.readers.values()]:
+            where = Path(inspect.getfile(hook)).resolve().relative_to(ROOT)
+            assert where.parts[0] == "drafts" and where.parts[1] in folders, (kind, where)
+        assert set(rows.writers) >= set(kind.capabilities.formats), kind
+        assert set(rows.hints) >= set(kind.capabilities.formats), kind
+        assert kind.layout in rows.readers, kind

@@ -8,15 +8,16 @@
 (`python -m specdistill.train.export ...` is the same command; train/export_cli.py parses
 it.) The draft's type is detected by the drafts layer (`drafts.detect`: an EAGLE-3 head in
 the speculators or SGLang layout, else a Hugging Face causal LM), which declares its export
-formats and how it is written (`capabilities.formats`, `capabilities.export_as`). Each format
-is one module, which maps an `export_as` to its writer, reader and serve hint
-(train/export/common.py describes the interface; docs/theory.md §5):
+formats and how it is written (`capabilities.formats`, `capabilities.export_as`) and
+contributes, from its own subpackage, its writer per format, its reader per layout and its
+serve hint per format (its `exports`: drafts/export.py describes the interface;
+docs/theory.md §5 the layouts). The formats and their tables, assembled from the registered
+types: formats.py. This package is the verb around them:
 
-  vllm.py    an EAGLE-3 head in the `speculators` layout; a standalone draft as a plain causal
-             LM directory (config.json, model.safetensors, generation config), for every format
-  sglang.py  an EAGLE-3 head as `LlamaForCausalLMEagle3` (feature layer ids shifted by one)
-  hf.py      what vllm writes: the layout of EAGLE-3 repositories on the Hugging Face Hub
-  verifier.py  the target named in (or checked against) the export, shared by all formats
+  __init__.py  the checks before writing, the tokenizer files, the write beside --out, the
+               re-read, the serve hint; its code names no draft type
+  formats.py   FORMATS (vllm, sglang, hf) and the WRITERS / READERS / HINTS tables per format
+  export_cli.py (train/)  the verb's arguments, parsed without importing this package
 
 The tokenizer files of --draft (or of --tokenizer PATH, e.g. the target's directory) are copied
 beside the weights. A standalone draft must have them: specdistill serve / speculate / drift and
@@ -40,10 +41,10 @@ beside --out, re-read and checked, then renamed into place (`specdistill.publish
 `load_export(out, fmt)` re-loads any export as a module giving logits (an `Eagle3Head`, or the
 causal LM).
 
-A new draft type (drafts/) plugs in with its `capabilities` (`formats`, `export_as`), a
-`layout` (the format whose directory layout its saved drafts have) and `detect`; one written
-unlike every existing type (a new `export_as`) gets, in each format module it supports,
-`WRITERS[export_as]`, `HINTS[export_as]`, and in its layout module `READERS[export_as]`.
+A new draft type (drafts/<type>/) plugs in with its `capabilities` (`formats`, `export_as`),
+its `exports` (its writers, readers and hints, in its own subpackage), a `layout` (the format
+whose directory layout its saved drafts have) and `detect`, and its registration: nothing
+here changes.
 """
 
 import shutil
@@ -55,14 +56,13 @@ from torch import nn
 
 from specdistill import bounds, drafts
 from specdistill.bounds import MAX_GAMMA
-from specdistill.drafts.eagle3.head import VocabMapError
+from specdistill.drafts.export import ExportError, Options, Plan
+from specdistill.drafts.vocab_map import VocabMapError
 from specdistill.models.weights import check_module_finite, check_weight_files
 from specdistill.publish import publish_dir
-from specdistill.train.export import hf, sglang, vllm
-from specdistill.train.export.common import ExportError, Options, Plan
+from specdistill.train.export import formats
+from specdistill.train.export.formats import FORMATS
 
-MODULES = {"vllm": vllm, "sglang": sglang, "hf": hf}
-FORMATS = tuple(MODULES)
 TOKENIZER_FILES = (
     "tokenizer.json",
     "tokenizer_config.json",
@@ -91,23 +91,22 @@ __all__ = [
 ]
 
 
-def _format(fmt: str):
-    if fmt not in MODULES:
+def _format(fmt: str) -> None:
+    if fmt not in FORMATS:
         raise ExportError(f"unknown format {fmt!r}; choose one of {', '.join(FORMATS)}")
-    return MODULES[fmt]
 
 
 # ----------------------------------------------------------------------------- reading drafts
 
 
 def _read(directory: Path) -> tuple[type, nn.Module]:
-    """(draft type, module) of a draft directory, read by its layout's format module."""
+    """(draft type, module) of a draft directory, read by its type's reader of its layout."""
     try:
         kind = drafts.detect(directory)
     except ValueError as e:  # no config.json, bad JSON: not a draft directory
         raise ExportError(str(e)) from e
     check_weight_files(directory)  # BrokenWeightsError naming a cut-short file
-    return kind, MODULES[kind.layout].READERS[kind.capabilities.export_as](directory)
+    return kind, formats.readers(kind.layout)[kind.capabilities.export_as](directory)
 
 
 def load_draft(draft) -> tuple[type, nn.Module]:
@@ -231,7 +230,7 @@ def export_with_plan(
 ) -> tuple[Path, type, Plan]:
     """`export` with its `Options` given whole; returns (out, the draft's type, the plan
     written), which `serve_hint` turns into the engine's command line."""
-    module = _format(fmt)
+    _format(fmt)
     if options.speculative_tokens is not None:
         try:
             bounds.check_int("--speculative-tokens", options.speculative_tokens, 1, MAX_GAMMA)
@@ -246,7 +245,7 @@ def export_with_plan(
             f"a {kind.name} draft cannot be exported as {fmt}; formats: {', '.join(can.formats)}"
             + (f" ({can.format_note})" if can.format_note else "")
         )
-    plan = module.WRITERS[can.export_as](model, options)  # checks; nothing is written yet
+    plan = formats.writers(fmt)[can.export_as](model, options)  # checks; nothing written yet
     tokenizer = _tokenizer_source(kind, options)
     if options.tokenizer is not None:
         _check_tokenizer_fits(options.tokenizer, kind, model, options.source)
@@ -294,8 +293,6 @@ def serve_hint(fmt: str, kind, out, plan: Plan) -> str:
     can = kind.capabilities
     if "vllm" not in can.formats:  # e.g. a reduced output vocabulary: only this project loads it
         return f"specdistill serve --target {plan.verifier or 'TARGET'} --draft {out}"
-    return (
-        MODULES[fmt]
-        .HINTS[can.export_as]
-        .format(out=out, target=plan.verifier or "TARGET", tokens=tokens, draft_tokens=tokens + 1)
+    return formats.hints(fmt)[can.export_as].format(
+        out=out, target=plan.verifier or "TARGET", tokens=tokens, draft_tokens=tokens + 1
     )

@@ -1,18 +1,19 @@
-"""The verifier (the target a draft was trained on), as every export format resolves it.
+"""The verifier (the target a draft was trained on), as the export writers resolve it.
 
 The name written into a speculators config comes from --verifier, else the training recipe's
 target.model (recipe.yaml in the draft directory, or beside it when it is a run's `final/`),
 else the verifier already in the draft's own config. `embedded:<name>` targets are written as
 their built local directory. When the verifier's config can be read (a local directory, or
 the Hugging Face cache) its architectures are filled in and its hidden size, vocabulary and
-depth are checked against the head.
+depth are checked against the head (drafts/eagle3/export.py; a standalone draft's
+vocabulary: drafts/standalone/export.py).
 """
 
 import json
 import sys
 from pathlib import Path
 
-from specdistill.train.export.common import ExportError, config_of, recipe_value
+from specdistill.drafts.export import ExportError, config_of, recipe_value
 
 
 def recipe_target(directory: Path | None) -> str | None:
@@ -25,7 +26,7 @@ def resolve_name(name: str) -> str:
     """`embedded:<name>` -> its built directory when built (never builds); `registry:<name>`
     -> the hub model it was quantized from, which engines load; else unchanged."""
     from specdistill.models import registry
-    from specdistill.models.embedded import PREFIX, _model_dir
+    from specdistill.models.embedded import PREFIX, model_dir
 
     if name.startswith(registry.PREFIX):
         try:
@@ -42,7 +43,7 @@ def resolve_name(name: str) -> str:
     if not name.startswith(PREFIX):
         return name
     try:
-        path = _model_dir(name.removeprefix(PREFIX))
+        path = model_dir(name.removeprefix(PREFIX))
     except ValueError as e:
         raise ExportError(str(e)) from e
     if (path / "config.json").is_file():
@@ -92,51 +93,3 @@ def resolve(source: Path | None, verifier: str | None) -> tuple[str | None, list
     else:
         archs = []
     return name, archs, config
-
-
-def check_head(head, name: str | None, config: dict | None) -> None:
-    """Raise `ExportError` when the verifier's config contradicts the head's geometry."""
-    if config is None:
-        return
-    text = config.get("text_config") or config
-    checks = (
-        ("hidden_size", text.get("hidden_size"), head.target_hidden_size),
-        ("vocab_size", text.get("vocab_size"), head.config.vocab_size),
-    )
-    for field, theirs, ours in checks:
-        if theirs is not None and theirs != ours:
-            raise ExportError(
-                f"verifier {name} has {field} {theirs} but the head was built for {ours}: "
-                "wrong --verifier?"
-            )
-    layers = text.get("num_hidden_layers")
-    if layers is not None and max(head.aux_layers) >= layers:
-        raise ExportError(
-            f"verifier {name} has {layers} layers but the head reads feature layer "
-            f"{max(head.aux_layers)}: wrong --verifier?"
-        )
-
-
-def check_given(head, verifier: str | None) -> str | None:
-    """Check a --verifier against the head, for a layout with no verifier field (SGLang)."""
-    if verifier is None:
-        return None
-    name = resolve_name(verifier)
-    check_head(head, name, verifier_config(name))
-    return name
-
-
-def warn_vocab(model, verifier: str | None) -> str | None:
-    """A standalone draft: warn when a given verifier's vocabulary differs from the draft's."""
-    if verifier is None:
-        return None
-    name = resolve_name(verifier)
-    theirs = (verifier_config(name) or {}).get("vocab_size")
-    ours = getattr(model.config, "vocab_size", None)
-    if theirs is not None and ours is not None and theirs != ours:
-        print(
-            f"warning: draft vocab_size {ours} differs from verifier {verifier}'s "
-            f"{theirs}; engines need draft and target to share the tokenizer",
-            file=sys.stderr,
-        )
-    return name

@@ -1,6 +1,6 @@
-"""SGLang: an EAGLE-3 head as `LlamaForCausalLMEagle3`; a standalone draft as a plain HF directory.
+"""The EAGLE-3 head's export for SGLang (format sglang): `LlamaForCausalLMEagle3`.
 
-EAGLE-3 head: config.json with architectures ["LlamaForCausalLMEagle3"], model_type "llama",
+config.json with architectures ["LlamaForCausalLMEagle3"], model_type "llama",
 the decoder layer's Llama fields (num_hidden_layers 1, tie_word_embeddings false),
 `draft_vocab_size`, `target_hidden_size` and `eagle_config.eagle_aux_hidden_state_layer_ids`
 (and our `ttt_steps`, the training depth, when the head records it); weights fc.weight,
@@ -19,20 +19,17 @@ from pathlib import Path
 
 import torch
 
+from specdistill.drafts.eagle3.export import check_given, check_head_files, speculative_tokens
 from specdistill.drafts.eagle3.head import SGLANG_ARCH, Eagle3Head, check_vocab_map
+from specdistill.drafts.export import WEIGHTS, ExportError, Options, Plan, config_of, weights_dtype
 from specdistill.models.weights import read_safetensors
-from specdistill.train.export import verifier, vllm
-from specdistill.train.export.common import (
-    WEIGHTS,
-    ExportError,
-    Options,
-    Plan,
-    check_head_files,
-    config_of,
-    speculative_tokens,
-    weights_dtype,
-)
 
+HINT = (
+    "python -m sglang.launch_server --model-path {target} "
+    "--speculative-algorithm EAGLE3 --speculative-draft-model-path {out} "
+    "--speculative-num-steps {tokens} --speculative-eagle-topk 1 "
+    "--speculative-num-draft-tokens {draft_tokens}"
+)
 # Our own keys in an SGLang config.json, removed when re-loading the layer config.
 SGLANG_EAGLE_KEYS = ("draft_vocab_size", "target_hidden_size", "eagle_config", "ttt_steps")
 
@@ -118,7 +115,7 @@ def sglang_state_dict(head: Eagle3Head) -> dict[str, torch.Tensor]:
 def write_head(head: Eagle3Head, options: Options) -> Plan:
     check_vocab_map(head.d2t, head.t2d, head.config.vocab_size, head.draft_vocab_size)
     check_sglang(head)
-    name = verifier.check_given(head, options.verifier)
+    name = check_given(head, options.verifier)
     tokens = speculative_tokens(head, options)
 
     def write(out: Path) -> None:
@@ -162,17 +159,3 @@ def read_head(directory: Path) -> Eagle3Head:
     dtype = weights_dtype(directory)
     return head.to(dtype) if dtype is not None else head
 
-
-# keyed by a draft type's `capabilities.export_as`
-WRITERS = {"eagle3_head": write_head, "causal_lm": vllm.write_causal_lm}
-READERS = {"eagle3_head": read_head}
-HINTS = {
-    "eagle3_head": "python -m sglang.launch_server --model-path {target} "
-    "--speculative-algorithm EAGLE3 --speculative-draft-model-path {out} "
-    "--speculative-num-steps {tokens} --speculative-eagle-topk 1 "
-    "--speculative-num-draft-tokens {draft_tokens}",
-    "causal_lm": "python -m sglang.launch_server --model-path {target} "
-    "--speculative-algorithm STANDALONE --speculative-draft-model-path {out} "
-    "--speculative-num-steps {tokens} --speculative-eagle-topk 1 "
-    "--speculative-num-draft-tokens {draft_tokens}",
-}
