@@ -18,6 +18,14 @@ SPECULATORS_VERSION="$("$PY" -c 'from specdistill.drafts.eagle3.checkpoint impor
 
 if [ ! -x "$VENV/bin/python" ]; then
     "$PY" -m venv --system-site-packages "$VENV"
+    # Where $PY is itself a virtualenv's, --system-site-packages reaches the base interpreter's
+    # packages, not $PY's (torch, transformers, this project): add $PY's site-packages, with
+    # its .pth files (the editable install), behind the new venv's own.
+    PARENT="$("$PY" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
+    CHILD="$("$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
+    if [ "$PARENT" != "$CHILD" ]; then
+        echo "import site; site.addsitedir('$PARENT')" > "$CHILD/zz-parent-site.pth"
+    fi
 fi
 PIP=("$VENV/bin/python" -m pip --disable-pip-version-check)
 TORCH_BEFORE="$("$VENV/bin/python" -c 'import torch; print(torch.__version__)')"

@@ -158,4 +158,3 @@ def read_head(directory: Path) -> Eagle3Head:
     head.load_checked(state, f"{directory} (SGLang layout)")
     dtype = weights_dtype(directory)
     return head.to(dtype) if dtype is not None else head
-

@@ -76,4 +76,3 @@ def read_causal_lm(directory: Path) -> nn.Module:
             f"{directory} is neither an EAGLE-3 head directory nor a Hugging Face causal LM "
             f"directory that AutoModelForCausalLM can load: {e}"
         ) from e
-

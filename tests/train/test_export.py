@@ -726,7 +726,9 @@ def test_the_parallel_type_lives_in_its_folder():
         if re.search(r'drafts\.parallel|\bParallel(Drafter)?\b|pard_token|"parallel"', text):
             found.append(rel)
     allowed = {"drafts/__init__.py"} | recipe  # the package imports each type (registration)
-    outside = [rel for rel in found if not rel.startswith("drafts/parallel/") and rel not in allowed]
+    outside = [
+        rel for rel in found if not rel.startswith("drafts/parallel/") and rel not in allowed
+    ]
     assert outside == [], outside
     assert "drafts/parallel/__init__.py" in found
 
