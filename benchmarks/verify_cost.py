@@ -4,7 +4,8 @@
 
 For each forward (transformers' own; the lean CPU forward with the K-major layout only; with
 the row-major layout for 2..FEW_ROWS rows and no prepacked weights; as shipped, oneDNN's
-prepacked weights from PACKED_FROM rows, see models/lean.py) it times a target forward of
+prepacked weights from 3 rows, or from 2 where this machine measured them faster there,
+see models/lean.py `packed_from`) it times a target forward of
 k + 1 tokens after `--context` cached tokens, batch 1, rolled back after each, for
 k = 0..--max-k. The forwards take turns within each repeat, so a machine that slows down slows
 all of them; each v(k) is the median over the repeats. Prints v(k) in ms and v(k) / v(0), the
@@ -28,7 +29,7 @@ FORWARDS = {  # name -> (lean.enabled, lean.FEW_ROWS, lean.PACKED_FROM)
     "transformers": (False, lean.FEW_ROWS, lean.PACKED_FROM),
     "lean, K-major layout only": (True, 0, 0),
     "lean, row-major for 2-4 rows, no prepacked weights": (True, lean.FEW_ROWS, 0),
-    "lean as shipped (prepacked from 3 rows)": (True, lean.FEW_ROWS, lean.PACKED_FROM),
+    "lean as shipped (prepacked from packed_from rows)": (True, lean.FEW_ROWS, lean.PACKED_FROM),
 }
 
 
@@ -77,7 +78,8 @@ def main(argv: list[str] | None = None) -> None:
     floor = weights_read_ms(target, args.repeats)
     print(
         f"{args.target}, {args.threads} thread(s), {args.context} cached tokens, batch 1, "
-        f"median of {args.repeats}; oneDNN prepacked ops available: {lean.packed_ops()}"
+        f"median of {args.repeats}; oneDNN prepacked ops available: {lean.packed_ops()}; "
+        f"as shipped, float32 rows prepacked from {lean.packed_from(torch.float32)}"
     )
     print(f"| forward | {' | '.join(f'v({k})' for k in range(args.max_k + 1))} |")
     print(f"|---|{'---|' * (args.max_k + 1)}")

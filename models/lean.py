@@ -49,6 +49,7 @@ process names what was missing.
 """
 
 import logging
+import time
 import weakref
 
 import torch
@@ -211,6 +212,10 @@ def decoder(model) -> "LeanDecoder | None":
 #   verification scores for a drafted token does not depend on how many were drafted.
 #   Where oneDNN or the ops are missing (`packed_ops()`), or a weight's dtype cannot be
 #   packed, those rows take `x @ Wᵀ`.
+# - 2 rows in float32: the row-major product is the fastest on some CPUs (an avx512 one: about
+#   one row) and not on others (an avx2 AMD EPYC: 1.69 one-row steps, where the prepacked
+#   kernel took 1.46 at 3 rows), so the first float32 forward of a process times both on a
+#   probe (about 10 ms) and keeps the faster (`two_rows_packed`).
 # - bfloat16 and float16 weights: the prepacked copy at every row count (`packed_from`). At
 #   one row it is the fastest of the four kernels for every shape measured (a 4096 × 128
 #   output head in bfloat16: 35 µs, against 93 for `x @ Wᵀ`; benchmarks/RESULTS.md), and a
@@ -221,6 +226,36 @@ FEW_ROWS = 4
 PACKED_FROM = 3
 HALF = (torch.bfloat16, torch.float16)
 _PACKED_OPS: list[bool] = []  # packed_ops()'s answer, once per process
+
+
+_TWO_ROWS: list[bool] = []  # two_rows_packed()'s answer, once per process
+PROBE = (1536, 576)  # [out, in] of the probe: SmolLM2-135M's up projection
+
+
+def two_rows_packed() -> bool:
+    """Whether 2-row float32 products take the prepacked kernel: measured once per process,
+    the two kernels taking turns on a PROBE-shaped weight (median of 25 calls each), the
+    prepacked one chosen only when it is at least 10% faster."""
+    if not _TWO_ROWS:
+        faster = False
+        if packed_ops():
+            w, x = torch.randn(*PROBE), torch.randn(2, PROBE[1])
+            packed = torch.ops.mkldnn._reorder_linear_weight(w, 8)
+            kernels = (
+                lambda: (w @ x.t()).t(),
+                lambda: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], ""),
+            )
+            times: list[list[float]] = [[], []]
+            with torch.no_grad():
+                for _ in range(25):
+                    for i, kernel in enumerate(kernels):
+                        start = time.perf_counter()
+                        kernel()
+                        times[i].append(time.perf_counter() - start)
+            rows, prepacked = (sorted(t)[len(t) // 2] for t in times)
+            faster = prepacked < 0.9 * rows
+        _TWO_ROWS.append(faster)
+    return _TWO_ROWS[0]
 
 
 def packed_ops() -> bool:
@@ -298,7 +333,9 @@ def packed_from(dtype: torch.dtype) -> int:
     """The fewest rows a forward multiplies by prepacked weights of `dtype` (0: never)."""
     if not PACKED_FROM:
         return 0
-    return 1 if dtype in HALF else PACKED_FROM
+    if dtype in HALF:
+        return 1
+    return 2 if PACKED_FROM > 2 and two_rows_packed() else PACKED_FROM
 
 
 def _linear(x: torch.Tensor, weight: _Weight, bias: torch.Tensor | None) -> torch.Tensor:

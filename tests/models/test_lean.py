@@ -61,10 +61,37 @@ def test_prepacked_rows_do_not_depend_on_how_many_share_the_forward(dtype):
     full = lean._linear(x, weight, bias)
     torch.testing.assert_close(full.float(), (x @ weight.w.t() + bias).float(), **_close(dtype))
     start = lean.packed_from(dtype)
-    assert start == (1 if dtype == torch.bfloat16 else lean.PACKED_FROM)
+    two = 2 if lean.two_rows_packed() else lean.PACKED_FROM
+    assert start == (1 if dtype == torch.bfloat16 else two)
     for k in range(start, 12):
         assert torch.equal(lean._linear(x[:, :k], weight, bias), full[:, :k])
     assert weight.made() == ["packed"]
+
+
+@pytest.mark.parametrize("faster", [True, False])
+def test_two_float32_rows_take_the_kernel_measured_faster(monkeypatch, faster):
+    """Where the prepacked kernel measured faster at 2 rows, 2-row float32 forwards take it
+    (and their rows are then bitwise those of longer products); else the row-major layout."""
+    if not lean.packed_ops():
+        pytest.skip("oneDNN's prepacked ops are missing here")
+    monkeypatch.setattr(lean, "_TWO_ROWS", [faster])
+    assert lean.packed_from(torch.float32) == (2 if faster else lean.PACKED_FROM)
+    torch.manual_seed(0)
+    weight = lean._Weight(torch.randn(96, 32))
+    x = torch.randn(1, 6, 32)
+    two = lean._linear(x[:, :2], weight, None)
+    assert weight.made() == (["packed"] if faster else ["rows"])
+    if faster:
+        assert torch.equal(two, lean._linear(x, weight, None)[:, :2])
+    torch.testing.assert_close(two, x[:, :2] @ weight.w.t(), rtol=1e-5, atol=1e-5)
+
+
+def test_the_two_row_measurement_is_made_once_and_needs_the_ops(monkeypatch):
+    monkeypatch.setattr(lean, "_TWO_ROWS", [])
+    monkeypatch.setattr(lean, "_PACKED_OPS", [False])
+    assert lean.two_rows_packed() is False
+    monkeypatch.setattr(lean, "_PACKED_OPS", [True])
+    assert lean.two_rows_packed() is False  # kept for the process: a forward's kernel is stable
 
 
 def _close(dtype) -> dict:
