@@ -212,10 +212,9 @@ def decoder(model) -> "LeanDecoder | None":
 #   verification scores for a drafted token does not depend on how many were drafted.
 #   Where oneDNN or the ops are missing (`packed_ops()`), or a weight's dtype cannot be
 #   packed, those rows take `x @ Wᵀ`.
-# - 2 rows in float32: the row-major product is the fastest on some CPUs (an avx512 one: about
-#   one row) and not on others (an avx2 AMD EPYC: 1.69 one-row steps, where the prepacked
-#   kernel took 1.46 at 3 rows), so the first float32 forward of a process times both on a
-#   probe (about 10 ms) and keeps the faster (`two_rows_packed`).
+# - 2 rows in float32: the row-major product wins on some CPUs (avx512: about one row) and not
+#   on others (an avx2 AMD EPYC: 1.75 steps, 1.36 prepacked), so the first float32 forward of
+#   a process times both on a probe (under 0.1 s) and keeps the faster (`two_rows_packed`).
 # - bfloat16 and float16 weights: the prepacked copy at every row count (`packed_from`). At
 #   one row it is the fastest of the four kernels for every shape measured (a 4096 × 128
 #   output head in bfloat16: 35 µs, against 93 for `x @ Wᵀ`; benchmarks/RESULTS.md), and a
@@ -226,6 +225,16 @@ FEW_ROWS = 4
 PACKED_FROM = 3
 HALF = (torch.bfloat16, torch.float16)
 _PACKED_OPS: list[bool] = []  # packed_ops()'s answer, once per process
+
+
+def _pack(w: torch.Tensor) -> torch.Tensor:
+    """W [out, in] prepacked for oneDNN's linear (batch size hint 8)."""
+    return torch.ops.mkldnn._reorder_linear_weight(w, 8)
+
+
+def _packed_product(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None):
+    """x [..., in] times a `_pack`ed W, plus bias: oneDNN's prepacked linear."""
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
 _TWO_ROWS: list[bool] = []  # two_rows_packed()'s answer, once per process
@@ -240,11 +249,8 @@ def two_rows_packed() -> bool:
         faster = False
         if packed_ops():
             w, x = torch.randn(*PROBE), torch.randn(2, PROBE[1])
-            packed = torch.ops.mkldnn._reorder_linear_weight(w, 8)
-            kernels = (
-                lambda: (w @ x.t()).t(),
-                lambda: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], ""),
-            )
+            packed = _pack(w)
+            kernels = (lambda: (w @ x.t()).t(), lambda: _packed_product(x, packed, None))
             times: list[list[float]] = [[], []]
             with torch.no_grad():
                 for _ in range(25):
@@ -262,11 +268,10 @@ def packed_ops() -> bool:
     """Whether this torch has oneDNN's prepacked linear ops and they agree with `x @ Wᵀ`."""
     if not _PACKED_OPS:
         ok = False
-        ops = getattr(torch.ops, "mkldnn", None)
         try:
-            if torch.backends.mkldnn.is_available() and ops is not None:
+            if torch.backends.mkldnn.is_available():
                 w, x = torch.randn(8, 4), torch.randn(3, 4)
-                y = ops._linear_pointwise(x, ops._reorder_linear_weight(w, 8), None, "none", [], "")
+                y = _packed_product(x, _pack(w), None)
                 ok = bool(torch.allclose(y, x @ w.t(), rtol=1e-4, atol=1e-5))
         except (AttributeError, RuntimeError, NotImplementedError):
             ok = False
@@ -305,7 +310,7 @@ class _Weight:
         if not packed_ops():
             return None
         try:
-            return torch.ops.mkldnn._reorder_linear_weight(self.w, 8)
+            return _pack(self.w)
         except (RuntimeError, NotImplementedError):  # a dtype oneDNN cannot pack on this CPU
             return None
 
@@ -344,7 +349,7 @@ def _linear(x: torch.Tensor, weight: _Weight, bias: torch.Tensor | None) -> torc
     if start and n >= start:
         packed = weight.layout("packed")
         if packed is not None:
-            return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+            return _packed_product(x, packed, bias)
     if 1 < n <= FEW_ROWS and weight.widening:
         rows = weight.layout("rows")
         y = (rows @ x.reshape(n, x.shape[-1]).t()).t().reshape(*x.shape[:-1], -1)
