@@ -12,7 +12,8 @@ work done. When holes and padding exceed `_COMPACT_FRACTION` of the cache, one g
 layer right-aligns every row again. This keeps each row's acceptance independent of the
 others (no rollback to the batch minimum). Rows joining a running batch (continuous
 batching) are prefilled in their own forward pass and their caches join the batch's,
-left-padded.
+left-padded; rows of very different prompt lengths are prefilled in groups of similar length
+(`length_groups`), so that a prefill computes few padding tokens.
 
 Speed (CPU decoding is bound by per-call costs, not FLOPs). A supported Llama-family model on
 CPU runs models/lean.py's forward instead of transformers' (same weights, same cache, same
@@ -275,11 +276,33 @@ class KVStream:
                 yield layer
 
     def admit(self, prefixes: Sequence[Sequence[int]], hidden=None):
-        """Add rows whose caches hold `prefixes` (prefilled here, in a separate forward pass).
+        """Add rows whose caches hold `prefixes` (prefilled here, in separate forward passes).
 
-        hidden: per row a [len(prefix), H] tensor passed as `hidden_states` (EAGLE-3 heads).
-        Returns (last logits [n, V] | None, features [n, k, F] | None, valid [n, k]).
+        One prefill pads its rows to the longest, so rows of very different lengths are
+        prefilled in groups of similar length (`length_groups`) and then put back in the
+        order given: a batch of chat prompts of 57-503 tokens otherwise runs 2.6 times the
+        tokens it holds. hidden: per row a [len(prefix), H] tensor passed as
+        `hidden_states` (EAGLE-3 heads). Returns (last logits [n, V] | None, features
+        [n, k, F] | None, valid [n, k]), rows in the order of `prefixes`.
         """
+        groups = length_groups([len(p) for p in prefixes])
+        if len(groups) == 1:
+            return self._admit(prefixes, hidden)
+        parts = [
+            self._admit(
+                [prefixes[i] for i in g], None if hidden is None else [hidden[i] for i in g]
+            )
+            for g in groups
+        ]
+        order = torch.tensor([i for g in groups for i in g])
+        where = torch.empty_like(order)  # where[i]: the row prefixes[i] was admitted as
+        where[order] = torch.arange(len(order))
+        before = self.mask.shape[0] - len(order)
+        self.select_rows(torch.cat([torch.arange(before), before + where]).to(self.mask.device))
+        return _rejoined(parts, where.to(self.mask.device))
+
+    def _admit(self, prefixes: Sequence[Sequence[int]], hidden=None):
+        """`admit` for rows prefilled in one forward pass, left-padded to the longest."""
         device = self.mask.device
         new = KVStream(self.model, self.vocab_size, device, self.capture, lean=False)
         new.lean = self.lean
@@ -365,6 +388,44 @@ class KVStream:
                 layer.keys = layer.keys.gather(2, index)
                 layer.values = layer.values.gather(2, index)
             self.mask = self.mask.gather(1, keep)
+
+
+# A prefill's padding tokens may add at most this share to its real tokens (`length_groups`).
+PREFILL_SLACK = 0.25
+
+
+def length_groups(lengths: Sequence[int], slack: float | None = None) -> list[list[int]]:
+    """The rows of one admission grouped for their prefills: indices by length, longest
+    first, a row joining the group before it while the group padded to its longest holds at
+    most (1 + slack) times its real tokens. One group when any row is empty (an empty
+    prefix prefills nothing on its own). slack: default PREFILL_SLACK."""
+    slack = PREFILL_SLACK if slack is None else slack
+    if not lengths or min(lengths) == 0:
+        return [list(range(len(lengths)))]
+    groups: list[list[int]] = []
+    real = 0
+    for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
+        if groups and lengths[groups[-1][0]] * (len(groups[-1]) + 1) <= (1 + slack) * (
+            real + lengths[i]
+        ):
+            groups[-1].append(i)
+            real += lengths[i]
+        else:
+            groups.append([i])
+            real = lengths[i]
+    return groups
+
+
+def _rejoined(parts: list[tuple], where: torch.Tensor) -> tuple:
+    """The (logits, features, valid) of groups admitted one after the other, as one
+    admission of rows in their given order (`where[i]`: the joined row of row i)."""
+    width = max(valid.shape[1] for _, _, valid in parts)
+    logits = torch.cat([p[0] for p in parts])[where]
+    valid = torch.cat([pad_left(p[2], width, 1) for p in parts])[where]
+    features = None
+    if parts[0][1] is not None:
+        features = torch.cat([pad_left(p[1], width, 1) for p in parts])[where]
+    return logits, features, valid
 
 
 def pad_left(t: torch.Tensor, length: int, dim: int) -> torch.Tensor:

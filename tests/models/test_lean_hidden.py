@@ -10,6 +10,7 @@ import torch
 from specdistill.drafts.acceptance_head import AcceptanceHead, AcceptanceHeadConfig, attach_head
 from specdistill.drafts.standalone import StandaloneDrafter
 from specdistill.models import lean
+from specdistill.models.kv_cache import length_groups
 from tests.models.helpers import CHANGES, VOCAB, build
 
 CPU = torch.device("cpu")
@@ -115,8 +116,10 @@ def test_drafter_with_a_head_stays_lean_and_predicts_as_transformers(monkeypatch
     monkeypatch.setattr(model, "forward", Refuse())
     lean_rounds = draft_rounds(fast)
     monkeypatch.undo()
-    # The prefill, then every draft step of 3 rounds of 4, on the lean forward.
-    assert len(calls) == 1 + 3 * 4 and fast.stream.output is None
+    # The prefills (one per group of similar length), then every draft step of 3 rounds of 4,
+    # on the lean forward.
+    prefills = len(length_groups([len(p) - 1 for p in PROMPTS]))
+    assert len(calls) == prefills + 3 * 4 and fast.stream.output is None
 
     monkeypatch.setattr(lean, "enabled", False)
     plain = StandaloneDrafter(model, VOCAB, CPU)
