@@ -213,7 +213,8 @@ class Parallel:
     @staticmethod
     def detect(path) -> bool:
         """A Hugging Face model directory whose config.json names a mask token (`pard_token`)."""
-        import json  # lazy: left here while this file is restructured; can move to the top
+        # lazy: left here while this file is restructured; can move to the top
+        import json
 
         config = Path(path) / "config.json"
         return config.is_file() and json.loads(config.read_text()).get(MASK_FIELD) is not None
