@@ -300,9 +300,9 @@ def run(argv: Sequence[str] | None = None) -> DriftRun:
 def temperature_mix(directory) -> dict[float, float]:
     """Each temperature's share of the completion tokens in a traffic log (the positions a
     draft drafts at), from the log's validated records (`read_records`)."""
-    from specdistill.formats.traffic import TrafficError  # lazy: pydantic would slow --help
+    from specdistill.formats.traffic import TrafficError  # lazy: pydantic slows --help
 
-    # lazy: only with --traffic; pydantic's models would slow --help
+    # lazy: only with --traffic; pydantic slows --help
     from specdistill.formats.traffic_shards import read_records, shards
 
     if not Path(directory).is_dir():
