@@ -28,6 +28,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import pyarrow.parquet as pq
+
 from specdistill.data.instructions import stdlib_instructions
 from specdistill.data.records import DataError, Record, record_from_row
 from specdistill.data.stdlib import stdlib_files, stdlib_prose
@@ -188,8 +190,6 @@ def _read_json(path: Path) -> Iterator[Record | DataError]:
 
 
 def _read_parquet(path: Path) -> Iterator[Record | DataError]:
-    import pyarrow.parquet as pq
-
     table = pq.read_table(path)
     columns = _row_columns(table.column_names, str(path))
     for i, row in enumerate(table.select(columns).to_pylist()):
@@ -197,7 +197,7 @@ def _read_parquet(path: Path) -> Iterator[Record | DataError]:
 
 
 def _read_hub(hub: HubDataset) -> Iterator[Record | DataError]:
-    import datasets
+    import datasets  # lazy: slow to import; only a hub dataset needs it
 
     label = f"{hub.name}:{hub.split}"
     try:

@@ -16,6 +16,7 @@ import random
 import sysconfig
 import zlib
 from pathlib import Path
+from pydoc_data.topics import topics
 
 HELDOUT_PERCENT = 5
 _EXCLUDED_DIRS = {"test", "tests", "site-packages", "dist-packages", "__pycache__", "idlelib"}
@@ -58,8 +59,6 @@ def help_topics() -> tuple[list[str], list[str]]:
     """(fine-tune, held-out) texts of the interpreter's help topics (`pydoc_data.topics`):
     English prose about the language, the demos' second domain. The topics are split 4:1 by a
     fixed shuffle of their names, the same on every machine with the same Python."""
-    from pydoc_data.topics import topics
-
     names = sorted(topics)
     random.Random(0).shuffle(names)
     cut = len(names) * 4 // 5

@@ -39,6 +39,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 import torch
+from safetensors.torch import save_file
 from torch import Tensor, nn
 from torch.nn import functional as F
 
@@ -384,8 +385,6 @@ def has_acceptance_head(directory) -> bool:
 
 def save_acceptance_head(head: AcceptanceHead, directory) -> None:
     """Write acceptance_head.safetensors, then acceptance_head.json, into `directory`."""
-    from safetensors.torch import save_file
-
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     state = {k: v.detach().float().contiguous().cpu() for k, v in head.state_dict().items()}

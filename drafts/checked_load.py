@@ -9,18 +9,19 @@ with its own) or the vocabulary it covers, and the hidden size an EAGLE-3 head w
 
 from pathlib import Path
 
+import torch
+
 from specdistill.drafts.loader import load_draft
 from specdistill.drafts.registry import detect, type_of
 from specdistill.errors import UserError
 from specdistill.models.hub import check_tokenizers, load_tokenizer
+from specdistill.models.weights import check_header_shapes
 
 
 def implied_shapes(path: str) -> tuple[dict[str, tuple], list[set[str]]]:
     """(name -> shape of every tensor the config at `path` implies, groups of names sharing
     one tensor), from the model its type (`detect`) builds on the meta device (`meta_model`):
     nothing is allocated."""
-    import torch
-
     with torch.device("meta"):
         model = detect(path).meta_model(path)
     state = model.state_dict(keep_vars=True)
@@ -35,8 +36,6 @@ def check_before_loading(path: str) -> None:
     """Refuse (`IncompleteDraftError`) a local draft directory whose weight files' headers
     lack tensors its config implies or hold them in other shapes, before any tensor is
     allocated."""
-    from specdistill.models.weights import check_header_shapes
-
     if not (Path(path) / "config.json").is_file():
         return  # not a local model directory: the loader says what it is
     shapes, tied = implied_shapes(path)

@@ -18,6 +18,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+import yaml
+from safetensors import safe_open
 
 from specdistill.drafts.registry import read_config
 from specdistill.errors import UserError
@@ -77,8 +79,6 @@ def config_of(directory: Path) -> dict | None:
 
 def weights_dtype(directory: Path) -> torch.dtype | None:
     """The floating dtype the weights were saved in (kept through the export)."""
-    from safetensors import safe_open
-
     path = directory / WEIGHTS
     if not path.is_file():
         return None
@@ -93,8 +93,6 @@ def weights_dtype(directory: Path) -> torch.dtype | None:
 def recipe_value(directory: Path | None, section: str, key: str):
     """`section.key` of the draft's training recipe: recipe.yaml in `directory`, or beside it
     when it is a run's `final/` (the first that sets it); None when none does."""
-    import yaml
-
     if directory is None:
         return None
     candidates = [directory / "recipe.yaml"]

@@ -13,7 +13,11 @@ import json
 import sys
 from pathlib import Path
 
+from huggingface_hub import try_to_load_from_cache
+
 from specdistill.drafts.export import ExportError, config_of, recipe_value
+from specdistill.models import registry
+from specdistill.models.embedded import PREFIX, model_dir
 
 
 def recipe_target(directory: Path | None) -> str | None:
@@ -25,9 +29,6 @@ def recipe_target(directory: Path | None) -> str | None:
 def resolve_name(name: str) -> str:
     """`embedded:<name>` -> its built directory when built (never builds); `registry:<name>`
     -> the hub model it was quantized from, which engines load; else unchanged."""
-    from specdistill.models import registry
-    from specdistill.models.embedded import PREFIX, model_dir
-
     if name.startswith(registry.PREFIX):
         try:
             entry = registry.spec_of(name)
@@ -61,8 +62,6 @@ def verifier_config(name: str) -> dict | None:
     config = config_of(Path(name)) if Path(name).is_dir() else None
     if config is None:
         try:
-            from huggingface_hub import try_to_load_from_cache
-
             cached = try_to_load_from_cache(name, "config.json")
         except Exception:  # noqa: BLE001 - not a repo id, no cache: nothing to read
             cached = None

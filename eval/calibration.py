@@ -92,10 +92,10 @@ def reliability_diagram(report: CalibrationReport, path, *, title: str | None = 
     """Write the reliability diagram of `report` as a PNG at `path`: mean realised against
     mean predicted per bin (bars at the bins, the diagonal for perfect calibration) over the
     share of predictions in each bin. Returns the path."""
-    import matplotlib
+    import matplotlib  # lazy: matplotlib only for the plots
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # lazy: pyplot once the Agg backend is set
 
     path = Path(path)
     width = [b.upper - b.lower for b in report.bins]

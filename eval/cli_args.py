@@ -84,7 +84,7 @@ def resolve_device(name: str | None) -> str:
     UserError naming `--device` when it is no device of `DEVICE_TYPES` or this machine lacks it
     (cuda without CUDA, an index past the last GPU).
     """
-    import torch
+    import torch  # lazy: the verbs' parsers import this module; --help loads no torch
 
     if name in (None, "auto"):
         return "cuda" if torch.cuda.is_available() else "cpu"

@@ -11,6 +11,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from specdistill import drafts
 from specdistill.errors import UserError
 from specdistill.eval.cli_args import DEFAULT_MAX_GAMMA
 from specdistill.eval.drift_report import (
@@ -22,7 +23,8 @@ from specdistill.eval.drift_report import (
     write,
 )
 from specdistill.eval.drift_score import PromptScore, generate_responses, score_prompt
-from specdistill.eval.stats import bootstrap_indices, percentile_interval
+from specdistill.eval.prompts import encode_prompts
+from specdistill.eval.stats import bootstrap_indices, percentile_interval, tau_chain, tau_iid
 
 __all__ = [
     "DriftReport",
@@ -118,8 +120,6 @@ def _ratio(rows: np.ndarray) -> float:
 
 
 def _taus(per_depth: Sequence[float], max_gamma: int) -> dict:
-    from specdistill.eval.stats import tau_chain, tau_iid
-
     if any(math.isnan(a) for a in per_depth):
         return {}
     if len(per_depth) == 1:
@@ -287,9 +287,6 @@ def measure_scores(
 ) -> tuple[dict, dict, list[PromptScore]]:
     """`measure`'s (report, responses) and the per-prompt scores the report summarises (the
     drift gate bootstraps them jointly over temperatures, eval/drift_gate.py)."""
-    from specdistill import drafts
-    from specdistill.eval.prompts import encode_prompts
-
     kind = drafts.type_of(draft)
     if depth is None:
         depth = getattr(draft, "ttt_steps", None) or getattr(draft.config, "ttt_steps", 3) or 3

@@ -63,6 +63,7 @@ first, and a run that fails before writing removes the DIR it created.
 """
 
 import argparse
+import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -75,21 +76,26 @@ from specdistill.bounds import (
     MAX_CONTEXT,
     MAX_GAMMA,
     MAX_PROMPTS,
+    context_limit,
     float_in,
     int_in,
 )
+from specdistill.errors import UserError, run_guarded
 from specdistill.eval.cli_args import DEFAULT_MAX_GAMMA, resolve_device
 from specdistill.eval.cli_args import at_least as _at_least
 from specdistill.eval.cli_args import seed as _seed
 from specdistill.eval.cli_args import top_p as _top_p
+from specdistill.eval.outdir import claimed_output_dir
+from specdistill.models import target_spec
 from specdistill.verb_parser import quiet_third_party, temperatures, verb_parser
 
-if TYPE_CHECKING:  # imported when run: it loads numpy and torch
+if TYPE_CHECKING:
+    # lazy: for the type hints; drift_gate loads numpy and torch (imported when run)
     from specdistill.eval.drift_gate import GateReport
 
 
 def _mix(text: str) -> dict[float, float]:
-    from specdistill.eval.drift_gate import parse_mix
+    from specdistill.eval.drift_gate import parse_mix  # lazy: --help loads no torch
 
     try:
         return parse_mix(text)
@@ -284,8 +290,7 @@ def run(argv: Sequence[str] | None = None) -> DriftRun:
     else:  # a temperature below GREEDY_BELOW decodes greedily, as the server does
         args.temperature = sorted(greedy_merged(dict.fromkeys(args.temperature, 1.0)))
 
-    from specdistill.eval.outdir import claimed_output_dir
-    from specdistill.eval.prompts import load_prompts
+    from specdistill.eval.prompts import load_prompts  # lazy: --help loads no torch
 
     prompts = load_prompts(args.prompts, limit=args.num_prompts)
     with claimed_output_dir(args.out, overwrite=args.overwrite):
@@ -295,9 +300,9 @@ def run(argv: Sequence[str] | None = None) -> DriftRun:
 def temperature_mix(directory) -> dict[float, float]:
     """Each temperature's share of the completion tokens in a traffic log (the positions a
     draft drafts at), from the log's validated records (`read_records`)."""
-    from pathlib import Path
+    from specdistill.formats.traffic import TrafficError  # lazy: pydantic slows --help
 
-    from specdistill.formats.traffic import TrafficError
+    # lazy: only with --traffic; pydantic slows --help
     from specdistill.formats.traffic_shards import read_records, shards
 
     if not Path(directory).is_dir():
@@ -326,7 +331,7 @@ def temperature_mix(directory) -> dict[float, float]:
 def greedy_merged(mix: dict[float, float]) -> dict[float, float]:
     """`mix` (temperature -> weight) with every temperature below `GREEDY_BELOW` (1e-5) merged
     into 0: the server and the engine decode those greedily, so they are measured so."""
-    from specdistill.eval.sampling import is_greedy
+    from specdistill.eval.sampling import is_greedy  # lazy: --help loads no torch
 
     merged: dict[float, float] = {}
     for t, w in mix.items():
@@ -342,16 +347,13 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _run(args, prompts) -> DriftRun:
     """Load the models once, measure each temperature, write the reports and the gate."""
-    import numpy as np
+    import numpy as np  # lazy: --help loads no numpy
 
-    from specdistill import drafts
-    from specdistill.bounds import context_limit
-    from specdistill.drafts.loader import load_draft
-    from specdistill.eval.drift import measure_scores
-    from specdistill.eval.drift_gate import judge, markdown
-    from specdistill.eval.drift_report import markdown as report_markdown
-    from specdistill.eval.drift_report import write
-    from specdistill.models import target_spec
+    from specdistill import drafts  # lazy: --help loads no torch
+    from specdistill.drafts.loader import load_draft  # lazy: --help loads no torch
+    from specdistill.eval import drift, drift_gate, drift_report  # lazy: --help loads no torch
+
+    # lazy: --help loads no torch
     from specdistill.models.hub import check_tokenizers, load_tokenizer
 
     quiet_third_party()
@@ -375,7 +377,7 @@ def _run(args, prompts) -> DriftRun:
     result, pairs = DriftRun(), {}
     several = len(args.temperature) > 1
     for temperature in args.temperature:
-        report, responses, scores = measure_scores(
+        report, responses, scores = drift.measure_scores(
             before,
             after,
             draft,
@@ -398,15 +400,15 @@ def _run(args, prompts) -> DriftRun:
         )
         report["meta"] = _meta(args)
         out = Path(args.out) / f"T{temperature:g}" if several else Path(args.out)
-        write(report, out, prompts, responses, tokenizer)
-        print(report_markdown(report))
+        drift_report.write(report, out, prompts, responses, tokenizer)
+        print(drift_report.markdown(report))
         result.reports[temperature] = report
         # α at the serving temperature (column 0) and the positions (column 2), per depth
         pairs[temperature] = tuple(
             np.stack([getattr(s, side) for s in scores])[:, :, [0, 2]]
             for side in ("before", "after")
         )
-    result.gate = judge(
+    result.gate = drift_gate.judge(
         pairs,
         threshold=args.fail_if_drop_above,
         tau_threshold=args.fail_if_tau_drop_above,
@@ -417,17 +419,15 @@ def _run(args, prompts) -> DriftRun:
         seed=args.seed,
     )
     (Path(args.out) / "gate.json").write_text(result.gate.model_dump_json(indent=2) + "\n")
-    print(markdown(result.gate))
+    print(drift_gate.markdown(result.gate))
     return result
 
 
 def _target_specs(args) -> tuple:
     """(before, after): the `models.target_spec.TargetSpec` of each target's flags."""
-    from specdistill.models.target_spec import TargetSpec
-
     return (
-        TargetSpec(args.target_before, args.adapter_before, dtype=args.dtype),
-        TargetSpec(args.target_after, args.adapter_after, dtype=args.dtype),
+        target_spec.TargetSpec(args.target_before, args.adapter_before, dtype=args.dtype),
+        target_spec.TargetSpec(args.target_after, args.adapter_after, dtype=args.dtype),
     )
 
 
@@ -435,8 +435,6 @@ def _check_depth(depth: int | None, kind, draft=None) -> None:
     """UserError when `--depth` asks for depths of a draft type whose α has none, or for
     more depths than the draft was trained at (an EAGLE-3 head's `ttt_steps`, a parallel
     draft's `parallel_depths`; unknown: not checked)."""
-    from specdistill.errors import UserError
-
     if depth is not None and depth != 1 and not kind.per_depth_alpha:
         raise UserError(
             f"--depth {depth}: a {kind.name} draft's α does not depend on the drafting depth "
@@ -466,8 +464,4 @@ def _meta(args) -> dict:
 
 
 if __name__ == "__main__":
-    import sys
-
-    from specdistill.errors import run_guarded
-
     sys.exit(run_guarded(main, sys.argv[1:]))

@@ -11,6 +11,8 @@ from typing import Any
 import numpy as np
 from pydantic import BaseModel, ConfigDict
 
+from specdistill.eval.prompts import prompt_text
+
 # ----------------------------------------------------------------------------- schema
 
 
@@ -144,8 +146,6 @@ def response_records(prompts, responses: list[list[int]], tokenizer) -> list[dic
         if prompt.messages is not None and tokenizer.chat_template:
             records.append({"messages": [*prompt.messages, {"role": "assistant", "content": body}]})
         else:
-            from specdistill.eval.prompts import prompt_text
-
             records.append({"text": prompt_text(prompt, tokenizer) + body})
         if prompt.category is not None:
             records[-1]["category"] = prompt.category
@@ -257,10 +257,10 @@ def markdown(report: dict) -> str:
 def plot(report: dict, path) -> Path | None:
     """Per-category α before / after with intervals, and τ per γ (or α per depth)."""
     try:
-        import matplotlib
+        import matplotlib  # lazy: matplotlib only for the plots
 
         matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+        import matplotlib.pyplot as plt  # lazy: pyplot once the Agg backend is set
     except ImportError:
         return None
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))

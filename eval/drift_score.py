@@ -12,7 +12,11 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from specdistill import drafts, losses
+from specdistill.eval import engine
 from specdistill.eval.sampling import is_greedy
+from specdistill.losses.sampling import probabilities
+from specdistill.models.kv_cache import eval_mode
 
 
 @dataclass
@@ -30,7 +34,6 @@ class PromptScore:
 def _depth_alphas(kind, target, draft, ids, n_prompt, n_out, depth, vocab_size, sampling):
     """Per depth: (α_T [n_out], α_0 [n_out], valid [n_out], target logits [n_out, V])."""
     temperature, top_p, top_k = sampling
-    from specdistill import losses
 
     out = []
     for d_logits, t_logits, mask in kind.path_logits(
@@ -81,10 +84,6 @@ def score_prompt(
     `token_loss` (token id -> [Σ (α_before − α_after), count]) is updated with the
     after-text positions, grouped by the after-target's argmax.
     """
-    from specdistill import drafts
-    from specdistill.losses.sampling import probabilities
-    from specdistill.models.kv_cache import eval_mode
-
     kind = drafts.type_of(draft)
     sampling = (temperature, top_p, top_k)
     device = next(target_after.parameters()).device
@@ -148,8 +147,6 @@ def generate_responses(
     batch_size: int = 8,
 ) -> list[list[int]]:
     """Each prompt's response by `target` alone (the project's engine, no draft)."""
-    from specdistill.eval import engine
-
     gen = engine.generate(
         target,
         None,

@@ -26,7 +26,7 @@ class Styles:
     """Colour per γ label, line style and hatching per temperature (module docstring)."""
 
     def __init__(self, result: dict):
-        import matplotlib
+        import matplotlib  # lazy: matplotlib only for the plots
 
         gammas = gamma_order(result["configs"])
         cmap = matplotlib.colormaps["tab10" if len(gammas) <= 10 else "turbo"]
@@ -63,10 +63,10 @@ class Styles:
 def write_plots(result: dict, token_latencies: dict[str, list[float]], out: Path) -> None:
     """acceptance_per_position.png, tau_speedup_vs_gamma.png, rejection_positions.png and
     latency_cdf.png into `out`."""
-    import matplotlib
+    import matplotlib  # lazy: matplotlib only for the plots
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # lazy: pyplot once the Agg backend is set
 
     styles = Styles(result)
     configs = result["configs"]
@@ -142,7 +142,7 @@ def write_plots(result: dict, token_latencies: dict[str, list[float]], out: Path
 
 
 def _save(fig, path: Path) -> None:
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # lazy: pyplot, loaded with the Agg backend by write_plots
 
     fig.tight_layout()
     fig.savefig(path, dpi=120)

@@ -33,11 +33,14 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from specdistill import threads
-from specdistill.errors import UserError
+from specdistill.errors import UserError, run_guarded
 from specdistill.eval.cli_args import DEFAULT_MAX_GAMMA, parse_gamma, resolve_device
 from specdistill.eval.cli_args import at_least as _at_least
 from specdistill.eval.cli_args import seed as _seed
 from specdistill.eval.cli_args import top_p as _top_p
+from specdistill.eval.outdir import claimed_output_dir
+from specdistill.models import target_spec
+from specdistill.progress import WorkProgress, usable_cores
 from specdistill.verb_parser import quiet_third_party, temperatures, verb_parser
 
 
@@ -177,8 +180,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> dict:
     parser = build_parser()
     args = parser.parse_args(argv)
-    from specdistill.eval.outdir import claimed_output_dir
-    from specdistill.eval.prompts import load_prompts
+    from specdistill.eval.prompts import load_prompts  # lazy: --help loads no torch
 
     # A bad prompt file or --out fails now, not after the models have loaded and decoded.
     prompts = load_prompts(args.prompts, limit=args.num_prompts)
@@ -190,19 +192,19 @@ def main(argv: Sequence[str] | None = None) -> dict:
 
 def _run(args, prompts) -> dict:
     """Load the models, decode, write the report into the claimed `args.out`."""
-    quiet_third_party()
-    import torch
+    import torch  # lazy: --help loads no torch
 
-    args.device = resolve_device(args.device)
-    from specdistill import drafts
-    from specdistill.drafts.loader import load_draft
-    from specdistill.eval import report, sweep
-    from specdistill.eval.prompts import encode_prompts
-    from specdistill.eval.report_console import console_summary
-    from specdistill.models import target_spec
+    from specdistill import drafts  # lazy: --help loads no torch
+    from specdistill.drafts.loader import load_draft  # lazy: --help loads no torch
+    from specdistill.eval import report, sweep  # lazy: --help loads no torch
+    from specdistill.eval.prompts import encode_prompts  # lazy: --help loads no torch
+    from specdistill.eval.report_console import console_summary  # lazy: --help loads no torch
+
+    # lazy: --help loads no torch
     from specdistill.models.hub import check_tokenizers, load_tokenizer
-    from specdistill.progress import WorkProgress, usable_cores
 
+    quiet_third_party()
+    args.device = resolve_device(args.device)
     spec = target_spec.TargetSpec.from_args(args)
     tokenizer = target_spec.load_tokenizer(spec)  # first: the draft is checked against it
     draft = load_draft(args.draft, dtype=args.dtype)
@@ -253,6 +255,4 @@ def _run(args, prompts) -> dict:
 
 
 if __name__ == "__main__":
-    from specdistill.errors import run_guarded
-
     sys.exit(run_guarded(main, sys.argv[1:]))

@@ -14,6 +14,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from specdistill.errors import UserError
 
@@ -30,8 +31,6 @@ def convert_gguf(
     """Write `gguf_path`'s model as a plain float32 HF directory into `out` (which must exist
     and be empty), with its tokenizer and chat template, and `source` (JSON-able: where the
     file came from, its sha256, ...) as `specdistill_source.json`."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     gguf_path = Path(gguf_path)
     start = time.monotonic()
     kwargs = {"gguf_file": gguf_path.name, "local_files_only": True}

@@ -27,12 +27,15 @@ gives the tokenizer its pad token.
 """
 
 import functools
+import json
 import os
+import re
 import socket
 from pathlib import Path
 from urllib.parse import urlparse
 
 import torch
+from safetensors import SafetensorError, safe_open
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from specdistill.errors import UserError, UserFileError
@@ -149,7 +152,7 @@ def load_target(
     model = load_model(name, dtype=dtype, revision=revision, unexpected="warn", finite=False)
     if adapter is None:
         return model
-    from peft import PeftModel
+    from peft import PeftModel  # lazy: slow to import; only a target with an adapter needs it
 
     adapter_dir = check_adapter(adapter, name, model)
     try:
@@ -168,8 +171,6 @@ def load_target(
 def _check_adapter_weights(wrapped, adapter_dir: Path) -> None:
     """Every LoRA tensor of the wrapped model must come from the adapter's weights file
     (saved without the adapter name: `...q_proj.lora_A.weight`)."""
-    import re
-
     weights = adapter_dir / "adapter_model.safetensors"
     if not weights.is_file():  # a pickled adapter: peft's own loader decides
         return
@@ -191,8 +192,6 @@ def _check_adapter_weights(wrapped, adapter_dir: Path) -> None:
 def check_adapter(adapter: str, name: str, model) -> str:
     """The adapter directory, after checking that it was trained for `name` (see
     `load_target`); raises AdapterMismatchError or ModelNotFoundError."""
-    import json
-
     path = Path(adapter).expanduser()
     config_file = path / "adapter_config.json"
     if not config_file.is_file():
@@ -269,7 +268,6 @@ def _adapter_embedding_rows(path: Path) -> int | None:
     weights = path / "adapter_model.safetensors"
     if not weights.is_file():
         return None
-    from safetensors import safe_open
 
     with safe_open(str(weights), "pt") as f:
         for key in f.keys():
@@ -279,8 +277,6 @@ def _adapter_embedding_rows(path: Path) -> int | None:
 
 
 def _from_pretrained(auto_class, name: str, revision: str | None, **kwargs):
-    from safetensors import SafetensorError
-
     path = local_model_dir(name)  # outside the lock: an embedded build takes minutes
     if path is not None and auto_class is AutoModelForCausalLM:
         check_weight_files(path)  # a cut-short file is named, not a bare SafetensorError

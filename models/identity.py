@@ -6,6 +6,8 @@ import hashlib
 import re
 from pathlib import Path
 
+from specdistill.models.hub import local_model_dir
+
 
 def model_identity(name: str, model=None, adapter: str | None = None) -> str:
     """sha256 over a model directory's config and weight files: `sha256:<hex>`; for a hub id
@@ -14,8 +16,6 @@ def model_identity(name: str, model=None, adapter: str | None = None) -> str:
     is `<base identity>+adapter:sha256:<hex>`, the second hash over the adapter directory's
     adapter_config.json and weight files: a server and an online job agree on it exactly when
     they use the same base and the same adapter files, and a bare base never matches it."""
-    from specdistill.models.hub import local_model_dir
-
     h = hashlib.sha256()
     path = None
     try:

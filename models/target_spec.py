@@ -57,7 +57,8 @@ def with_pad_token(tokenizer):
 
 def load_tokenizer(spec: TargetSpec):
     """The target's tokenizer (at the spec's revision), with a pad token."""
-    # models/hub.py is looked up at each call, as the verbs did: tests stand a fake in for it.
+    # lazy: models/hub.py is looked up at each call, as the verbs did: tests stand a fake in
+    # for it (sys.modules), and this module stays light (no torch) for the verbs' parsers
     from specdistill.models.hub import load_tokenizer as hub_tokenizer
 
     return with_pad_token(hub_tokenizer(spec.model, spec.revision))
@@ -68,7 +69,7 @@ def load_target_and_tokenizer(spec: TargetSpec, *, target=None, tokenizer=None) 
     the tokenizer first to check a draft against it). The tokenizer, given or loaded, pads with
     its eos token if it has no pad token; a loaded target is `hub.load_target`'s (the adapter
     unmerged, the revision and dtype of the spec), moved to `spec.device` when one is set."""
-    from specdistill.models.hub import load_target
+    from specdistill.models.hub import load_target  # lazy: looked up per call, as above
 
     tokenizer = load_tokenizer(spec) if tokenizer is None else with_pad_token(tokenizer)
     if target is None:

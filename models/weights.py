@@ -25,6 +25,7 @@ from pathlib import Path
 
 import torch
 from safetensors import SafetensorError, safe_open
+from safetensors.torch import load_file
 
 from specdistill.errors import UserError
 
@@ -132,8 +133,6 @@ def tensor_names(path) -> set[str]:
 
 def read_safetensors(path) -> dict:
     """Every tensor of one safetensors file; `BrokenWeightsError` if it cannot be read."""
-    from safetensors.torch import load_file
-
     try:
         return load_file(str(path))
     except SafetensorError as e:

@@ -6,6 +6,8 @@ import argparse
 import sys
 from pathlib import Path
 
+from specdistill.errors import run_guarded
+from specdistill.models.target_spec import TargetSpec, load_tokenizer
 from specdistill.verb_parser import module_doc, quiet_third_party, verb_parser
 
 # serve/convert.py's SOURCES (tests/test_cli.py checks that they agree)
@@ -38,13 +40,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    # lazy: --help loads no torch
     from specdistill.serve.convert import check_out, convert, input_files
 
     inputs = input_files(Path(args.input))
     check_out(Path(args.out))  # before the tokenizer loads
     quiet_third_party()
-    from specdistill.models.identity import model_identity
-    from specdistill.models.target_spec import TargetSpec, load_tokenizer
+    from specdistill.models.identity import model_identity  # lazy: --help loads no torch
 
     tokenizer = load_tokenizer(TargetSpec(model=args.target, adapter=args.target_adapter))
     identity = args.target_identity or model_identity(args.target, adapter=args.target_adapter)
@@ -60,6 +62,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    from specdistill.errors import run_guarded
-
     sys.exit(run_guarded(main, sys.argv[1:]))

@@ -25,6 +25,8 @@ import logging
 import threading
 from pathlib import Path
 
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
 from specdistill.drafts.checked_load import load_checked
 from specdistill.errors import UserError
 from specdistill.formats.published import VERSION, read_current, version_draft_dir
@@ -129,8 +131,6 @@ class WatchMetrics:
         self.watcher = watcher
 
     def collect(self):
-        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
-
         w = self.watcher
         yield CounterMetricFamily(
             "specdistill:draft_watch_errors",

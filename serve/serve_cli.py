@@ -55,6 +55,7 @@ import os
 import sys
 from collections.abc import Sequence
 
+from specdistill.errors import run_guarded
 from specdistill.serve.flags import add_flags, parse_options
 from specdistill.serve.options import ServeOptions
 from specdistill.threads import ThreadPolicy
@@ -81,7 +82,7 @@ def with_api_key(options: ServeOptions) -> tuple[ServeOptions, str]:
 def set_threads(threads: int | None, device: str | None) -> ThreadPolicy | None:
     """--threads, else the cores free at start-up (specdistill/threads.py), which the engine
     worker re-checks between rounds; on a GPU only a forced count is set."""
-    import torch
+    import torch  # lazy: --help loads no torch
 
     on_cpu = (device or ("cuda" if torch.cuda.is_available() else "cpu")) == "cpu"
     if threads is None and not on_cpu:
@@ -95,8 +96,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     options = parse_options(build_parser(), argv)
     quiet_third_party()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    # lazy: --help loads no fastapi
     from specdistill.serve.auth import ApiKeys, check_bind, parse_keys
-    from specdistill.serve.server import Server
+    from specdistill.serve.server import Server  # lazy: --help loads no torch
 
     options, source = with_api_key(options)
     check_bind(options.host, ApiKeys(parse_keys(options.api_key, source)), options.insecure)
@@ -106,6 +108,4 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    from specdistill.errors import run_guarded
-
     sys.exit(run_guarded(main, sys.argv[1:]))

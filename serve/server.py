@@ -14,11 +14,19 @@ generation that warms the engine before anything answers. uvicorn runs it
 import logging
 import time
 
+from specdistill.drafts.checked_load import load_checked
 from specdistill.eval.cli_args import resolve_device
 from specdistill.eval.length_policy import GammaSetting
+from specdistill.models.identity import model_identity
+from specdistill.models.target_spec import TargetSpec, load_target_and_tokenizer
+from specdistill.serve.app import AppState, ServerConfig, build_app
+from specdistill.serve.auth import ApiKeys, parse_keys
+from specdistill.serve.drafts import DraftWatcher, WatchMetrics
 from specdistill.serve.flags import check_traffic_dir
 from specdistill.serve.options import Limits, ServeOptions
+from specdistill.serve.traffic import TrafficLog
 from specdistill.serve.uvicorn_server import HttpServer
+from specdistill.serve.worker import EngineWorker
 from specdistill.threads import ThreadPolicy
 
 log = logging.getLogger("specdistill.serve")
@@ -34,11 +42,6 @@ class Server:
     """
 
     def __init__(self, options: ServeOptions, *, threads: ThreadPolicy | None = None):
-        from specdistill.serve.app import build_app
-        from specdistill.serve.auth import ApiKeys, parse_keys
-        from specdistill.serve.traffic import TrafficLog
-        from specdistill.serve.worker import EngineWorker
-
         check_traffic_dir(options.traffic)
         device = resolve_device(options.device)
         self.options = options
@@ -69,9 +72,6 @@ class Server:
         (models/target_spec.py). A peft adapter stays unmerged; the identity the traffic records
         carry covers its files, so the online job refuses records of another adapter or of the
         bare base."""
-        from specdistill.models.identity import model_identity
-        from specdistill.models.target_spec import TargetSpec, load_target_and_tokenizer
-
         o = self.options
         target, tokenizer = load_target_and_tokenizer(TargetSpec.from_args(o, device=device))
         target = target.eval()
@@ -93,9 +93,6 @@ class Server:
     def _first_draft(self) -> tuple[object, str | None]:
         """(draft, version) to serve first (None: the target alone). --drafts ROOT: its
         current version, and the watcher (`self.watcher`) that installs the next ones."""
-        from specdistill.drafts.checked_load import load_checked
-        from specdistill.serve.drafts import DraftWatcher
-
         o = self.options
         if o.drafts is not None:
             self.watcher = DraftWatcher(
@@ -112,9 +109,6 @@ class Server:
     def _app_state(self, identity: str):
         """What the routes share (serve/app.py `AppState`), the watch's failed polls in
         /health and /metrics."""
-        from specdistill.serve.app import AppState, ServerConfig
-        from specdistill.serve.drafts import WatchMetrics
-
         o = self.options
         config = ServerConfig(
             model_name=o.model_name,

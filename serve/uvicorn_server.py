@@ -4,7 +4,7 @@ benchmarks) or in the foreground (`HttpServer.run`: the command line).
 Binding beyond loopback without an API key is refused (serve/auth.py `check_bind`). On
 SIGTERM or SIGINT uvicorn stops accepting and gives running requests `drain_s` seconds; a
 signal it drained for is not raised again afterwards, so `run` returns and the process
-exits 0. uvicorn is imported on first use.
+exits 0.
 """
 
 import contextlib
@@ -13,33 +13,30 @@ import socket
 import threading
 import time
 
+import uvicorn
+
 from specdistill.serve.auth import ApiKeys, check_bind
 
 START_TIMEOUT_S = 30  # a background server that has not started by then is an error
 STOP_MARGIN_S = 10  # beyond drain_s, how long `stop` waits for the HTTP thread
 
 
-def _uvicorn_server_class():
-    import uvicorn
+class Uvicorn(uvicorn.Server):
+    """uvicorn's server, except that a SIGTERM/SIGINT it drained for is not raised again
+    afterwards: `serve` returns and the process exits 0."""
 
-    class Uvicorn(uvicorn.Server):
-        """uvicorn's server, except that a SIGTERM/SIGINT it drained for is not raised again
-        afterwards: `serve` returns and the process exits 0."""
-
-        @contextlib.contextmanager
-        def capture_signals(self):
-            if threading.current_thread() is not threading.main_thread():
-                yield
-                return
-            handled = (signal.SIGINT, signal.SIGTERM)
-            original = {sig: signal.signal(sig, self.handle_exit) for sig in handled}
-            try:
-                yield
-            finally:
-                for sig, handler in original.items():
-                    signal.signal(sig, handler)
-
-    return Uvicorn
+    @contextlib.contextmanager
+    def capture_signals(self):
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+        handled = (signal.SIGINT, signal.SIGTERM)
+        original = {sig: signal.signal(sig, self.handle_exit) for sig in handled}
+        try:
+            yield
+        finally:
+            for sig, handler in original.items():
+                signal.signal(sig, handler)
 
 
 class HttpServer:
@@ -53,8 +50,6 @@ class HttpServer:
 
     def config(self, host: str, log_level: str, **kwargs):
         """uvicorn's configuration for `host`, once the bind is allowed."""
-        import uvicorn
-
         check_bind(host, self.keys, self.insecure)
         return uvicorn.Config(
             self.app,
@@ -76,7 +71,7 @@ class HttpServer:
     def start(self, config, sock: socket.socket) -> str:
         """Serve on `sock` on a background thread; the base URL once it answers."""
         host, port = config.host, sock.getsockname()[1]
-        self.server = _uvicorn_server_class()(config)
+        self.server = Uvicorn(config)
         self.thread = threading.Thread(
             target=self.server.run,
             kwargs={"sockets": [sock]},
@@ -93,7 +88,7 @@ class HttpServer:
 
     def run(self, config) -> None:
         """Serve in the foreground until SIGTERM or SIGINT, then drain."""
-        _uvicorn_server_class()(config).run()
+        Uvicorn(config).run()
 
     def stop(self) -> None:
         """End the background server (running requests get `drain_s` seconds)."""

@@ -13,6 +13,7 @@ can: a length beyond a target's context is checked against that target (`context
 Standard library and specdistill/errors.py only.
 """
 
+import argparse
 import math
 import os
 
@@ -72,7 +73,6 @@ def check_float(
 
 def int_in(low: int, high: int | None = None):
     """argparse type: an integer in [low, high] (a usage error naming the range otherwise)."""
-    import argparse
 
     def parse(text: str) -> int:
         try:
@@ -90,7 +90,6 @@ def int_in(low: int, high: int | None = None):
 
 def float_in(low: float, high: float):
     """argparse type: a finite number in [low, high]."""
-    import argparse
 
     def parse(text: str) -> float:
         try:

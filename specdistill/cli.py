@@ -21,6 +21,7 @@ Anticipated errors (a bad recipe, malformed data, a missing file) print one line
 `--debug` before the verb, or SPECDISTILL_DEBUG=1, shows the traceback instead.
 """
 
+import difflib
 import importlib
 import os
 import sys
@@ -99,8 +100,6 @@ def main(argv: list[str] | None = None) -> int:
         return 0 if argv else 2
     verb, rest = argv[0], argv[1:]
     if verb not in VERBS:
-        import difflib
-
         close = difflib.get_close_matches(verb, VERBS, n=1)
         hint = f"; did you mean '{close[0]}'?" if close else ""
         print(f"specdistill: unknown verb '{verb}'{hint}\n\n{usage()}", file=sys.stderr)

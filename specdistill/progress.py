@@ -109,6 +109,7 @@ class WorkProgress:
         use_bar = self.stream.isatty() if bar is None else bar
         self.bar = None
         if use_bar:
+            # lazy: a bar only on a terminal; the utilities import the standard library only
             from tqdm.auto import tqdm
 
             class Bar(tqdm):

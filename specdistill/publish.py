@@ -14,6 +14,7 @@ Standard library only, so that any part of the project can import it.
 """
 
 import contextlib
+import fcntl
 import os
 import shutil
 import tempfile
@@ -141,8 +142,6 @@ class DirLock:
         self._fd: int | None = None
 
     def acquire(self) -> "DirLock":
-        import fcntl
-
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
@@ -183,8 +182,6 @@ def waiting_lock(root: str | os.PathLike, on_wait: Callable[[str], None]) -> Ite
     second process also asked for runs once, the second then finds it done. `on_wait` is told
     once when another process holds it. The lock file is never deleted (two processes would
     lock different files); the kernel releases a killed holder's lock."""
-    import fcntl
-
     root = Path(root)
     try:
         root.mkdir(parents=True, exist_ok=True)

@@ -17,8 +17,10 @@ the 1-minute load average stands in for the others' use. The standard library an
 specdistill/errors.py only at import.
 """
 
+import argparse
 import math
 import os
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -211,7 +213,7 @@ class ThreadPolicy:
 
 
 def _torch_set_threads(threads: int) -> None:
-    import torch
+    import torch  # lazy: the verbs' parsers import this module; --help loads no torch
 
     torch.set_num_threads(threads)
 
@@ -221,8 +223,6 @@ HELP = "torch intra-op CPU threads, >= 1 (default: the cores free when it starts
 
 def count(text: str) -> int:
     """argparse type of `--threads`: an integer >= 1 (a usage error otherwise)."""
-    import argparse
-
     try:
         value = int(text)
     except ValueError:
@@ -246,8 +246,6 @@ def start(
 ) -> ThreadPolicy:
     """A started `ThreadPolicy` for a verb's `--threads` (or the key `name`), said on stderr
     (or by `say`)."""
-    import sys
-
     policy = ThreadPolicy(
         threads, name=name, say=say or (lambda line: print(line, file=sys.stderr))
     )

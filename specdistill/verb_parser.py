@@ -10,8 +10,10 @@ per-run progress bars. Standard library only at import time.
 """
 
 import argparse
+import ast
 import copy
 import math
+from pathlib import Path
 
 __all__ = ["HelpFormatter", "module_doc", "quiet_third_party", "verb_parser"]
 
@@ -59,9 +61,6 @@ def verb_parser(
 def module_doc(path) -> str:
     """The docstring of the module at `path`, read without importing it (a parser built in a
     light module can describe a heavy one)."""
-    import ast
-    from pathlib import Path
-
     return ast.get_docstring(ast.parse(Path(path).read_text(encoding="utf-8"))) or ""
 
 
@@ -72,8 +71,9 @@ def quiet_third_party() -> None:
     first run of a hub model can take minutes), unless HF_HUB_DISABLE_PROGRESS_BARS hides
     them as well. A verb calls this after parsing its arguments, so --help stays light."""
     try:
+        # lazy: called once the arguments are parsed; --help loads no model library
         from huggingface_hub.utils import are_progress_bars_disabled, enable_progress_bars
-        from transformers.utils import logging as hf_logging
+        from transformers.utils import logging as hf_logging  # lazy: --help loads no torch
     except ImportError:  # the verb does not need them
         return
     downloads_hidden = are_progress_bars_disabled()

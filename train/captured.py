@@ -31,7 +31,10 @@ from itertools import chain
 from pathlib import Path
 
 import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
 
+from specdistill.models import hub
 from specdistill.train.target_cache_shards import rest_mass
 
 CAPTURED = "captured"
@@ -83,8 +86,6 @@ class CaptureWriter:
 
     def flush(self) -> None:
         """Write the collected answers as the next part (atomically); nothing when none."""
-        from safetensors.torch import save_file
-
         if not self.rows:
             return
         tensors = {
@@ -111,8 +112,6 @@ class CaptureWriter:
 def capture_writer(out: Path, top_n: int | None, target, tokenizer, dtype=torch.float16):
     """The writer of a regenerate run's captured top N (None without), over the columns the
     target cache compares (`hub.shared_vocab_size`)."""
-    from specdistill.models import hub
-
     if top_n is None:
         return None
     return CaptureWriter(out, top_n, hub.shared_vocab_size(target, None, tokenizer), dtype)
@@ -123,8 +122,6 @@ class CapturedOutputs:
     token ids."""
 
     def __init__(self, outs: list[Path], top_n: int, vocab_size: int):
-        from safetensors import safe_open
-
         self.top_n, self.vocab_size = top_n, vocab_size
         self.index: dict[str, tuple] = {}  # prompt key -> (handle, completion span)
         self.missed: dict[str, int] = {}  # why sequences were not served: how many

@@ -251,6 +251,7 @@ def load_recipe(path: str | Path | None, overrides: list[str] = ()) -> Recipe:
 def recipe_datasets(recipe: Recipe, tokenizer):
     """(train, eval) TokenDatasets of the recipe's `data` section, as the trainer sees them
     (the target cache must see the very same sequences)."""
+    # lazy: distill's parser imports this module; --help loads no torch
     from specdistill.data import build_datasets
 
     d = recipe.data

@@ -21,6 +21,7 @@ An anticipated error (a bad recipe, missing data or model) prints one line and e
 """
 
 import argparse
+import logging
 import os
 import sys
 
@@ -82,7 +83,8 @@ def main(argv: list[str] | None = None) -> int:
         )
         return 2
 
-    # heavy imports only once the recipe is known to be valid
+    # lazy: the trainer loads torch, transformers and accelerate (seconds); --help and a bad
+    # recipe answer before that
     from specdistill.train.trainer import Trainer
 
     Trainer.from_recipe(recipe).run()
@@ -100,7 +102,6 @@ def leave(code: int) -> None:
     then; the standard streams and logging are flushed first."""
     if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
         sys.exit(code)
-    import logging
 
     logging.shutdown()
     sys.stdout.flush()

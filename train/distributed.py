@@ -192,6 +192,7 @@ def prepare_sharded_draft(acc: Accelerator, draft: torch.nn.Module) -> None:
 
 
 def _is_dtensor(t) -> bool:
+    # lazy: torch.distributed.tensor is slow to import; the chunked loss asks
     from torch.distributed.tensor import DTensor
 
     return isinstance(t, DTensor)
@@ -199,6 +200,7 @@ def _is_dtensor(t) -> bool:
 
 def _fsdp_unit_of(model: torch.nn.Module, sub: torch.nn.Module):
     """The innermost FSDP2 module of `model` that contains `sub` (None if none does)."""
+    # lazy: loads torch.distributed.tensor (slow); only FSDP2 runs ask
     from torch.distributed.fsdp import FSDPModule
 
     owner = None

@@ -8,12 +8,14 @@ import json
 from pathlib import Path
 
 import torch
+from accelerate.utils import gather_object
 
 from specdistill.errors import UserError
 from specdistill.eval.calibration import CalibrationReport, calibration, reliability_diagram
 from specdistill.eval.chain_tau import chain_tau_pred
 from specdistill.eval.offline import acceptance_sums, held_out_texts, summarise, tau_rounds_pred
 from specdistill.eval.prompt_source import source_prompt_ids
+from specdistill.eval.sweep import Settings, sweep
 from specdistill.publish import atomic_write_text
 from specdistill.train.batches import Batches
 from specdistill.train.config import recipe_to_dict
@@ -177,8 +179,6 @@ class Evaluator:
         """The trained acceptance head's predictions against their label (α at
         eval.temperature, from the live target) at depth 0 of the held-out batches, over
         every process's positions; None when the run trains no head."""
-        from accelerate.utils import gather_object
-
         core = self.core
         head = core.head_training
         if head is None:
@@ -268,8 +268,6 @@ class Evaluator:
         measured τ and speedup per γ next to the offline α, as a metrics.jsonl line (None on
         the other processes). A sharded draft is first gathered into a whole copy on the main
         process, with every process taking part, so that the main process decodes alone."""
-        from specdistill.eval.sweep import Settings, sweep
-
         core, s = self.core, self.recipe.eval.speculative
         draft = core.full_draft()
         if not core.accelerator.is_main_process:

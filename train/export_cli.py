@@ -16,6 +16,7 @@ import argparse
 import sys
 from pathlib import Path
 
+from specdistill.errors import run_guarded
 from specdistill.verb_parser import quiet_third_party, verb_parser
 
 # train/export's formats (tests/test_cli.py checks that they agree): the parser is built
@@ -58,6 +59,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     quiet_third_party()
+    # lazy: --help loads no torch
     from specdistill.train.export import Options, export_with_plan, serve_hint
 
     tokenizer = Path(args.tokenizer) if args.tokenizer else None
@@ -74,6 +76,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    from specdistill.errors import run_guarded
-
     sys.exit(run_guarded(main, sys.argv[1:]))

@@ -15,7 +15,9 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
+from specdistill.data.dataset import build_datasets, collate
 from specdistill.errors import UserError
+from specdistill.models import hub
 
 LORA_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 IGNORE = -100  # labels the loss skips
@@ -46,8 +48,6 @@ def finetune_adapter(
     it, unmerged, at `out`. Each step's batch takes `rows` random rows of `seq` tokens from
     each (texts, rows) source, so a mix such as [(prose, 4), (code, 4)] teaches the new domain
     while holding the old one. Returns the first and the last losses."""
-    from specdistill.models import hub
-
     tokenizer = hub.load_tokenizer(base)
     data = [(token_blocks(tokenizer, texts, seq), rows) for texts, rows in sources]
 
@@ -75,9 +75,6 @@ def sft_adapter(
     forms, e.g. JSONL of {"messages": [...]}) rendered with the base's chat template: the loss
     on the assistant's tokens only (data/tokenize.py's mask), `batch_size` random records per
     step. The adapter is saved unmerged at `out`; returns the first and the last losses."""
-    from specdistill.data.dataset import build_datasets, collate
-    from specdistill.models import hub
-
     tokenizer = hub.load_tokenizer(base)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     data, _ = build_datasets(
@@ -109,9 +106,8 @@ def train_lora(
     """`steps` AdamW steps of a rank-`r` LoRA on every projection of `base`, each on
     `batch(generator)` (the model's keyword arguments, labels included); the adapter saved
     unmerged at `out`. Returns {steps, loss_first, loss_last (mean of the last five)}."""
+    # lazy: peft is slow to import; the online demo fine-tunes only with --shift target
     from peft import LoraConfig, get_peft_model
-
-    from specdistill.models import hub
 
     if steps < 1:
         raise UserError(f"a fine-tune needs at least one step; got {steps}")
@@ -139,8 +135,6 @@ def train_lora(
 def merge_adapter(base: str, adapter: Path, out: Path) -> Path:
     """The merged target (base weights + the LoRA's s·B·A) saved at `out` with the base's
     tokenizer: a plain model directory any engine or `--target` loads."""
-    from specdistill.models import hub
-
     model = hub.load_target(base, str(adapter)).merge_and_unload()
     model.save_pretrained(out)
     hub.load_tokenizer(base).save_pretrained(out)

@@ -17,7 +17,7 @@ class MetricsLog:
         w = recipe.wandb
         if w.project is None or w.mode == "disabled" or not self.accelerator.is_main_process:
             return
-        import wandb
+        import wandb  # lazy: wandb is slow to import; only a run that logs to wandb needs it
 
         self._wandb = wandb.init(
             project=w.project,

@@ -24,8 +24,11 @@ import time
 import torch
 
 from specdistill.data import collate
+from specdistill.eval.engine import generate
 from specdistill.losses.sampling import probabilities
 from specdistill.models.kv_cache import KVStream, eval_mode, sync
+from specdistill.train.config import RecipeError
+from specdistill.train.distributed import is_sharded, layout
 
 
 def row_seed(*parts) -> int:
@@ -156,8 +159,6 @@ class OnPolicy:
     def sample_target(self, prompts: list[list[int]], budgets: list[int], seed: int):
         """The target's samples, by speculative decoding with the current draft (lossless:
         distributed as the target's own sampling, eval/engine.py)."""
-        from specdistill.eval.engine import generate
-
         gen = generate(
             self.target,
             self.draft,
@@ -183,8 +184,6 @@ def prompt_of(ids: torch.Tensor, loss_mask: torch.Tensor, prompt_tokens: int | N
     trained = loss_mask.nonzero()
     first = int(trained[0]) if len(trained) else len(ids)
     if first <= 1:  # loss_mask[0] is never set: text trains from token 1 on
-        from specdistill.train.config import RecipeError
-
         raise RecipeError(
             "data.on_policy.prompt_tokens is null, which takes each sequence's untrained "
             "tokens as its prompt, but this sequence is trained from its start (plain text, "
@@ -213,9 +212,6 @@ def for_core(recipe, core, tokenizer) -> OnPolicy:
     """The generator of data.on_policy rows for the step core `core` (train/step.py). A
     sharded draft cannot write alone: source=draft is refused there, source=target decodes
     with the target."""
-    from specdistill.train.config import RecipeError
-    from specdistill.train.distributed import is_sharded, layout
-
     acc, source = core.accelerator, recipe.data.on_policy.source
     if is_sharded(acc) and source == "draft":
         raise RecipeError(

@@ -28,7 +28,10 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from specdistill.errors import UserError
+from specdistill import threads
+from specdistill.errors import UserError, run_guarded
+from specdistill.models.target_spec import TargetSpec, load_target_and_tokenizer
+from specdistill.train.regenerate import Sampling, regenerate
 from specdistill.verb_parser import quiet_third_party, verb_parser
 
 
@@ -62,11 +65,7 @@ def answer_tokens(out: Path) -> int:
 
 def prepare(recipe, *, batch_size: int = 32, print=print) -> list[PreparedSet]:
     """Answer each set of `recipe.prepare` that has prompts; -> what each became."""
-    import torch
-
-    from specdistill import threads
-    from specdistill.models.target_spec import TargetSpec, load_target_and_tokenizer
-    from specdistill.train.regenerate import Sampling, regenerate
+    import torch  # lazy: --help loads no torch
 
     p = recipe.prepare
     sets = [(name, s) for name in ("train", "eval") if (s := getattr(p, name)).prompts]
@@ -128,20 +127,21 @@ def teacher_outputs(recipe, target, tokenizer, print=print) -> dict | None:
     the sequences that did not keep it; else a target pass (train/target_cache_build.py)
     over the draft's own columns for a draft over a reduced vocabulary or an EAGLE-3 head
     (with the hidden states the head reads), or its top-N. -> its manifest."""
-    from specdistill import drafts
-    from specdistill.drafts import planned
-    from specdistill.models import hub
-    from specdistill.train.captured import CapturedOutputs
-    from specdistill.train.config import recipe_datasets
+    from specdistill import drafts  # lazy: --help loads no torch
+    from specdistill.models import hub  # lazy: --help loads no torch
+    from specdistill.train.captured import CapturedOutputs  # lazy: --help loads no torch
+    from specdistill.train.config import recipe_datasets  # lazy: --help loads no pydantic
+
+    # lazy: --help loads no torch
     from specdistill.train.target_cache import DEFAULT_TOP_N, CacheError, TargetCache
-    from specdistill.train.target_cache_build import build_cache
-    from specdistill.train.target_cache_vocab import columns_for
+    from specdistill.train.target_cache_build import build_cache  # lazy: --help loads no torch
+    from specdistill.train.target_cache_vocab import columns_for  # lazy: --help loads no torch
 
     r = recipe
     if r.target.cache is None:
         return None
     top_n = r.prepare.top_n
-    columns = columns_for(planned(r.draft).capabilities, top_n)
+    columns = columns_for(drafts.planned(r.draft).capabilities, top_n)
     train_data, eval_data = recipe_datasets(r, tokenizer)
     vocab_size = hub.shared_vocab_size(target, None, tokenizer)
     path = Path(r.target.cache)
@@ -211,7 +211,7 @@ def build_parser():
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     quiet_third_party()
-    from specdistill.train.config import load_recipe
+    from specdistill.train.config import load_recipe  # lazy: --help loads no pydantic
 
     recipe = load_recipe(args.recipe, args.overrides)
     results = prepare(
@@ -229,6 +229,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    from specdistill.errors import run_guarded
-
     sys.exit(run_guarded(main, sys.argv[1:]))

@@ -17,8 +17,9 @@ from specdistill.train.recipe_errors import RecipeError
 from specdistill.train.recipe_loss import resolved_loss
 
 if TYPE_CHECKING:
+    # lazy: for the type hints only (the drafts load torch)
     from specdistill.drafts.types import Capabilities
-    from specdistill.losses.resolved import ResolvedLoss
+    from specdistill.losses.resolved import ResolvedLoss  # lazy: for the type hints only
 
 Check = tuple[bool, str]
 
@@ -27,6 +28,7 @@ def validate(recipe: Recipe) -> "ResolvedLoss":
     """The checks across keys, then the loss parameters (coerced in place: `eta: 3` -> 3.0),
     then the checks of the loss's chain part; returns the loss resolved. (A key of another
     draft type is refused by the schema: the draft section is its type's.)"""
+    # lazy: distill's parser imports this module; --help loads no torch
     from specdistill.drafts import planned
 
     t, can = recipe.train, planned(recipe.draft).capabilities
@@ -101,6 +103,7 @@ def _columns(recipe: Recipe, can: "Capabilities") -> str | None:
     """The columns of the recipe's target cache ("top-n" or "draft"); None without one. A
     cache not built yet counts as what `specdistill prepare` would build for this draft type
     (`target_cache_vocab.columns_for`)."""
+    # lazy: distill's parser imports this module; --help loads no torch
     from specdistill.train.target_cache_vocab import cache_columns, columns_for
 
     cache = recipe.target.cache
@@ -134,6 +137,7 @@ def _cache_asks(recipe: Recipe, can: "Capabilities", columns: str | None) -> lis
 def cache_checks(recipe: Recipe, columns: str) -> None:
     """Raise RecipeError when distill would refuse to train `recipe` on a cache of `columns`
     ("top-n" or "draft"): what `specdistill cache` checks before it loads anything."""
+    # lazy: distill's parser imports this module; --help loads no torch
     from specdistill.drafts import planned
 
     can = planned(recipe.draft).capabilities
@@ -177,6 +181,7 @@ def _cache_checks(recipe: Recipe) -> list[Check]:
 
 
 def _depth_checks(recipe: Recipe) -> list[Check]:
+    # lazy: distill's parser imports this module; --help loads no torch
     from specdistill.losses.resolved import end_to_end_losses
 
     lo, product_forms = recipe.loss, end_to_end_losses()

@@ -11,9 +11,12 @@ import types
 import typing
 from typing import Annotated, Any, Literal
 
+from specdistill.losses.declaration import REQUIRED, SETTINGS
+from specdistill.losses.divergences import DECLARED
 from specdistill.train.recipe import RESUME, Recipe, Section
 from specdistill.train.recipe_draft import DRAFT_SECTIONS, DraftSection, own_fields
 from specdistill.train.recipe_errors import bounds_of, nullable, range_text, strip_optional
+from specdistill.train.recipe_loss import recipe_type
 from specdistill.train.recipe_types import OneOf, sections_of
 
 DOC = "docs/recipe-keys.md"
@@ -181,10 +184,6 @@ def _cell(text: str) -> str:
 def _loss_params() -> str:
     """The losses and their parameters, as each loss declares them
     (`losses.declaration.LossSpec`): names, types, defaults, bounds and docs."""
-    from specdistill.losses.declaration import REQUIRED, SETTINGS
-    from specdistill.losses.divergences import DECLARED
-    from specdistill.train.recipe_loss import recipe_type
-
     losses = [
         f"| `{name}` | {_cell(spec.doc)} | {', '.join(f'`loss.{p.name}`' for p in spec.params)} |"
         for name, spec in DECLARED.items()

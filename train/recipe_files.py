@@ -15,6 +15,7 @@ A missing parent, a parent that is not a recipe (not a mapping, not YAML) and a 
 refused with one RecipeError line naming the file and line of the `extends` entry.
 """
 
+from importlib.resources import files
 from pathlib import Path
 from typing import Any
 
@@ -47,8 +48,6 @@ def shipped_names() -> list[str]:
 
 
 def _shipped_dir() -> Path:
-    from importlib.resources import files
-
     return Path(str(files("specdistill.recipes")))
 
 
@@ -135,6 +134,7 @@ def _extends_lines(root: yaml.Node) -> list[int]:
 
 def _text(path: Path) -> str:
     """The recipe file's text; RecipeError when it is not UTF-8 (UTF-16 named as such)."""
+    # lazy: distill's parser imports this module; --help loads no torch
     from specdistill.data.records import utf8_text
 
     text = utf8_text(path.read_bytes(), path, RecipeError, "the recipe")

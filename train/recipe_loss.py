@@ -18,13 +18,14 @@ from specdistill.train.recipe_errors import RecipeError, did_you_mean, translate
 from specdistill.train.recipe_types import Float
 
 if TYPE_CHECKING:
-    from specdistill.losses.resolved import ResolvedLoss
+    from specdistill.losses.resolved import ResolvedLoss  # lazy: for the type hints only
 
 
 def resolved_loss(recipe: Recipe) -> "ResolvedLoss":
     """The recipe's loss checked (`validate_loss`) and resolved: a
     `losses.resolved.ResolvedLoss` (tau's γ, where the recipe leaves it null, is the largest
     of eval.speculative.gammas)."""
+    # lazy: distill's parser imports this module; --help loads no torch
     from specdistill.losses.resolved import resolve_loss
 
     lo = recipe.loss
@@ -43,7 +44,10 @@ def validate_loss(lo: LossConfig) -> None:
     `losses.divergences.DECLARED`): each name, its type (coercing e.g. `eta: 3` to 3.0) and
     its bounds, every message naming the recipe key; then the library's checks of the whole
     (a composite's parts). The name itself is the schema's (`recipe_types.LossName`)."""
+    # lazy: distill's parser imports this module; --help loads no torch
     from specdistill.losses.declaration import SETTING_NAMES
+
+    # lazy: distill's parser imports this module; --help loads no torch
     from specdistill.losses.divergences import DECLARED, check_params, declared_params, part_names
 
     if lo.name not in DECLARED:  # the schema's check; a config assigned since is not

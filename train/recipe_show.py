@@ -14,6 +14,9 @@ import argparse
 import json
 import sys
 
+import yaml
+
+from specdistill.errors import run_guarded
 from specdistill.verb_parser import verb_parser
 
 ACTIONS = ("show",)
@@ -34,7 +37,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    from specdistill.train.config import resolve_recipe
+    from specdistill.train.config import resolve_recipe  # lazy: --help loads no pydantic
 
     sys.stdout.write(render(resolve_recipe(args.recipe, args.overrides)))
     return 0
@@ -42,7 +45,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def render(resolved) -> str:
     """The resolved recipe (train/config.py `ResolvedRecipe`) as commented YAML."""
-    from specdistill.train.config import recipe_to_dict
+    from specdistill.train.config import recipe_to_dict  # lazy: --help loads no pydantic
 
     rows: list[tuple[str, str | None]] = []  # (text, origin or None for a section line)
     _rows(recipe_to_dict(resolved.recipe), "", 0, resolved, rows)
@@ -57,7 +60,7 @@ def render(resolved) -> str:
 
 
 def _rows(section: dict, prefix: str, depth: int, resolved, rows: list) -> None:
-    from specdistill.train.recipe_files import SECTIONS
+    from specdistill.train.recipe_files import SECTIONS  # lazy: --help loads no pydantic
 
     for key, value in section.items():
         dotted = f"{prefix}{key}"
@@ -71,14 +74,10 @@ def _rows(section: dict, prefix: str, depth: int, resolved, rows: list) -> None:
 
 def _yaml(value) -> str:
     """`value` as YAML on one line (flow style; JSON, which is YAML, for multi-line text)."""
-    import yaml
-
     text = yaml.safe_dump(value, default_flow_style=True, width=2**31, allow_unicode=True)
     text = text.removesuffix("\n...\n").rstrip("\n")
     return json.dumps(value, ensure_ascii=False) if "\n" in text else text
 
 
 if __name__ == "__main__":
-    from specdistill.errors import run_guarded
-
     sys.exit(run_guarded(main, sys.argv[1:]))

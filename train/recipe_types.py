@@ -153,18 +153,21 @@ class OneOf:
 
 def draft_types() -> tuple[str, ...]:
     """The names `draft.type` takes: the keys of the drafts layer's registry (`drafts.TYPES`)."""
+    # lazy: distill's parser imports this module; --help loads no torch
     from specdistill.drafts import TYPES
 
     return tuple(TYPES)
 
 
 def _loss_names() -> tuple[str, ...]:
+    # lazy: distill's parser imports this module; --help loads no torch
     from specdistill.losses.divergences import DECLARED
 
     return tuple(DECLARED)
 
 
 def _depth_weightings() -> tuple[str, ...]:
+    # lazy: distill's parser imports this module; --help loads no torch
     from specdistill.losses.resolved import WEIGHTINGS
 
     return WEIGHTINGS

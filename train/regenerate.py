@@ -51,8 +51,12 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from specdistill import threads
+from specdistill.errors import run_guarded
 from specdistill.eval.cli_args import make_dir
-from specdistill.publish import DirLock
+from specdistill.models.target_spec import TargetSpec, load_target_and_tokenizer
+from specdistill.progress import WorkProgress
+from specdistill.publish import DirLock, atomic_write_text
 from specdistill.train.regenerate_output import (
     FAILURES,
     MANIFEST,
@@ -92,7 +96,7 @@ def prompt_hash(prompt: list | str) -> str:
 
 def jobs_from_records(records, tokenizer, text_prompt_tokens: int) -> tuple[list[Job], int]:
     """(one Job per distinct prompt, in data order; duplicates dropped)."""
-    from specdistill.data.records import ChatRecord
+    from specdistill.data.records import ChatRecord  # lazy: --help loads no torch
 
     jobs, seen, duplicates = [], set(), 0
     for record in records:
@@ -128,7 +132,7 @@ def _record(job: Job, answer: str, n_tokens: int, token_ids: dict) -> dict:
 
 
 def _encode(jobs: list[Job], tokenizer) -> list[list[int]]:
-    from specdistill.eval.prompts import Prompt, encode_prompts
+    from specdistill.eval.prompts import Prompt, encode_prompts  # lazy: --help loads no torch
 
     prompts = [
         Prompt(j.hash, messages=j.prompt)
@@ -160,7 +164,7 @@ def regenerate(
     `generate` defaults to `eval.engine.generate` (tests pass a wrapper). `capture_top_n`:
     also keep the target's top N at every answer token, from the forwards that chose them
     (OUT/captured/, train/captured.py), its log-probabilities in `capture_dtype`."""
-    from specdistill.eval import engine
+    from specdistill.eval import engine  # lazy: --help loads no torch
 
     sampling = (sampling or Sampling()).check()
     _check_sizes(
@@ -196,9 +200,10 @@ def _regenerate_into(
     `sizes`: (batch_size, shard_records, retries, text_prompt_tokens, limit), checked;
     `capture`: (top N kept at each answer token or None, their dtype)."""
     batch_size, shard_records, retries, text_prompt_tokens, limit = sizes
-    from specdistill.data.sources import read_records
-    from specdistill.publish import atomic_write_text
-    from specdistill.train.captured import capture_writer
+    from specdistill.data.sources import read_records  # lazy: --help loads no torch
+    from specdistill.train.captured import capture_writer  # lazy: --help loads no torch
+
+    # lazy: --help loads no torch
     from specdistill.train.target_cache import VALUE_DTYPES, target_identity
 
     target, tokenizer = _load_target(r, target, tokenizer)
@@ -247,9 +252,6 @@ def _regenerate_into(
 def _load_target(r, target, tokenizer) -> tuple:
     """(target, tokenizer): the recipe's, each loaded unless given (models/target_spec.py); a
     loaded target starts the recipe's threads and moves to the GPU when there is one."""
-    from specdistill import threads
-    from specdistill.models.target_spec import TargetSpec, load_target_and_tokenizer
-
     given = target is not None
     target, tokenizer = load_target_and_tokenizer(
         TargetSpec.from_recipe(r.target), target=target, tokenizer=tokenizer
@@ -257,7 +259,7 @@ def _load_target(r, target, tokenizer) -> tuple:
     if not given:
         threads.start(r.train.threads, name="train.threads")  # on stderr, once it loads
         if hasattr(target, "to"):
-            import torch
+            import torch  # lazy: --help loads no torch
 
             target = target.to("cuda" if torch.cuda.is_available() else "cpu")
     return target, tokenizer
@@ -402,8 +404,6 @@ CHUNK_BATCHES = 4
 
 def _answer_all(answering: _Answering, todo: list[Job], name: str) -> None:
     """Answer `todo` chunk by chunk, with a progress line; the shard is closed after."""
-    from specdistill.progress import WorkProgress
-
     chunk = answering.batch_size * CHUNK_BATCHES
     progress = WorkProgress(name, len(todo)) if todo else None
     try:
@@ -424,8 +424,6 @@ def _answer_all(answering: _Answering, todo: list[Job], name: str) -> None:
 
 def _finish(out: Path, manifest: dict, jobs: list[Job], answering: _Answering, print) -> dict:
     """Drop the failures answered since from the failures file; complete the manifest."""
-    from specdistill.publish import atomic_write_text
-
     done = answered(out)
     failed, failures = answering.failed, answering.failures
     if any(h in done for h in failed):  # answered since: no longer a failure
@@ -475,7 +473,7 @@ def main(argv: list[str] | None = None) -> int:
     """`specdistill regenerate`: 1 when a prompt failed (OUT/failures.jsonl), else 0."""
     args = build_parser().parse_args(argv)
     quiet_third_party()
-    from specdistill.train.config import load_recipe
+    from specdistill.train.config import load_recipe  # lazy: --help loads no pydantic
 
     recipe = load_recipe(args.recipe, args.overrides)
     sampling = Sampling(args.temperature, args.top_p, args.top_k, args.max_new_tokens, args.seed)
@@ -494,6 +492,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    from specdistill.errors import run_guarded
-
     sys.exit(run_guarded(main, sys.argv[1:]))

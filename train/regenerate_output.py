@@ -19,6 +19,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from specdistill.errors import UserError
+from specdistill.publish import atomic_write_text
 
 SHARD = re.compile(r"^regen-(\d{6})\.jsonl$")
 MANIFEST = "manifest.json"
@@ -166,8 +167,6 @@ def read_failures(path: Path) -> dict[str, dict]:
 
 
 def write_failures(path: Path, failed: dict[str, dict]) -> None:
-    from specdistill.publish import atomic_write_text
-
     atomic_write_text(path, "".join(json.dumps(f) + "\n" for f in failed.values()))
 
 
@@ -188,6 +187,7 @@ def no_prompts(sources: list[str], skipped: dict[str, int]) -> None:
 def valid_records(items, print) -> tuple[list, dict[str, int]]:
     """(the records, {reason: n} of the malformed ones); each malformed one is printed with
     its `file:line` (the first ten, then a count), as distill's reader counts them."""
+    # lazy: regenerate's parser imports this module; --help loads no torch
     from specdistill.data.records import DataError
 
     records, errors = [], []

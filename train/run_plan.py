@@ -16,6 +16,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
+from transformers.utils import logging as hf_logging
+
 from specdistill import publish
 from specdistill.errors import UserError
 from specdistill.models.weights import check_state_file
@@ -276,8 +278,6 @@ def tied_head_names(model) -> set[str]:
 def quiet_library_bars():
     """No transformers / hub progress bars ("Loading weights", "Writing model shards") while
     stderr is not a terminal: in a log file each one is a line of carriage-return redraws."""
-    from transformers.utils import logging as hf_logging
-
     if sys.stderr.isatty() or not hf_logging.is_progress_bar_enabled():
         yield
         return

@@ -42,8 +42,12 @@ import os
 from pathlib import Path
 
 import torch
+from safetensors import safe_open
 
+from specdistill.drafts.align import target_mask
 from specdistill.errors import UserError
+from specdistill.losses import SparseTarget
+from specdistill.models.identity import model_identity
 from specdistill.train.target_cache_shards import FORMAT, shard_problem
 from specdistill.train.target_cache_vocab import (
     draft_ids_problem,
@@ -91,8 +95,6 @@ def data_hash(dataset) -> str:
 def target_identity(target_cfg, model=None) -> dict:
     """What names the target's distributions: its model (`models.identity.model_identity`,
     sha256 of config and weights), adapter (when the recipe has `target.adapter`), dtype."""
-    from specdistill.models.identity import model_identity
-
     adapter = getattr(target_cfg, "adapter", None)
     identity = model_identity(target_cfg.model, model, adapter)  # the adapter's files too
     return {
@@ -107,8 +109,6 @@ def target_identity(target_cfg, model=None) -> dict:
 # ----------------------------------------------------------------------------- reading
 def valid_rows(batch: dict) -> torch.Tensor:
     """[B, L−1] bool: the positions the cache stores (the trainer's depth-0 mask)."""
-    from specdistill.drafts.align import target_mask
-
     return target_mask(batch)
 
 
@@ -212,8 +212,6 @@ class TargetCache:
             raise IndexError(f"sequence {sequence} is not in the {split} cache")
         key = info["file"]
         if key not in self._handles:
-            from safetensors import safe_open
-
             self._handles[key] = safe_open(str(self.path / key), framework="pt")
         return self._handles[key], sequence - info["first_sequence"]
 
@@ -335,8 +333,6 @@ def place_sparse_rows(mask: torch.Tensor, top_n: int, rows: list, mismatch):
     mask[b], in order; masked positions hold a uniform placeholder. An item whose n differs
     from its number of valid positions raises `mismatch(b, n, valid)`. Shared by the target
     cache and the online job's records (train/online/traffic.py RecordTargets)."""
-    from specdistill.losses import SparseTarget
-
     shape = (*mask.shape, top_n)
     indices = torch.arange(top_n, device=mask.device).expand(shape).clone()
     probs = torch.full(shape, 1.0 / top_n, device=mask.device)

@@ -14,6 +14,17 @@ from pathlib import Path
 
 import torch
 
+from specdistill import drafts
+from specdistill.data import collate
+from specdistill.drafts.align import shifted_logits
+from specdistill.drafts.eagle3.features import FeatureCapture
+from specdistill.models import hub
+from specdistill.models.target_spec import TargetSpec, load_target_and_tokenizer
+from specdistill.progress import WorkProgress
+from specdistill.publish import atomic_write_text, publish_dir
+from specdistill.train.config import recipe_datasets
+from specdistill.train.recipe_checks import cache_checks
+from specdistill.train.recipe_errors import RecipeError
 from specdistill.train.target_cache import (
     DEFAULT_SHARD_BYTES,
     DEFAULT_TOP_N,
@@ -28,7 +39,7 @@ from specdistill.train.target_cache import (
     valid_rows,
 )
 from specdistill.train.target_cache_shards import FORMAT, ShardFeatures, ShardWriter, rest_mass
-from specdistill.train.target_cache_vocab import vocab_rows
+from specdistill.train.target_cache_vocab import COLUMNS, vocab_rows
 
 
 @torch.no_grad()
@@ -36,8 +47,6 @@ def top_n_rows(target, batch: dict, vocab_size: int, top_n: int):
     """(indices [R, N] int64, logprobs [R, N] fp32, rest [R] fp32, rows per item [B]) of one
     collated batch: the target's top-N log-softmax over `vocab_size` columns at each valid
     position, items in order, positions in order."""
-    from specdistill.drafts.align import shifted_logits
-
     logits = shifted_logits(target, batch, vocab_size)
     mask = valid_rows(batch)
     logp = logits[mask].float().log_softmax(-1)
@@ -73,9 +82,6 @@ def build_cache(
     `Trainer.from_recipe` loads them unless given. `out` must not exist (or be empty) unless
     `overwrite`. `captured` (`train.captured.CapturedOutputs`, top-N at its N): the rows
     of the sequences it serves are read from it."""
-    from specdistill.models import hub
-    from specdistill.publish import atomic_write_text, publish_dir
-
     r, out = recipe, Path(out)
     _check_build_arguments(out, top_n, values_dtype, batch_size, shard_bytes, overwrite)
     _check_build_recipe(r, columns)
@@ -166,10 +172,6 @@ def _check_build_arguments(
 
 def _check_build_recipe(r, columns: str) -> None:
     """Refuse, before anything loads, a cache that distill would refuse to train on."""
-    from specdistill.train.recipe_checks import cache_checks
-    from specdistill.train.recipe_errors import RecipeError
-    from specdistill.train.target_cache_vocab import COLUMNS
-
     if columns not in COLUMNS:
         raise CacheError(f"--columns takes {' or '.join(COLUMNS)}, got {columns!r}")
     try:
@@ -181,8 +183,6 @@ def _check_build_recipe(r, columns: str) -> None:
 def _draft_columns(r, target, tokenizer, train_data, print) -> tuple:
     """(the target ids of the recipe's draft's K columns, the target layers whose input
     hidden states it reads or None), as distill builds that draft."""
-    from specdistill import drafts
-
     _, kind = drafts.build(r.draft, target, tokenizer, train_data, print=print)
     return kind.draft_ids().cpu(), kind.feature_layers
 
@@ -191,9 +191,6 @@ def _build_inputs(r, target, tokenizer, train_data, eval_data) -> tuple:
     """(target, tokenizer, train_data, eval_data): each loaded from the recipe unless given,
     as `Trainer.from_recipe` loads them (models/target_spec.py: the tokenizer pads with its
     eos token if unset)."""
-    from specdistill.models.target_spec import TargetSpec, load_target_and_tokenizer
-    from specdistill.train.config import recipe_datasets
-
     target, tokenizer = load_target_and_tokenizer(
         TargetSpec.from_recipe(r.target), target=target, tokenizer=tokenizer
     )
@@ -223,8 +220,6 @@ class _Build:
     def rows(self, batch: dict) -> tuple:
         """The arguments of `ShardWriter.add` for one collated batch: the target's rows, and
         the hidden states entering `feature_layers`, captured in the same forward."""
-        from specdistill.drafts.eagle3.features import FeatureCapture
-
         if self.ids is None:
             return top_n_rows(self.target, batch, self.vocab_size, self.top_n), {}
         if self.feature_layers is None:
@@ -237,8 +232,6 @@ class _Build:
     def rows_of(self, items: list[dict]) -> tuple:
         """`rows` for dataset items: those the captured outputs serve are read, the others
         run through the target together."""
-        from specdistill.data import collate
-
         pad = self.tokenizer.pad_token_id
         if self.captured is None:
             return self.rows({k: v.to(self.device) for k, v in collate(items, pad).items()})
@@ -261,8 +254,6 @@ class _Build:
     def write_split(self, tmp: Path, split: str, data, print) -> dict:
         """Run the target over `data` (or read the captured rows) and write `split`'s shards
         into `tmp`; return the split's manifest entry."""
-        from specdistill.progress import WorkProgress
-
         stored = None if self.feature_layers is None else ShardFeatures(self.dtype)
         writer = ShardWriter(tmp, split, self.max_rows, self.dtype, stored)
         progress = WorkProgress(f"cache {split}", len(data)) if len(data) else None

@@ -18,6 +18,8 @@ import argparse
 import math
 import sys
 
+from specdistill import threads
+from specdistill.errors import run_guarded
 from specdistill.verb_parser import quiet_third_party, verb_parser
 
 # train/target_cache.py's values (tests/test_cli.py checks that they agree): the parser is
@@ -79,10 +81,9 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     quiet_third_party()
-    from specdistill import threads
-    from specdistill.train.config import load_recipe
-    from specdistill.train.target_cache import CacheError
-    from specdistill.train.target_cache_build import build_cache
+    from specdistill.train.config import load_recipe  # lazy: --help loads no pydantic
+    from specdistill.train.target_cache import CacheError  # lazy: --help loads no torch
+    from specdistill.train.target_cache_build import build_cache  # lazy: --help loads no torch
 
     recipe = load_recipe(args.recipe, args.overrides)
     splits = tuple(s.strip() for s in args.splits.split(",") if s.strip())
@@ -112,6 +113,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    from specdistill.errors import run_guarded
-
     sys.exit(run_guarded(main, sys.argv[1:]))

@@ -10,6 +10,8 @@ without it). Only the header and the offsets are read.
 from pathlib import Path
 
 import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
 
 FORMAT = "specdistill-target-cache"
 
@@ -33,8 +35,6 @@ def shard_problem(
     following the file's name; None if nothing is. index_width: the indices' columns (top_n
     unless given; 0 for a cache over a draft's columns); feature_width: the stored hidden
     states' width (None: the cache stores none)."""
-    from safetensors import safe_open
-
     if not path.is_file():
         return "is missing"
     size = path.stat().st_size
@@ -134,7 +134,6 @@ class ShardWriter:
     def flush(self) -> None:
         if not self.counts:
             return
-        from safetensors.torch import save_file
 
         name = f"{self.split}-{len(self.shards):06d}.safetensors"
         offsets = torch.zeros(len(self.counts) + 1, dtype=torch.int64)

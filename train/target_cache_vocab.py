@@ -18,6 +18,8 @@ from pathlib import Path
 
 import torch
 
+from specdistill.drafts.align import shifted_logits, target_mask
+from specdistill.losses import VocabTarget
 from specdistill.train.target_cache_shards import rest_mass
 
 COLUMNS = ("top-n", "draft")
@@ -46,8 +48,6 @@ def vocab_rows(target, batch: dict, vocab_size: int, ids: torch.Tensor):
     """(indices [R, 0], logprobs [R, K] fp32, rest [R] fp32, rows per item [B]) of one collated
     batch: the target's log-softmax over `vocab_size` columns at each valid position, at the K
     ids `ids`, items in order, positions in order."""
-    from specdistill.drafts.align import shifted_logits, target_mask
-
     logits = shifted_logits(target, batch, vocab_size)
     mask = target_mask(batch)
     logp = logits[mask].float().log_softmax(-1).index_select(-1, ids.to(logits.device))
@@ -70,8 +70,6 @@ def place_rows(mask: torch.Tensor, width: int, rows: list, mismatch) -> torch.Te
 def place_vocab_rows(mask: torch.Tensor, width: int, rows: list, mismatch):
     """A `losses.VocabTarget` [B, L−1, K] from per-item rows [n, K] at the valid positions of
     mask [B, L−1] (`place_rows`)."""
-    from specdistill.losses import VocabTarget
-
     return VocabTarget(place_rows(mask, width, rows, mismatch))
 
 

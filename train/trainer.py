@@ -21,11 +21,13 @@ import sys
 import time
 from pathlib import Path
 
+import yaml
 from accelerate import Accelerator
 from accelerate.utils import set_seed
 from tqdm.auto import tqdm
 
 from specdistill import drafts
+from specdistill.bounds import BoundsError, context_limit
 from specdistill.models import hub
 from specdistill.models.target_spec import (
     TargetSpec,
@@ -44,6 +46,7 @@ from specdistill.train.config import (
 from specdistill.train.distributed import check_layout, layout, make_accelerator
 from specdistill.train.evaluation import Evaluator, eval_record
 from specdistill.train.metrics_log import MetricsLog
+from specdistill.train.on_policy import for_core
 from specdistill.train.outputs import Outputs
 from specdistill.train.run_dir import RunDir
 from specdistill.train.run_plan import (
@@ -54,6 +57,7 @@ from specdistill.train.run_plan import (
     restore_int_keys,
 )
 from specdistill.train.step import DistillStep, lr_lambda, trainable_parameters
+from specdistill.train.target_cache import CacheError, open_cache
 from specdistill.train.targets import IndexedTargets
 
 __all__ = ["Trainer", "lr_lambda", "trainable_parameters"]
@@ -117,8 +121,6 @@ def check_context(r: Recipe, target) -> None:
     `eval.prompts`, is beyond the target's context (its `max_position_embeddings`): positions
     it never saw. A default `eval.prompts_max_tokens` is cut to the context instead
     (train/evaluation.py `prompts_max_tokens`)."""
-    from specdistill.bounds import BoundsError, context_limit
-
     context = getattr(target.config, "max_position_embeddings", None)
     given = r.eval.prompts and "prompts_max_tokens" in r.eval.model_fields_set
     prompts = r.eval.prompts_max_tokens if given else None
@@ -177,8 +179,6 @@ class Trainer:
         self.outputs = Outputs(r, self.out, kind, tokenizer)
         self.on_policy = None  # a train.on_policy.OnPolicy with data.on_policy.fraction > 0
         if r.data.on_policy.fraction > 0:
-            from specdistill.train.on_policy import for_core
-
             self.on_policy = for_core(r, self.core, tokenizer)
         self.cache = cache
 
@@ -206,8 +206,6 @@ class Trainer:
                 raise RecipeError(str(e)) from None
             cache = None
             if r.target.cache is not None:  # checked against this run before any training
-                from specdistill.train.target_cache import CacheError, open_cache
-
                 try:
                     cache = open_cache(
                         r,
@@ -440,6 +438,4 @@ def started_threads(recipe, acc: Accelerator) -> ThreadPolicy:
 
 
 def yaml_text(recipe) -> str:
-    import yaml
-
     return yaml.safe_dump(recipe_to_dict(recipe), sort_keys=False)

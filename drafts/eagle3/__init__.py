@@ -100,7 +100,10 @@ class Eagle3:
     def load(name: str, *, dtype: str, revision: str | None = None) -> Eagle3Head:
         """The head saved in the local directory `name`, refused unless its weights cover its
         config and hold no NaN or infinity (`revision` is a hub name's: unused)."""
+        # lazy: left here while this file is restructured; can move to the top
         from specdistill.models import hub
+
+        # lazy: left here while this file is restructured; can move to the top
         from specdistill.models.weights import check_module_finite
 
         path = hub.local_model_dir(name) or name
@@ -131,6 +134,7 @@ class Eagle3:
         """(head, its type) for a recipe's `draft` section: a fresh head on `target` (its V_d
         from the loss-masked tokens of `train_data`) when `cfg.model` is null, else the head
         saved in that directory, which must cover the target's vocabulary."""
+        # lazy: left here while this file is restructured; can move to the top
         from specdistill.models import hub
 
         vocab_size = hub.shared_vocab_size(target, None, tokenizer)
@@ -226,6 +230,7 @@ class Eagle3:
     head_hidden = staticmethod(align_hidden)  # one recorded head input per depth
 
     def save(self, draft, out: Path, tokenizer, verifier: str) -> None:
+        # lazy: left here while this file is restructured; can move to the top
         from specdistill.drafts.acceptance_head import save_attached_head
 
         draft.ttt_steps = self.steps  # recorded in config.json: the export's speculative tokens

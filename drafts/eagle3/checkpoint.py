@@ -8,6 +8,7 @@ import json
 from pathlib import Path
 
 import torch
+from safetensors.torch import save_file
 from torch import Tensor
 from transformers import LlamaConfig
 
@@ -78,8 +79,6 @@ def save_pretrained(
     speculative_tokens: int | None = None,
 ):
     """config.json + model.safetensors in the speculators layout (docs/theory.md §5)."""
-    from safetensors.torch import save_file
-
     check_vocab_map(head.d2t, head.t2d, head.config.vocab_size, head.draft_vocab_size)
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)

@@ -17,6 +17,8 @@ hold (and what `speculators` and vLLM load).
 import sys
 from pathlib import Path
 
+from safetensors import safe_open
+
 from specdistill.drafts import verifier
 from specdistill.drafts.eagle3.head import DEFAULT_SPECULATIVE_TOKENS, Eagle3Head, check_vocab_map
 from specdistill.drafts.export import (
@@ -97,8 +99,6 @@ def check_given(head, name: str | None) -> str | None:
 def check_head_files(directory: Path, vocab_size: int, layer: str) -> None:
     """Re-read an EAGLE-3 export: the vocab map and the exact weight names (`layer`: the
     decoder layer's prefix, `layers.0.` or `midlayer.`)."""
-    from safetensors import safe_open
-
     config = config_of(directory) or {}
     with safe_open(str(directory / WEIGHTS), framework="pt") as f:
         names = set(f.keys())

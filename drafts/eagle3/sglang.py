@@ -18,6 +18,8 @@ import json
 from pathlib import Path
 
 import torch
+from safetensors.torch import save_file
+from transformers import LlamaConfig
 
 from specdistill.drafts.eagle3.export import check_given, check_head_files, speculative_tokens
 from specdistill.drafts.eagle3.head import SGLANG_ARCH, Eagle3Head, check_vocab_map
@@ -119,8 +121,6 @@ def write_head(head: Eagle3Head, options: Options) -> Plan:
     tokens = speculative_tokens(head, options)
 
     def write(out: Path) -> None:
-        from safetensors.torch import save_file
-
         (out / "config.json").write_text(json.dumps(sglang_config(head), indent=2) + "\n")
         save_file(sglang_state_dict(head), str(out / WEIGHTS), metadata={"format": "pt"})
         check_head_files(out, config_of(out)["vocab_size"], "midlayer.")
@@ -130,8 +130,6 @@ def write_head(head: Eagle3Head, options: Options) -> Plan:
 
 def read_head(directory: Path) -> Eagle3Head:
     """An SGLang export read back as a head (it is itself a valid draft directory)."""
-    from transformers import LlamaConfig
-
     config = config_of(directory)
     sgl_ids = (config.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
     if not sgl_ids:

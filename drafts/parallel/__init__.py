@@ -213,6 +213,7 @@ class Parallel:
     @staticmethod
     def detect(path) -> bool:
         """A Hugging Face model directory whose config.json names a mask token (`pard_token`)."""
+        # lazy: left here while this file is restructured; can move to the top
         import json
 
         config = Path(path) / "config.json"
@@ -240,6 +241,7 @@ class Parallel:
         a mask token when it has none; with `cfg.vocab_size`, or when it has one already, its
         output head reduced to V_d as a standalone draft's (`ReducedParallel`); trained in
         full."""
+        # lazy: left here while this file is restructured; can move to the top
         from specdistill.models import hub
 
         if cfg.lora.r > 0:
@@ -308,6 +310,7 @@ class Parallel:
     def head_hidden(self, captured: list[Tensor], draft_logits: list[Tensor]) -> list[Tensor]:
         """The block forward is recorded once, [B, K·T, H]: its K copies, aligned like the
         depths' logits."""
+        # lazy: left here while this file is restructured; can move to the top
         from specdistill.drafts.acceptance_head import align_hidden
 
         whole = captured[-1]
@@ -315,6 +318,7 @@ class Parallel:
         return align_hidden(list(copies), draft_logits)
 
     def save(self, draft, out: Path, tokenizer, verifier: str) -> None:
+        # lazy: left here while this file is restructured; can move to the top
         from specdistill.drafts.acceptance_head import save_attached_head
 
         setattr(draft.config, DEPTHS_FIELD, self.steps)  # the export's default block length

@@ -90,6 +90,7 @@ class Standalone:
     @staticmethod
     def load(name: str, *, dtype: str, revision: str | None = None):
         """A causal LM by name or directory (`models.hub.load_model`, all or nothing)."""
+        # lazy: left here while this file is restructured; can move to the top
         from specdistill.models import hub
 
         return hub.load_model(name, dtype=dtype, revision=revision)
@@ -97,6 +98,7 @@ class Standalone:
     @staticmethod
     def meta_model(path):
         """The causal LM its config.json describes, under the caller's (meta) device."""
+        # lazy: left here while this file is restructured; can move to the top
         from specdistill.models import hub
 
         return hub.meta_causal_lm(str(path))
@@ -111,6 +113,7 @@ class Standalone:
         """(draft LM, its type) for a recipe's `draft` section: the model of `load_or_init`;
         with `cfg.vocab_size`, or when it has one already, its output head reduced to V_d
         (`ReducedStandalone`); wrapped in a peft LoRA adapter when `cfg.lora.r` > 0."""
+        # lazy: left here while this file is restructured; can move to the top
         from specdistill.models import hub
 
         draft = load_or_init(cfg, target, tokenizer)
@@ -151,6 +154,7 @@ class Standalone:
     head_hidden = staticmethod(align_hidden)  # one recorded head input per depth
 
     def save(self, draft, out: Path, tokenizer, verifier: str) -> None:
+        # lazy: left here while this file is restructured; can move to the top
         from specdistill.drafts.acceptance_head import save_attached_head
 
         draft.save_pretrained(out, safe_serialization=True)
@@ -238,6 +242,7 @@ class ReducedStandalone(Standalone):
         draft with a reduced head already is kept (its saved map; `cfg.vocab_size` must be
         null or its K), else its head is cut to the `cfg.vocab_size` most frequent
         loss-masked tokens of `train_data` (rows taken from its own head)."""
+        # lazy: left here while this file is restructured; can move to the top
         from specdistill.models import hub
 
         vocab_size = hub.shared_vocab_size(target, None, tokenizer)
@@ -408,6 +413,7 @@ def load_or_init(cfg, target, tokenizer):
     """The causal LM a recipe's `draft` section names: for `cfg.model` target-layers:...,
     one made of the target's own layers (drafts/draft_init.py), else the model `cfg.model`
     loaded like any HF model and checked to share the target's tokenizer; in `cfg.dtype`."""
+    # lazy: left here while this file is restructured; can move to the top
     from specdistill.models import hub
 
     layers = layers_spec(cfg.model)
@@ -421,6 +427,7 @@ def load_or_init(cfg, target, tokenizer):
 def wrap_lora(draft, lora):
     """`draft` inside a peft LoRA adapter (`lora`: r, alpha, dropout, target_modules); merged
     back into the weights when the trained draft is saved."""
+    # lazy: peft is slow to import; only a LoRA draft needs it
     from peft import LoraConfig, get_peft_model
 
     config = LoraConfig(

@@ -13,6 +13,7 @@ from torch import nn
 
 from specdistill.drafts import verifier
 from specdistill.drafts.export import ExportError, Options, Plan
+from specdistill.models import hub
 from specdistill.models.weights import (
     BrokenWeightsError,
     IncompleteDraftError,
@@ -65,8 +66,6 @@ def read_causal_lm(directory: Path) -> nn.Module:
     """The causal LM of `directory` in its saved dtype, refused unless its weights cover its
     config and hold no NaN or infinity (models.hub.load_model: `IncompleteDraftError`,
     `BrokenWeightsError`, `NonFiniteWeightsError`)."""
-    from specdistill.models import hub
-
     try:
         return hub.load_model(str(directory), dtype="auto")
     except (IncompleteDraftError, BrokenWeightsError, NonFiniteWeightsError):

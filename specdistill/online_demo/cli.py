@@ -86,6 +86,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.minutes <= 0 or args.minutes > MAX_MINUTES:
         parser.error(f"--minutes must be in (0, {MAX_MINUTES}]")
     quiet_third_party()
-    from specdistill.online_demo.demo import run
+    from specdistill.online_demo.demo import run  # lazy: --help loads no torch
 
     return run(args)

@@ -40,6 +40,7 @@ from pathlib import Path
 import numpy as np
 
 from specdistill import threads
+from specdistill.formats.traffic_shards import read_traffic
 from specdistill.online_demo.loadgen import (
     FRACTIONS,
     PHASES,
@@ -57,6 +58,10 @@ from specdistill.online_demo.report import (
     shift_figures,
 )
 from specdistill.online_demo.training import fine_tune_target, fit_draft, recipe_for
+from specdistill.serve.options import ServeOptions
+from specdistill.serve.server import Server
+from specdistill.train.online.gate import sequence_alpha
+from specdistill.train.online.job import OnlineJob
 from specdistill.train.online.kept import KeptRecord
 
 
@@ -87,8 +92,6 @@ def eval_items(
 
 
 def offline_alpha(job, model, evals: dict) -> dict:
-    from specdistill.train.online.gate import sequence_alpha
-
     pad = job.tokenizer.pad_token_id
     return {
         domain: float(np.mean(sequence_alpha(job.kind, job.target, model, items, pad)))
@@ -192,9 +195,6 @@ def pools_and_evals(args, tokenizer, code: tuple[list, list]) -> tuple[dict, dic
 def serve_and_learn(args, out: Path, job, pools: dict, phase_seconds: list[float]) -> Served:
     """The server on DIR/drafts with the traffic log, the online job following it on a
     thread, and the load; then the clients, the server and the job are stopped."""
-    from specdistill.serve.options import ServeOptions
-    from specdistill.serve.server import Server
-
     options = ServeOptions(
         target=args.target,
         drafts=str(out / "drafts"),
@@ -234,8 +234,6 @@ def read_back(args, out: Path, events: list) -> Traffic:
     """The traffic log, the phases' starts, the promotions (DIR/online/decisions.jsonl) and
     the windows around the shift (served α per phase, and in the prose phase before and
     after its first promotion)."""
-    from specdistill.formats.traffic_shards import read_traffic
-
     records = read_traffic(out / "traffic")
     starts = [e["time"] for e in events if e["event"] == "phase"]
     log = out / "online" / "decisions.jsonl"
@@ -250,8 +248,6 @@ def read_back(args, out: Path, events: list) -> Traffic:
 
 def run_osd(args, out: Path, job, evals: dict) -> Osd:
     """OSD's policy, after the fact, on the same recorded traffic."""
-    from specdistill.train.online.job import OnlineJob
-
     osd_job = OnlineJob(recipe_for(args, out, "osd"), print=lambda *a, **k: None)
     t_osd = time.time()
     result = osd_job.run(follow=False)
@@ -267,8 +263,6 @@ def say(*parts, **_) -> None:
 
 def demo(args) -> dict:
     """The whole demo (module docstring); DIR/summary.json's contents."""
-    from specdistill.train.online.job import OnlineJob
-
     args.target_adapter = None
     threads.start(args.threads)
     t_start = time.time()

@@ -10,6 +10,8 @@ import threading
 import time
 import urllib.request
 
+from specdistill.data.stdlib import help_topics, stdlib_files
+
 PHASES = ("code", "prose", "code")
 # of the load time, per phase: the first code phase is the longest, so that the draft is
 # fit to the code traffic when the shift comes
@@ -19,8 +21,6 @@ FRACTIONS = (0.45, 0.30, 0.25)
 # ------------------------------------------------------------------------------ prompts
 def code_texts(max_files: int | None = None) -> list[str]:
     """Chunks (blank-line separated blocks, merged to >= 400 chars) of held-out stdlib code."""
-    from specdistill.data.stdlib import stdlib_files
-
     files = stdlib_files("heldout")
     if max_files:
         files = files[:max_files]
@@ -43,8 +43,6 @@ def prose_texts(cipher: bool = False) -> list[str]:
     """Paragraphs (>= 200 chars) of the interpreter's help topics (data.stdlib.help_topics'
     fine-tune split); `cipher`: enciphered with ROT13, the stand-in for a new language that
     `--shift target` teaches the served target and its draft has never seen."""
-    from specdistill.data.stdlib import help_topics
-
     paragraphs = []
     for text in help_topics()[0]:
         for p in text.split("\n\n"):

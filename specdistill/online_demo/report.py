@@ -267,10 +267,10 @@ def plot(path: Path, records, starts, promotions, window: int, figures=None) -> 
     """Served α (rolling `window` requests) over minutes, the phase changes and promotions
     marked; with `figures` (ShiftFigures) the before / after / recovery / return windows
     shaded and their α drawn as levels."""
-    import matplotlib
+    import matplotlib  # lazy: matplotlib only for the plots
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # lazy: pyplot once the Agg backend is set
 
     records = sorted((r for r in records if r.get("speculative")), key=lambda r: r["time"])
     t0 = starts[0]

@@ -7,6 +7,14 @@ import codecs
 import json
 from pathlib import Path
 
+from transformers import AutoConfig
+
+from specdistill.data.stdlib import help_topics, stdlib_files
+from specdistill.models import hub
+from specdistill.train.config import load_recipe
+from specdistill.train.finetune import finetune_adapter
+from specdistill.train.trainer import Trainer
+
 
 # ------------------------------------------------------------------------------ shift
 def fine_tune_target(args, out: Path) -> tuple[str, dict]:
@@ -14,9 +22,6 @@ def fine_tune_target(args, out: Path) -> tuple[str, dict]:
     (a new language) mixed half and half with training-split stdlib code (the old domain,
     held). The served target is the base with this adapter from the start: a model that
     knows a language its draft was never fit on, as a fine-tuned product model does."""
-    from specdistill.data.stdlib import help_topics, stdlib_files
-    from specdistill.train.finetune import finetune_adapter
-
     files = stdlib_files("train")[: args.ft_code_files]
     code = [f.read_text(encoding="utf-8", errors="replace") for f in files]
     adapter = out / "target-adapter"
@@ -31,9 +36,6 @@ def fine_tune_target(args, out: Path) -> tuple[str, dict]:
 def context_cut(target: str, length: int) -> int:
     """`length`, or the target's context (max_position_embeddings) where that is shorter: the
     demo's sequences never run past what the target saw (a tiny test target has 128)."""
-    from transformers import AutoConfig
-
-    from specdistill.models import hub
 
     path = hub.local_model_dir(target)
     if path is None:  # a hub id: its config is read where the model loads
@@ -45,9 +47,6 @@ def context_cut(target: str, length: int) -> int:
 def fit_draft(args, out: Path, adapter: str | None, code: list[str], heldout: list[str]) -> str:
     """`--fit-steps N`: the served draft is `--draft` distilled for N steps to the served target
     on the code traffic pool (what production traffic looked like before the shift)."""
-    from specdistill.train.config import load_recipe
-    from specdistill.train.trainer import Trainer
-
     data, evaluation = out / "fit-train.jsonl", out / "fit-eval.jsonl"
     data.write_text("".join(json.dumps({"text": t}) + "\n" for t in code))
     evaluation.write_text("".join(json.dumps({"text": t}) + "\n" for t in heldout))
@@ -77,8 +76,6 @@ def fit_draft(args, out: Path, adapter: str | None, code: list[str], heldout: li
 
 # ------------------------------------------------------------------------------ the jobs
 def recipe_for(args, out: Path, policy: str):
-    from specdistill.train.config import load_recipe
-
     common = {
         "target.model": args.target,
         "target.adapter": args.target_adapter,

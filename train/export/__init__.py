@@ -58,6 +58,7 @@ from specdistill import bounds, drafts
 from specdistill.bounds import MAX_GAMMA
 from specdistill.drafts.export import ExportError, Options, Plan
 from specdistill.drafts.vocab_map import VocabMapError
+from specdistill.models.hub import TokenizerMismatchError, check_tokenizers, load_tokenizer
 from specdistill.models.weights import check_module_finite, check_weight_files
 from specdistill.publish import publish_dir
 from specdistill.train.export import formats
@@ -187,8 +188,6 @@ def _tokenizer_source(kind: type, options: Options) -> Path | None:
 def _check_tokenizer_fits(tokenizer: Path, kind: type, model, source: Path | None) -> None:
     """ExportError unless `--tokenizer` is the draft's: its vocabulary equal to the tokenizer
     the draft directory carries (when it carries one), and no id past the draft's vocabulary."""
-    from specdistill.models.hub import TokenizerMismatchError, check_tokenizers, load_tokenizer
-
     try:
         given = load_tokenizer(str(tokenizer))
     except (OSError, ValueError) as e:
