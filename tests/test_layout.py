@@ -403,11 +403,10 @@ def test_no_module_or_class_over_the_size_limits():
 #   - a slow dependency one path uses: matplotlib for the plots, peft for an adapter or LoRA,
 #     wandb, datasets for a hub dataset, torch.distributed.tensor for FSDP2;
 #   - a module looked up at each call because tests stand a fake in for it (models.hub in
-#     models/target_spec.py);
-#   - the draft types' packages, being restructured elsewhere: noted, they can move up.
+#     models/target_spec.py).
 LAZY_IMPORTS = {
     "data": 1,  # datasets
-    "drafts": 15,  # the type packages being restructured (14), peft
+    "drafts": 1,  # peft
     "eval": 28,  # speculate and drift (--help: 20), matplotlib (8)
     "models": 3,  # peft, the per-call hub of target_spec (2)
     "serve": 5,  # serve and convert-traffic (--help)

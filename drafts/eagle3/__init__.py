@@ -18,7 +18,7 @@ import torch
 from torch import Tensor, nn
 
 from specdistill.bounds import check_int
-from specdistill.drafts.acceptance_head import align_hidden
+from specdistill.drafts.acceptance_head import align_hidden, save_attached_head
 from specdistill.drafts.eagle3 import export as speculators
 from specdistill.drafts.eagle3 import sglang
 from specdistill.drafts.eagle3.chains import sample_head_chains
@@ -38,7 +38,9 @@ from specdistill.drafts.standalone.reduced_vocab import ReducedVocabError, compa
 from specdistill.drafts.types import Capabilities, Depths
 from specdistill.drafts.vocab_map import token_counts
 from specdistill.losses import VocabTarget
+from specdistill.models import hub
 from specdistill.models.kv_cache import left_pad, left_pad_rows
+from specdistill.models.weights import check_module_finite
 
 
 @register(10)
@@ -100,12 +102,6 @@ class Eagle3:
     def load(name: str, *, dtype: str, revision: str | None = None) -> Eagle3Head:
         """The head saved in the local directory `name`, refused unless its weights cover its
         config and hold no NaN or infinity (`revision` is a hub name's: unused)."""
-        # lazy: left here while this file is restructured; can move to the top
-        from specdistill.models import hub
-
-        # lazy: left here while this file is restructured; can move to the top
-        from specdistill.models.weights import check_module_finite
-
         path = hub.local_model_dir(name) or name
         model = Eagle3Head.from_pretrained(path, dtype=hub.DTYPES[dtype])
         check_module_finite(path, model)
@@ -134,9 +130,6 @@ class Eagle3:
         """(head, its type) for a recipe's `draft` section: a fresh head on `target` (its V_d
         from the loss-masked tokens of `train_data`) when `cfg.model` is null, else the head
         saved in that directory, which must cover the target's vocabulary."""
-        # lazy: left here while this file is restructured; can move to the top
-        from specdistill.models import hub
-
         vocab_size = hub.shared_vocab_size(target, None, tokenizer)
         if cfg.vocab_size is not None:  # before a head of that many rows is allocated
             check_int("draft.vocab_size", cfg.vocab_size, 1, vocab_size, "the target's vocabulary")
@@ -230,9 +223,6 @@ class Eagle3:
     head_hidden = staticmethod(align_hidden)  # one recorded head input per depth
 
     def save(self, draft, out: Path, tokenizer, verifier: str) -> None:
-        # lazy: left here while this file is restructured; can move to the top
-        from specdistill.drafts.acceptance_head import save_attached_head
-
         draft.ttt_steps = self.steps  # recorded in config.json: the export's speculative tokens
         draft.save_pretrained(out, verifier=verifier)
         tokenizer.save_pretrained(out)

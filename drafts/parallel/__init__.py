@@ -25,12 +25,14 @@ Exported (`write_parallel_lm`) as the standalone draft's causal-LM directory wit
 in its config.json, for vLLM's parallel drafting (formats vllm and hf; not SGLang).
 """
 
+import json
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
 from torch import Tensor, nn
 
+from specdistill.drafts.acceptance_head import align_hidden, save_attached_head
 from specdistill.drafts.align import target_mask
 from specdistill.drafts.confidence import acceptance_head, predicted_acceptance
 from specdistill.drafts.export import ExportError, Exports, Options, Plan
@@ -58,6 +60,7 @@ from specdistill.drafts.standalone.reduced_vocab import (
 from specdistill.drafts.types import Capabilities, Depths, DraftControl, Proposal
 from specdistill.errors import UserError
 from specdistill.losses import VocabTarget
+from specdistill.models import hub
 from specdistill.models.kv_cache import left_pad
 
 MASK_FIELD = "pard_token"  # config.json's mask token id; vLLM's parallel drafting reads it
@@ -213,9 +216,6 @@ class Parallel:
     @staticmethod
     def detect(path) -> bool:
         """A Hugging Face model directory whose config.json names a mask token (`pard_token`)."""
-        # lazy: left here while this file is restructured; can move to the top
-        import json
-
         config = Path(path) / "config.json"
         return config.is_file() and json.loads(config.read_text()).get(MASK_FIELD) is not None
 
@@ -241,9 +241,6 @@ class Parallel:
         a mask token when it has none; with `cfg.vocab_size`, or when it has one already, its
         output head reduced to V_d as a standalone draft's (`ReducedParallel`); trained in
         full."""
-        # lazy: left here while this file is restructured; can move to the top
-        from specdistill.models import hub
-
         if cfg.lora.r > 0:
             raise UserError(cls.capabilities.refusals["lora"])
         draft = load_or_init(cfg, target, tokenizer)
@@ -310,17 +307,11 @@ class Parallel:
     def head_hidden(self, captured: list[Tensor], draft_logits: list[Tensor]) -> list[Tensor]:
         """The block forward is recorded once, [B, K·T, H]: its K copies, aligned like the
         depths' logits."""
-        # lazy: left here while this file is restructured; can move to the top
-        from specdistill.drafts.acceptance_head import align_hidden
-
         whole = captured[-1]
         copies = whole.split(whole.shape[1] // self.steps, dim=1)
         return align_hidden(list(copies), draft_logits)
 
     def save(self, draft, out: Path, tokenizer, verifier: str) -> None:
-        # lazy: left here while this file is restructured; can move to the top
-        from specdistill.drafts.acceptance_head import save_attached_head
-
         setattr(draft.config, DEPTHS_FIELD, self.steps)  # the export's default block length
         draft.save_pretrained(out, safe_serialization=True)
         tokenizer.save_pretrained(out)

@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from specdistill.drafts.acceptance_head import align_hidden
+from specdistill.drafts.acceptance_head import align_hidden, save_attached_head
 from specdistill.drafts.align import shifted_logits, target_mask
 from specdistill.drafts.chains import Chains, sample_chains
 from specdistill.drafts.confidence import acceptance_head, predicted_acceptance
@@ -49,6 +49,7 @@ from specdistill.drafts.standalone.reduced_vocab import (
     reduce_for_data,
 )
 from specdistill.drafts.types import Capabilities, Depths, DraftControl, Proposal
+from specdistill.models import hub
 from specdistill.models.kv_cache import KVStream, left_pad
 
 
@@ -90,17 +91,11 @@ class Standalone:
     @staticmethod
     def load(name: str, *, dtype: str, revision: str | None = None):
         """A causal LM by name or directory (`models.hub.load_model`, all or nothing)."""
-        # lazy: left here while this file is restructured; can move to the top
-        from specdistill.models import hub
-
         return hub.load_model(name, dtype=dtype, revision=revision)
 
     @staticmethod
     def meta_model(path):
         """The causal LM its config.json describes, under the caller's (meta) device."""
-        # lazy: left here while this file is restructured; can move to the top
-        from specdistill.models import hub
-
         return hub.meta_causal_lm(str(path))
 
     @classmethod
@@ -113,9 +108,6 @@ class Standalone:
         """(draft LM, its type) for a recipe's `draft` section: the model of `load_or_init`;
         with `cfg.vocab_size`, or when it has one already, its output head reduced to V_d
         (`ReducedStandalone`); wrapped in a peft LoRA adapter when `cfg.lora.r` > 0."""
-        # lazy: left here while this file is restructured; can move to the top
-        from specdistill.models import hub
-
         draft = load_or_init(cfg, target, tokenizer)
         if cfg.vocab_size is not None or is_reduced(draft):
             draft, kind = ReducedStandalone.reduce(draft, cfg, target, tokenizer, train_data)
@@ -154,9 +146,6 @@ class Standalone:
     head_hidden = staticmethod(align_hidden)  # one recorded head input per depth
 
     def save(self, draft, out: Path, tokenizer, verifier: str) -> None:
-        # lazy: left here while this file is restructured; can move to the top
-        from specdistill.drafts.acceptance_head import save_attached_head
-
         draft.save_pretrained(out, safe_serialization=True)
         tokenizer.save_pretrained(out)
         save_attached_head(draft, out)  # its acceptance head's files, when it carries one
@@ -242,9 +231,6 @@ class ReducedStandalone(Standalone):
         draft with a reduced head already is kept (its saved map; `cfg.vocab_size` must be
         null or its K), else its head is cut to the `cfg.vocab_size` most frequent
         loss-masked tokens of `train_data` (rows taken from its own head)."""
-        # lazy: left here while this file is restructured; can move to the top
-        from specdistill.models import hub
-
         vocab_size = hub.shared_vocab_size(target, None, tokenizer)
         rows = draft.get_input_embeddings().weight.shape[0]
         if rows < vocab_size:
@@ -413,8 +399,6 @@ def load_or_init(cfg, target, tokenizer):
     """The causal LM a recipe's `draft` section names: for `cfg.model` target-layers:...,
     one made of the target's own layers (drafts/draft_init.py), else the model `cfg.model`
     loaded like any HF model and checked to share the target's tokenizer; in `cfg.dtype`."""
-    # lazy: left here while this file is restructured; can move to the top
-    from specdistill.models import hub
 
     layers = layers_spec(cfg.model)
     if layers is not None:
