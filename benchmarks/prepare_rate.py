@@ -9,20 +9,24 @@ of 16 handed to the engine one at a time (`regenerate.CHUNK_BATCHES = 1`: a batc
 its longest answer); then with prepacked weights; then as shipped, at each of
 `--batch-sizes`, CHUNK_BATCHES batches at a time (rows refilled as answers end); then at the
 largest batch size keeping the top N of every answer token too (`prepare.top_n`, train/
-captured.py; the recipe's N, else 64), which counts only the tokens written.
+captured.py; the recipe's N, else 64), which counts only the tokens written. Every
+configuration but the last prefills the rows admitted together in one forward, padded to the
+longest prompt (`kv_cache.PREFILL_SLACK` infinite); the last, as shipped, in groups of similar
+length (models/kv_cache.py `length_groups`).
 Prints each configuration's answer tokens, seconds and tokens/s, and its ratio to the first,
 measured in the same process. Run it alone on the machine: any other process moves the
 numbers.
 """
 
 import argparse
+import math
 import tempfile
 import time
 from pathlib import Path
 
 import torch
 
-from specdistill.models import hub, lean
+from specdistill.models import hub, kv_cache, lean
 from specdistill.train import regenerate as regen
 from specdistill.train.config import load_recipe
 from specdistill.train.prepare import answer_tokens
@@ -47,16 +51,20 @@ def main(argv: list[str] | None = None) -> None:
     shipped, chunks = lean.PACKED_FROM, regen.CHUNK_BATCHES
     sizes = [int(b) for b in args.batch_sizes.split(",")]
     top_n = p.top_n or 64
+    grouped, padded = kv_cache.PREFILL_SLACK, math.inf
     configs = [
-        ("no prepacked weights, no refill", 0, 16, 1, None),
-        ("prepacked, no refill", shipped, 16, 1, None),
+        ("no prepacked weights, no refill", 0, 16, 1, None, padded),
+        ("prepacked, no refill", shipped, 16, 1, None, padded),
     ]
-    configs += [("prepacked, refilled", shipped, b, chunks, None) for b in sizes]
-    configs.append((f"prepacked, refilled, top {top_n} kept", shipped, max(sizes), chunks, top_n))
+    configs += [("prepacked, refilled", shipped, b, chunks, None, padded) for b in sizes]
+    kept_name = f"prepacked, refilled, top {top_n} kept"
+    configs.append((kept_name, shipped, max(sizes), chunks, top_n, padded))
+    configs.append((f"{kept_name}, prefills grouped by length", *configs[-1][1:5], grouped))
     rows, base = [], None
     with tempfile.TemporaryDirectory() as tmp:
-        for i, (name, packed_from, batch, chunk_batches, kept) in enumerate(configs):
+        for i, (name, packed_from, batch, chunk_batches, kept, slack) in enumerate(configs):
             lean.PACKED_FROM, regen.CHUNK_BATCHES = packed_from, chunk_batches
+            kv_cache.PREFILL_SLACK = slack
             out = Path(tmp) / f"run{i}"
             start = time.perf_counter()
             regenerate(
@@ -77,7 +85,7 @@ def main(argv: list[str] | None = None) -> None:
             rows.append(
                 f"| {name} | {batch} | {tokens} | {seconds:.0f} | {rate:.1f} | {rate / base:.2f}× |"
             )
-    lean.PACKED_FROM, regen.CHUNK_BATCHES = shipped, chunks
+    lean.PACKED_FROM, regen.CHUNK_BATCHES, kv_cache.PREFILL_SLACK = shipped, chunks, grouped
     print(
         f"{t.model}, {args.prompts} prompts, T = {p.temperature}, max_new_tokens "
         f"{p.max_new_tokens}, {args.threads} thread(s)"
