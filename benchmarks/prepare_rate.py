@@ -9,10 +9,13 @@ of 16 handed to the engine one at a time (`regenerate.CHUNK_BATCHES = 1`: a batc
 its longest answer); then with prepacked weights; then as shipped, at each of
 `--batch-sizes`, CHUNK_BATCHES batches at a time (rows refilled as answers end); then at the
 largest batch size keeping the top N of every answer token too (`prepare.top_n`, train/
-captured.py; the recipe's N, else 64), which counts only the tokens written. Every
-configuration but the last prefills the rows admitted together in one forward, padded to the
-longest prompt (`kv_cache.PREFILL_SLACK` infinite); the last, as shipped, in groups of similar
-length (models/kv_cache.py `length_groups`).
+captured.py; the recipe's N, else 64), which counts only the tokens written. These prefill
+the rows admitted together in one forward, padded to the longest prompt
+(`kv_cache.PREFILL_SLACK` infinite), and attend with SDPA (`attention.ATTENTION_ROWS` 0). The
+last two prefill in groups of similar length (models/kv_cache.py `length_groups`); the last,
+as shipped, also attends with a few query rows as two matrix products (models/attention.py).
+Two prompts are answered first, untimed: the first forwards' one-time work (weight copies,
+kernel probes) counts against no configuration.
 Prints each configuration's answer tokens, seconds and tokens/s, and its ratio to the first,
 measured in the same process. Run it alone on the machine: any other process moves the
 numbers.
@@ -23,14 +26,25 @@ import math
 import tempfile
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
-from specdistill.models import hub, kv_cache, lean
+from specdistill.models import attention, hub, kv_cache, lean
 from specdistill.train import regenerate as regen
 from specdistill.train.config import load_recipe
 from specdistill.train.prepare import answer_tokens
 from specdistill.train.regenerate import Sampling, regenerate
+
+
+class Config(NamedTuple):
+    name: str
+    packed_from: int  # lean.PACKED_FROM (0: no prepacked weights)
+    batch: int
+    chunk_batches: int  # regenerate.CHUNK_BATCHES (1: a batch waits for its longest answer)
+    top_n: int | None = None  # the top N kept while answering
+    slack: float = math.inf  # kv_cache.PREFILL_SLACK (infinite: one padded prefill)
+    rows: int = 0  # attention.ATTENTION_ROWS (0: SDPA everywhere)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -51,20 +65,41 @@ def main(argv: list[str] | None = None) -> None:
     shipped, chunks = lean.PACKED_FROM, regen.CHUNK_BATCHES
     sizes = [int(b) for b in args.batch_sizes.split(",")]
     top_n = p.top_n or 64
-    grouped, padded = kv_cache.PREFILL_SLACK, math.inf
+    grouped, rows_shipped = kv_cache.PREFILL_SLACK, attention.ATTENTION_ROWS
+    old = dict(slack=math.inf, rows=0)  # one padded prefill per admission; SDPA everywhere
     configs = [
-        ("no prepacked weights, no refill", 0, 16, 1, None, padded),
-        ("prepacked, no refill", shipped, 16, 1, None, padded),
+        Config("no prepacked weights, no refill", 0, 16, 1, **old),
+        Config("prepacked, no refill", shipped, 16, 1, **old),
     ]
-    configs += [("prepacked, refilled", shipped, b, chunks, None, padded) for b in sizes]
-    kept_name = f"prepacked, refilled, top {top_n} kept"
-    configs.append((kept_name, shipped, max(sizes), chunks, top_n, padded))
-    configs.append((f"{kept_name}, prefills grouped by length", *configs[-1][1:5], grouped))
+    configs += [Config("prepacked, refilled", shipped, b, chunks, **old) for b in sizes]
+    kept = Config(
+        f"prepacked, refilled, top {top_n} kept", shipped, max(sizes), chunks, top_n, **old
+    )
+    configs += [
+        kept,
+        kept._replace(name=f"{kept.name}, prefills grouped by length", slack=grouped),
+        kept._replace(
+            name=f"{kept.name}, prefills grouped, attention of few rows as matrix products",
+            slack=grouped,
+            rows=rows_shipped,
+        ),
+    ]
     rows, base = [], None
     with tempfile.TemporaryDirectory() as tmp:
-        for i, (name, packed_from, batch, chunk_batches, kept, slack) in enumerate(configs):
+        # every first forward's one-time work (copies of the weights, the kernel probe) first
+        regenerate(
+            recipe,
+            Path(tmp) / "warm",
+            sampling=sampling,
+            batch_size=2,
+            limit=2,
+            target=target,
+            tokenizer=tokenizer,
+            print=lambda *a, **k: None,
+        )
+        for i, (name, packed_from, batch, chunk_batches, top, slack, attn) in enumerate(configs):
             lean.PACKED_FROM, regen.CHUNK_BATCHES = packed_from, chunk_batches
-            kv_cache.PREFILL_SLACK = slack
+            kv_cache.PREFILL_SLACK, attention.ATTENTION_ROWS = slack, attn
             out = Path(tmp) / f"run{i}"
             start = time.perf_counter()
             regenerate(
@@ -75,7 +110,7 @@ def main(argv: list[str] | None = None) -> None:
                 limit=args.prompts,
                 target=target,
                 tokenizer=tokenizer,
-                capture_top_n=kept,
+                capture_top_n=top,
                 print=lambda *a, **k: None,
             )
             seconds = time.perf_counter() - start
@@ -85,7 +120,8 @@ def main(argv: list[str] | None = None) -> None:
             rows.append(
                 f"| {name} | {batch} | {tokens} | {seconds:.0f} | {rate:.1f} | {rate / base:.2f}× |"
             )
-    lean.PACKED_FROM, regen.CHUNK_BATCHES, kv_cache.PREFILL_SLACK = shipped, chunks, grouped
+    lean.PACKED_FROM, regen.CHUNK_BATCHES = shipped, chunks
+    kv_cache.PREFILL_SLACK, attention.ATTENTION_ROWS = grouped, rows_shipped
     print(
         f"{t.model}, {args.prompts} prompts, T = {p.temperature}, max_new_tokens "
         f"{p.max_new_tokens}, {args.threads} thread(s)"

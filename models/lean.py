@@ -17,10 +17,11 @@ this forward instead, with the model's own parameters and the same cache:
   state (the output head's input, transformers' `hidden_states[-1]`) comes back on request
   (`LeanDecoder.with_hidden`), for a draft's acceptance head.
 
-Everything else is transformers' math: RMSNorm in float32 as `LlamaRMSNorm`, SDPA with the
-module's scale and the same masks, keys/values appended to the same cache layers (so a cache
-filled by transformers' forward continues here and the other way round). Logits equal
-transformers' to float rounding (tests/models/test_lean.py).
+Everything else is transformers' math: RMSNorm in float32 as `LlamaRMSNorm`, attention with
+the module's scale and the same masks (SDPA; up to ATTENTION_ROWS float32 query rows without a
+causal block as two matrix products, models/attention.py), keys/values appended to the same
+cache layers (a cache filled by transformers' forward continues here and the other way
+round). Logits equal transformers' to float rounding (tests/models/test_lean.py).
 
 Supported: `model_type` llama, mistral (no sliding window), qwen2 (q/k/v biases) and qwen3
 (q/k norms), and a Llama draft with a reduced output vocabulary
@@ -33,12 +34,11 @@ layout a forward has used: K-major, row-major for the fused q/k/v and gate/up, p
 Anything else keeps transformers' forward: `why_not(model)` says why. Not used on GPUs, where
 the weight copies would cost memory and the kernels' costs differ.
 
-One decoder, and so one set of copies, serves every stream of a model (`decoder(model)`).
-The copies are rebuilt when a parameter changes: in place (its `_version` moves: an optimizer
-step, `load_state_dict`) or by a new storage (`.data = ...`, `.to(dtype)`), and a new decoder
-is made when a module was replaced; a draft evaluated during training never runs stale
-weights. Not seen: in-place writes through `.data` (`p.data.add_(...)` bumps no version
-counter); code that updates weights that way should set `models.lean.enabled = False`.
+One decoder, and so one set of copies, serves every stream of a model (`decoder(model)`),
+rebuilt when a parameter changes in place (its `_version` moves: an optimizer step,
+`load_state_dict`) or by a new storage (`.data = ...`, `.to(dtype)`), and remade when a module
+was replaced. Not seen: writes through `.data` (`p.data.add_(...)` bumps no version counter);
+code that updates weights that way should set `models.lean.enabled = False`.
 
 Internals it reads, each checked before a decoder is made (`missing_internal(model)`): the
 attention modules' `scaling`, the RMSNorms' `variance_epsilon`, the rotary module called as
@@ -56,14 +56,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from specdistill.models import attention
+
 # The model types run here, and the output head classes besides nn.Linear: more by `support`.
 _FAMILIES = ["llama", "mistral", "qwen2", "qwen3"]
 _HEADS = [nn.Linear]
 # Streams use the lean forward for supported models unless this is False (benchmarks turn it
 # off to measure transformers' forward: `python -m benchmarks.vs_hf_assisted --no-lean`).
 enabled = True
-# The prepared copies double the weights' memory: larger models keep transformers' forward
-# (where per-call costs matter less than the GEMMs anyway).
+# The copies can double the weights' memory: larger models keep transformers' forward.
 MAX_WEIGHT_BYTES = 2 << 30
 
 log = logging.getLogger(__name__)
@@ -73,9 +74,8 @@ _WARNED: set[str] = set()  # internals already named in a warning (one warning e
 def support(model_type: str, head: type[nn.Linear] | None = None) -> None:
     """Run `model_type` here too: a causal LM with Llama's modules whose output head is a plain
     `nn.Linear` or a `head` (a subclass of it whose `to_target_vocab(logits)` places its columns
-    among the target's ids). A draft type with a model class of its own calls this when it is
-    imported (drafts/standalone/reduced_vocab.py), as it registers the class with transformers' Auto
-    classes: a model of the type cannot be loaded or built before then."""
+    among the target's ids). A draft type with a model class of its own calls this on import
+    (drafts/standalone/reduced_vocab.py), as it registers the class with transformers."""
     if model_type not in _FAMILIES:
         _FAMILIES.append(model_type)
     if head is not None and head not in _HEADS:
@@ -207,19 +207,16 @@ def decoder(model) -> "LeanDecoder | None":
 # - PACKED_FROM rows and more: oneDNN's linear on a copy of W prepacked for it
 #   (`torch.ops.mkldnn._reorder_linear_weight` / `_linear_pointwise`): a verification of 3-9
 #   rows then costs 1.1-1.4 one-row steps, where MKL's `x @ Wᵀ` cost 2.4-2.75 beyond 4 rows.
-#   Its rows do not depend on how many rows share the call: row i of a k-row product is
-#   bitwise the same for every k >= PACKED_FROM (tests/models/test_lean.py), so what
-#   verification scores for a drafted token does not depend on how many were drafted.
-#   Where oneDNN or the ops are missing (`packed_ops()`), or a weight's dtype cannot be
-#   packed, those rows take `x @ Wᵀ`.
-# - 2 rows in float32: the row-major product wins on some CPUs (avx512: about one row) and not
-#   on others (an avx2 AMD EPYC: 1.75 steps, 1.36 prepacked), so the first float32 forward of
-#   a process times both on a probe (under 0.1 s) and keeps the faster (`two_rows_packed`).
-# - bfloat16 and float16 weights: the prepacked copy at every row count (`packed_from`). At
-#   one row it is the fastest of the four kernels for every shape measured (a 4096 × 128
-#   output head in bfloat16: 35 µs, against 93 for `x @ Wᵀ`; benchmarks/RESULTS.md), and a
-#   decoding step then takes the kernel verification takes: the target alone and its
-#   verification passes score a row bitwise alike.
+#   Row i of a k-row product is bitwise the same for every k >= PACKED_FROM
+#   (tests/models/test_lean.py): what verification scores for a drafted token does not depend
+#   on how many were drafted. Without oneDNN's ops (`packed_ops()`) or for a dtype they cannot
+#   pack, those rows take `x @ Wᵀ`.
+# - 2 rows in float32: the row-major product wins on some CPUs (avx512) and not on others (an
+#   avx2 AMD EPYC: 1.75 steps, 1.36 prepacked): the first float32 forward of a process times
+#   both on a probe (under 0.1 s) and keeps the faster (`two_rows_packed`).
+# - bfloat16 and float16 weights: prepacked at every row count (`packed_from`), the fastest
+#   one-row kernel for every shape measured (benchmarks/RESULTS.md); the target alone and its
+#   verification passes then score a row bitwise alike.
 # Each layout is made on its first use, so a model holds only the copies its forwards use.
 FEW_ROWS = 4
 PACKED_FROM = 3
@@ -471,6 +468,7 @@ class LeanDecoder:
         half = d // 2
         cos, sin = cos[:, :, None], torch.cat([-sin[..., :half], sin[..., half:]], -1)[:, :, None]
         gqa = nkv != nh
+        few = not causal and k <= attention.ATTENTION_ROWS and self.dtype == torch.float32
         for i, w in enumerate(self.layers):
             if record is not None:
                 record(i, x)
@@ -486,9 +484,12 @@ class LeanDecoder:
             qk = qk * cos + qk.view(b, k, nh + nkv, 2, half).flip(3).view(qk.shape) * sin
             q, key = qk.transpose(1, 2).split([nh, nkv], dim=1)
             key, value = cache.layers[i].update(key, value.transpose(1, 2))
-            o = F.scaled_dot_product_attention(
-                q, key, value, attn_mask=mask, is_causal=causal, scale=w.scaling, enable_gqa=gqa
-            )
+            if few:
+                o = attention.few_rows_attention(q, key, value, mask, w.scaling)
+            else:
+                o = F.scaled_dot_product_attention(
+                    q, key, value, attn_mask=mask, is_causal=causal, scale=w.scaling, enable_gqa=gqa
+                )
             x = x + _linear(o.transpose(1, 2).reshape(b, k, nh * d), w.o, w.o_bias)
             h = _rms(x, w.ln2.weight, w.ln2.variance_epsilon)
             gate, up = _linear(h, w.gate_up, w.gate_up_bias).split(w.ff, dim=-1)
