@@ -18,9 +18,9 @@ this forward instead, with the model's own parameters and the same cache:
   (`LeanDecoder.with_hidden`), for a draft's acceptance head.
 
 Everything else is transformers' math: RMSNorm in float32 as `LlamaRMSNorm`, attention with
-the module's scale and the same masks (SDPA; up to ATTENTION_ROWS float32 query rows without a
-causal block as two matrix products, models/attention.py), keys/values appended to the same
-cache layers (a cache filled by transformers' forward continues here and the other way
+the module's scale and the same masks (SDPA; a batch's float32 rows of a few queries without
+a causal block as two matrix products, models/attention.py), keys/values appended to the
+same cache layers (a cache filled by transformers' forward continues here and the other way
 round). Logits equal transformers' to float rounding (tests/models/test_lean.py).
 
 Supported: `model_type` llama, mistral (no sliding window), qwen2 (q/k/v biases) and qwen3
@@ -468,7 +468,7 @@ class LeanDecoder:
         half = d // 2
         cos, sin = cos[:, :, None], torch.cat([-sin[..., :half], sin[..., half:]], -1)[:, :, None]
         gqa = nkv != nh
-        few = not causal and k <= attention.ATTENTION_ROWS and self.dtype == torch.float32
+        few = not causal and b > 1 and k <= attention.ATTENTION_ROWS and self.dtype == torch.float32
         for i, w in enumerate(self.layers):
             if record is not None:
                 record(i, x)
