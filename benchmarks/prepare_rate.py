@@ -47,6 +47,29 @@ class Config(NamedTuple):
     rows: int = 0  # attention.ATTENTION_ROWS (0: SDPA everywhere)
 
 
+def plan(shipped: int, chunks: int, sizes: list[int], top_n: int, grouped: float, rows: int):
+    """The configurations, in the order they run: the old settings first, as shipped last."""
+    old = dict(slack=math.inf, rows=0)  # one padded prefill per admission; SDPA everywhere
+    configs = [
+        Config("no prepacked weights, no refill", 0, 16, 1, **old),
+        Config("prepacked, no refill", shipped, 16, 1, **old),
+    ]
+    configs += [Config("prepacked, refilled", shipped, b, chunks, **old) for b in sizes]
+    kept = Config(
+        f"prepacked, refilled, top {top_n} kept", shipped, max(sizes), chunks, top_n, **old
+    )
+    configs += [
+        kept,
+        kept._replace(name=f"{kept.name}, prefills grouped by length", slack=grouped),
+        kept._replace(
+            name=f"{kept.name}, prefills grouped, attention of few rows as matrix products",
+            slack=grouped,
+            rows=rows,
+        ),
+    ]
+    return configs
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--recipe", default="recipes/smollm2-standalone.yaml")
@@ -66,24 +89,7 @@ def main(argv: list[str] | None = None) -> None:
     sizes = [int(b) for b in args.batch_sizes.split(",")]
     top_n = p.top_n or 64
     grouped, rows_shipped = kv_cache.PREFILL_SLACK, attention.ATTENTION_ROWS
-    old = dict(slack=math.inf, rows=0)  # one padded prefill per admission; SDPA everywhere
-    configs = [
-        Config("no prepacked weights, no refill", 0, 16, 1, **old),
-        Config("prepacked, no refill", shipped, 16, 1, **old),
-    ]
-    configs += [Config("prepacked, refilled", shipped, b, chunks, **old) for b in sizes]
-    kept = Config(
-        f"prepacked, refilled, top {top_n} kept", shipped, max(sizes), chunks, top_n, **old
-    )
-    configs += [
-        kept,
-        kept._replace(name=f"{kept.name}, prefills grouped by length", slack=grouped),
-        kept._replace(
-            name=f"{kept.name}, prefills grouped, attention of few rows as matrix products",
-            slack=grouped,
-            rows=rows_shipped,
-        ),
-    ]
+    configs = plan(shipped, chunks, sizes, top_n, grouped, rows_shipped)
     rows, base = [], None
     with tempfile.TemporaryDirectory() as tmp:
         # every first forward's one-time work (copies of the weights, the kernel probe) first
