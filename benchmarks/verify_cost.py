@@ -5,8 +5,8 @@
 For each forward (transformers' own; the lean CPU forward with the K-major layout only; with
 the row-major layout for 2..FEW_ROWS rows and no prepacked weights; as shipped, oneDNN's
 prepacked weights from 3 rows, or from 2 where this machine measured them faster there,
-see models/lean.py `packed_from`; and the same with SDPA for the attention instead of
-models/attention.py's matrix products) it times a target forward of
+see models/lean.py `packed_from`, SDPA for the attention of one sequence; and the same with
+models/attention.py's matrix products for one sequence too) it times a target forward of
 k + 1 tokens after `--context` cached tokens, batch 1, rolled back after each, for
 k = 0..--max-k. The forwards take turns within each repeat, so a machine that slows down slows
 all of them; each v(k) is the median over the repeats. Prints v(k) in ms and v(k) / v(0), the
@@ -26,21 +26,26 @@ from specdistill.models import attention, lean
 from specdistill.models.hub import load_target
 from specdistill.models.kv_cache import KVStream
 
-FORWARDS = {  # name -> (lean.enabled, lean.FEW_ROWS, lean.PACKED_FROM, attention rows)
-    "transformers": (False, lean.FEW_ROWS, lean.PACKED_FROM, 0),
-    "lean, K-major layout only": (True, 0, 0, 0),
-    "lean, row-major for 2-4 rows, no prepacked weights": (True, lean.FEW_ROWS, 0, 0),
-    "lean, prepacked from packed_from rows, SDPA attention": (
+FORWARDS = {  # name -> (lean.enabled, lean.FEW_ROWS, lean.PACKED_FROM, attention.MIN_BATCH)
+    "transformers": (False, lean.FEW_ROWS, lean.PACKED_FROM, attention.MIN_BATCH),
+    "lean, K-major layout only": (True, 0, 0, attention.MIN_BATCH),
+    "lean, row-major for 2-4 rows, no prepacked weights": (
         True,
         lean.FEW_ROWS,
-        lean.PACKED_FROM,
         0,
+        attention.MIN_BATCH,
     ),
-    "lean as shipped (prepacked; attention of few rows as matrix products)": (
+    "lean, prepacked, attention as matrix products for one sequence too": (
         True,
         lean.FEW_ROWS,
         lean.PACKED_FROM,
-        attention.ATTENTION_ROWS,
+        1,
+    ),
+    "lean as shipped (prepacked; SDPA attention for one sequence)": (
+        True,
+        lean.FEW_ROWS,
+        lean.PACKED_FROM,
+        attention.MIN_BATCH,
     ),
 }
 
@@ -69,7 +74,7 @@ def main(argv: list[str] | None = None) -> None:
     torch.set_grad_enabled(False)  # the lean forward runs only without gradients
     target = load_target(args.target)
     vocab = target.config.vocab_size
-    shipped = lean.FEW_ROWS, lean.PACKED_FROM, attention.ATTENTION_ROWS
+    shipped = lean.FEW_ROWS, lean.PACKED_FROM, attention.MIN_BATCH
     streams = {}
     for name, (enabled, *_) in FORWARDS.items():
         stream = KVStream(target, vocab, torch.device("cpu"), lean=enabled)
@@ -80,17 +85,17 @@ def main(argv: list[str] | None = None) -> None:
         for k in range(args.max_k + 1):
             tokens = torch.arange(k + 1).view(1, k + 1)
             valid = torch.ones_like(tokens, dtype=torch.bool)
-            for name, (_, few_rows, packed_from, rows) in FORWARDS.items():
-                lean.FEW_ROWS, lean.PACKED_FROM, attention.ATTENTION_ROWS = (
+            for name, (_, few_rows, packed_from, min_batch) in FORWARDS.items():
+                lean.FEW_ROWS, lean.PACKED_FROM, attention.MIN_BATCH = (
                     few_rows,
                     packed_from,
-                    rows,
+                    min_batch,
                 )
                 start = time.perf_counter()
                 streams[name].forward(tokens, valid, keep=k + 1).float().softmax(-1)
                 times[name][k].append(time.perf_counter() - start)
                 streams[name].drop_last(torch.full((1,), k + 1))
-    lean.FEW_ROWS, lean.PACKED_FROM, attention.ATTENTION_ROWS = shipped
+    lean.FEW_ROWS, lean.PACKED_FROM, attention.MIN_BATCH = shipped
     floor = weights_read_ms(target, args.repeats)
     print(
         f"{args.target}, {args.threads} thread(s), {args.context} cached tokens, batch 1, "

@@ -19,6 +19,14 @@ half-precision inputs keep SDPA, which accumulates the softmax in float32.
 import torch
 
 ATTENTION_ROWS = 16  # query rows per sequence up to which `few_rows_attention` applies
+MIN_BATCH = 2  # sequences from which it applies: one sequence keeps SDPA (faster there)
+
+
+def applies(batch: int, rows: int, causal: bool, dtype: torch.dtype) -> bool:
+    """Whether the lean forward's attention of `batch` sequences of `rows` new tokens each
+    takes `few_rows_attention`: float32, no causal block (not a prefill), at least
+    MIN_BATCH sequences of at most ATTENTION_ROWS rows."""
+    return not causal and dtype == torch.float32 and batch >= MIN_BATCH and rows <= ATTENTION_ROWS
 
 
 def few_rows_attention(

@@ -394,18 +394,17 @@ class KVStream:
 PREFILL_SLACK = 0.25
 
 
-def length_groups(lengths: Sequence[int], slack: float | None = None) -> list[list[int]]:
+def length_groups(lengths: Sequence[int]) -> list[list[int]]:
     """The rows of one admission grouped for their prefills: indices by length, longest
     first, a row joining the group before it while the group padded to its longest holds at
-    most (1 + slack) times its real tokens. One group when any row is empty (an empty
-    prefix prefills nothing on its own). slack: default PREFILL_SLACK."""
-    slack = PREFILL_SLACK if slack is None else slack
+    most (1 + PREFILL_SLACK) times its real tokens. One group when any row is empty (an empty
+    prefix prefills nothing on its own)."""
     if not lengths or min(lengths) == 0:
         return [list(range(len(lengths)))]
     groups: list[list[int]] = []
     real = 0
     for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
-        if groups and lengths[groups[-1][0]] * (len(groups[-1]) + 1) <= (1 + slack) * (
+        if groups and lengths[groups[-1][0]] * (len(groups[-1]) + 1) <= (1 + PREFILL_SLACK) * (
             real + lengths[i]
         ):
             groups[-1].append(i)

@@ -468,7 +468,7 @@ class LeanDecoder:
         half = d // 2
         cos, sin = cos[:, :, None], torch.cat([-sin[..., :half], sin[..., half:]], -1)[:, :, None]
         gqa = nkv != nh
-        few = not causal and b > 1 and k <= attention.ATTENTION_ROWS and self.dtype == torch.float32
+        few = attention.applies(b, k, causal, self.dtype)
         for i, w in enumerate(self.layers):
             if record is not None:
                 record(i, x)
