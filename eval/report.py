@@ -73,6 +73,7 @@ class _ConfigFields(_Strict):
     temperature: Number
     gamma: int | Literal["adaptive", "auto"]
     tau: Metric
+    tau_interval: list[Metric] | None = None  # 95% over prompts (eval/stats.py tau_interval)
     tau_pred: Metric
     tau_pred_pathwise: Metric
     tau_pred_rounds: Metric
@@ -167,6 +168,13 @@ def _fmt(x, digits: int = 2) -> str:
     return f"{x:.{digits}f}" if isinstance(x, float) else str(x)
 
 
+def _interval(bounds) -> str:
+    """The interval as "lower – upper", or "–" when there is none (fewer than 2 prompts)."""
+    if not bounds or any(math.isnan(x) for x in bounds):
+        return "–"
+    return " – ".join(_fmt(x) for x in bounds)
+
+
 def _off(value) -> str:
     """A sampling filter's setting; None is off."""
     return "off" if value is None else str(value)
@@ -186,6 +194,7 @@ def _ms(stats: dict, digits: int = 1) -> str:
 COLUMNS = [
     ("config", lambda e: e["name"]),
     ("τ", lambda e: _fmt(e["tau"])),
+    ("τ 95% CI", lambda e: _interval(e.get("tau_interval"))),
     ("τ pred (iid α)", lambda e: _fmt(e["tau_pred"])),
     ("iid err", lambda e: _pct(e.get("tau_pred_iid_error"))),
     ("τ pred (rounds)", lambda e: _fmt(e.get("tau_pred_rounds"))),
@@ -207,7 +216,8 @@ COLUMNS = [
 
 DEFINITIONS = (
     "τ counts tokens committed per row per round (accepted drafts + the bonus or correction "
-    "token), over rounds whose γ was not shortened by the length limit. τ pred (iid α) = "
+    "token), over rounds whose γ was not shortened by the length limit; its 95% CI is a "
+    "percentile bootstrap over prompts, each prompt's rounds resampled together. τ pred (iid α) = "
     "(1 − α^(γ+1))/(1 − α) with α the offline acceptance Σ min(p, q) (argmax agreement at T=0), "
     "teacher-forced on the same prompts and generated outputs. τ pred (rounds) replays the "
     "rounds along the same text with their real boundaries (each round starts where the last "

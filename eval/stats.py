@@ -8,7 +8,8 @@ the measured rounds' starts) and `tau_rounds` (the rounds replayed with their ow
 no engine run needed: what training reports as tau_pred).
 The speedup model (Leviathan et al. 2023, Thm 3.8): `speedup_model`, `best_gamma_model`,
 with the cost ratios `cost_ratios` measures. Intervals: `bootstrap_indices` (the paired
-resampling every bootstrap in the project draws) and `percentile_interval`.
+resampling every bootstrap in the project draws), `percentile_interval`, and `tau_interval`
+(measured τ over prompts).
 """
 
 import math
@@ -56,13 +57,7 @@ def acceptance_stats(rounds: Sequence[Round]) -> dict:
     counts row-rounds that accepted all γ; acceptance_rate: accepted / (accepted + rejections).
     `tau_from_slots` = `tau_chain`(slot_acceptance) equals tau for a fixed γ.
     """
-    pairs = [
-        (k, n)
-        for r in rounds
-        if r.gamma > 0 and not r.capped
-        for k, n in zip(r.row_gammas(), r.accepted, strict=True)
-        if k > 0
-    ]
+    pairs = [(k, n) for _, k, n in _row_rounds(rounds)]
     if not pairs:
         raise ValueError("no speculative rounds to summarise")
     max_gamma = max(g for g, _ in pairs)
@@ -91,6 +86,38 @@ def acceptance_stats(rounds: Sequence[Round]) -> dict:
         "row_rounds": len(pairs),
         "mean_gamma": sum(g for g, _ in pairs) / len(pairs),
     }
+
+
+def _row_rounds(rounds: Sequence[Round]) -> list[tuple[int, int, int]]:
+    """(request, drafts proposed, drafts accepted) of every row-round `acceptance_stats`
+    counts: γ ≥ 1, not length-capped, the row proposed at least one draft."""
+    return [
+        (request, k, n)
+        for r in rounds
+        if r.gamma > 0 and not r.capped
+        for request, k, n in zip(r.requests, r.row_gammas(), r.accepted, strict=True)
+        if k > 0
+    ]
+
+
+def tau_interval(
+    rounds: Sequence[Round], confidence: float = 0.95, samples: int = 2000, seed: int = 0
+) -> list[float]:
+    """[lower, upper]: a percentile bootstrap interval of the pooled τ over prompts.
+
+    A prompt's rounds are resampled together (they share its text, so they are not
+    independent): each resample draws prompts with replacement and pools their tokens and
+    rounds as `acceptance_stats` does. [nan, nan] with fewer than 2 prompts."""
+    per_request: dict[int, list[int]] = {}
+    for request, _, n in _row_rounds(rounds):
+        totals = per_request.setdefault(request, [0, 0])
+        totals[0] += n + 1
+        totals[1] += 1
+    if len(per_request) < 2:
+        return [math.nan, math.nan]
+    tokens, counts = np.array(list(per_request.values()), dtype=np.float64).T
+    idx = bootstrap_indices(len(tokens), samples, seed)
+    return percentile_interval(tokens[idx].sum(axis=1) / counts[idx].sum(axis=1), confidence)
 
 
 def alpha_for_tau(tau: float, gamma: int) -> float:

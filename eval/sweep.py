@@ -336,6 +336,8 @@ def _tau_predictions(measured: dict, offline: _OfflineAlpha, g: Generation, gamm
         tau_rounds = math.nan
     return {
         "tau": tau,
+        # Over prompts: a prompt's rounds resampled together (`stats.tau_interval`).
+        "tau_interval": stats.tau_interval(g.rounds),
         "tau_pred": tau_pred,
         "tau_pred_pathwise": stats.pathwise_tau(g.rounds, offline.alphas),
         # Round boundaries replayed along the text, without the measured round starts

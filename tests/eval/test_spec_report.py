@@ -121,6 +121,8 @@ def test_cli_writes_report(tmp_path, tokenizer, monkeypatch, capsys):
         assert 0.0 < c["draft_time_share"] < 1.0 and c["tokens_per_s"] > 0 and c["speedup"] > 0
         assert set(c["ttft_s"]) == {"p50", "p95", "p99", "mean"}
         assert len(c["rejection_histogram"]) == len(c["slot_acceptance"])
+        lo, hi = c["tau_interval"]  # over the 4 prompts
+        assert 1.0 <= lo <= c["tau"] <= hi
     greedy = {c["gamma"]: c for c in report["configs"] if c["temperature"] == 0}
     # At T=0 the pathwise prediction reproduces the measured τ exactly.
     for c in greedy.values():
