@@ -1,7 +1,7 @@
 """Losslessness on a real pair: greedy output equals the target's, and sampled tokens follow
 the target's distribution (χ²).
 
-    python -m benchmarks.real_lossless --target registry:smollm2-135m-instruct \
+    python -m benchmarks.real_lossless --target registry:smollm2-135m-instruct \\
         --draft runs/smollm2-standalone/final --gamma 3
 
 1. Greedy: `--num-prompts` HumanEval prompts, `--max-new-tokens` each, speculative decoding

@@ -4,7 +4,7 @@ once, so that training reads them instead of running the target: its top-N token
 
     specdistill cache --recipe recipes/code.yaml --out runs/code-cache --top-n 64
     specdistill distill --recipe recipes/code.yaml target.cache=runs/code-cache
-    specdistill cache --recipe recipes/smollm2-standalone.yaml --columns draft \
+    specdistill cache --recipe recipes/smollm2-parallel.yaml --columns draft \\
         --out runs/smollm2-cache
 
 The cache covers the very sequences the trainer batches (the recipe's tokenizer, data,
