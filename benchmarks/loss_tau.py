@@ -23,6 +23,7 @@ import statistics
 import sys
 from pathlib import Path
 
+from benchmarks import results as results_md
 from specdistill.eval import speculative
 
 RUN_NAME = re.compile(r"^(?P<loss>.+)-seed(?P<seed>\d+)$")
@@ -80,7 +81,7 @@ def table(results: dict, sets: list[str], temperatures: list[float]) -> str:
         loss: {col: statistics.mean(seed[col][0] for seed in seeds.values()) for col in columns}
         for loss, seeds in results.items()
     }
-    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    rows = []
     for loss, seeds in sorted(results.items()):
         row = [loss, ",".join(str(s) for s in sorted(seeds))]
         for col in columns:
@@ -91,8 +92,8 @@ def table(results: dict, sets: list[str], temperatures: list[float]) -> str:
             row.append(f"**{means[loss][col]:.3f}** ({per_seed})")
         for col in columns:
             row.append(f"{means[loss][col] / means['fkl'][col]:.3f}" if "fkl" in means else "–")
-        lines.append("| " + " | ".join(row) + " |")
-    return "\n".join(lines)
+        rows.append(row)
+    return results_md.markdown_table(header, rows)
 
 
 def main(argv=None) -> int:
