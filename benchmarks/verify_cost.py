@@ -19,6 +19,7 @@ the numbers.
 import argparse
 import statistics
 import time
+from typing import NamedTuple
 
 import torch
 
@@ -26,27 +27,30 @@ from specdistill.models import attention, lean
 from specdistill.models.hub import load_target
 from specdistill.models.kv_cache import KVStream
 
-FORWARDS = {  # name -> (lean.enabled, lean.FEW_ROWS, lean.PACKED_FROM, attention.MIN_BATCH)
-    "transformers": (False, lean.FEW_ROWS, lean.PACKED_FROM, attention.MIN_BATCH),
-    "lean, K-major layout only": (True, 0, 0, attention.MIN_BATCH),
-    "lean, row-major for 2-4 rows, no prepacked weights": (
-        True,
-        lean.FEW_ROWS,
-        0,
-        attention.MIN_BATCH,
-    ),
-    "lean, prepacked, attention as matrix products for one sequence too": (
-        True,
-        lean.FEW_ROWS,
-        lean.PACKED_FROM,
-        1,
-    ),
-    "lean as shipped (prepacked; SDPA attention for one sequence)": (
-        True,
-        lean.FEW_ROWS,
-        lean.PACKED_FROM,
-        attention.MIN_BATCH,
-    ),
+
+class Forward(NamedTuple):
+    """One timed forward: the lean forward or transformers', and the module knobs it sets
+    (each defaults to the shipped value)."""
+
+    is_lean: bool = True  # KVStream(lean=...): the lean forward, or transformers'
+    few_rows: int = lean.FEW_ROWS
+    packed_from: int = lean.PACKED_FROM
+    min_batch: int = attention.MIN_BATCH
+
+    def apply(self) -> None:
+        lean.FEW_ROWS, lean.PACKED_FROM, attention.MIN_BATCH = (
+            self.few_rows,
+            self.packed_from,
+            self.min_batch,
+        )
+
+
+FORWARDS = {
+    "transformers": Forward(is_lean=False),
+    "lean, K-major layout only": Forward(few_rows=0, packed_from=0),
+    "lean, row-major for 2-4 rows, no prepacked weights": Forward(packed_from=0),
+    "lean, prepacked, attention as matrix products for one sequence too": Forward(min_batch=1),
+    "lean as shipped (prepacked; SDPA attention for one sequence)": Forward(),
 }
 
 
@@ -74,10 +78,9 @@ def main(argv: list[str] | None = None) -> None:
     torch.set_grad_enabled(False)  # the lean forward runs only without gradients
     target = load_target(args.target)
     vocab = target.config.vocab_size
-    shipped = lean.FEW_ROWS, lean.PACKED_FROM, attention.MIN_BATCH
     streams = {}
-    for name, (enabled, *_) in FORWARDS.items():
-        stream = KVStream(target, vocab, torch.device("cpu"), lean=enabled)
+    for name, forward in FORWARDS.items():
+        stream = KVStream(target, vocab, torch.device("cpu"), lean=forward.is_lean)
         stream.admit([[i % vocab for i in range(args.context)]])
         streams[name] = stream
     times = {name: [[] for _ in range(args.max_k + 1)] for name in FORWARDS}
@@ -85,17 +88,13 @@ def main(argv: list[str] | None = None) -> None:
         for k in range(args.max_k + 1):
             tokens = torch.arange(k + 1).view(1, k + 1)
             valid = torch.ones_like(tokens, dtype=torch.bool)
-            for name, (_, few_rows, packed_from, min_batch) in FORWARDS.items():
-                lean.FEW_ROWS, lean.PACKED_FROM, attention.MIN_BATCH = (
-                    few_rows,
-                    packed_from,
-                    min_batch,
-                )
+            for name, forward in FORWARDS.items():
+                forward.apply()
                 start = time.perf_counter()
                 streams[name].forward(tokens, valid, keep=k + 1).float().softmax(-1)
                 times[name][k].append(time.perf_counter() - start)
                 streams[name].drop_last(torch.full((1,), k + 1))
-    lean.FEW_ROWS, lean.PACKED_FROM, attention.MIN_BATCH = shipped
+    Forward().apply()  # the shipped values again
     floor = weights_read_ms(target, args.repeats)
     print(
         f"{args.target}, {args.threads} thread(s), {args.context} cached tokens, batch 1, "
