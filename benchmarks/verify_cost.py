@@ -75,8 +75,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--repeats", type=int, default=15)
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
+    target = load_target(args.target)  # an embedded target not built yet trains here
     torch.set_grad_enabled(False)  # the lean forward runs only without gradients
-    target = load_target(args.target)
     vocab = target.config.vocab_size
     streams = {}
     for name, forward in FORWARDS.items():
