@@ -37,6 +37,10 @@ HEAVY = {
     "tests/train/test_export.py::test_specdistill_export_verb",
     "tests/train/test_export.py::test_cli_as_a_script",
     "tests/test_layout.py::test_cli_lists_and_runs_verbs[export]",
+    # vLLM answering in a subprocess (run by .ci/run in a virtualenv that has vLLM)
+    "tests/train/test_prepare_vllm.py::test_prepare_with_vllm_resumes_keeps_the_top_n_and_trains",
+    "tests/train/test_prepare_vllm.py::test_a_second_writer_and_another_engine_are_refused",
+    "tests/train/test_prepare_vllm.py::test_vllm_log_probabilities_agree_with_a_transformers_forward",
     # the real registry model: fetched from the package index on first use (98 MB)
     "tests/models/test_registry.py::test_the_real_smollm2_package_answers_and_speculates_losslessly",
 }

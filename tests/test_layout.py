@@ -401,13 +401,14 @@ def test_no_module_or_class_over_the_size_limits():
 #     eval/cli_args.py, the recipe schema train/recipe*.py) load no torch, numpy or pydantic
 #     before the arguments are parsed (tests/test_cli.py runs each verb's --help);
 #   - a slow dependency one path uses: matplotlib for the plots, peft for an adapter or LoRA,
+#     vllm (optional) for answering with it,
 #     wandb, datasets for a hub dataset, torch.distributed.tensor for FSDP2;
 #   - a module looked up at each call because tests stand a fake in for it (models.hub in
 #     models/target_spec.py).
 LAZY_IMPORTS = {
     "data": 1,  # datasets
     "drafts": 1,  # peft
-    "eval": 28,  # speculate and drift (--help: 20), matplotlib (8)
+    "eval": 29,  # speculate and drift (--help: 20), matplotlib (8), vllm (optional)
     "models": 3,  # peft, the per-call hub of target_spec (2)
     "serve": 5,  # serve and convert-traffic (--help)
     "specdistill": 7,  # the utilities and the online demo (--help: 5), matplotlib (2)

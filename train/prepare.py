@@ -30,7 +30,7 @@ from pathlib import Path
 
 from specdistill import threads
 from specdistill.errors import UserError, run_guarded
-from specdistill.models.target_spec import TargetSpec, load_target_and_tokenizer
+from specdistill.models.target_spec import TargetSpec, load_target_and_tokenizer, load_tokenizer
 from specdistill.train.regenerate import Sampling, regenerate
 from specdistill.verb_parser import quiet_third_party, verb_parser
 
@@ -65,8 +65,6 @@ def answer_tokens(out: Path) -> int:
 
 def prepare(recipe, *, batch_size: int = 32, print=print) -> list[PreparedSet]:
     """Answer each set of `recipe.prepare` that has prompts; -> what each became."""
-    import torch  # lazy: --help loads no torch
-
     p = recipe.prepare
     sets = [(name, s) for name in ("train", "eval") if (s := getattr(p, name)).prompts]
     if not sets:
@@ -76,10 +74,16 @@ def prepare(recipe, *, batch_size: int = 32, print=print) -> list[PreparedSet]:
         )
     sampling = Sampling(p.temperature, None, None, p.max_new_tokens, p.seed)
     t = recipe.target
-    print(f"prepare: loading the target {t.model}")
-    target, tokenizer = load_target_and_tokenizer(TargetSpec.from_recipe(t))
-    threads.start(recipe.train.threads, name="train.threads")  # on stderr, once it loads
-    target = target.to("cuda" if torch.cuda.is_available() else "cpu")
+    tokenizer = load_tokenizer(TargetSpec.from_recipe(t))
+    target = None  # vLLM answers from the model's files: the torch target loads after it
+    from specdistill.train.answer_engine import resolve  # lazy: --help loads no torch
+
+    engine = resolve(p.engine)
+    if engine == "specdistill":
+        print(f"prepare: loading the target {t.model}")
+        target = _torch_target(recipe, tokenizer)
+    else:
+        print(f"prepare: answering with vLLM over {t.model}")
     done = []
     for name, s in sets:
         started = time.monotonic()
@@ -94,6 +98,7 @@ def prepare(recipe, *, batch_size: int = 32, print=print) -> list[PreparedSet]:
             target=target,
             tokenizer=tokenizer,
             capture_top_n=p.top_n if name == "train" else None,
+            engine=engine,
             print=print,
         )
         out = Path(s.out)
@@ -115,8 +120,21 @@ def prepare(recipe, *, batch_size: int = 32, print=print) -> list[PreparedSet]:
             f"({time.monotonic() - started:.0f} s)"
         )
         done.append(result)
+    if recipe.target.cache is not None and target is None:  # after vLLM has let go
+        target = _torch_target(recipe, tokenizer)
     teacher_outputs(recipe, target, tokenizer, print)
     return done
+
+
+def _torch_target(recipe, tokenizer):
+    """The recipe's target in torch, on the GPU when there is one; the recipe's threads start
+    once it loads (said on stderr)."""
+    import torch  # lazy: --help loads no torch
+
+    spec = TargetSpec.from_recipe(recipe.target)
+    target, _ = load_target_and_tokenizer(spec, tokenizer=tokenizer)
+    threads.start(recipe.train.threads, name="train.threads")
+    return target.to("cuda" if torch.cuda.is_available() else "cpu")
 
 
 def teacher_outputs(recipe, target, tokenizer, print=print) -> dict | None:

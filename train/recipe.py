@@ -18,6 +18,7 @@ from specdistill.train.recipe_draft import DraftConfig, StandaloneDraft
 from specdistill.train.recipe_online import OnlineConfig
 from specdistill.train.recipe_types import (
     RESUME,
+    AnswerEngineName,
     DepthWeighting,
     Dtype,
     Float,
@@ -317,6 +318,25 @@ class PrepareSetConfig(Section):
     limit: int | None = recipe_key(None, "answer the first N distinct prompts only", ge=1)
 
 
+class PrepareVllmConfig(Section):
+    """How vLLM answers when `prepare.engine` is vllm (eval/vllm_engine.py)."""
+
+    dtype: Dtype | None = recipe_key(
+        None,
+        "the weights' dtype vLLM answers in; null: target.dtype (bfloat16 answers are a "
+        "slightly different distribution from the float32 target that training reads)",
+    )
+    compile: bool = recipe_key(
+        False,
+        "let vLLM compile the model first: about 100 s more at the start on 2 CPU cores, "
+        'then faster decoding (benchmarks/RESULTS.md, "Answering with vLLM")',
+    )
+    kv_cache_gib: Float = recipe_key(4.0, "vLLM's KV-cache memory on a CPU, in GiB", gt=0)
+    max_num_seqs: int | None = recipe_key(
+        None, "most answers vLLM decodes together; null: prepare's --batch-size", ge=1
+    )
+
+
 class PrepareConfig(Section):
     """`specdistill prepare`: the target resolved (fetched and converted once when it is a
     registry model), then the target's own answers to these prompts written as training and
@@ -339,6 +359,16 @@ class PrepareConfig(Section):
         "is a separate target pass after answering, over the draft's own columns for a "
         "reduced vocabulary",
         ge=1,
+    )
+    engine: AnswerEngineName = recipe_key(
+        "specdistill",
+        "what answers: specdistill (the project's engine), vllm (vLLM's offline engine, "
+        "installed apart: docs/real-model.md) or auto (vllm where it is installed, else "
+        "specdistill); the answers, the kept top N and everything downstream are the same "
+        "files",
+    )
+    vllm: PrepareVllmConfig = recipe_key(
+        description="vLLM's settings when prepare.engine is vllm.", factory=PrepareVllmConfig
     )
 
 

@@ -186,6 +186,7 @@ ClientIds = Annotated[
 Resume = Annotated[str, BeforeValidator(_resume_value)]
 
 Dtype = Literal["float32", "bfloat16", "float16"]
+AnswerEngineName = Literal["specdistill", "vllm", "auto"]  # prepare.engine
 DraftType = Annotated[str, BeforeValidator(OneOf(draft_types))]  # a key of drafts.TYPES
 LossName = Annotated[str, BeforeValidator(OneOf(_loss_names))]  # a loss the library declares
 # losses.resolved.DepthWeighting: how a multi-depth loss weighs its depths

@@ -37,6 +37,14 @@ from specdistill.drafts.vocab_map import (
 )
 from specdistill.errors import UserError
 from specdistill.models import lean
+from specdistill.models.kv_cache import cache_keyword
+
+# The output's cache field: `cache` in newer transformers, `past_key_values` before.
+_CACHE_FIELDS = [
+    name
+    for name in ("cache", "past_key_values")
+    if name in CausalLMOutputWithPast.__dataclass_fields__
+]
 
 MODEL_TYPE = "specdistill_reduced_llama"  # config.json's model_type of a reduced-vocab draft
 # The causal LMs a reduced output head can be put on (their modules are Llama's).
@@ -136,15 +144,18 @@ class ReducedVocabLlamaForCausalLM(LlamaForCausalLM):
         use_cache: bool | None = None,
         logits_to_keep: int | Tensor = 0,
         full_vocab: bool = True,
+        past_key_values=None,
         **kwargs,
     ) -> CausalLMOutputWithPast:
         """transformers' causal-LM forward; logits over the full vocabulary with −inf outside
-        V_d, or (`full_vocab=False`) over V_d: [B, kept, K]."""
+        V_d, or (`full_vocab=False`) over V_d: [B, kept, K]. The KV cache comes as `cache`
+        or (transformers before `cache`'s name) `past_key_values`, and goes on to the inner
+        model under the name its version takes."""
+        kwargs[cache_keyword(self.model)] = cache if cache is not None else past_key_values
         out = self.model(
             input_ids=input_ids,
             attention_mask=attention_mask,
             position_ids=position_ids,
-            cache=cache,
             inputs_embeds=inputs_embeds,
             use_cache=use_cache,
             **kwargs,
@@ -157,11 +168,9 @@ class ReducedVocabLlamaForCausalLM(LlamaForCausalLM):
         logits = self.lm_head(hidden)
         if full_vocab:
             logits = self.lm_head.to_target_vocab(logits)
+        past = {key: getattr(out, key) for key in _CACHE_FIELDS}
         return CausalLMOutputWithPast(
-            logits=logits,
-            cache=out.cache,
-            hidden_states=out.hidden_states,
-            attentions=out.attentions,
+            logits=logits, hidden_states=out.hidden_states, attentions=out.attentions, **past
         )
 
     @classmethod

@@ -8,7 +8,7 @@ import pytest
 from specdistill.data import build_datasets
 from specdistill.eval import engine
 from specdistill.models.hub import load_tokenizer
-from specdistill.train import regenerate as regenerate_module
+from specdistill.train import regenerate_answering as answering_module
 from specdistill.train.config import load_recipe
 from specdistill.train.regenerate import RegenerateError, Sampling, regenerate
 from specdistill.train.regenerate_output import FAILURES, answered
@@ -44,7 +44,7 @@ def _records(out):
 
 
 def test_resume_after_a_kill_answers_each_prompt_once(tiny_pair, tmp_path, monkeypatch):
-    monkeypatch.setattr(regenerate_module, "CHUNK_BATCHES", 1)  # a chunk is one batch here
+    monkeypatch.setattr(answering_module, "CHUNK_BATCHES", 1)  # a chunk is one batch here
     data = _chat_data(tmp_path)
     recipe = load_recipe(None, overrides(tiny_pair, tmp_path / "u", **{"data.train": str(data)}))
     out = tmp_path / "regen"
@@ -108,7 +108,7 @@ def _records_skipping_torn(out):
 
 
 def test_failures_are_retried_and_recorded(tiny_pair, tmp_path, monkeypatch):
-    monkeypatch.setattr(regenerate_module, "CHUNK_BATCHES", 1)  # a chunk is one batch here
+    monkeypatch.setattr(answering_module, "CHUNK_BATCHES", 1)  # a chunk is one batch here
     data = _chat_data(tmp_path, n=4)
     recipe = load_recipe(None, overrides(tiny_pair, tmp_path / "u", **{"data.train": str(data)}))
     out = tmp_path / "regen"
@@ -165,7 +165,7 @@ def test_the_engine_gets_several_batches_at_once_and_refills_its_rows(tiny_pair,
         generate=recorded,
         print=lambda *a: None,
     )
-    chunk = 2 * regenerate_module.CHUNK_BATCHES
+    chunk = 2 * answering_module.CHUNK_BATCHES
     n = manifest["prompts"]
     assert n > chunk and manifest["complete"]
     assert calls == [(min(chunk, n - i), 2) for i in range(0, n, chunk)]

