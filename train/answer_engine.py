@@ -58,6 +58,7 @@ class AnswerEngine:
     answered_in: dict  # {"engine": PROJECT | VLLM, "dtype": ...}
     description: str
     close: Callable[[], None] = lambda: None
+    concurrency: int | None = None  # answers decoded together, where the engine sets it
 
 
 def build(
@@ -142,6 +143,7 @@ def vllm_engine(r, tokenizer, *, batch_size: int, top_n: int | None) -> AnswerEn
         answered_in={"engine": VLLM, "dtype": settings.dtype},
         description=engine.description,
         close=engine.close,
+        concurrency=settings.max_num_seqs,
     )
 
 

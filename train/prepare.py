@@ -15,7 +15,10 @@ The recipe's `prepare` section names the prompts and where their answers go
       eval: [runs/smollm2-heldout/regen-*.jsonl]
 
 The target is loaded once: a `registry:` model is fetched, checked and converted into the cache
-on first use (models/registry.py). Each set is then answered by `specdistill regenerate`'s
+on first use (models/registry.py). It answers through the project's engine, or through vLLM
+with `prepare.engine: vllm` (`--engine vllm`; `auto`: vLLM where it is installed), in which case
+the torch target loads only after vLLM has answered, for the target's outputs
+(docs/real-model.md, "Answering with vLLM"). Each set is then answered by `specdistill regenerate`'s
 machinery (train/regenerate.py): the chat template, resumable shards, a manifest with the
 target's identity and the sampling, a rerun that answers only what is missing. A set whose
 directory already holds every answer costs nothing, so a rerun after an interruption, or with
@@ -30,7 +33,9 @@ from pathlib import Path
 
 from specdistill import threads
 from specdistill.errors import UserError, run_guarded
+from specdistill.eval.cli_args import make_dir
 from specdistill.models.target_spec import TargetSpec, load_target_and_tokenizer, load_tokenizer
+from specdistill.publish import DirLock
 from specdistill.train.regenerate import Sampling, regenerate
 from specdistill.verb_parser import quiet_third_party, verb_parser
 
@@ -75,55 +80,68 @@ def prepare(recipe, *, batch_size: int = 32, print=print) -> list[PreparedSet]:
     sampling = Sampling(p.temperature, None, None, p.max_new_tokens, p.seed)
     t = recipe.target
     tokenizer = load_tokenizer(TargetSpec.from_recipe(t))
-    target = None  # vLLM answers from the model's files: the torch target loads after it
-    from specdistill.train.answer_engine import resolve  # lazy: --help loads no torch
+    from specdistill.train import answer_engine  # lazy: --help loads no torch
 
-    engine = resolve(p.engine)
-    if engine == "specdistill":
+    target, answerer = None, None  # vLLM answers from the model's files: torch loads after it
+    if answer_engine.resolve(p.engine) == answer_engine.PROJECT:
         print(f"prepare: loading the target {t.model}")
         target = _torch_target(recipe, tokenizer)
-    else:
+    else:  # started once for both sets: a start costs seconds, a compiled one minutes
+        for _, s in sets:  # a directory another run writes into fails now, not after the start
+            with DirLock(make_dir(s.out), "another prepare or regenerate"):
+                pass
         print(f"prepare: answering with vLLM over {t.model}")
-    done = []
-    for name, s in sets:
-        started = time.monotonic()
-        print(f"prepare: {name} answers of {', '.join(s.prompts)} -> {s.out}")
-        data = recipe.data.model_copy(update={"train": list(s.prompts)})
-        manifest = regenerate(
-            recipe.model_copy(update={"data": data}),
-            s.out,
-            sampling=sampling,
-            batch_size=batch_size,
-            limit=s.limit,
-            target=target,
-            tokenizer=tokenizer,
-            capture_top_n=p.top_n if name == "train" else None,
-            engine=engine,
-            print=print,
+        answerer = answer_engine.vllm_engine(
+            recipe, tokenizer, batch_size=batch_size, top_n=p.top_n
         )
-        out = Path(s.out)
-        result = PreparedSet(
-            name,
-            out,
-            manifest["prompts"],
-            manifest["answered"],
-            answer_tokens(out),
-            manifest["complete"],
-        )
-        captured = manifest.get("captured")
-        kept = (
-            f", their top {p.top_n} kept ({captured['bytes'] / 2**20:,.1f} MiB)" if captured else ""
-        )
-        print(
-            f"prepare: {name}: {result.answered}/{result.prompts} prompts answered, "
-            f"{result.tokens:,} answer tokens in {out}{kept} "
-            f"({time.monotonic() - started:.0f} s)"
-        )
-        done.append(result)
+    try:
+        engine = (target, tokenizer, answerer)
+        done = [_answer(recipe, name, s, sampling, batch_size, engine, print) for name, s in sets]
+    finally:
+        if answerer is not None:
+            answerer.close()
     if recipe.target.cache is not None and target is None:  # after vLLM has let go
         target = _torch_target(recipe, tokenizer)
     teacher_outputs(recipe, target, tokenizer, print)
     return done
+
+
+def _answer(recipe, name: str, s, sampling, batch_size: int, engine: tuple, print) -> PreparedSet:
+    """Answer the set `name` (`s`, its prepare section) with `engine`: (the torch target or
+    None, the tokenizer, a started `AnswerEngine` or None); -> what it became."""
+    target, tokenizer, answerer = engine
+    p = recipe.prepare
+    started = time.monotonic()
+    print(f"prepare: {name} answers of {', '.join(s.prompts)} -> {s.out}")
+    data = recipe.data.model_copy(update={"train": list(s.prompts)})
+    manifest = regenerate(
+        recipe.model_copy(update={"data": data}),
+        s.out,
+        sampling=sampling,
+        batch_size=batch_size,
+        limit=s.limit,
+        target=target,
+        tokenizer=tokenizer,
+        capture_top_n=p.top_n if name == "train" else None,
+        answerer=answerer,
+        print=print,
+    )
+    out = Path(s.out)
+    result = PreparedSet(
+        name,
+        out,
+        manifest["prompts"],
+        manifest["answered"],
+        answer_tokens(out),
+        manifest["complete"],
+    )
+    captured = manifest.get("captured")
+    kept = f", their top {p.top_n} kept ({captured['bytes'] / 2**20:,.1f} MiB)" if captured else ""
+    print(
+        f"prepare: {name}: {result.answered}/{result.prompts} prompts answered, "
+        f"{result.tokens:,} answer tokens in {out}{kept} ({time.monotonic() - started:.0f} s)"
+    )
+    return result
 
 
 def _torch_target(recipe, tokenizer):
@@ -222,6 +240,11 @@ def build_parser():
         default=32,
         help="answers decoded together (rows refilled as answers end)",
     )
+    parser.add_argument(
+        "--engine",
+        choices=["specdistill", "vllm", "auto"],
+        help="what answers (default: the recipe's prepare.engine; the same as prepare.engine=NAME)",
+    )
     parser.add_argument("overrides", nargs="*", help="key.sub=value recipe overrides")
     return parser
 
@@ -231,7 +254,8 @@ def main(argv: list[str] | None = None) -> int:
     quiet_third_party()
     from specdistill.train.config import load_recipe  # lazy: --help loads no pydantic
 
-    recipe = load_recipe(args.recipe, args.overrides)
+    engine = [f"prepare.engine={args.engine}"] if args.engine else []
+    recipe = load_recipe(args.recipe, [*args.overrides, *engine])
     results = prepare(
         recipe, batch_size=args.batch_size, print=lambda *a: print(*a, file=sys.stderr)
     )

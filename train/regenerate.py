@@ -194,7 +194,7 @@ def _regenerate_into(
         tokenizer=tokenizer,
         generate=answerer.generate,
         sampling=sampling,
-        batch_size=batch_size,
+        batch_size=answerer.concurrency or batch_size,  # vLLM: its max_num_seqs
         retries=retries,
         writer=ShardWriter(out, shard_records),
         failures_path=out / FAILURES,
