@@ -24,11 +24,24 @@ from pathlib import Path
 
 import torch
 
+from benchmarks.results import markdown_table
 from specdistill.models.target_spec import TargetSpec, load_target_and_tokenizer, load_tokenizer
 from specdistill.train.answer_engine import VLLM, project_engine, vllm_engine
 from specdistill.train.config import load_recipe
 from specdistill.train.prepare import answer_tokens
 from specdistill.train.regenerate import Sampling, regenerate
+
+HEADER = [
+    "engine",
+    "dtype",
+    "top N",
+    "start s",
+    "answer tokens",
+    "s",
+    "tokens/s",
+    "answers/h",
+    "ratio",
+]
 
 
 def cpu_name() -> str:
@@ -118,10 +131,15 @@ def main(argv: list[str] | None = None) -> None:
                     per_hour = 3600 * manifest["answered"] / seconds
                     mode = ", compiled" if compiled else (", eager" if engine == VLLM else "")
                     rows.append(
-                        f"| {engine}{mode} | {dtype} | {n} | {started:.0f} | {tokens:,} | "
-                        f"{seconds:.0f} | {rate:.0f} | {per_hour:,.0f} | {rate / base:.2f}× |"
+                        [f"{engine}{mode}", dtype, n, f"{started:.0f}", f"{tokens:,}"]
+                        + [
+                            f"{seconds:.0f}",
+                            f"{rate:.0f}",
+                            f"{per_hour:,.0f}",
+                            f"{rate / base:.2f}×",
+                        ]
                     )
-                    print(rows[-1], flush=True)
+                    print(*rows[-1], sep=" | ", flush=True)
             finally:
                 answerer.close()
     print(
@@ -129,9 +147,7 @@ def main(argv: list[str] | None = None) -> None:
         f"{p.max_new_tokens}, batch {args.batch_size}, {args.threads} threads; {cpu_name()}; "
         f"VLLM_CPU_OMP_THREADS_BIND={os.environ.get('VLLM_CPU_OMP_THREADS_BIND', '-')}"
     )
-    print("| engine | dtype | top N | start s | answer tokens | s | tokens/s | answers/h | ratio |")
-    print("|---|---|---|---|---|---|---|---|---|")
-    print("\n".join(rows))
+    print(markdown_table(HEADER, rows))
 
 
 if __name__ == "__main__":
