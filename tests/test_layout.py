@@ -412,7 +412,7 @@ LAZY_IMPORTS = {
     "models": 3,  # peft, the per-call hub of target_spec (2)
     "serve": 5,  # serve and convert-traffic (--help)
     "specdistill": 7,  # the utilities and the online demo (--help: 5), matplotlib (2)
-    "train": 46,  # the verbs and the recipe schema (--help: 42), torch.distributed (2), peft, wandb
+    "train": 45,  # the verbs and the recipe schema (--help: 42), torch.distributed (2), peft, wandb
 }
 LAZY_REASON = re.compile(r"#\s*lazy:\s*\S")
 

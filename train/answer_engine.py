@@ -30,7 +30,7 @@ from specdistill.models.target_spec import (
 from specdistill.train.regenerate_sampling import RegenerateError
 from specdistill.train.target_cache import target_identity
 
-__all__ = ["AnswerEngine", "build", "project_engine", "resolve", "vllm_engine"]
+__all__ = ["AnswerEngine", "build", "project_engine", "resolve", "torch_target", "vllm_engine"]
 
 PROJECT = "specdistill"
 VLLM = "vllm"
@@ -84,14 +84,12 @@ def project_engine(r, target, tokenizer, generate: Callable | None, start_thread
     target, loaded unless given; a loaded target moves to the GPU when there is one.
     `start_threads`: called once a target was loaded here (the recipe's thread count)."""
 
-    given = target is not None
-    target, tokenizer = load_target_and_tokenizer(
-        TargetSpec.from_recipe(r.target), target=target, tokenizer=tokenizer
-    )
-    if not given:
-        start_threads()
-        if hasattr(target, "to"):
-            target = target.to("cuda" if torch.cuda.is_available() else "cpu")
+    if target is None:
+        target, tokenizer = torch_target(r, tokenizer, start_threads)
+    else:
+        target, tokenizer = load_target_and_tokenizer(
+            TargetSpec.from_recipe(r.target), target=target, tokenizer=tokenizer
+        )
     return AnswerEngine(
         model=target,
         generate=generate or engine.generate,
@@ -101,6 +99,19 @@ def project_engine(r, target, tokenizer, generate: Callable | None, start_thread
         answered_in={"engine": PROJECT, "dtype": r.target.dtype},
         description="specdistill.eval.engine.generate (target only)",
     )
+
+
+def torch_target(r, tokenizer, start_threads: Callable[[], object]) -> tuple:
+    """(the recipe's target loaded in torch, its tokenizer, loaded unless given); once the
+    target loads `start_threads` is called (the recipe's thread count), then the target moves
+    to the GPU when there is one."""
+    target, tokenizer = load_target_and_tokenizer(
+        TargetSpec.from_recipe(r.target), tokenizer=tokenizer
+    )
+    start_threads()
+    if hasattr(target, "to"):
+        target = target.to("cuda" if torch.cuda.is_available() else "cpu")
+    return target, tokenizer
 
 
 def vllm_engine(r, tokenizer, *, batch_size: int, top_n: int | None) -> AnswerEngine:
@@ -133,16 +144,16 @@ def vllm_engine(r, tokenizer, *, batch_size: int, top_n: int | None) -> AnswerEn
         threads=r.train.threads,
         seed=r.prepare.seed,
     )
-    engine = VllmEngine(path, settings, max_logprobs=top_n or 0)
+    vllm = VllmEngine(path, settings, max_logprobs=top_n or 0)
     return AnswerEngine(
-        model=engine,
+        model=vllm,
         generate=_vllm_generate,
         tokenizer=tokenizer,
         vocab_size=vocab_size,
         identity=target_identity(t, shell),
         answered_in={"engine": VLLM, "dtype": settings.dtype},
-        description=engine.description,
-        close=engine.close,
+        description=vllm.description,
+        close=vllm.close,
         concurrency=settings.max_num_seqs,
     )
 

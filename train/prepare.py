@@ -29,12 +29,13 @@ import json
 import sys
 import time
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 from specdistill import threads
 from specdistill.errors import UserError, run_guarded
 from specdistill.eval.cli_args import make_dir
-from specdistill.models.target_spec import TargetSpec, load_target_and_tokenizer, load_tokenizer
+from specdistill.models.target_spec import TargetSpec, load_tokenizer
 from specdistill.publish import DirLock
 from specdistill.train.regenerate import Sampling, regenerate
 from specdistill.verb_parser import quiet_third_party, verb_parser
@@ -82,10 +83,11 @@ def prepare(recipe, *, batch_size: int = 32, print=print) -> list[PreparedSet]:
     tokenizer = load_tokenizer(TargetSpec.from_recipe(t))
     from specdistill.train import answer_engine  # lazy: --help loads no torch
 
+    start_threads = partial(threads.start, recipe.train.threads, name="train.threads")
     target, answerer = None, None  # vLLM answers from the model's files: torch loads after it
     if answer_engine.resolve(p.engine) == answer_engine.PROJECT:
         print(f"prepare: loading the target {t.model}")
-        target = _torch_target(recipe, tokenizer)
+        target, _ = answer_engine.torch_target(recipe, tokenizer, start_threads)
     else:  # started once for both sets: a start costs seconds, a compiled one minutes
         for _, s in sets:  # a directory another run writes into fails now, not after the start
             with DirLock(make_dir(s.out), "another prepare or regenerate"):
@@ -101,7 +103,7 @@ def prepare(recipe, *, batch_size: int = 32, print=print) -> list[PreparedSet]:
         if answerer is not None:
             answerer.close()
     if recipe.target.cache is not None and target is None:  # after vLLM has let go
-        target = _torch_target(recipe, tokenizer)
+        target, _ = answer_engine.torch_target(recipe, tokenizer, start_threads)
     teacher_outputs(recipe, target, tokenizer, print)
     return done
 
@@ -142,17 +144,6 @@ def _answer(recipe, name: str, s, sampling, batch_size: int, engine: tuple, prin
         f"{result.tokens:,} answer tokens in {out}{kept} ({time.monotonic() - started:.0f} s)"
     )
     return result
-
-
-def _torch_target(recipe, tokenizer):
-    """The recipe's target in torch, on the GPU when there is one; the recipe's threads start
-    once it loads (said on stderr)."""
-    import torch  # lazy: --help loads no torch
-
-    spec = TargetSpec.from_recipe(recipe.target)
-    target, _ = load_target_and_tokenizer(spec, tokenizer=tokenizer)
-    threads.start(recipe.train.threads, name="train.threads")
-    return target.to("cuda" if torch.cuda.is_available() else "cpu")
 
 
 def teacher_outputs(recipe, target, tokenizer, print=print) -> dict | None:
