@@ -3,19 +3,20 @@
 `embedded:instructions` (and `embedded:instructions-heldout`) are user turns with no answer,
 for `specdistill regenerate` to answer with the target itself. Each public, documented
 function of the standard library's modules of that split (data/stdlib.py; the held-out
-modules stay held out) becomes two requests of three kinds: a first kind chosen by a stable
-hash of its qualified name, and a second kind, the next of the three:
+modules stay held out) becomes up to three requests, one of each kind: a first kind chosen by
+a stable hash of its qualified name, then the next of the three, then the last:
 
 - write: "Write a Python function `name(args)` that ..." with its docstring as the spec;
 - explain: "Explain what this Python function does" with its source (at most
   MAX_SOURCE_CHARS);
 - use: "How do I use `module.name` in Python? ..." with its docstring, asking for an example.
 
-Every function's first request comes before any second one, each group in a fixed shuffle,
-so the first N (regenerate `--limit N`) spread over the library and a larger N only adds
-requests. Each request appears once (two modules can hold the same function), and a held-out
-request is never a training one. On Python 3.11 the training split holds 5,475 requests and
-the held-out one 342. None of them comes from the evaluation prompts in benchmarks/prompts/
+Every function's first request comes before any second one, and every second before any
+third, each group in a fixed shuffle, so the first N (regenerate `--limit N`) spread over the
+library and a larger N only adds requests. Each request appears once (two modules can hold the
+same function; a function too long to explain asks "write" in its place, which another turn
+may already ask), and a held-out request is never a training one. On Python 3.11 the training
+split holds 8,037 requests (5,475 of them first and second turns) and the held-out one 506. None of them comes from the evaluation prompts in benchmarks/prompts/
 (HumanEval, Spec-Bench), which are not in the standard library.
 """
 
@@ -37,20 +38,20 @@ KINDS = ("write", "explain", "use")
 @functools.cache
 def stdlib_instructions(split: str = "train") -> tuple[str, ...]:
     """The user requests of `split` ("train" or "heldout"), in a fixed shuffled order."""
-    first, second = [], []
+    turns = [[], [], []]
     for path in stdlib_files(split):
-        first.extend(_requests(path, 0))
-        second.extend(_requests(path, 1))
-    random.Random(0).shuffle(first)
-    random.Random(1).shuffle(second)
+        for turn, requests in enumerate(turns):
+            requests.extend(_requests(path, turn))
+    for seed, requests in enumerate(turns):
+        random.Random(seed).shuffle(requests)
     # a held-out request never repeats a training one (two modules can hold the same function)
     seen = set() if split == "train" else set(stdlib_instructions("train"))
-    return tuple(p for p in first + second if p not in seen and not seen.add(p))
+    return tuple(p for p in sum(turns, []) if p not in seen and not seen.add(p))
 
 
 def _requests(path: Path, turn: int) -> list[str]:
     """The requests of `path`'s documented functions; turn 0: each one's first kind, 1: its
-    second."""
+    second, 2: its third."""
     try:
         source = path.read_text(encoding="utf-8", errors="replace")
         tree = ast.parse(source)
