@@ -42,6 +42,8 @@ __all__ = [
     "VllmSettings",
     "check_installed",
     "import_vllm",
+    "release",
+    "start_llm",
     "vllm_version",
 ]
 
@@ -118,28 +120,44 @@ def _cpu_environment(settings: VllmSettings) -> None:
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", f"{settings.kv_cache_gib:g}")
 
 
+def start_llm(model: str, settings: VllmSettings, **options) -> tuple:
+    """(the vllm module, its `LLM` over `model` as `settings` say, with `options` added):
+    on a CPU the environment above is set first; prompts come as token ids (vLLM's tokenizer
+    is never loaded)."""
+    check_installed()  # before the environment below is touched
+    if not torch.cuda.is_available():
+        _cpu_environment(settings)
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")  # its warnings name its own internals
+    vllm = import_vllm()  # after the variables above: vLLM reads them on import
+    llm = vllm.LLM(
+        model=model,
+        dtype=settings.dtype,
+        seed=settings.seed,
+        skip_tokenizer_init=True,  # prompts come as ids; answers are decoded by the caller
+        max_num_seqs=settings.max_num_seqs,
+        enforce_eager=not settings.compile,
+        distributed_executor_backend="uni",
+        disable_log_stats=True,
+        **options,
+    )
+    return vllm, llm
+
+
+def release(llm) -> None:
+    """Shut a vLLM `LLM`'s engine down; its KV memory goes once the caller drops the `LLM`."""
+    engine = getattr(llm, "llm_engine", None)
+    core = getattr(engine, "engine_core", None)
+    if core is not None and hasattr(core, "shutdown"):
+        core.shutdown()
+
+
 class VllmEngine:
     """vLLM's `LLM` over the model directory or hub id `model`, answering token-id prompts."""
 
     def __init__(self, model: str, settings: VllmSettings, *, max_logprobs: int = 0):
-        check_installed()  # before the environment below is touched
         self.settings = settings
-        if not torch.cuda.is_available():
-            _cpu_environment(settings)
-        os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")  # its warnings name its own internals
-        self.vllm = import_vllm()  # after the variables above: vLLM reads them on import
+        self.vllm, self.llm = start_llm(model, settings, max_logprobs=max(max_logprobs, 1))
         self.version = vllm_version()
-        self.llm = self.vllm.LLM(
-            model=model,
-            dtype=settings.dtype,
-            seed=settings.seed,
-            skip_tokenizer_init=True,  # prompts come as ids; answers are decoded by the caller
-            max_logprobs=max(max_logprobs, 1),
-            max_num_seqs=settings.max_num_seqs,
-            enforce_eager=not settings.compile,
-            distributed_executor_backend="uni",
-            disable_log_stats=True,
-        )
         self.per_request_seed = torch.cuda.is_available()  # the CPU build has none
 
     @property
@@ -190,14 +208,10 @@ class VllmEngine:
     def close(self) -> None:
         """Let vLLM's engine go (its KV memory, its worker); the object is unusable after."""
         llm, self.llm = self.llm, None
-        if llm is None:
-            return
-        engine = getattr(llm, "llm_engine", None)
-        core = getattr(engine, "engine_core", None)
-        if core is not None and hasattr(core, "shutdown"):
-            core.shutdown()
-        del llm
-        gc.collect()
+        if llm is not None:
+            release(llm)
+            del llm
+            gc.collect()
 
 
 def _entries(ids: list[int], positions, n: int, vocab_size: int | None) -> list:
