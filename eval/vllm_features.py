@@ -24,7 +24,13 @@ from collections.abc import Sequence
 import torch
 from safetensors.torch import load_file
 
-from specdistill.eval.vllm_engine import VllmError, VllmSettings, release, start_llm
+from specdistill.eval.vllm_engine import (
+    VllmError,
+    VllmSettings,
+    release,
+    start_llm,
+    vllm_version,
+)
 
 CONNECTOR = "CpuHiddenStatesConnector"
 CONNECTOR_MODULE = "specdistill.eval.vllm_hidden_connector"
@@ -37,6 +43,8 @@ class VllmFeatures:
         if not layers:
             raise VllmError("hidden states need at least one layer id")
         self.layers = [int(i) for i in layers]
+        mode = "compiled" if settings.compile else "eager"
+        self.description = f"vllm {vllm_version()} prefill ({settings.dtype}, {mode})"
         self.dir = tempfile.mkdtemp(prefix="specdistill-hidden-")
         self.vllm, self.llm = start_llm(
             model,

@@ -41,6 +41,7 @@ HEAVY = {
     "tests/train/test_prepare_vllm.py::test_prepare_with_vllm_resumes_keeps_the_top_n_and_trains",
     "tests/train/test_prepare_vllm.py::test_a_second_writer_and_another_engine_are_refused",
     "tests/train/test_prepare_vllm.py::test_vllm_log_probabilities_agree_with_a_transformers_forward",
+    "tests/train/test_prepare_vllm.py::test_an_eagle3_heads_cache_from_vllms_prefill_is_the_forwards",
     "tests/eval/test_vllm_features.py::test_vllm_hidden_states_are_those_of_a_transformers_forward",
     # the real registry model: fetched from the package index on first use (98 MB)
     "tests/models/test_registry.py::test_the_real_smollm2_package_answers_and_speculates_losslessly",

@@ -20,6 +20,7 @@ from transformers import AutoConfig
 
 from specdistill.eval import engine
 from specdistill.eval.vllm_engine import VllmEngine, VllmSettings
+from specdistill.eval.vllm_features import VllmFeatures
 from specdistill.models import hub
 from specdistill.models.target_spec import (
     TargetSpec,
@@ -30,7 +31,15 @@ from specdistill.models.target_spec import (
 from specdistill.train.regenerate_sampling import RegenerateError
 from specdistill.train.target_cache import target_identity
 
-__all__ = ["AnswerEngine", "build", "project_engine", "resolve", "torch_target", "vllm_engine"]
+__all__ = [
+    "AnswerEngine",
+    "build",
+    "project_engine",
+    "resolve",
+    "torch_target",
+    "vllm_engine",
+    "vllm_hidden_states",
+]
 
 PROJECT = "specdistill"
 VLLM = "vllm"
@@ -117,17 +126,10 @@ def torch_target(r, tokenizer, start_threads: Callable[[], object]) -> tuple:
 def vllm_engine(r, tokenizer, *, batch_size: int, top_n: int | None) -> AnswerEngine:
     """vLLM over the recipe's target files (`prepare.vllm`'s settings); the torch target is
     not loaded. RegenerateError for a target vLLM cannot take as it stands (an adapter)."""
-
-    t, v = r.target, r.prepare.vllm
-    if t.adapter:
-        raise RegenerateError(
-            f"prepare.engine vllm answers with the base model alone, and target.adapter is "
-            f"{t.adapter}: merge the adapter into a model directory and name it in "
-            "target.model, or answer with prepare.engine specdistill"
-        )
+    t = r.target
+    path, settings = _vllm_target(r, batch_size)
     spec = TargetSpec.from_recipe(t)
     tokenizer = load_tokenizer(spec) if tokenizer is None else with_pad_token(tokenizer)
-    path = hub.local_model_dir(t.model) or t.model  # embedded and registry models are built
     config = AutoConfig.from_pretrained(path, revision=t.revision)
     shell = SimpleNamespace(config=config)  # the identity of a hub id hashes its config
     vocab_size = len(tokenizer)
@@ -136,14 +138,6 @@ def vllm_engine(r, tokenizer, *, batch_size: int, top_n: int | None) -> AnswerEn
         raise RegenerateError(
             f"{t.model}: the output head has {rows} rows but the tokenizer has {vocab_size} tokens"
         )
-    settings = VllmSettings(
-        dtype=v.dtype or t.dtype,
-        compile=v.compile,
-        kv_cache_gib=v.kv_cache_gib,
-        max_num_seqs=v.max_num_seqs or batch_size,
-        threads=r.train.threads,
-        seed=r.prepare.seed,
-    )
     vllm = VllmEngine(path, settings, max_logprobs=top_n or 0)
     return AnswerEngine(
         model=vllm,
@@ -156,6 +150,34 @@ def vllm_engine(r, tokenizer, *, batch_size: int, top_n: int | None) -> AnswerEn
         close=vllm.close,
         concurrency=settings.max_num_seqs,
     )
+
+
+def _vllm_target(r, batch_size: int) -> tuple[str, VllmSettings]:
+    """(the recipe's target files or hub id, vLLM's settings from `prepare.vllm`);
+    RegenerateError for a target vLLM cannot take as it stands (an adapter)."""
+    t, v = r.target, r.prepare.vllm
+    if t.adapter:
+        raise RegenerateError(
+            f"prepare.engine vllm answers with the base model alone, and target.adapter is "
+            f"{t.adapter}: merge the adapter into a model directory and name it in "
+            "target.model, or answer with prepare.engine specdistill"
+        )
+    settings = VllmSettings(
+        dtype=v.dtype or t.dtype,
+        compile=v.compile,
+        kv_cache_gib=v.kv_cache_gib,
+        max_num_seqs=v.max_num_seqs or batch_size,
+        threads=r.train.threads,
+        seed=r.prepare.seed,
+    )
+    return hub.local_model_dir(t.model) or t.model, settings  # embedded, registry: built
+
+
+def vllm_hidden_states(r, batch_size: int) -> Callable[[list[int]], VllmFeatures]:
+    """What starts vLLM over the recipe's target (`prepare.vllm`'s settings) for the hidden
+    states entering the layers it is given (`target_cache_build.HiddenStates`)."""
+    path, settings = _vllm_target(r, batch_size)
+    return lambda layers: VllmFeatures(path, layers, settings)
 
 
 def _vllm_generate(engine, draft, prompts, *, batch_size=None, **sampling):

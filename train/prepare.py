@@ -17,8 +17,9 @@ The recipe's `prepare` section names the prompts and where their answers go
 The target is loaded once: a `registry:` model is fetched, checked and converted into the cache
 on first use (models/registry.py). It answers through the project's engine, or through vLLM
 with `prepare.engine: vllm` (`--engine vllm`; `auto`: vLLM where it is installed), in which case
-the torch target loads only after vLLM has answered, for the target's outputs
-(docs/real-model.md, "Answering with vLLM"). Each set is then answered by `specdistill regenerate`'s
+the torch target loads only after vLLM has answered, for the target's outputs; an EAGLE-3
+head's features then come from a vLLM prefill too (docs/real-model.md, "Answering with
+vLLM"). Each set is then answered by `specdistill regenerate`'s
 machinery (train/regenerate.py): the chat template, resumable shards, a manifest with the
 target's identity and the sampling, a rerun that answers only what is missing. A set whose
 directory already holds every answer costs nothing, so a rerun after an interruption, or with
@@ -84,7 +85,7 @@ def prepare(recipe, *, batch_size: int = 32, print=print) -> list[PreparedSet]:
     from specdistill.train import answer_engine  # lazy: --help loads no torch
 
     start_threads = partial(threads.start, recipe.train.threads, name="train.threads")
-    target, answerer = None, None  # vLLM answers from the model's files: torch loads after it
+    target, answerer, hidden = None, None, None  # vLLM answers from the model's files
     if answer_engine.resolve(p.engine) == answer_engine.PROJECT:
         print(f"prepare: loading the target {t.model}")
         target, _ = answer_engine.torch_target(recipe, tokenizer, start_threads)
@@ -96,6 +97,7 @@ def prepare(recipe, *, batch_size: int = 32, print=print) -> list[PreparedSet]:
         answerer = answer_engine.vllm_engine(
             recipe, tokenizer, batch_size=batch_size, top_n=p.top_n
         )
+        hidden = answer_engine.vllm_hidden_states(recipe, batch_size)
     try:
         engine = (target, tokenizer, answerer)
         done = [_answer(recipe, name, s, sampling, batch_size, engine, print) for name, s in sets]
@@ -104,7 +106,7 @@ def prepare(recipe, *, batch_size: int = 32, print=print) -> list[PreparedSet]:
             answerer.close()
     if recipe.target.cache is not None and target is None:  # after vLLM has let go
         target, _ = answer_engine.torch_target(recipe, tokenizer, start_threads)
-    teacher_outputs(recipe, target, tokenizer, print)
+    teacher_outputs(recipe, target, tokenizer, print, hidden_states=hidden)
     return done
 
 
@@ -146,14 +148,15 @@ def _answer(recipe, name: str, s, sampling, batch_size: int, engine: tuple, prin
     return result
 
 
-def teacher_outputs(recipe, target, tokenizer, print=print) -> dict | None:
+def teacher_outputs(recipe, target, tokenizer, print=print, hidden_states=None) -> dict | None:
     """With `target.cache` set, what training reads from the target instead of running it:
     its log-probabilities over the recipe's training data, built once after the answers; a
     cache that already serves this data and this draft is kept. With `prepare.top_n`, its
     top N, read from what the answering kept (train/captured.py) with a forward only for
     the sequences that did not keep it; else a target pass (train/target_cache_build.py)
     over the draft's own columns for a draft over a reduced vocabulary or an EAGLE-3 head
-    (with the hidden states the head reads), or its top-N. -> its manifest."""
+    (with the hidden states the head reads: from vLLM's pass when `hidden_states` starts it,
+    `target_cache_build.build_cache`), or its top-N. -> its manifest."""
     from specdistill import drafts  # lazy: --help loads no torch
     from specdistill.models import hub  # lazy: --help loads no torch
     from specdistill.train.captured import CapturedOutputs  # lazy: --help loads no torch
@@ -209,6 +212,7 @@ def teacher_outputs(recipe, target, tokenizer, print=print) -> dict | None:
         train_data=train_data,
         eval_data=eval_data,
         overwrite=True,
+        hidden_states=hidden_states,
         print=print,
     )
     print(

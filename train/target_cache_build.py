@@ -9,15 +9,17 @@ import json
 import os
 import shutil
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 import torch
 
 from specdistill import drafts
 from specdistill.data import collate
 from specdistill.drafts.align import shifted_logits
-from specdistill.drafts.eagle3.features import FeatureCapture
+from specdistill.drafts.eagle3.features import FeatureCapture, decoder_layers
 from specdistill.models import hub
 from specdistill.models.target_spec import TargetSpec, load_target_and_tokenizer
 from specdistill.progress import WorkProgress
@@ -39,7 +41,25 @@ from specdistill.train.target_cache import (
     valid_rows,
 )
 from specdistill.train.target_cache_shards import FORMAT, ShardFeatures, ShardWriter, rest_mass
-from specdistill.train.target_cache_vocab import COLUMNS, vocab_rows
+from specdistill.train.target_cache_vocab import (
+    COLUMNS,
+    head_logits,
+    place_rows,
+    vocab_rows,
+    vocab_rows_of,
+)
+
+
+class HiddenStates(Protocol):
+    """Another engine's pass over the target (eval/vllm_features.py): per sequence of token
+    ids, [len, n · H] float32, the hidden states entering the layers it was started with, side
+    by side, the last of them the last layer's output before the final norm."""
+
+    description: str
+
+    def hidden_states(self, sequences: Sequence[Sequence[int]]) -> list[torch.Tensor]: ...
+
+    def close(self) -> None: ...
 
 
 @torch.no_grad()
@@ -71,6 +91,7 @@ def build_cache(
     overwrite: bool = False,
     device: str | torch.device | None = None,
     captured=None,
+    hidden_states: Callable[[list[int]], HiddenStates] | None = None,
     print=print,
 ) -> dict:
     """Build the cache of `recipe`'s target over its data into `out`; return the manifest.
@@ -81,7 +102,11 @@ def build_cache(
     refused before anything loads. The models and datasets are loaded as
     `Trainer.from_recipe` loads them unless given. `out` must not exist (or be empty) unless
     `overwrite`. `captured` (`train.captured.CapturedOutputs`, top-N at its N): the rows
-    of the sequences it serves are read from it."""
+    of the sequences it serves are read from it. `hidden_states` (given the layers: the
+    features' and the last, `HiddenStates` started over the same target): for an EAGLE-3
+    head's cache, the features and the log-probabilities come from its pass (the
+    log-probabilities through this target's final norm and output head) instead of this
+    target's forward."""
     r, out = recipe, Path(out)
     _check_build_arguments(out, top_n, values_dtype, batch_size, shard_bytes, overwrite)
     _check_build_recipe(r, columns)
@@ -113,6 +138,8 @@ def build_cache(
         feature_width=width,
         captured=captured,
     )
+    if hidden_states is not None and layers is not None:
+        build.hidden = hidden_states([*layers, len(decoder_layers(target))])
     tmp = out.parent / f".tmp-{out.name}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
@@ -130,6 +157,8 @@ def build_cache(
         publish_dir(tmp, out)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+        if build.hidden is not None:
+            build.hidden.close()
     return manifest
 
 
@@ -216,6 +245,7 @@ class _Build:
     feature_layers: list[int] | None = None  # the hidden states stored too (an EAGLE-3 head's)
     feature_width: int = 0  # their width: n_layers × the target's hidden size
     captured: object | None = None  # a train.captured.CapturedOutputs serving top-N rows
+    hidden: HiddenStates | None = None  # the features from another engine's pass (vLLM's)
 
     def rows(self, batch: dict) -> tuple:
         """The arguments of `ShardWriter.add` for one collated batch: the target's rows, and
@@ -224,10 +254,25 @@ class _Build:
             return top_n_rows(self.target, batch, self.vocab_size, self.top_n), {}
         if self.feature_layers is None:
             return vocab_rows(self.target, batch, self.vocab_size, self.ids), {}
+        if self.hidden is not None:
+            return self.rows_from_hidden(batch)
         with FeatureCapture(self.target, self.feature_layers) as capture:
             rows = vocab_rows(self.target, batch, self.vocab_size, self.ids)
         features = {"features": capture.features(), "attention_mask": batch["attention_mask"]}
         return rows, features
+
+    def rows_from_hidden(self, batch: dict) -> tuple:
+        """`rows` from the `hidden` engine's pass: its features, and the log-probabilities
+        from its last layer's output through the target's final norm and output head."""
+        mask = batch["attention_mask"].bool()  # right-padded: item b's tokens come first
+        sequences = [batch["input_ids"][b, mask[b]].tolist() for b in range(len(mask))]
+        states = self.hidden.hidden_states(sequences)
+        width = self.feature_width + self.target.config.hidden_size
+        placed = place_rows(mask, width, states, _hidden_mismatch)
+        logits = head_logits(self.target, placed[..., self.feature_width :])
+        rows = vocab_rows_of(logits[:, :-1, : self.vocab_size], batch, self.ids)
+        features = placed[..., : self.feature_width]
+        return rows, {"features": features, "attention_mask": batch["attention_mask"]}
 
     def rows_of(self, items: list[dict]) -> tuple:
         """`rows` for dataset items: those the captured outputs serve are read, the others
@@ -285,6 +330,10 @@ class _Build:
         return entry
 
 
+def _hidden_mismatch(b: int, n: int, valid: int) -> CacheError:
+    return CacheError(f"the hidden states of sequence {b} have {n} rows for its {valid} tokens")
+
+
 def _served(entry: dict) -> str:
     """', N of them from the captured outputs' for a split built with them, else ''."""
     if "captured" not in entry:
@@ -324,6 +373,8 @@ def _build_manifest(
             "layers": list(build.feature_layers),
             "width": build.feature_width,
             "dtype": values_dtype,
+            # the engine whose pass gave them (and the log-probabilities)
+            "engine": "specdistill" if build.hidden is None else build.hidden.description,
         },
         "temperature": 1.0,  # raw log-softmax; the loss temperature is applied at read
         "vocab_size": build.vocab_size,

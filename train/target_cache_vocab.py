@@ -48,7 +48,21 @@ def vocab_rows(target, batch: dict, vocab_size: int, ids: torch.Tensor):
     """(indices [R, 0], logprobs [R, K] fp32, rest [R] fp32, rows per item [B]) of one collated
     batch: the target's log-softmax over `vocab_size` columns at each valid position, at the K
     ids `ids`, items in order, positions in order."""
-    logits = shifted_logits(target, batch, vocab_size)
+    return vocab_rows_of(shifted_logits(target, batch, vocab_size), batch, ids)
+
+
+@torch.no_grad()
+def head_logits(target, final: torch.Tensor) -> torch.Tensor:
+    """The target's logits from its last decoder layer's output before the final norm
+    (`final` [..., H]): its final norm, then its output head, in float32."""
+    norm = target.get_decoder().norm
+    head = target.get_output_embeddings()
+    return head(norm(final.to(head.weight.dtype))).float()
+
+
+@torch.no_grad()
+def vocab_rows_of(logits: torch.Tensor, batch: dict, ids: torch.Tensor):
+    """`vocab_rows` from the shifted logits [B, L−1, V] given."""
     mask = target_mask(batch)
     logp = logits[mask].float().log_softmax(-1).index_select(-1, ids.to(logits.device))
     return logp.new_zeros((len(logp), 0), dtype=torch.long), logp, rest_mass(logp), mask.sum(1)

@@ -15,9 +15,13 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 from safetensors import safe_open
+from safetensors.torch import load_file
 
 from specdistill.publish import DirLock
+from specdistill.train.config import load_recipe
+from specdistill.train.target_cache_build import build_cache
 from tests.helpers import make_model, make_tokenizer
 from tests.processes import run_bounded, why_failed
 from tests.train.helpers import prepare_overrides, read_answers
@@ -129,3 +133,36 @@ def test_vllm_log_probabilities_agree_with_a_transformers_forward(vllm_pair):
     assert result["top"] < 1e-4 and result["drawn"] < 1e-4, result
     # near-ties of this random model's flat logits may swap the Nth and the N+1th token
     assert result["same_top"] >= 0.9 * result["positions"], result
+
+
+def test_an_eagle3_heads_cache_from_vllms_prefill_is_the_forwards(vllm_pair, tmp_path):
+    """prepare with vLLM and an EAGLE-3 head: the cache's features and log-probabilities come
+    from a vLLM prefill (float32), and equal those of the project's target forward to the
+    float16 they are stored in."""
+    extra = {
+        "prepare.engine": "vllm",
+        "prepare.train.limit": 3,
+        "draft.type": "eagle3",
+        "draft.model": "null",
+        "draft.aux_layers": "[0, 1]",
+        "draft.vocab_size": 200,
+        "target.cache": str(tmp_path / "cache"),
+    }
+    argv = prepare_overrides(vllm_pair, tmp_path, **extra)
+    proc = _prepare(argv)
+    assert proc.returncode == 0, why_failed(proc)
+    manifest = json.loads((tmp_path / "cache" / "manifest.json").read_text())
+    assert manifest["features"]["engine"].startswith("vllm ")
+    assert manifest["features"]["layers"] == [0, 1]
+    recipe = load_recipe(None, argv)
+    own = build_cache(
+        recipe, tmp_path / "own", columns="draft", splits=("train",), print=lambda *a: None
+    )
+    assert own["positions"] == manifest["positions"] > 0
+    shards = [sorted(p.glob("train-*.safetensors")) for p in (tmp_path / "cache", tmp_path / "own")]
+    assert len(shards[0]) == len(shards[1]) > 0
+    for a, b in zip(*shards, strict=True):
+        got, want = load_file(a), load_file(b)
+        assert got.keys() == want.keys()
+        for name in want:  # float16: at most a rounding apart
+            torch.testing.assert_close(got[name], want[name], rtol=2e-3, atol=2e-3, msg=name)
