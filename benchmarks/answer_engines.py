@@ -64,7 +64,9 @@ def start(engine: str, recipe, dtype: str, tokenizer, batch: int, top_n: int, co
         vllm = r.prepare.vllm.model_copy(update={"dtype": dtype, "compile": compiled})
         prepare = r.prepare.model_copy(update={"vllm": vllm})
         r = r.model_copy(update={"prepare": prepare})
-        return r, vllm_engine(r, tokenizer, batch_size=batch, top_n=top_n or None)
+        answerer = vllm_engine(r, tokenizer, batch_size=batch, top_n=top_n or None)
+        answerer.model.start()  # vLLM starts at its first answer unless started
+        return r, answerer
     target, _ = load_target_and_tokenizer(TargetSpec.from_recipe(target_cfg), tokenizer=tokenizer)
     return r, project_engine(r, target, tokenizer, None, lambda: None)
 

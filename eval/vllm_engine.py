@@ -152,13 +152,22 @@ def release(llm) -> None:
 
 
 class VllmEngine:
-    """vLLM's `LLM` over the model directory or hub id `model`, answering token-id prompts."""
+    """vLLM's `LLM` over the model directory or hub id `model`, answering token-id prompts.
+    vLLM starts at the first `generate` (or `start`): a run with nothing left to answer costs
+    no start."""
 
     def __init__(self, model: str, settings: VllmSettings, *, max_logprobs: int = 0):
-        self.settings = settings
-        self.vllm, self.llm = start_llm(model, settings, max_logprobs=max(max_logprobs, 1))
+        check_installed()
+        self.model, self.settings, self.max_logprobs = model, settings, max(max_logprobs, 1)
+        self.vllm, self.llm = None, None
         self.version = vllm_version()
         self.per_request_seed = torch.cuda.is_available()  # the CPU build has none
+
+    def start(self) -> None:
+        """Start vLLM's engine unless it runs already."""
+        if self.llm is None:
+            options = {"max_logprobs": self.max_logprobs}
+            self.vllm, self.llm = start_llm(self.model, self.settings, **options)
 
     @property
     def description(self) -> str:
@@ -180,6 +189,7 @@ class VllmEngine:
         """Answer `prompts` (token id lists); rows stop after `eos_token_id` or at
         `max_new_tokens`. `logprobs`: keep the top N at every generated token, over the
         first `vocab_size` columns (an id past them in vLLM's top N is a VllmError)."""
+        self.start()
 
         def params(i: int):
             return self.vllm.SamplingParams(
@@ -206,7 +216,7 @@ class VllmEngine:
         return answers
 
     def close(self) -> None:
-        """Let vLLM's engine go (its KV memory, its worker); the object is unusable after."""
+        """Let vLLM's engine go (its KV memory, its worker), if it started."""
         llm, self.llm = self.llm, None
         if llm is not None:
             release(llm)

@@ -89,7 +89,7 @@ def prepare(recipe, *, batch_size: int = 32, print=print) -> list[PreparedSet]:
     if answer_engine.resolve(p.engine) == answer_engine.PROJECT:
         print(f"prepare: loading the target {t.model}")
         target, _ = answer_engine.torch_target(recipe, tokenizer, start_threads)
-    else:  # started once for both sets: a start costs seconds, a compiled one minutes
+    else:  # once for both sets, at its first answer: a start costs seconds, compiled minutes
         for _, s in sets:  # a directory another run writes into fails now, not after the start
             with DirLock(make_dir(s.out), "another prepare or regenerate"):
                 pass

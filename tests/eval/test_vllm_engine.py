@@ -71,3 +71,33 @@ def test_the_cpu_variables_are_set_only_where_unset(monkeypatch):
     assert env["VLLM_CPU_KVCACHE_SPACE"] == "1.5"
     assert env["VLLM_CPU_NUM_OF_RESERVED_CPU"] == "1"
     assert env["VLLM_ENABLE_V1_MULTIPROCESSING"] == "1"
+
+
+def test_vllm_starts_at_the_first_answer_and_once(monkeypatch):
+    """A run with nothing left to answer (a resumed prepare) costs no start of vLLM."""
+    starts = []
+
+    class FakeLLM:
+        def generate(self, inputs, params, use_tqdm):
+            return []
+
+    class FakeVllm:
+        SamplingParams = dict
+        TokensPrompt = dict
+
+    def start_llm(model, settings, **options):
+        starts.append((model, options))
+        return FakeVllm, FakeLLM()
+
+    monkeypatch.setattr(vllm_engine, "check_installed", lambda: None)
+    monkeypatch.setattr(vllm_engine, "start_llm", start_llm)
+    engine = vllm_engine.VllmEngine("m", vllm_engine.VllmSettings(), max_logprobs=64)
+    assert starts == [] and engine.description.startswith("vllm ")
+    sampling = dict(temperature=1.0, top_p=None, top_k=None, max_new_tokens=4, seed=0)
+    for _ in range(2):
+        engine.generate([], **sampling, eos_token_id=None)
+    assert starts == [("m", {"max_logprobs": 64})]
+    engine.close()
+    engine.close()  # closing twice, or an engine never started, is nothing
+    vllm_engine.VllmEngine("m", vllm_engine.VllmSettings()).close()
+    assert len(starts) == 1
