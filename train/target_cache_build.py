@@ -49,6 +49,8 @@ from specdistill.train.target_cache_vocab import (
     vocab_rows_of,
 )
 
+AHEAD = 16  # batches whose hidden states another engine is asked for at once
+
 
 class HiddenStates(Protocol):
     """Another engine's pass over the target (eval/vllm_features.py): per sequence of token
@@ -60,6 +62,31 @@ class HiddenStates(Protocol):
     def hidden_states(self, sequences: Sequence[Sequence[int]]) -> list[torch.Tensor]: ...
 
     def close(self) -> None: ...
+
+
+class Prefetched:
+    """A `HiddenStates` asked ahead for many sequences at once (an engine like vLLM batches
+    what it is given), then served one batch at a time; a sequence not asked ahead is
+    fetched when asked."""
+
+    def __init__(self, engine: HiddenStates):
+        self.engine, self.description = engine, engine.description
+        self.stored: dict[tuple[int, ...], torch.Tensor] = {}
+
+    def ahead(self, sequences: Sequence[Sequence[int]]) -> None:
+        states = self.engine.hidden_states(sequences)
+        self.stored = dict(zip(map(tuple, sequences), states, strict=True))
+
+    def hidden_states(self, sequences: Sequence[Sequence[int]]) -> list[torch.Tensor]:
+        keys = [tuple(s) for s in sequences]
+        missing = [list(k) for k in dict.fromkeys(keys) if k not in self.stored]
+        if missing:
+            states = self.engine.hidden_states(missing)
+            self.stored.update(zip(map(tuple, missing), states, strict=True))
+        return [self.stored.pop(k) if keys.count(k) == 1 else self.stored[k] for k in keys]
+
+    def close(self) -> None:
+        self.engine.close()
 
 
 @torch.no_grad()
@@ -139,7 +166,7 @@ def build_cache(
         captured=captured,
     )
     if hidden_states is not None and layers is not None:
-        build.hidden = hidden_states([*layers, len(decoder_layers(target))])
+        build.hidden = Prefetched(hidden_states([*layers, len(decoder_layers(target))]))
     tmp = out.parent / f".tmp-{out.name}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
@@ -245,7 +272,7 @@ class _Build:
     feature_layers: list[int] | None = None  # the hidden states stored too (an EAGLE-3 head's)
     feature_width: int = 0  # their width: n_layers × the target's hidden size
     captured: object | None = None  # a train.captured.CapturedOutputs serving top-N rows
-    hidden: HiddenStates | None = None  # the features from another engine's pass (vLLM's)
+    hidden: "Prefetched | None" = None  # the features from another engine's pass (vLLM's)
 
     def rows(self, batch: dict) -> tuple:
         """The arguments of `ShardWriter.add` for one collated batch: the target's rows, and
@@ -304,6 +331,9 @@ class _Build:
         progress = WorkProgress(f"cache {split}", len(data)) if len(data) else None
         try:
             for first in range(0, len(data), self.batch_size):
+                if self.hidden is not None and first % (self.batch_size * AHEAD) == 0:
+                    ahead = range(first, min(first + self.batch_size * AHEAD, len(data)))
+                    self.hidden.ahead([data[i]["input_ids"].tolist() for i in ahead])
                 items = [data[i] for i in range(first, min(first + self.batch_size, len(data)))]
                 rows, features = self.rows_of(items)
                 writer.add(*rows, **features)

@@ -27,11 +27,12 @@ class ForwardStates:
 
     def __init__(self, model_dir, layers, drop: int = 0):
         self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-        self.layers, self.drop, self.closed = layers, drop, False
+        self.layers, self.drop, self.closed, self.calls = layers, drop, False, []
         self.final = {}
         self.model.model.norm.register_forward_pre_hook(lambda _m, a: self.final.update(h=a[0]))
 
     def hidden_states(self, sequences):
+        self.calls.append(len(sequences))
         out = []
         for ids in sequences:
             with torch.no_grad(), FeatureCapture(self.model, self.layers[:-1]) as capture:
@@ -68,6 +69,9 @@ def test_a_cache_from_another_engines_hidden_states_equals_the_forwards(
         **QUIET,
     )
     assert engines[0].layers == [0, 1, 2] and engines[0].closed  # the features', the last
+    # asked ahead for many batches at once (2 sequences each), every sequence once
+    sequences = [split["sequences"] for split in other["splits"].values()]
+    assert engines[0].calls == sequences and min(sequences) > 2
     assert other["features"]["engine"] == ForwardStates.description
     assert own["features"]["engine"] == "specdistill"
     assert other["positions"] == own["positions"] > 0
