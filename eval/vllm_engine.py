@@ -120,10 +120,11 @@ def _cpu_environment(settings: VllmSettings) -> None:
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", f"{settings.kv_cache_gib:g}")
 
 
-def start_llm(model: str, settings: VllmSettings, **options) -> tuple:
+def start_llm(model: str, settings: VllmSettings, *, log_stats: bool = False, **options) -> tuple:
     """(the vllm module, its `LLM` over `model` as `settings` say, with `options` added):
     on a CPU the environment above is set first; prompts come as token ids (vLLM's tokenizer
-    is never loaded)."""
+    is never loaded). `log_stats`: vLLM keeps its metrics (`LLM.get_metrics`), among them
+    its speculation counters."""
     check_installed()  # before the environment below is touched
     if not torch.cuda.is_available():
         _cpu_environment(settings)
@@ -137,7 +138,7 @@ def start_llm(model: str, settings: VllmSettings, **options) -> tuple:
         max_num_seqs=settings.max_num_seqs,
         enforce_eager=not settings.compile,
         distributed_executor_backend="uni",
-        disable_log_stats=True,
+        disable_log_stats=not log_stats,
         **options,
     )
     return vllm, llm
@@ -199,6 +200,7 @@ class VllmEngine:
                 max_tokens=max_new_tokens,
                 seed=seed + i if self.per_request_seed else None,
                 stop_token_ids=[] if eos_token_id is None else [eos_token_id],
+                ignore_eos=eos_token_id is None,  # else vLLM stops at the model's own EOS
                 logprobs=logprobs,
                 detokenize=False,
             )

@@ -43,6 +43,7 @@ HEAVY = {
     "tests/train/test_prepare_vllm.py::test_vllm_log_probabilities_agree_with_a_transformers_forward",
     "tests/train/test_prepare_vllm.py::test_an_eagle3_heads_cache_from_vllms_prefill_is_the_forwards",
     "tests/eval/test_vllm_features.py::test_vllm_hidden_states_are_those_of_a_transformers_forward",
+    "tests/eval/test_vllm_speculate.py::test_vllm_accepts_what_the_projects_engine_accepts",
     # the real registry model: fetched from the package index on first use (98 MB)
     "tests/models/test_registry.py::test_the_real_smollm2_package_answers_and_speculates_losslessly",
 }
