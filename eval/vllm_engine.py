@@ -144,12 +144,18 @@ def start_llm(model: str, settings: VllmSettings, *, log_stats: bool = False, **
     return vllm, llm
 
 
-def release(llm) -> None:
-    """Shut a vLLM `LLM`'s engine down; its KV memory goes once the caller drops the `LLM`."""
+def release(owner) -> None:
+    """Let go of `owner.llm`, a vLLM `LLM` or None: its engine shut down, its KV memory and
+    worker freed, `owner.llm` None after."""
+    llm, owner.llm = owner.llm, None
+    if llm is None:
+        return
     engine = getattr(llm, "llm_engine", None)
     core = getattr(engine, "engine_core", None)
     if core is not None and hasattr(core, "shutdown"):
         core.shutdown()
+    del llm, engine, core
+    gc.collect()
 
 
 class VllmEngine:
@@ -219,11 +225,7 @@ class VllmEngine:
 
     def close(self) -> None:
         """Let vLLM's engine go (its KV memory, its worker), if it started."""
-        llm, self.llm = self.llm, None
-        if llm is not None:
-            release(llm)
-            del llm
-            gc.collect()
+        release(self)
 
 
 def _entries(ids: list[int], positions, n: int, vocab_size: int | None) -> list:

@@ -15,7 +15,6 @@ hidden states cover every position of the sequence given.
     features.close()
 """
 
-import gc
 import os
 import shutil
 import tempfile
@@ -109,9 +108,5 @@ class VllmFeatures:
 
     def close(self) -> None:
         """Let vLLM's engine go and remove its files; the object is unusable after."""
-        llm, self.llm = self.llm, None
-        if llm is not None:
-            release(llm)
-            del llm
-            gc.collect()
+        release(self)
         shutil.rmtree(self.dir, ignore_errors=True)

