@@ -68,15 +68,13 @@ class VllmFeatures:
         by side, in the order given."""
         if any(len(s) == 0 for s in sequences):
             raise VllmError("hidden states of an empty sequence were asked")
+        for stale in os.listdir(self.dir):  # a previous call's one-token request, written late
+            os.remove(os.path.join(self.dir, stale))
         paths = self._prefill(sequences)
-        flush = None
         if not all(os.path.exists(p) for p in paths):
             # a finished request's states are written at vLLM's next step: one token drives it
-            flush = self._prefill([[int(sequences[0][0])]])[0]
-        rows = [self._read(path, seq) for path, seq in zip(paths, sequences, strict=True)]
-        if flush is not None and os.path.exists(flush):
-            os.remove(flush)
-        return rows
+            self._prefill([[int(sequences[0][0])]])
+        return [self._read(path, seq) for path, seq in zip(paths, sequences, strict=True)]
 
     def _prefill(self, sequences) -> list[str]:
         """Each sequence prefilled with one greedy token generated; its hidden states' path."""
