@@ -167,14 +167,24 @@ def build_cache(
     )
     if hidden_states is not None and layers is not None:
         build.hidden = Prefetched(hidden_states([*layers, len(decoder_layers(target))]))
+    try:
+        datasets = {split: {"train": train_data, "eval": eval_data}[split] for split in splits}
+        return _write(r, build, out, datasets, values_dtype, row_bytes, overwrite, print)
+    finally:
+        if build.hidden is not None:
+            build.hidden.close()
+
+
+def _write(r, build, out: Path, datasets: dict, values_dtype, row_bytes, overwrite, print):
+    """Write each split of `datasets` and the manifest beside `out`, then rename the
+    directory into place; -> the manifest."""
     tmp = out.parent / f".tmp-{out.name}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    datasets = {"train": train_data, "eval": eval_data}
     start = time.perf_counter()
     try:
         manifest_splits = {
-            split: build.write_split(tmp, split, datasets[split], print) for split in splits
+            split: build.write_split(tmp, split, data, print) for split, data in datasets.items()
         }
         manifest = _build_manifest(r, build, values_dtype, row_bytes, manifest_splits, start)
         atomic_write_text(tmp / MANIFEST, json.dumps(manifest, indent=1))
@@ -184,8 +194,6 @@ def build_cache(
         publish_dir(tmp, out)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-        if build.hidden is not None:
-            build.hidden.close()
     return manifest
 
 
