@@ -54,6 +54,28 @@ def make_model(tokenizer, *, hidden: int, layers: int, seed: int) -> LlamaForCau
     return LlamaForCausalLM(config)
 
 
+def save_sharp_target(tokenizer, out, *, hidden: int, layers: int, positions: int = 128):
+    """A Llama target with peaked, context-dependent distributions (a default-init random
+    target is near uniform, leaving a draft nothing to learn), saved with `tokenizer` to
+    `out`; -> `out`."""
+    torch.manual_seed(5)
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        max_position_embeddings=positions,
+        initializer_range=0.15,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    LlamaForCausalLM(config).save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    return out
+
+
 def make_lora_adapter(base_dir, out_dir, *, scale: float = 1.0, seed: int = 0):
     """A random, non-trivially initialised peft LoRA adapter on the model at `base_dir`
     (attention, MLP and lm_head), saved unmerged at `out_dir`; B scaled by `scale`."""

@@ -12,13 +12,13 @@ it this test is skipped. vLLM runs in a subprocess (it binds its threads in its 
 import json
 import sys
 
-import torch
-from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+from transformers import AutoTokenizer
 
 from specdistill.train.config import load_recipe
 from specdistill.train.export import export
 from specdistill.train.prepare import prepare
 from specdistill.train.trainer import Trainer
+from tests.helpers import save_sharp_target
 from tests.processes import run_bounded, why_failed
 from tests.train.helpers import eagle_overrides
 from tests.vllm_support import VLLM_ENV, needs_vllm
@@ -28,31 +28,10 @@ ENV = VLLM_ENV
 QUIET = {"print": lambda *a: None}
 
 
-def _sharp_target(tokenizer_dir, out):
-    """A 4-layer target with peaked distributions; head size 32 (vLLM's CPU attention has
-    none of 16); positions enough for every prompt and its answer."""
-    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
-    torch.manual_seed(5)
-    config = LlamaConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=4,
-        num_attention_heads=2,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
-        initializer_range=0.15,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-    )
-    LlamaForCausalLM(config).save_pretrained(out)
-    tokenizer.save_pretrained(out)
-    return tokenizer
-
-
 def test_vllm_accepts_what_the_projects_engine_accepts(tiny_pair, tmp_path):
-    target = tmp_path / "target"
-    tokenizer = _sharp_target(tiny_pair[0], target)
+    # head size 32 (vLLM's CPU attention has none of 16); positions for every prompt and answer
+    tokenizer = AutoTokenizer.from_pretrained(tiny_pair[0])
+    target = save_sharp_target(tokenizer, tmp_path / "target", hidden=64, layers=4, positions=512)
     data = tiny_pair[2]
     extra = {
         "draft.aux_layers": "[1, 2, 3]",

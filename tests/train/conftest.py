@@ -1,8 +1,8 @@
 """Fixtures shared by the training tests."""
 
 import pytest
-import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+
+from tests.helpers import save_sharp_target
 
 
 @pytest.fixture(scope="module")
@@ -12,20 +12,5 @@ def sharp_target(tiny_pair, tmp_path_factory):
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_pair[0])
-    torch.manual_seed(5)
-    config = LlamaConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=2,
-        max_position_embeddings=128,
-        initializer_range=0.15,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-    )
     path = tmp_path_factory.mktemp("sharp_target")
-    LlamaForCausalLM(config).save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return path
+    return save_sharp_target(tokenizer, path, hidden=32, layers=2)
