@@ -16,8 +16,9 @@ third, each group in a fixed shuffle, so the first N (regenerate `--limit N`) sp
 library and a larger N only adds requests. Each request appears once (two modules can hold the
 same function; a function too long to explain asks "write" in its place, which another turn
 may already ask), and a held-out request is never a training one. On Python 3.11 the training
-split holds 8,037 requests (5,475 of them first and second turns) and the held-out one 506. None of them comes from the evaluation prompts in benchmarks/prompts/
-(HumanEval, Spec-Bench), which are not in the standard library.
+split holds 8,037 requests (5,475 of them first and second turns) and the held-out one 506.
+None of them comes from the evaluation prompts in benchmarks/prompts/ (HumanEval, Spec-Bench),
+which are not in the standard library.
 """
 
 import ast
