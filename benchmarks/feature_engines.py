@@ -33,14 +33,9 @@ from specdistill.eval.vllm_features import VllmFeatures
 from specdistill.models import hub
 from specdistill.models.target_spec import TargetSpec, load_target_and_tokenizer
 from specdistill.train.config import load_recipe, recipe_datasets
+from specdistill.train.target_cache_vocab import head_logits
 
 HEADER = ["way", "dtype", "start s", "positions", "s", "positions/s", "ratio", "features Δ", "TV"]
-
-
-def head_logprobs(target, final: torch.Tensor) -> torch.Tensor:
-    """log-softmax of the target's output head over its final norm of `final` [T, H]."""
-    with torch.no_grad():
-        return target.lm_head(target.model.norm(final)).float().log_softmax(-1)
 
 
 def torch_way(target, items, layers, batch_size: int, pad: int):
@@ -78,7 +73,7 @@ def vllm_way(path, target, items, layers, settings):
         t0 = time.perf_counter()
         states = engine.hidden_states(items)
         width = len(layers) * target.config.hidden_size
-        out = [(s[:, :width], head_logprobs(target, s[:, width:])) for s in states]
+        out = [(s[:, :width], head_logits(target, s[:, width:]).log_softmax(-1)) for s in states]
         seconds = time.perf_counter() - t0
     finally:
         engine.close()

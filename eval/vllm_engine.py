@@ -44,6 +44,7 @@ __all__ = [
     "import_vllm",
     "release",
     "start_llm",
+    "stopping",
     "vllm_version",
 ]
 
@@ -95,9 +96,12 @@ class VllmSettings:
     threads: int | None = None  # None: every core this process may use
     seed: int = 0
 
+    @property
+    def mode(self) -> str:
+        return "compiled" if self.compile else "eager"
+
     def describe(self, version: str) -> str:
-        mode = "compiled" if self.compile else "eager"
-        return f"vllm {version} (target alone, {self.dtype}, {mode})"
+        return f"vllm {version} (target alone, {self.dtype}, {self.mode})"
 
 
 @dataclass
@@ -142,6 +146,14 @@ def start_llm(model: str, settings: VllmSettings, *, log_stats: bool = False, **
         **options,
     )
     return vllm, llm
+
+
+def stopping(eos_token_id: int | None) -> dict:
+    """`SamplingParams` options: stop after `eos_token_id`, or nowhere when it is None (vLLM
+    would otherwise stop at the model's own EOS)."""
+    if eos_token_id is None:
+        return {"stop_token_ids": [], "ignore_eos": True}
+    return {"stop_token_ids": [eos_token_id], "ignore_eos": False}
 
 
 def release(owner) -> None:
@@ -205,10 +217,9 @@ class VllmEngine:
                 top_k=0 if top_k is None else top_k,
                 max_tokens=max_new_tokens,
                 seed=seed + i if self.per_request_seed else None,
-                stop_token_ids=[] if eos_token_id is None else [eos_token_id],
-                ignore_eos=eos_token_id is None,  # else vLLM stops at the model's own EOS
                 logprobs=logprobs,
                 detokenize=False,
+                **stopping(eos_token_id),
             )
 
         inputs = [self.vllm.TokensPrompt(prompt_token_ids=list(map(int, p))) for p in prompts]

@@ -42,8 +42,7 @@ class VllmFeatures:
         if not layers:
             raise VllmError("hidden states need at least one layer id")
         self.layers = [int(i) for i in layers]
-        mode = "compiled" if settings.compile else "eager"
-        self.description = f"vllm {vllm_version()} prefill ({settings.dtype}, {mode})"
+        self.description = f"vllm {vllm_version()} prefill ({settings.dtype}, {settings.mode})"
         self.dir = tempfile.mkdtemp(prefix="specdistill-hidden-")
         self.vllm, self.llm = start_llm(
             model,

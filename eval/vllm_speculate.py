@@ -18,7 +18,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from specdistill.eval.round_stats import SpecStats
-from specdistill.eval.vllm_engine import VllmError, VllmSettings, release, start_llm
+from specdistill.eval.vllm_engine import (
+    VllmError,
+    VllmSettings,
+    release,
+    start_llm,
+    stopping,
+)
 
 DRAFTS = "vllm:spec_decode_num_drafts"
 DRAFT_TOKENS = "vllm:spec_decode_num_draft_tokens"
@@ -97,7 +103,6 @@ class VllmSpeculation:
                 "model": str(draft),
                 "num_speculative_tokens": gamma,
             }
-        self.draft, self.gamma = draft, gamma
         self.vllm, self.llm = start_llm(str(target), settings, log_stats=True, **options)
 
     def generate(
@@ -112,9 +117,8 @@ class VllmSpeculation:
         params = self.vllm.SamplingParams(
             temperature=temperature,
             max_tokens=max_new_tokens,
-            stop_token_ids=[] if eos_token_id is None else [eos_token_id],
-            ignore_eos=eos_token_id is None,  # else vLLM stops at the model's own EOS
             detokenize=False,
+            **stopping(eos_token_id),
         )
         inputs = [self.vllm.TokensPrompt(prompt_token_ids=list(map(int, p))) for p in prompts]
         before = counters(self.llm.get_metrics())

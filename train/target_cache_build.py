@@ -66,8 +66,8 @@ class HiddenStates(Protocol):
 
 class Prefetched:
     """A `HiddenStates` asked ahead for many sequences at once (an engine like vLLM batches
-    what it is given), then served one batch at a time; a sequence not asked ahead is
-    fetched when asked."""
+    what it is given), then served one batch at a time until the next `ahead` replaces them;
+    a sequence not asked ahead is fetched when asked."""
 
     def __init__(self, engine: HiddenStates):
         self.engine, self.description = engine, engine.description
@@ -83,7 +83,7 @@ class Prefetched:
         if missing:
             states = self.engine.hidden_states(missing)
             self.stored.update(zip(map(tuple, missing), states, strict=True))
-        return [self.stored.pop(k) if keys.count(k) == 1 else self.stored[k] for k in keys]
+        return [self.stored[k] for k in keys]
 
     def close(self) -> None:
         self.engine.close()
