@@ -38,7 +38,11 @@ def make_tokenizer(vocab_size: int = 320, corpus: list[str] = TEXT) -> PreTraine
     )
 
 
-def make_model(tokenizer, *, hidden: int, layers: int, seed: int) -> LlamaForCausalLM:
+def make_model(
+    tokenizer, *, hidden: int, layers: int, seed: int, init: float = 0.02, positions: int = 128
+) -> LlamaForCausalLM:
+    """A random Llama over `tokenizer`; `init`: the weights' standard deviation
+    (LlamaConfig's initializer_range, 0.02 its default)."""
     torch.manual_seed(seed)
     config = LlamaConfig(
         vocab_size=len(tokenizer),
@@ -47,7 +51,8 @@ def make_model(tokenizer, *, hidden: int, layers: int, seed: int) -> LlamaForCau
         num_hidden_layers=layers,
         num_attention_heads=2,
         num_key_value_heads=2,
-        max_position_embeddings=128,
+        max_position_embeddings=positions,
+        initializer_range=init,
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
     )
@@ -58,20 +63,10 @@ def save_sharp_target(tokenizer, out, *, hidden: int, layers: int, positions: in
     """A Llama target with peaked, context-dependent distributions (a default-init random
     target is near uniform, leaving a draft nothing to learn), saved with `tokenizer` to
     `out`; -> `out`."""
-    torch.manual_seed(5)
-    config = LlamaConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=hidden,
-        intermediate_size=2 * hidden,
-        num_hidden_layers=layers,
-        num_attention_heads=2,
-        num_key_value_heads=2,
-        max_position_embeddings=positions,
-        initializer_range=0.15,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
+    model = make_model(
+        tokenizer, hidden=hidden, layers=layers, seed=5, init=0.15, positions=positions
     )
-    LlamaForCausalLM(config).save_pretrained(out)
+    model.save_pretrained(out)
     tokenizer.save_pretrained(out)
     return out
 
