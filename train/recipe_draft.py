@@ -85,7 +85,8 @@ class DraftSection(Section):
         None,
         "V_d: the draft's output vocabulary, the most frequent loss-masked training tokens; "
         "eagle3: the head's; standalone and parallel: the draft's output head keeps only "
-        "those rows (FR-Spec; q = 0 outside V_d, exported as hf only). null: the target's V "
+        "those rows (FR-Spec; q = 0 outside V_d; a standalone one reaches vLLM and SGLang "
+        "over the whole vocabulary, a parallel one exports as hf only). null: the target's V "
         "(or the V_d a reduced draft.model was saved with)",
         ge=1,
     )

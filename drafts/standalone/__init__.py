@@ -19,8 +19,9 @@ for any draft (tests/eval/test_reduced_vocab_engine.py). What differs:
   with p renormalised over V_d);
 - the accepted-length loss's chains are sampled from the full-vocabulary logits (q = 0
   outside V_d, so every sampled token is in V_d) and handed to the loss in draft ids;
-- export: the `hf` format only. vLLM and SGLang load a draft model with the target's whole
-  output head; a K-row head with its d2t map is not a layout they read.
+- export: `hf` writes the K-row directory (this project's tools load it); vLLM and SGLang
+  load a draft model with the target's whole output head only, so `vllm` and `sglang` write
+  the plain causal LM over the whole vocabulary that it becomes (full_vocab.py).
 
 Its export writers (the plain causal-LM directory every format takes): export.py.
 """
@@ -198,20 +199,30 @@ class ReducedStandalone(Standalone):
         """The draft's d2t map: draft id i is target id i + d2t[i]."""
         return self.head.d2t
 
-    # training compares V_d columns; export: vLLM / SGLang cannot load a V_d output head
+    # training compares V_d columns; export: vLLM / SGLang get the whole vocabulary's head
     capabilities = replace(
         Standalone.capabilities,
         chunked_loss=False,
         vocab_targets=True,
-        formats=("hf",),
-        format_note=(
-            "a standalone draft with a reduced output vocabulary (draft.vocab_size) is not a "
-            "draft model vLLM or SGLang load; export it as hf (specdistill serve / speculate "
-            "load that directory)"
-        ),
+        export_as="reduced_causal_lm",
         refusals={
             "chunked_loss": "loss.chunk_size is not supported with draft.vocab_size (the "
             "draft's V_d logits are small): set loss.chunk_size=null",
+        },
+    )
+
+    # its export: the K-row directory as hf; over the whole vocabulary for the engines
+    exports = Exports(
+        writers={
+            "vllm": export.write_full_vocab,
+            "sglang": export.write_full_vocab,
+            "hf": export.write_causal_lm,
+        },
+        readers={"hf": export.read_causal_lm},
+        hints={
+            "vllm": export.VLLM_HINT,
+            "sglang": export.SGLANG_HINT,
+            "hf": "specdistill serve --target {target} --draft {out}",
         },
     )
 

@@ -13,6 +13,7 @@ from torch import nn
 
 from specdistill.drafts import verifier
 from specdistill.drafts.export import ExportError, Options, Plan
+from specdistill.drafts.standalone.full_vocab import full_vocab_model
 from specdistill.models import hub
 from specdistill.models.weights import (
     BrokenWeightsError,
@@ -58,6 +59,25 @@ def write_causal_lm(model: nn.Module, options: Options) -> Plan:
         model.save_pretrained(str(out))
         if not any(out.glob("*.safetensors")):
             raise ExportError(f"export wrote no safetensors weights in {out}")
+
+    return Plan(write, name, options.speculative_tokens or STANDALONE_TOKENS)
+
+
+def write_full_vocab(model: nn.Module, options: Options) -> Plan:
+    """A reduced-vocabulary draft for vLLM or SGLang: the plain causal LM over the whole
+    vocabulary that it becomes (full_vocab.py)."""
+    name = warn_vocab(model, options.verifier)
+    full, outside = full_vocab_model(model)
+
+    def write(out: Path) -> None:
+        print(
+            f"note: the reduced output head ({model.config.draft_vocab_size} rows) is written "
+            f"over the whole vocabulary ({full.config.vocab_size} rows) for the engine; every "
+            f"token outside it gets the logit -{outside.scale:.3g}·(h·u), h·u ≥ "
+            f"{outside.calibration_min:.3g} on the calibration text (full_vocab.py)",
+            file=sys.stderr,
+        )
+        write_causal_lm(full, options).write(out)
 
     return Plan(write, name, options.speculative_tokens or STANDALONE_TOKENS)
 

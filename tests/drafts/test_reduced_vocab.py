@@ -1,7 +1,8 @@
 """A standalone draft made of the target's layers (drafts/draft_init.py) and one with a reduced
 output vocabulary (drafts/standalone/reduced_vocab.py, `ReducedStandalone` in drafts/standalone/):
 q = 0 outside V_d, save / load through the project's loader with its map checked, the lean forward,
-the recipe's build, training depths and chains, and export."""
+the recipe's build, training depths and chains, and export (hf with its K rows; for vLLM
+and SGLang over the whole vocabulary, drafts/standalone/full_vocab.py)."""
 
 import json
 
@@ -278,23 +279,13 @@ def test_recipe_refuses_what_a_reduced_vocabulary_cannot_do(tiny_pair, tmp_path)
         recipe_for(tiny_pair, tmp_path, **{"draft.vocab_size": 50, "loss.chunk_size": 8})
 
 
-def test_export_refuses_vllm_and_writes_hf(tmp_path):
-    from specdistill.train.export import (
-        ExportError,
-        Options,
-        export,
-        export_with_plan,
-        load_export,
-        serve_hint,
-    )
+def test_export_writes_hf_with_its_k_rows(tmp_path):
+    from specdistill.train.export import Options, export_with_plan, load_export, serve_hint
     from tests.helpers import make_tokenizer
 
     _, draft, _ = reduced()
     draft.save_pretrained(tmp_path / "d")
     make_tokenizer(VOCAB).save_pretrained(tmp_path / "d")
-    for fmt in ("vllm", "sglang"):
-        with pytest.raises(ExportError, match="export it as hf"):
-            export(tmp_path / "d", fmt, tmp_path / fmt)
     options = Options(source=tmp_path / "d")
     out, kind, plan = export_with_plan(tmp_path / "d", "hf", tmp_path / "hf", options)
     assert json.loads((out / "config.json").read_text())["draft_vocab_size"] == K
@@ -302,3 +293,53 @@ def test_export_refuses_vllm_and_writes_hf(tmp_path):
     assert serve_hint("hf", kind, out, plan).startswith("specdistill serve --target")
     back = load_export(out, "hf")
     assert torch.equal(back.lm_head.d2t, draft.lm_head.d2t)
+
+
+def massive(draft, value: float = 4.0):
+    """`draft` with one hidden dimension carried large by every token, as a trained causal
+    LM's massive activations are (the common direction full_vocab.py relies on)."""
+    with torch.no_grad():
+        draft.model.embed_tokens.weight[:, 0] += value
+    return draft
+
+
+@pytest.mark.parametrize("fmt", ["vllm", "sglang"])
+def test_the_engines_get_the_whole_vocabulary_with_v_d_unchanged(tmp_path, fmt):
+    """vLLM and SGLang load a plain causal LM over the whole vocabulary: its V_d logits are
+    the draft's, its argmax the draft's, and the tokens outside V_d lie far below (no
+    probability mass at T = 1), on text other than the calibration's."""
+    from specdistill.train.export import export_with_plan, load_export, Options
+    from tests.helpers import make_tokenizer
+
+    _, draft, _ = reduced()
+    massive(draft).save_pretrained(tmp_path / "d")
+    make_tokenizer(VOCAB).save_pretrained(tmp_path / "d")
+    out = export_with_plan(tmp_path / "d", fmt, tmp_path / fmt, Options(source=tmp_path / "d"))[0]
+    config = json.loads((out / "config.json").read_text())
+    assert config["model_type"] == "llama" and config["vocab_size"] == VOCAB
+    assert "draft_vocab_size" not in config
+    full = load_export(out, fmt)
+    assert drafts.detect(out) is drafts.Standalone
+    ids = torch.randint(0, VOCAB, (4, 24), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        ours, theirs = draft(input_ids=ids).logits, full(input_ids=ids).logits
+    inside = draft.lm_head.draft_ids()
+    outside = torch.ones(VOCAB, dtype=torch.bool)
+    outside[inside] = False
+    torch.testing.assert_close(theirs[..., inside], ours[..., inside], rtol=0, atol=1e-5)
+    assert torch.equal(theirs.argmax(-1), ours.argmax(-1))
+    gap = theirs[..., inside].max(-1).values - theirs[..., outside].max(-1).values
+    assert float(gap.min()) > 30
+    assert float(torch.softmax(theirs, -1)[..., outside].sum(-1).max()) < 1e-9
+
+
+def test_a_draft_without_a_common_direction_is_refused_for_the_engines(tmp_path):
+    from specdistill.train.export import ExportError, export
+    from tests.helpers import make_tokenizer
+
+    _, draft, _ = reduced()  # random weights: its hidden states point every way
+    draft.save_pretrained(tmp_path / "d")
+    make_tokenizer(VOCAB).save_pretrained(tmp_path / "d")
+    with pytest.raises(ExportError, match="share no common direction.*export it as hf"):
+        export(tmp_path / "d", "vllm", tmp_path / "vllm")
+    assert not (tmp_path / "vllm").exists()

@@ -87,8 +87,8 @@ def test_every_draft_type_satisfies_the_protocol(models):
 
 def test_the_reduced_vocabulary_variant_is_the_standalone_type(models):
     """A standalone draft with a reduced output head (drafts/standalone/reduced_vocab.py) is a
-    variant of the standalone type, not a fourth type: same name, its own V_d map and export
-    formats."""
+    variant of the standalone type, not a fourth type: same name, its own V_d map and its own
+    way of being exported."""
     from specdistill.drafts import ReducedStandalone
     from specdistill.drafts.standalone.reduced_vocab import with_reduced_head
     from specdistill.drafts.vocab_map import build_vocab_map
@@ -99,7 +99,8 @@ def test_the_reduced_vocabulary_variant_is_the_standalone_type(models):
     kind = ReducedStandalone(96, reduced.lm_head)
     assert isinstance(kind, DraftType) and isinstance(kind, Standalone)
     assert kind.name == "standalone" and kind.d2t is reduced.d2t
-    assert kind.capabilities.formats == ("hf",)
+    assert kind.capabilities.export_as == "reduced_causal_lm"
+    assert kind.exports is not Standalone.exports
     assert drafts.type_of(reduced) is ReducedStandalone
     assert isinstance(drafts.drafter_for(reduced, 96, torch.device("cpu")), Drafter)
     assert drafts.compared_vocab_size(target, draft=reduced) == 96  # its V, not its V_d

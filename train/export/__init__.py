@@ -290,7 +290,7 @@ def serve_hint(fmt: str, kind, out, plan: Plan) -> str:
     """How the inference engine of `fmt` serves an export (`export_with_plan`'s result)."""
     tokens = plan.speculative_tokens
     can = kind.capabilities
-    if "vllm" not in can.formats:  # e.g. a reduced output vocabulary: only this project loads it
+    if "vllm" not in can.formats:  # only this project loads it
         return f"specdistill serve --target {plan.verifier or 'TARGET'} --draft {out}"
     return formats.hints(fmt)[can.export_as].format(
         out=out, target=plan.verifier or "TARGET", tokens=tokens, draft_tokens=tokens + 1
