@@ -67,6 +67,9 @@ class Capabilities:
     # the key of the type's `exports` in the export's tables (train/export/): types written
     # alike (a type and its variants) share it and one `Exports`
     export_as: str = "causal_lm"
+    # the keys of vLLM's `speculative_config` (beside the model and the number of tokens)
+    # that decode the type's `vllm` export; empty: vLLM does not decode it
+    vllm_speculation: Mapping[str, object] = field(default_factory=dict)
     # capability -> the one-line error of a recipe that asks for it
     refusals: Mapping[str, str] = field(default_factory=dict)
 

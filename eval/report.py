@@ -19,6 +19,8 @@ from specdistill.eval.lossless import GreedyCheck, markdown_lines
 from specdistill.eval.prompts import Prompt, prompt_text
 from specdistill.eval.report_plots import write_plots
 from specdistill.eval.sweep import Settings
+from specdistill.eval.vllm_compare import VllmEntry
+from specdistill.eval.vllm_compare import markdown_lines as vllm_lines
 
 # ----------------------------------------------------------------------------- report.json
 
@@ -148,6 +150,7 @@ class SpeculateReport(_Strict):
     configs: list[ConfigEntry]
     best_gamma: dict[str, BestGamma]
     meta: SpeculateMeta | None = None
+    vllm: list[VllmEntry] | None = None  # --engine vllm: vLLM beside this engine
 
     @classmethod
     def of(cls, result: dict) -> "SpeculateReport":
@@ -291,6 +294,7 @@ def _markdown(result: dict) -> str:
     lines += _tau_lines(result)
     lines += _slot_lines(result["configs"])
     lines += markdown_lines(result["configs"])
+    lines += vllm_lines(result.get("vllm") or [])
     lines += [
         "",
         "## Plots",

@@ -173,6 +173,18 @@ def build_parser() -> argparse.ArgumentParser:
         choices=["float32", "bfloat16", "float16"],
         help="the models' dtype",
     )
+    parser.add_argument(
+        "--engine",
+        default="specdistill",
+        choices=["specdistill", "vllm"],
+        help="vllm: also decode the prompts in vLLM with the draft's vLLM export, and report "
+        "both engines side by side (eval/vllm_compare.py; fixed γ only)",
+    )
+    parser.add_argument(
+        "--vllm-compile",
+        action="store_true",
+        help="with --engine vllm: let vLLM compile the models (a slower start, faster decoding)",
+    )
     threads.add_argument(parser)
     return parser
 
@@ -184,6 +196,14 @@ def main(argv: Sequence[str] | None = None) -> dict:
 
     # A bad prompt file or --out fails now, not after the models have loaded and decoded.
     prompts = load_prompts(args.prompts, limit=args.num_prompts)
+    if args.engine == "vllm":
+        from specdistill.eval.vllm_engine import check_installed  # lazy: --help loads no torch
+
+        check_installed("speculate --engine vllm")
+        if any(not isinstance(g, int) for g in args.gamma) or args.adaptive:
+            parser.error(
+                '--engine vllm compares fixed γ: give --gamma numbers, no "auto" or --adaptive'
+            )
     if problem := _check_out_dir(args.out):
         parser.error(f"--out: {problem}")
     with claimed_output_dir(args.out, overwrite=args.overwrite):
@@ -249,9 +269,28 @@ def _run(args, prompts) -> dict:
         "cores": usable_cores(),
         "busy_load_average": progress.busiest and progress.busiest.load1,
     }
+    if args.engine == "vllm":
+        result["vllm"] = _vllm_entries(args, draft, prompt_ids, result, runs, settings)
     report.write(result, runs, prompts, tokenizer, args.out)
     print(console_summary(result, args.out))
     return result
+
+
+def _vllm_entries(args, draft, prompt_ids, result, runs, settings) -> list[dict]:
+    """The sweep's fixed-γ configurations decoded again by vLLM (eval/vllm_compare.py)."""
+    from specdistill.eval import vllm_compare  # lazy: --help loads no torch
+
+    run = vllm_compare.VllmRunSettings(
+        dtype=args.dtype,
+        compile=args.vllm_compile,
+        batch_size=args.batch_size,
+        threads=args.threads,
+        seed=args.seed,
+        max_new_tokens=settings.max_new_tokens,
+        eos_token_id=settings.eos_token_id,
+    )
+    entries = vllm_compare.compare(args.target, draft, args.draft, prompt_ids, result, runs, run)
+    return [e.model_dump() for e in entries]
 
 
 if __name__ == "__main__":

@@ -59,10 +59,11 @@ INSTALL = (
 )
 
 
-def check_installed() -> None:
-    """VllmError naming the install when vLLM is not installed (nothing is imported)."""
+def check_installed(asker: str = "prepare.engine vllm") -> None:
+    """VllmError naming `asker` and the install when vLLM is not installed (nothing is
+    imported)."""
     if importlib.util.find_spec("vllm") is None:
-        raise VllmError(f"prepare.engine vllm needs vLLM, which is not installed: {INSTALL}")
+        raise VllmError(f"{asker} needs vLLM, which is not installed: {INSTALL}")
 
 
 def import_vllm():

@@ -3,7 +3,9 @@
 project's `SpecStats` (eval/round_stats.py: the same meanings, vLLM's), so that the project's
 engine and the engine users deploy are compared on the same prompts, number for number.
 
-    run = VllmSpeculation(target_dir, VllmSettings(), draft=export_dir, gamma=3)
+    run = VllmSpeculation(
+        target_dir, VllmSettings(), draft=export_dir, speculation={"method": "eagle3"}, gamma=3
+    )
     out = run.generate(prompts, temperature=0.0, max_new_tokens=64, eos_token_id=2)
     out.stats.as_dict()["mean_acceptance_length"]    # vLLM's, over this call's rounds
     run.close()
@@ -14,7 +16,7 @@ of the totals before and after it.
 """
 
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from specdistill.eval.round_stats import SpecStats
@@ -82,8 +84,12 @@ def difference(after: SpecStats, before: SpecStats) -> SpecStats:
 
 class VllmSpeculation:
     """vLLM's `LLM` over the model directory `target`, with `draft` (an export's directory)
-    proposing `gamma` tokens a round by `method` (vLLM's name: "eagle3", "draft_model"), or
-    alone."""
+    proposing `gamma` tokens a round as `speculation` says (the draft type's
+    `capabilities.vllm_speculation`: vLLM's method and its options), or alone.
+
+    The draft samples its proposals from its own distribution at the request's temperature
+    (vLLM's `draft_sample_method="probabilistic"`, the rule this project's engine follows;
+    vLLM's default proposes its argmax at every temperature)."""
 
     def __init__(
         self,
@@ -91,7 +97,7 @@ class VllmSpeculation:
         settings: VllmSettings,
         *,
         draft: str | None = None,
-        method: str = "eagle3",
+        speculation: Mapping[str, object] | None = None,
         gamma: int = 3,
     ):
         if draft is not None and gamma < 1:
@@ -99,7 +105,9 @@ class VllmSpeculation:
         options = {}
         if draft is not None:
             options["speculative_config"] = {
-                "method": method,
+                "method": "eagle3",
+                "draft_sample_method": "probabilistic",
+                **(speculation or {}),
                 "model": str(draft),
                 "num_speculative_tokens": gamma,
             }

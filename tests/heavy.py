@@ -44,6 +44,8 @@ HEAVY = {
     "tests/train/test_prepare_vllm.py::test_an_eagle3_heads_cache_from_vllms_prefill_is_the_forwards",
     "tests/eval/test_vllm_features.py::test_vllm_hidden_states_are_those_of_a_transformers_forward",
     "tests/eval/test_vllm_speculate.py::test_vllm_accepts_what_the_projects_engine_accepts",
+    "tests/eval/test_vllm_compare.py::test_greedy_decoding_agrees_number_for_number",
+    "tests/eval/test_vllm_compare.py::test_sampled_decoding_agrees_when_the_draft_is_the_target",
     # the real registry model: fetched from the package index on first use (98 MB)
     "tests/models/test_registry.py::test_the_real_smollm2_package_answers_and_speculates_losslessly",
 }

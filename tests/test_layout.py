@@ -408,7 +408,7 @@ def test_no_module_or_class_over_the_size_limits():
 LAZY_IMPORTS = {
     "data": 1,  # datasets
     "drafts": 1,  # peft
-    "eval": 29,  # speculate and drift (--help: 20), matplotlib (8), vllm (optional)
+    "eval": 31,  # speculate and drift (--help: 22), matplotlib (8), vllm (optional)
     "models": 3,  # peft, the per-call hub of target_spec (2)
     "serve": 5,  # serve and convert-traffic (--help)
     "specdistill": 7,  # the utilities and the online demo (--help: 5), matplotlib (2)

@@ -59,6 +59,7 @@ class Eagle3:
         writes_text=False,
         formats=("vllm", "sglang", "hf"),
         export_as="eagle3_head",
+        vllm_speculation={"method": "eagle3"},
         refusals={
             "lora": "draft.lora applies to a standalone draft; an eagle3 head is trained in full",
             "chunked_loss": "loss.chunk_size is not supported for draft.type=eagle3 (its V_d "

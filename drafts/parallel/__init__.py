@@ -195,6 +195,7 @@ class Parallel:
         accepted_length=False,
         formats=("vllm", "hf"),  # vLLM's parallel drafting loads a causal LM with `pard_token`
         export_as="parallel_lm",
+        vllm_speculation={"method": "draft_model", "parallel_drafting": True},
         refusals={
             "lora": "draft.lora with draft.type=parallel: the mask token's embedding must "
             "train; set draft.lora.r=0 (full fine-tuning)",
@@ -373,6 +374,7 @@ class ReducedParallel(Parallel):
         Parallel.capabilities,
         vocab_targets=True,  # target.cache over its V_d columns (`stored_depths`)
         formats=("hf",),
+        vllm_speculation={},
         format_note=(
             "a parallel draft with a reduced output vocabulary (draft.vocab_size) is not a "
             "draft model vLLM loads; export it as hf (specdistill serve / speculate load that "

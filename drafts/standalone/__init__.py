@@ -66,7 +66,9 @@ class Standalone:
     d2t = None
     feature_layers = None  # reads the target's logits only
     # every capability; exported as a plain HF directory, which every format holds
-    capabilities = Capabilities(formats=("vllm", "sglang", "hf"))
+    capabilities = Capabilities(
+        formats=("vllm", "sglang", "hf"), vllm_speculation={"method": "draft_model"}
+    )
     # its export (drafts/export.py): the causal-LM directory in every format (export.py)
     exports = Exports(
         writers={

@@ -308,7 +308,7 @@ def test_the_engines_get_the_whole_vocabulary_with_v_d_unchanged(tmp_path, fmt):
     """vLLM and SGLang load a plain causal LM over the whole vocabulary: its V_d logits are
     the draft's, its argmax the draft's, and the tokens outside V_d lie far below (no
     probability mass at T = 1), on text other than the calibration's."""
-    from specdistill.train.export import export_with_plan, load_export, Options
+    from specdistill.train.export import Options, export_with_plan, load_export
     from tests.helpers import make_tokenizer
 
     _, draft, _ = reduced()
