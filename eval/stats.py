@@ -26,10 +26,17 @@ from specdistill.models.kv_cache import eval_mode
 # ----------------------------------------------------------------------------- τ formulas
 
 
+# How far an α summed in floating point (Σ min(p, q)) may stray outside [0, 1]: a draft that
+# is its target gives 1 + 7e-9 in float32.
+ALPHA_ROUNDING = 1e-5
+
+
 def tau_iid(alpha: float, gamma: int) -> float:
-    """Expected tokens per round for i.i.d. acceptance `alpha`: (1 − α^(γ+1)) / (1 − α)."""
-    if not 0.0 <= alpha <= 1.0:
+    """Expected tokens per round for i.i.d. acceptance `alpha`: (1 − α^(γ+1)) / (1 − α);
+    α within `ALPHA_ROUNDING` outside [0, 1] is rounding and is clamped."""
+    if not -ALPHA_ROUNDING <= alpha <= 1.0 + ALPHA_ROUNDING:
         raise ValueError(f"alpha must be in [0, 1], got {alpha}")
+    alpha = min(max(alpha, 0.0), 1.0)
     if alpha == 1.0:
         return float(gamma + 1)
     return (1.0 - alpha ** (gamma + 1)) / (1.0 - alpha)

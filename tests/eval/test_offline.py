@@ -14,6 +14,8 @@ def test_tau_pred_closed_form():
     assert math.isclose(tau_iid(0.8, 3), 1 + 0.8 + 0.64 + 0.512)
     with pytest.raises(ValueError, match="alpha must be in"):
         tau_iid(1.2, 3)
+    # a draft that is its target sums Σ min(p, q) to 1 + rounding: clamped, not refused
+    assert tau_iid(1.0000000071401398, 3) == 4.0 and tau_iid(-1e-9, 3) == 1.0
 
 
 def test_summarise_and_empty():
