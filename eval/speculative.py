@@ -173,6 +173,13 @@ def build_parser() -> argparse.ArgumentParser:
         choices=["float32", "bfloat16", "float16"],
         help="the models' dtype",
     )
+    _engine_arguments(parser)
+    threads.add_argument(parser)
+    return parser
+
+
+def _engine_arguments(parser) -> None:
+    """--engine and its vLLM option."""
     parser.add_argument(
         "--engine",
         default="specdistill",
@@ -185,8 +192,6 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="with --engine vllm: let vLLM compile the models (a slower start, faster decoding)",
     )
-    threads.add_argument(parser)
-    return parser
 
 
 def main(argv: Sequence[str] | None = None) -> dict:

@@ -12,7 +12,9 @@ equals vLLM's target alone, and the project's target alone. γ "auto" and "adapt
 vLLM counterpart and are left out.
 
 Both engines sample the draft's proposals from its distribution at the request's temperature
-(vLLM's `draft_sample_method="probabilistic"`), so at T = 1 the two accept by the same rule.
+(vLLM's `draft_sample_method="probabilistic"`), so at T = 1 the two accept by the same rule;
+a type whose export holds only for greedy proposals says so in its keys (a reduced-vocabulary
+standalone draft: drafts/standalone/full_vocab.py), and vLLM then proposes its argmax.
 vLLM decodes the last tokens of a request in rounds of their own, which the project's engine
 folds into its last round: its τ comes out slightly lower on short answers.
 """

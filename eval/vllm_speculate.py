@@ -89,7 +89,8 @@ class VllmSpeculation:
 
     The draft samples its proposals from its own distribution at the request's temperature
     (vLLM's `draft_sample_method="probabilistic"`, the rule this project's engine follows;
-    vLLM's default proposes its argmax at every temperature)."""
+    vLLM's default proposes its argmax at every temperature), unless `speculation` says
+    otherwise."""
 
     def __init__(
         self,

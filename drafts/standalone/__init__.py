@@ -207,6 +207,8 @@ class ReducedStandalone(Standalone):
         chunked_loss=False,
         vocab_targets=True,
         export_as="reduced_causal_lm",
+        # its vLLM export is the draft's own under greedy proposals only (full_vocab.py)
+        vllm_speculation={"method": "draft_model", "draft_sample_method": "greedy"},
         refusals={
             "chunked_loss": "loss.chunk_size is not supported with draft.vocab_size (the "
             "draft's V_d logits are small): set loss.chunk_size=null",

@@ -65,19 +65,11 @@ def write_causal_lm(model: nn.Module, options: Options) -> Plan:
 
 def write_full_vocab(model: nn.Module, options: Options) -> Plan:
     """A reduced-vocabulary draft for vLLM or SGLang: the plain causal LM over the whole
-    vocabulary that it becomes (full_vocab.py)."""
+    vocabulary that it becomes (full_vocab.py), made when the plan is written."""
     name = warn_vocab(model, options.verifier)
-    full, outside = full_vocab_model(model)
 
     def write(out: Path) -> None:
-        print(
-            f"note: the reduced output head ({model.config.draft_vocab_size} rows) is written "
-            f"over the whole vocabulary ({full.config.vocab_size} rows) for the engine; every "
-            f"token outside it gets the logit -{outside.scale:.3g}·(h·u), h·u ≥ "
-            f"{outside.calibration_min:.3g} on the calibration text (full_vocab.py)",
-            file=sys.stderr,
-        )
-        write_causal_lm(full, options).write(out)
+        write_causal_lm(full_vocab_model(model), options).write(out)
 
     return Plan(write, name, options.speculative_tokens or STANDALONE_TOKENS)
 

@@ -295,24 +295,16 @@ def test_export_writes_hf_with_its_k_rows(tmp_path):
     assert torch.equal(back.lm_head.d2t, draft.lm_head.d2t)
 
 
-def massive(draft, value: float = 4.0):
-    """`draft` with one hidden dimension carried large by every token, as a trained causal
-    LM's massive activations are (the common direction full_vocab.py relies on)."""
-    with torch.no_grad():
-        draft.model.embed_tokens.weight[:, 0] += value
-    return draft
-
-
 @pytest.mark.parametrize("fmt", ["vllm", "sglang"])
 def test_the_engines_get_the_whole_vocabulary_with_v_d_unchanged(tmp_path, fmt):
     """vLLM and SGLang load a plain causal LM over the whole vocabulary: its V_d logits are
-    the draft's, its argmax the draft's, and the tokens outside V_d lie far below (no
-    probability mass at T = 1), on text other than the calibration's."""
+    the draft's, every other logit is 0, so its argmax is the draft's wherever the draft's
+    best logit is positive."""
     from specdistill.train.export import Options, export_with_plan, load_export
     from tests.helpers import make_tokenizer
 
     _, draft, _ = reduced()
-    massive(draft).save_pretrained(tmp_path / "d")
+    draft.save_pretrained(tmp_path / "d")
     make_tokenizer(VOCAB).save_pretrained(tmp_path / "d")
     out = export_with_plan(tmp_path / "d", fmt, tmp_path / fmt, Options(source=tmp_path / "d"))[0]
     config = json.loads((out / "config.json").read_text())
@@ -327,19 +319,22 @@ def test_the_engines_get_the_whole_vocabulary_with_v_d_unchanged(tmp_path, fmt):
     outside = torch.ones(VOCAB, dtype=torch.bool)
     outside[inside] = False
     torch.testing.assert_close(theirs[..., inside], ours[..., inside], rtol=0, atol=1e-5)
-    assert torch.equal(theirs.argmax(-1), ours.argmax(-1))
-    gap = theirs[..., inside].max(-1).values - theirs[..., outside].max(-1).values
-    assert float(gap.min()) > 30
-    assert float(torch.softmax(theirs, -1)[..., outside].sum(-1).max()) < 1e-9
+    assert torch.equal(theirs[..., outside], torch.zeros_like(theirs[..., outside]))
+    positive = ours.max(-1).values > 0
+    assert positive.float().mean() > 0.5  # the check below is not empty
+    assert torch.equal(theirs.argmax(-1)[positive], ours.argmax(-1)[positive])
 
 
-def test_a_draft_without_a_common_direction_is_refused_for_the_engines(tmp_path):
-    from specdistill.train.export import ExportError, export
+def test_the_export_warns_where_the_best_logit_is_not_positive(tmp_path, capsys):
+    from specdistill.train.export import export
     from tests.helpers import make_tokenizer
 
-    _, draft, _ = reduced()  # random weights: its hidden states point every way
+    _, draft, _ = reduced()
+    with torch.no_grad():
+        draft.lm_head.weight.zero_()  # every logit 0: the engine's argmax is anyone's
     draft.save_pretrained(tmp_path / "d")
     make_tokenizer(VOCAB).save_pretrained(tmp_path / "d")
-    with pytest.raises(ExportError, match="share no common direction.*export it as hf"):
-        export(tmp_path / "d", "vllm", tmp_path / "vllm")
-    assert not (tmp_path / "vllm").exists()
+    export(tmp_path / "d", "vllm", tmp_path / "vllm")
+    err = capsys.readouterr().err
+    assert "lowest on the calibration text: 0)" in err
+    assert "warning: the draft's best logit is not positive everywhere" in err

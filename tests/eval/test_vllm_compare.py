@@ -64,12 +64,6 @@ def pair(tiny_pair, tmp_path):
     tokenizer = AutoTokenizer.from_pretrained(tiny_pair[0])
     # head size 32 (vLLM's CPU attention has none of 16)
     target = save_sharp_target(tokenizer, tmp_path / "target", hidden=64, layers=4, positions=512)
-    # one hidden dimension carried large by every token, as a trained causal LM's massive
-    # activations are: the common direction a reduced head's export relies on (full_vocab.py)
-    model = LlamaForCausalLM.from_pretrained(target, dtype=torch.float32)
-    with torch.no_grad():
-        model.model.embed_tokens.weight[:, 0] += 1.0
-    model.save_pretrained(target)
     prompts = tmp_path / "prompts.txt"
     lines = [p.read_text().splitlines()[0] for p in sorted(tiny_pair[2].glob("f*.py"))[:12]]
     prompts.write_text("\n".join(lines) + "\n")

