@@ -221,7 +221,7 @@ def _run(args, prompts) -> dict:
 
     from specdistill import drafts  # lazy: --help loads no torch
     from specdistill.drafts.loader import load_draft  # lazy: --help loads no torch
-    from specdistill.eval import report, sweep  # lazy: --help loads no torch
+    from specdistill.eval import report, sweep, vllm_compare  # lazy: --help loads no torch
     from specdistill.eval.prompts import encode_prompts  # lazy: --help loads no torch
     from specdistill.eval.report_console import console_summary  # lazy: --help loads no torch
 
@@ -234,6 +234,8 @@ def _run(args, prompts) -> dict:
     tokenizer = target_spec.load_tokenizer(spec)  # first: the draft is checked against it
     draft = load_draft(args.draft, dtype=args.dtype)
     kind = drafts.type_of(draft)
+    if args.engine == "vllm":  # a draft vLLM cannot decode is refused before the sweep
+        vllm_compare.speculation_of(draft)
     if kind.own_tokenizer:
         check_tokenizers(tokenizer, load_tokenizer(args.draft), args.target, args.draft)
     elif kind.vocab_size_of(draft) > len(tokenizer):

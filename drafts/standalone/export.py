@@ -54,24 +54,29 @@ def warn_vocab(model, name: str | None) -> str | None:
 def write_causal_lm(model: nn.Module, options: Options) -> Plan:
     """Every format writes a standalone draft as this plain causal-LM directory."""
     name = warn_vocab(model, options.verifier)
+    return Plan(
+        lambda out: save_causal_lm(model, out),
+        name,
+        options.speculative_tokens or STANDALONE_TOKENS,
+    )
 
-    def write(out: Path) -> None:
-        model.save_pretrained(str(out))
-        if not any(out.glob("*.safetensors")):
-            raise ExportError(f"export wrote no safetensors weights in {out}")
 
-    return Plan(write, name, options.speculative_tokens or STANDALONE_TOKENS)
+def save_causal_lm(model: nn.Module, out: Path) -> None:
+    """`model` saved into `out`; ExportError when no safetensors weights were written."""
+    model.save_pretrained(str(out))
+    if not any(out.glob("*.safetensors")):
+        raise ExportError(f"export wrote no safetensors weights in {out}")
 
 
 def write_full_vocab(model: nn.Module, options: Options) -> Plan:
     """A reduced-vocabulary draft for vLLM or SGLang: the plain causal LM over the whole
     vocabulary that it becomes (full_vocab.py), made when the plan is written."""
     name = warn_vocab(model, options.verifier)
-
-    def write(out: Path) -> None:
-        write_causal_lm(full_vocab_model(model), options).write(out)
-
-    return Plan(write, name, options.speculative_tokens or STANDALONE_TOKENS)
+    return Plan(
+        lambda out: save_causal_lm(full_vocab_model(model), out),
+        name,
+        options.speculative_tokens or STANDALONE_TOKENS,
+    )
 
 
 def read_causal_lm(directory: Path) -> nn.Module:
