@@ -115,14 +115,23 @@ class VllmAnswers:
     finish_reasons: list[str] = field(default_factory=list)
 
 
-def _cpu_environment(settings: VllmSettings) -> None:
-    """vLLM's CPU variables, each only where the environment does not set it already."""
+def cpu_environment(settings: VllmSettings) -> dict[str, str]:
+    """vLLM's CPU variables for `settings`: its threads bound to this process's cores (none
+    reserved), its KV memory."""
     cores = sorted(os.sched_getaffinity(0))
     n = settings.threads or len(cores)
+    return {
+        "VLLM_CPU_OMP_THREADS_BIND": ",".join(map(str, cores[:n])),
+        "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
+        "VLLM_CPU_KVCACHE_SPACE": f"{settings.kv_cache_gib:g}",
+    }
+
+
+def _cpu_environment(settings: VllmSettings) -> None:
+    """vLLM's CPU variables, each only where the environment does not set it already."""
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", ",".join(map(str, cores[:n])))
-    os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", f"{settings.kv_cache_gib:g}")
+    for name, value in cpu_environment(settings).items():
+        os.environ.setdefault(name, value)
 
 
 def start_llm(model: str, settings: VllmSettings, *, log_stats: bool = False, **options) -> tuple:

@@ -34,6 +34,18 @@ ACCEPTED = "vllm:spec_decode_num_accepted_tokens"
 PER_POSITION = "vllm:spec_decode_num_accepted_tokens_per_pos"
 
 
+def speculative_config(draft, speculation: Mapping[str, object] | None, gamma: int) -> dict:
+    """vLLM's `speculative_config` for the exported `draft` directory: the draft type's keys
+    (`speculation`) over EAGLE-3 with probabilistic proposals (this project's rule)."""
+    return {
+        "method": "eagle3",
+        "draft_sample_method": "probabilistic",
+        **(speculation or {}),
+        "model": str(draft),
+        "num_speculative_tokens": gamma,
+    }
+
+
 @dataclass
 class VllmRun:
     """One `generate` call: per prompt the generated ids (the stop token included), vLLM's
@@ -105,13 +117,7 @@ class VllmSpeculation:
             raise VllmError(f"a draft proposes at least 1 token a round, got gamma {gamma}")
         options = {}
         if draft is not None:
-            options["speculative_config"] = {
-                "method": "eagle3",
-                "draft_sample_method": "probabilistic",
-                **(speculation or {}),
-                "model": str(draft),
-                "num_speculative_tokens": gamma,
-            }
+            options["speculative_config"] = speculative_config(draft, speculation, gamma)
         self.vllm, self.llm = start_llm(str(target), settings, log_stats=True, **options)
 
     def generate(

@@ -90,11 +90,14 @@ def from_vllm(line: dict, tokenizer, target: dict, fallback_id: str = "") -> dic
         )
     else:
         prompt = request.get("prompt")
-        if not isinstance(prompt, str):
-            raise ConvertError("a completions request needs a string 'prompt'")
+        given_ids = _token_id_prompt(prompt)
+        if given_ids is None and not isinstance(prompt, str):
+            raise ConvertError("a completions request needs a 'prompt': a string or token ids")
         text = choice.get("text") or ""
         prompt_ids = choice.get("prompt_token_ids") or response.get("prompt_token_ids")
-        prompt_ids = prompt_ids or tokenizer.encode(prompt, add_special_tokens=False)
+        if given_ids is not None and prompt_ids and list(prompt_ids) != given_ids:
+            raise ConvertError("the response's prompt_token_ids differ from the prompt's ids")
+        prompt_ids = prompt_ids or given_ids or tokenizer.encode(prompt, add_special_tokens=False)
     completion_ids = choice.get("token_ids") or tokenizer.encode(text, add_special_tokens=False)
     if not completion_ids:
         raise ConvertError("an empty completion (no completion tokens to learn from)")
@@ -131,6 +134,14 @@ def from_vllm(line: dict, tokenizer, target: dict, fallback_id: str = "") -> dic
         created=response.get("created"),
         latency_s=line.get("latency_s"),
     )
+
+
+def _token_id_prompt(prompt) -> list[int] | None:
+    """A completions prompt given as token ids (a non-empty list of non-negative ints)."""
+    if isinstance(prompt, list) and prompt:
+        if all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in prompt):
+            return list(prompt)
+    return None
 
 
 def chat_messages(messages) -> list[dict]:

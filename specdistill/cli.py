@@ -71,6 +71,10 @@ VERBS = {
         "specdistill.serve.convert_cli",
         "turn vLLM responses or SGLang request dumps into the traffic log",
     ),
+    "proxy": (
+        "specdistill.serve.proxy_cli",
+        "a logging proxy in front of vLLM's OpenAI server: its traffic for convert-traffic",
+    ),
 }
 
 

@@ -27,6 +27,24 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--target", default="embedded:code", help="the served target")
     p.add_argument(
+        "--engine",
+        choices=("specdistill", "vllm"),
+        default="specdistill",
+        help="who serves: this project's server, or vLLM's OpenAI server behind a logging "
+        "proxy, each promotion redeployed on a second server (vllm_loop.py; greedy requests)",
+    )
+    p.add_argument("--top-logprobs", type=int, default=20, help="--engine vllm: per token")
+    p.add_argument(
+        "--scrape-s", type=float, default=10.0, help="--engine vllm: seconds between readings"
+    )
+    p.add_argument(
+        "--trigger-drop",
+        type=float,
+        default=0.1,
+        help="--engine vllm: a window's served α this far below the trailing level asks the "
+        "job for a refresh (0: never)",
+    )
+    p.add_argument(
         "--shift",
         choices=("target", "traffic"),
         default="target",
@@ -85,6 +103,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.minutes <= 0 or args.minutes > MAX_MINUTES:
         parser.error(f"--minutes must be in (0, {MAX_MINUTES}]")
+    if args.engine == "vllm":
+        from specdistill.eval.vllm_engine import check_installed  # lazy: --help loads no torch
+
+        check_installed("online demo --engine vllm")
     quiet_third_party()
     from specdistill.online_demo.demo import run  # lazy: --help loads no torch
 

@@ -60,6 +60,7 @@ from specdistill.online_demo.report import (
 from specdistill.online_demo.training import fine_tune_target, fit_draft, recipe_for
 from specdistill.serve.options import ServeOptions
 from specdistill.serve.server import Server
+from specdistill.train.finetune import merge_adapter
 from specdistill.train.online.gate import sequence_alpha
 from specdistill.train.online.job import OnlineJob
 from specdistill.train.online.kept import KeptRecord
@@ -110,6 +111,7 @@ class Served:
     events: list
     job_result: dict
     job_errors: list[str]
+    vllm: dict | None = None  # --engine vllm: serve_behind_vllm's result
 
 
 @dataclass
@@ -193,8 +195,19 @@ def pools_and_evals(args, tokenizer, code: tuple[list, list]) -> tuple[dict, dic
 
 
 def serve_and_learn(args, out: Path, job, pools: dict, phase_seconds: list[float]) -> Served:
-    """The server on DIR/drafts with the traffic log, the online job following it on a
-    thread, and the load; then the clients, the server and the job are stopped."""
+    """The server on DIR/drafts with the traffic log (`--engine vllm`: vLLM behind a logging
+    proxy, vllm_loop.py), the online job following it on a thread, and the load; then the
+    clients, the server and the job are stopped."""
+    if args.engine == "vllm":
+        from specdistill.online_demo.vllm_loop import serve_behind_vllm  # vLLM's side only
+
+        events: list = []
+
+        def load(url: str, body) -> dict:
+            return run_load(url, pools, phase_seconds, args, events, out / "phases.jsonl", body)
+
+        got = serve_behind_vllm(args, out, job, pools, phase_seconds, load)
+        return Served(got["load"], events, got["job_result"], got["job_errors"], got)
     options = ServeOptions(
         target=args.target,
         drafts=str(out / "drafts"),
@@ -270,6 +283,9 @@ def demo(args) -> dict:
     phase_seconds = phase_lengths(args)
     code = split_pools(code_texts(args.max_code_files), args.seed)
     shift = shift_models(args, out, *code)
+    if args.engine == "vllm" and args.target_adapter is not None:
+        args.target = str(merge_adapter(args.target, Path(args.target_adapter), out / "target"))
+        args.target_adapter = None  # vLLM serves the merged weights; the job reads the same
     job = OnlineJob(recipe_for(args, out, "specdistill"), print=say)
     pools, evals = pools_and_evals(args, job.tokenizer, code)
     alpha_initial = offline_alpha(job, job.load_version("v000001"), evals)
@@ -306,8 +322,30 @@ def demo(args) -> dict:
         "plot": str(out / "served_alpha.png"),
         "wall_s": time.time() - t_start,
     }
+    if served.vllm is not None:
+        summary["vllm"] = vllm_summary(out, served, traffic)
     (out / "summary.json").write_text(json.dumps(summary, indent=1))
     return summary
+
+
+def vllm_summary(out: Path, served: Served, traffic: Traffic) -> dict:
+    """`--engine vllm`: served acceptance from vLLM's counters around the shift, the
+    redeploys, the proxy's counts; the plot DIR/served_alpha_vllm.png."""
+    from specdistill.online_demo.vllm_report import plot as plot_vllm
+    from specdistill.online_demo.vllm_report import shift_figures as vllm_figures
+
+    got = served.vllm
+    end = next((e["time"] for e in served.events if e["event"] == "end"), None)
+    figures = vllm_figures(got["windows"], traffic.starts, end, got["deployments"])
+    plot_vllm(out / "served_alpha_vllm.png", got["windows"], traffic.starts, got["deployments"])
+    return {
+        "from_metrics": figures,
+        "deployments": got["deployments"],
+        "proxy": got["proxy"],
+        "scrape_windows": len(got["windows"]),
+        "scrape_errors": got["scrape_errors"],
+        "plot": str(out / "served_alpha_vllm.png"),
+    }
 
 
 # ------------------------------------------------------------------------------ the summary

@@ -90,10 +90,25 @@ def complete(url: str, body: dict, timeout: float = 120) -> dict:
         return json.loads(response.read())
 
 
-def run_load(url: str, pools: dict, phase_seconds, args, events: list, log=None) -> dict:
+def own_server_body(args, n: int, category: str, prompt: list[int]) -> dict:
+    """A request to this project's server: temperature 1, a seed per request, the category."""
+    return {
+        "model": args.target,  # the Server serves it under its name
+        "prompt": prompt,
+        "max_tokens": args.max_tokens,
+        "temperature": 1.0,
+        "seed": n,
+        "metadata": {"category": category},
+    }
+
+
+def run_load(
+    url: str, pools: dict, phase_seconds, args, events: list, log=None, body=own_server_body
+) -> dict:
     """The clients: phase by phase, each client sends prompts one after another (one request
-    at a time per client thread, no retries). Each phase's start and the end go to `events`
-    and, as they happen, to the file `log` (one JSON line each), if given."""
+    at a time per client thread, no retries); `body(args, n, category, prompt)` is request n.
+    Each phase's start and the end go to `events` and, as they happen, to the file `log` (one
+    JSON line each), if given."""
 
     def event(e: dict) -> None:
         events.append(e)
@@ -109,16 +124,8 @@ def run_load(url: str, pools: dict, phase_seconds, args, events: list, log=None)
             with lock:
                 n = counter["n"]
                 counter["n"] += 1
-            body = {
-                "model": args.target,  # the Server serves it under its name
-                "prompt": pool[n % len(pool)],
-                "max_tokens": args.max_tokens,
-                "temperature": 1.0,
-                "seed": n,
-                "metadata": {"category": category},
-            }
             try:
-                out = complete(url, body)
+                out = complete(url, body(args, n, category, pool[n % len(pool)]))
                 with lock:
                     served.append({"id": out["id"], "category": category})
             except Exception as e:  # noqa: BLE001 - counted and reported

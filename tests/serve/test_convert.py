@@ -123,3 +123,24 @@ def test_cli_target_adapter_enters_the_identity(traffic_target, tiny_adapter, tm
     (record,) = read_traffic(out)
     assert record["target"]["identity"] == model_identity(path, adapter=str(tiny_adapter))
     assert record["target"]["identity"] != model_identity(path)
+
+
+def test_a_token_id_prompt_is_converted_with_its_ids(traffic_target, tmp_path):
+    _, tokenizer, identity = traffic_target
+    line = vllm_lines(tokenizer)[0]
+    ids = tokenizer.encode("def add(a, b):\n", add_special_tokens=False)
+    line["request"]["prompt"] = ids
+    other = json.loads(json.dumps(line))
+    other["response"]["id"] = "cmpl-other"
+    other["response"]["choices"][0]["prompt_token_ids"] = ids[:-1]  # not the prompt's
+    bad = json.loads(json.dumps(line))
+    bad["response"]["id"] = "cmpl-bad"
+    bad["request"]["prompt"] = [1, -2]
+    source = tmp_path / "proxy.jsonl"
+    source.write_text("".join(json.dumps(x) + "\n" for x in (line, other, bad)))
+    result = convert("vllm", [source], tokenizer, identity, tmp_path / "traffic")
+    (record,) = read_traffic(tmp_path / "traffic")
+    assert record["prompt_token_ids"] == ids and record["prompt"] == ids
+    assert result["converted"] == 1 and sum(result["rejected"].values()) == 2
+    rejects = (tmp_path / "traffic" / "rejects.jsonl").read_text()
+    assert "differ from the prompt's ids" in rejects and "string or token ids" in rejects

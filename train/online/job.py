@@ -214,6 +214,10 @@ class OnlineJob:
             time.sleep(o.poll_s)
         self.commit()
 
+    def request_refresh(self) -> None:
+        """A refresh as soon as online.min_refresh_records new records wait (thread-safe)."""
+        self.refresher.request()
+
     def _at_max_refreshes(self) -> bool:
         limit = self.ctx.online.max_refreshes
         return bool(limit and self.refresher.refreshes >= limit)

@@ -3,6 +3,7 @@ records and replay, the gate against the served incumbent, the decision logged; 
 (train/online/job.py) publishes a promotion (train/online/served.py) and commits."""
 
 import math
+import threading
 import time
 from dataclasses import dataclass, field
 
@@ -34,6 +35,7 @@ class Refresh:
     trained_ids: list[str] = field(default_factory=list)
     last_refresh: float = field(default_factory=time.time)
     on_policy: OnPolicy | None = field(init=False)
+    requested: threading.Event = field(default_factory=threading.Event)  # `request`: run one
     _said_sparse: bool = field(default=False, init=False)
 
     def __post_init__(self) -> None:
@@ -87,8 +89,15 @@ class Refresh:
         if n >= o.refresh_records:
             return True
         if n >= o.min_refresh_records:
+            if self.requested.is_set():
+                return True
             return final or time.time() - self.last_refresh >= o.refresh_seconds
         return False
+
+    def request(self) -> None:
+        """Run a refresh as soon as online.min_refresh_records new records wait (a drop in
+        served acceptance, seen by whoever watches the engine, asks for it)."""
+        self.requested.set()
 
     def sparse_targets(self, items: list[KeptRecord]) -> bool:
         """Whether a refresh on `items` trains on their top_logprobs (online.sparse_targets):
@@ -131,6 +140,7 @@ class Refresh:
         anything is committed or published; a non-finite loss that reaches the gate is a
         rejection under every policy."""
         ctx = self.ctx
+        self.requested.clear()
         fresh, replay = self._refresh_items()
         items = fresh + replay
         sparse = self.sparse_targets(items)
