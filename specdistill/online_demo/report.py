@@ -263,14 +263,21 @@ def shift_figures(
 
 
 # ------------------------------------------------------------------------------ plot
-def plot(path: Path, records, starts, promotions, window: int, figures=None) -> None:
-    """Served α (rolling `window` requests) over minutes, the phase changes and promotions
-    marked; with `figures` (ShiftFigures) the before / after / recovery / return windows
-    shaded and their α drawn as levels."""
+def pyplot():
+    """matplotlib's pyplot on the Agg backend (files only, no display)."""
     import matplotlib  # lazy: matplotlib only for the plots
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt  # lazy: pyplot once the Agg backend is set
+
+    return plt
+
+
+def plot(path: Path, records, starts, promotions, window: int, figures=None) -> None:
+    """Served α (rolling `window` requests) over minutes, the phase changes and promotions
+    marked; with `figures` (ShiftFigures) the before / after / recovery / return windows
+    shaded and their α drawn as levels."""
+    plt = pyplot()
 
     records = sorted((r for r in records if r.get("speculative")), key=lambda r: r["time"])
     t0 = starts[0]

@@ -19,6 +19,7 @@ decodes the drafts"), so served acceptance there would measure vLLM, not the dra
 """
 
 import json
+import os
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -28,6 +29,8 @@ from specdistill.eval.served_metrics import MetricsError, ServedCounters, Served
 from specdistill.eval.vllm_compare import export_draft, speculation_of
 from specdistill.eval.vllm_engine import VllmError, VllmSettings
 from specdistill.formats.published import read_current, version_draft_dir
+from specdistill.models import hub
+from specdistill.models.identity import model_identity
 from specdistill.online_demo.training import context_cut
 from specdistill.serve.convert import convert
 from specdistill.serve.proxy import LoggingProxy
@@ -88,7 +91,14 @@ class Deployment:
         self.server, self.version = self._server(version), version
         self.proxy = LoggingProxy(self.server.url, self.out / "proxy-log.jsonl")
         url = self.proxy.start()
-        self._event({"event": "started", "version": version, "start_s": time.time() - t0})
+        self._event(
+            {
+                "event": "started",
+                "version": version,
+                "url": self.server.url,
+                "start_s": time.time() - t0,
+            }
+        )
         return url
 
     def deploy(self, version: str, read: Callable[[str], object] | None = None) -> dict:
@@ -110,6 +120,7 @@ class Deployment:
             {
                 "event": "deployed",
                 "version": version,
+                "url": new.url,
                 "start_s": started - t0,
                 "switched": started,
                 "drained": drained,
@@ -237,11 +248,11 @@ def serve_behind_vllm(args, out: Path, job, pools: dict, phase_seconds, load) ->
     job following it on a thread, served acceptance scraped, each promotion redeployed; the
     load (`load(url, body)`: the clients' run) against the proxy. Then everything stops:
     {"load", "job_result", "job_errors", "deployments", "windows", "proxy"}."""
-    from specdistill.models import hub  # loads torch: the job has already
-    from specdistill.models.identity import model_identity
-
     root = out / "drafts"
-    engine = VllmSettings(kv_cache_gib=1.0, max_num_seqs=max(4, args.clients), threads=None)
+    cores = len(os.sched_getaffinity(0))  # vLLM leaves one core to the job (two: one each)
+    engine = VllmSettings(
+        kv_cache_gib=1.0, max_num_seqs=max(4, args.clients), threads=max(1, cores - 1)
+    )
     settings = VllmServerSettings(
         target=hub.local_model_dir(args.target) or args.target,  # embedded, registry: built
         name=SERVED_NAME,

@@ -12,6 +12,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from specdistill.eval.stats import alpha_from_counts
+from specdistill.online_demo.report import pyplot
 
 
 @dataclass
@@ -78,10 +79,7 @@ def shift_figures(windows: list[dict], starts: list[float], end: float, deployme
 
 def plot(path: Path, windows: list[dict], starts: list[float], deployments: list) -> None:
     """Served α and τ per scrape window over time; phase starts dashed, redeploys dotted."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     t0 = starts[0] if starts else 0.0
     shown = [w for w in windows if w["alpha"] is not None]
