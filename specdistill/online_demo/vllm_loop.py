@@ -167,7 +167,7 @@ class Scraper:
         *,
         drop: float = 0.1,
         trailing: int = 3,
-        min_rounds: int = 20,
+        min_rounds: int = 100,
     ):
         self.log, self.trigger = log, trigger
         self.drop, self.trailing, self.min_rounds = drop, trailing, min_rounds

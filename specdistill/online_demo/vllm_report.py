@@ -66,8 +66,13 @@ def shift_figures(windows: list[dict], starts: list[float], end: float, deployme
         "after_redeploy": _between(windows, first, back) if first is not None else [],
         "on_return": _between(windows, back, end),
     }
+    later = [t for t in switched if first is not None and first < t]
+    spans["first_version_after_shift"] = (
+        _between(windows, first, min(later + [back])) if first is not None else []
+    )
     figures = {name: asdict(pool(ws)) for name, ws in spans.items()}
     before = figures["before_shift"]["alpha"]
+    figures["recovery"] = recovery(windows, shift, back, switched, before)
     recovered = figures["after_redeploy"]["alpha"]
     returned = figures["on_return"]["alpha"]
     figures["first_redeploy_after_shift_s"] = None if first is None else first - shift
@@ -75,6 +80,20 @@ def shift_figures(windows: list[dict], starts: list[float], end: float, deployme
     figures["return_change"] = returned - before if None not in (before, returned) else None
     figures["redeploys"] = len(switched)
     return figures
+
+
+def recovery(windows, shift: float, back: float, switched, level, span: int = 3) -> dict:
+    """When served α after the shift is back to 95% of `level` (the pre-shift α), pooled
+    over `span` consecutive windows: seconds after the shift, and the redeploys by then."""
+    shifted = _between(windows, shift, back)
+    if level is None:
+        return {"seconds": None, "redeploys": None}
+    for i in range(span, len(shifted) + 1):
+        alpha = pool(shifted[i - span : i]).alpha
+        if alpha is not None and alpha >= 0.95 * level:
+            t = shifted[i - 1]["end"]
+            return {"seconds": t - shift, "redeploys": sum(shift < x <= t for x in switched)}
+    return {"seconds": None, "redeploys": None}
 
 
 def plot(path: Path, windows: list[dict], starts: list[float], deployments: list) -> None:

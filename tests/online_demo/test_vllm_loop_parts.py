@@ -103,3 +103,16 @@ def test_without_a_redeploy_in_the_shift_nothing_is_called_recovered():
     f = shift_figures([window(40, 100, 50)], [0.0, 30.0, 70.0], 100.0, [])
     assert f["after_redeploy"]["rounds"] == 0 and f["recovery_ratio"] is None
     assert pool([]).alpha is None
+
+
+def test_recovery_is_the_first_span_of_windows_back_at_95_percent():
+    windows = [window(10, 100, 150), window(20, 100, 150)]  # before: τ 2.5
+    shifted = [50, 60, 140, 150, 150, 150]  # accepted per 100 rounds, from t = 40
+    windows += [window(40 + 10 * i, 100, a) for i, a in enumerate(shifted)]
+    deployments = [{"event": "deployed", "switched": t} for t in (55.0, 75.0, 85.0)]
+    f = shift_figures(windows, [0.0, 30.0, 200.0], 210.0, deployments)
+    first = f["first_version_after_shift"]  # the windows ending in (55, 75]: at 60 and 70
+    assert first["windows"] == 2 and first["mean_accepted_length"] == pytest.approx(2.45)
+    # pooled over 3 windows, (140, 150, 150) is the first back at 95% of the level: it ends
+    # at t = 80, 50 s after the shift, after the redeploys at 55 and 75
+    assert f["recovery"] == {"seconds": pytest.approx(50.0), "redeploys": 2}
