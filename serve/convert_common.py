@@ -6,6 +6,7 @@ bounded nesting), the record's assembly, and the reading of JSON lines from byte
 import hashlib
 import json
 import math
+import re
 import time
 from pathlib import Path
 
@@ -157,18 +158,28 @@ def sampling_params(params: dict) -> dict:
     }
 
 
+TOKEN_ID = re.compile(r"token_id:(\d{1,9})")
+
+
 def category(request: dict) -> str | None:
     meta = request.get("metadata") or {}
     return meta.get("category") or request.get("category")
 
 
 def token_ids(tokenizer, tokens: list[str]) -> list[int]:
-    """Token strings (as engines print them in logprobs) -> ids; byte-level BPE strings map
-    directly, anything else is encoded."""
+    """Token strings (as engines print them in logprobs) -> ids: "token_id:N" (vLLM's
+    `--return-tokens-as-token-ids`, exact: decoded strings can be empty or collide) is N;
+    byte-level BPE strings map directly, anything else is encoded."""
     ids = tokenizer.convert_tokens_to_ids(tokens)
     unk = tokenizer.unk_token_id
     out = []
     for token, i in zip(tokens, ids, strict=True):
+        given = TOKEN_ID.fullmatch(token) if isinstance(token, str) else None
+        if given is not None:
+            if int(given.group(1)) >= len(tokenizer):
+                raise ConvertError(f"logprob token {token!r} is outside the target's vocabulary")
+            out.append(int(given.group(1)))
+            continue
         if i is None or (unk is not None and i == unk and token != tokenizer.unk_token):
             encoded = tokenizer.encode(token, add_special_tokens=False)
             if len(encoded) != 1:

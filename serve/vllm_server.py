@@ -55,7 +55,7 @@ class VllmServerSettings:
         argv = [sys.executable, "-m", ENTRY, "--model", self.target]
         argv += ["--served-model-name", self.name, "--host", "127.0.0.1", "--port", str(port)]
         argv += ["--dtype", e.dtype, "--seed", str(e.seed), "--max-num-seqs", str(e.max_num_seqs)]
-        argv += ["--max-logprobs", str(self.max_logprobs)]
+        argv += ["--max-logprobs", str(self.max_logprobs), "--return-tokens-as-token-ids"]
         argv += ["--per-request-spec-decode-metrics", "summary"]
         if self.max_model_len:
             argv += ["--max-model-len", str(self.max_model_len)]

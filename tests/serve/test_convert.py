@@ -144,3 +144,29 @@ def test_a_token_id_prompt_is_converted_with_its_ids(traffic_target, tmp_path):
     assert result["converted"] == 1 and sum(result["rejected"].values()) == 2
     rejects = (tmp_path / "traffic" / "rejects.jsonl").read_text()
     assert "differ from the prompt's ids" in rejects and "string or token ids" in rejects
+
+
+def test_logprob_tokens_given_as_token_ids_are_taken_as_ids(traffic_target, tmp_path):
+    """vLLM's --return-tokens-as-token-ids: "token_id:N" keys, exact where decoded strings
+    are empty or collide."""
+    _, tokenizer, identity = traffic_target
+    line = vllm_lines(tokenizer)[0]
+    ids = line["response"]["choices"][0]["token_ids"]
+    line["response"]["choices"][0]["logprobs"] = {
+        "top_logprobs": [{f"token_id:{i}": -0.1, f"token_id:{(i + 1) % 50}": -2.5} for i in ids]
+    }
+    outside = json.loads(json.dumps(line))
+    outside["response"]["id"] = "cmpl-outside"
+    outside["response"]["choices"][0]["logprobs"]["top_logprobs"][0] = {"token_id:999999": -1.0}
+    source = tmp_path / "proxy.jsonl"
+    source.write_text(json.dumps(line) + "\n" + json.dumps(outside) + "\n")
+    result = convert("vllm", [source], tokenizer, identity, tmp_path / "traffic")
+    (record,) = read_traffic(tmp_path / "traffic")
+    assert [[p[0] for p in top] for top in record["top_logprobs"]] == [
+        [i, (i + 1) % 50] for i in ids
+    ]
+    assert (
+        result["converted"] == 1
+        and "outside the target's vocabulary"
+        in (tmp_path / "traffic" / "rejects.jsonl").read_text()
+    )
