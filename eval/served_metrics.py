@@ -22,6 +22,7 @@ from dataclasses import asdict, dataclass, field
 
 from prometheus_client.parser import text_string_to_metric_families
 
+from specdistill.errors import UserError
 from specdistill.eval.stats import alpha_from_counts
 
 PREFIX = "vllm:"
@@ -35,7 +36,7 @@ PER_POSITION = "vllm:spec_decode_num_accepted_tokens_per_pos"
 MAX_BYTES = 4 << 20  # a metrics page larger than this is refused, not read
 
 
-class MetricsError(RuntimeError):
+class MetricsError(UserError):
     """The metrics page could not be read or parsed."""
 
 
