@@ -211,7 +211,7 @@ def serve_and_learn(args, out: Path, job, pools: dict, phase_seconds: list[float
         def load(url: str, body) -> dict:
             return run_load(url, pools, phase_seconds, args, events, out / "phases.jsonl", body)
 
-        got = serve_behind_vllm(args, out, job, pools, phase_seconds, load)
+        got = serve_behind_vllm(args, out, job, load)
         return Served(got["load"], events, got["job_result"], got["job_errors"], got)
     options = ServeOptions(
         target=args.target,

@@ -243,7 +243,7 @@ def exporter(root: Path, out: Path, load_version) -> Callable[[str], tuple[str, 
     return export
 
 
-def serve_behind_vllm(args, out: Path, job, pools: dict, phase_seconds, load) -> dict:
+def serve_behind_vllm(args, out: Path, job, load) -> dict:
     """vLLM on ROOT/current behind the proxy, the traffic converted as it comes, the online
     job following it on a thread, served acceptance scraped, each promotion redeployed; the
     load (`load(url, body)`: the clients' run) against the proxy. Then everything stops:

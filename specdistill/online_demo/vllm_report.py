@@ -11,7 +11,7 @@ A window belongs to the span its end falls in.
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from specdistill.eval.stats import alpha_from_counts
+from specdistill.eval.served_metrics import ServedWindow
 from specdistill.online_demo.report import pyplot
 
 
@@ -28,23 +28,28 @@ class Pooled:
 
 
 def pool(windows: list[dict]) -> Pooled:
-    rounds = sum(w["drafts"] for w in windows)
-    drafted = sum(w["draft_tokens"] for w in windows)
-    accepted = sum(w["accepted"] for w in windows)
+    """The windows' counters summed into one `ServedWindow` (its seconds: the windows' own)."""
     width = max((len(w["accepted_per_position"]) for w in windows), default=0)
     per_pos = [0] * width
     for w in windows:
         for j, a in enumerate(w["accepted_per_position"]):
             per_pos[j] += a
-    seconds = sum(w["end"] - w["start"] for w in windows)
-    generated = sum(w["generated"] for w in windows)
+    total = ServedWindow(
+        start=0.0,
+        end=sum(w["end"] - w["start"] for w in windows),
+        drafts=sum(w["drafts"] for w in windows),
+        draft_tokens=sum(w["draft_tokens"] for w in windows),
+        accepted=sum(w["accepted"] for w in windows),
+        generated=sum(w["generated"] for w in windows),
+        accepted_per_position=per_pos,
+    )
     return Pooled(
         windows=len(windows),
-        rounds=rounds,
-        alpha=alpha_from_counts(rounds, drafted, accepted) if rounds and drafted else None,
-        mean_accepted_length=1 + accepted / rounds if rounds else None,
-        per_position=[a / rounds for a in per_pos] if rounds else [],
-        tokens_per_s=generated / seconds if seconds > 0 else None,
+        rounds=total.drafts,
+        alpha=total.alpha,
+        mean_accepted_length=total.mean_accepted_length,
+        per_position=total.per_position if total.drafts else [],
+        tokens_per_s=total.tokens_per_s,
     )
 
 
